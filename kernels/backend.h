@@ -1,0 +1,158 @@
+// The compute interface of kvwire: one KernelBackend, three implementations.
+//
+//   reference  naive loops, fp32 accumulation, no threads: the specification.
+//   cpu        the production CPU path (OpenBLAS, AVX2 GEMV, threads), tested against reference.
+//   cuda       the GPU path (nvcc), tested against reference when a GPU is present.
+//
+// Ops take plain parameter structs of pointers, sizes and strides (FlashInfer style) so
+// the same struct describes host and device memory. Pointers refer to memory that the
+// backend's Allocate returned (host memory for the CPU backends). Kernels know nothing
+// of gRPC, protobuf or the model; they return a Status for unsupported shapes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/dtype.h"
+
+namespace kvwire::kernels {
+
+enum class BackendKind { kReference, kCpu, kCuda };
+
+absl::string_view BackendName(BackendKind kind);
+absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view name);
+
+enum class Op {
+  kMatMul,
+  kRmsNorm,
+  kRope,
+  kSwiGlu,
+  kPrefillAttention,
+  kDecodeAttention,
+};
+
+// y[m, n] = x[m, k] · Wᵀ (+ bias), W stored row-major [n, k] (the Hugging Face Linear
+// layout: one row per output feature) in float32, bfloat16 or float16.
+struct MatMulParams {
+  const float* x = nullptr;
+  int64_t x_stride = 0;  // floats between rows of x; 0 means k
+  const void* w = nullptr;
+  DType w_dtype = DType::kF32;
+  const float* bias = nullptr;  // [n] or null
+  float* y = nullptr;
+  int64_t y_stride = 0;  // floats between rows of y; 0 means n
+  int m = 0, n = 0, k = 0;
+};
+
+// y = x / sqrt(mean(x²) + eps) · weight, row by row. x and y may alias.
+struct RmsNormParams {
+  const float* x = nullptr;
+  const float* weight = nullptr;
+  float* y = nullptr;
+  int rows = 0, dim = 0;
+  float eps = 1e-5f;
+};
+
+// Rotary position embedding in the "rotate_half" convention of Hugging Face Llama:
+// for i < d/2, (x_i, x_{i+d/2}) is rotated by angle pos · inv_freq[i]. In place on
+// `heads` heads of `head_dim` in each of `rows` rows (row stride in floats).
+struct RopeParams {
+  float* x = nullptr;
+  int64_t row_stride = 0;
+  const int32_t* positions = nullptr;  // [rows]
+  const float* inv_freq = nullptr;     // [head_dim / 2], llama3 scaling already applied
+  int rows = 0, heads = 0, head_dim = 0;
+};
+
+// out[r, i] = silu(gate_up[r, i]) · gate_up[r, ffn + i]: the gate and up projections are
+// computed by one fused MatMul into [rows, 2·ffn].
+struct SwiGluParams {
+  const float* gate_up = nullptr;
+  float* out = nullptr;
+  int rows = 0, ffn = 0;
+};
+
+// Causal grouped-query attention over a whole prompt, tiled with an online softmax so
+// that memory is O(L·d), never O(L²). Query row i attends keys 0..i.
+//
+// With window > 0 it also returns SnapKV's observation-window scores: for each query
+// head h and each of the last `window` queries i, softmax over all keys of q_i·k_j·scale
+// (zero above the diagonal), written to window_scores[h, i - (len - window), j].
+struct PrefillAttentionParams {
+  const float* q = nullptr;  // row r, head h at q + r·q_stride + h·head_dim
+  const float* k = nullptr;  // row r, kv head g at k + r·kv_stride + g·head_dim
+  const float* v = nullptr;
+  float* out = nullptr;  // row r, head h at out + r·out_stride + h·head_dim
+  int64_t q_stride = 0, kv_stride = 0, out_stride = 0;
+  int len = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  float scale = 0.f;
+  int window = 0;
+  float* window_scores = nullptr;  // [n_heads, window, len]
+};
+
+// One sequence in a batched decode step. Its cache for this layer holds `len` tokens per
+// cache head, K and V stored [n_cache_heads, head_stride] in kv_dtype with token t of
+// cache head c at offset c·head_stride + t·head_dim. Query head h reads cache head
+// h / (n_heads / n_cache_heads): n_cache_heads is the KV head count, or the query head
+// count for a cache compressed per query head.
+struct DecodeSequence {
+  const float* q = nullptr;  // [n_heads, head_dim]
+  float* out = nullptr;      // [n_heads, head_dim]
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t head_stride = 0;
+  int len = 0;
+  // Sparse attention: attend only to indices[c, 0..num_indices) of cache head c
+  // (num_indices ≤ len, any order). Null means all len tokens.
+  const int32_t* indices = nullptr;
+  int num_indices = 0;
+  // Optional: attention probabilities of each query head over the len tokens,
+  // [n_heads, len] (zero where not attended), for fidelity measurements.
+  float* probs = nullptr;
+};
+
+struct DecodeAttentionParams {
+  const DecodeSequence* seqs = nullptr;
+  int batch = 0;
+  int n_heads = 0, n_cache_heads = 0, head_dim = 0;
+  DType kv_dtype = DType::kF32;
+  float scale = 0.f;
+};
+
+class KernelBackend {
+ public:
+  virtual ~KernelBackend() = default;
+
+  virtual BackendKind kind() const = 0;
+  // ggml-style capability query: callers and the generic op test ask before running.
+  virtual bool Supports(Op op, DType dtype) const = 0;
+
+  // Memory the ops operate on: host memory for the CPU backends, device memory for CUDA.
+  virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
+  virtual void Free(void* ptr) = 0;
+  virtual absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status Synchronize() = 0;
+
+  virtual absl::Status MatMul(const MatMulParams& p) = 0;
+  virtual absl::Status RmsNorm(const RmsNormParams& p) = 0;
+  virtual absl::Status Rope(const RopeParams& p) = 0;
+  virtual absl::Status SwiGlu(const SwiGluParams& p) = 0;
+  virtual absl::Status PrefillAttention(const PrefillAttentionParams& p) = 0;
+  virtual absl::Status DecodeAttention(const DecodeAttentionParams& p) = 0;
+};
+
+using KernelBackendPtr = std::unique_ptr<KernelBackend>;
+
+// The CPU backend uses `threads` worker threads (0: all hardware threads). Asking for
+// CUDA in a build without it, or on a machine without a GPU, is an error that says so.
+absl::StatusOr<KernelBackendPtr> MakeBackend(BackendKind kind, int threads = 0);
+
+// True when this build has the CUDA backend and a device is visible.
+bool CudaAvailable();
+
+}  // namespace kvwire::kernels

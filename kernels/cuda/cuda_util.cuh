@@ -1,0 +1,68 @@
+// Helpers shared by the CUDA kernels: status conversion, element loads, warp reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/status.h"
+
+namespace kvwire::kernels::cuda {
+
+inline absl::Status CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+}
+
+// Checks the launch itself; errors inside the kernel surface at the next synchronisation.
+inline absl::Status LaunchStatus(const char* kernel) {
+  return CudaStatus(cudaGetLastError(), kernel);
+}
+
+template <typename T>
+__device__ __forceinline__ float ToF32(T v);
+template <>
+__device__ __forceinline__ float ToF32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float ToF32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float ToF32<__half>(__half v) { return __half2float(v); }
+
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Calls f.template operator()<T>() with the CUDA element type of `dtype`.
+template <typename F>
+absl::Status DispatchDType(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kF32:
+      return f.template operator()<float>();
+    case DType::kBF16:
+      return f.template operator()<__nv_bfloat16>();
+    case DType::kF16:
+      return f.template operator()<__half>();
+  }
+  return absl::InvalidArgumentError("unsupported dtype");
+}
+
+// Maps head_dim to the number of dims each lane of a warp owns (a compile-time constant),
+// FlashInfer style: the default case says what is unsupported.
+template <typename F>
+absl::Status DispatchHeadDim(int head_dim, F&& f) {
+  if (head_dim <= 32) return f.template operator()<1>();
+  if (head_dim <= 64) return f.template operator()<2>();
+  if (head_dim <= 128) return f.template operator()<4>();
+  if (head_dim <= 256) return f.template operator()<8>();
+  return absl::InvalidArgumentError(
+      absl::StrCat("CUDA attention supports head_dim up to 256, got ", head_dim));
+}
+
+}  // namespace kvwire::kernels::cuda

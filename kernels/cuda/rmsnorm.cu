@@ -1,0 +1,41 @@
+/* RMSNorm: y = x / sqrt(mean(x²) + eps) · w. One block per row; each thread sums the
+ * squares of a strided slice, a warp-shuffle then shared-memory reduction gives the row's
+ * sum, and the same threads scale their slice. Matches ReferenceBackend::RmsNorm. */
+#include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/launchers.h"
+#include "kernels/validate.h"
+
+namespace kvwire::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void RmsNormKernel(const float* __restrict__ x, const float* __restrict__ w,
+                              float* __restrict__ y, int dim, float eps) {
+  const float* xr = x + static_cast<int64_t>(blockIdx.x) * dim;
+  float* yr = y + static_cast<int64_t>(blockIdx.x) * dim;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+  __shared__ float partial[kThreads / 32];
+  ss = WarpSum(ss);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < kThreads / 32 ? partial[threadIdx.x] : 0.f;
+    v = WarpSum(v);
+    if (threadIdx.x == 0) partial[0] = v;
+  }
+  __syncthreads();
+  const float inv = rsqrtf(partial[0] / dim + eps);
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = xr[i] * inv * w[i];
+}
+
+}  // namespace
+
+absl::Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
+  RETURN_IF_ERROR(ValidateRmsNorm(p));
+  RmsNormKernel<<<p.rows, kThreads, 0, stream>>>(p.x, p.weight, p.y, p.dim, p.eps);
+  return LaunchStatus("RmsNormKernel");
+}
+
+}  // namespace kvwire::kernels::cuda

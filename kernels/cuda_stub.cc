@@ -1,0 +1,14 @@
+// Built instead of kernels/cuda/ when KVWIRE_CUDA is off, so callers need no #ifdef.
+#include "kernels/cuda_backend.h"
+
+namespace kvwire::kernels {
+
+absl::StatusOr<KernelBackendPtr> MakeCudaBackend() {
+  return absl::UnimplementedError(
+      "this kvwire build has no CUDA backend; rebuild with -DKVWIRE_CUDA=ON on a machine with "
+      "the CUDA toolkit");
+}
+
+bool CudaDevicePresent() { return false; }
+
+}  // namespace kvwire::kernels

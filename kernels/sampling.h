@@ -1,0 +1,30 @@
+// Token sampling from logits: greedy, temperature, top-k, top-p (nucleus), seeded.
+//
+// Both implementations draw from the same distribution with the same single uniform
+// number per step, so a seeded request gives the same tokens on either: candidates are
+// ordered by (probability desc, token id asc), truncated by top-k and then top-p, and
+// the token is the first whose cumulative probability exceeds u · total.
+#pragma once
+
+#include <cstdint>
+
+namespace kvwire::kernels {
+
+struct SamplingParams {
+  float temperature = 1.f;  // 0: greedy (argmax, lowest id on ties)
+  int top_k = 0;            // 0: no limit
+  float top_p = 1.f;        // 1: no limit
+};
+
+struct SampledToken {
+  int32_t id = 0;
+  float logprob = 0.f;  // log-probability under the model (temperature 1, no truncation)
+};
+
+// `uniform` in [0, 1) comes from the caller's seeded generator; unused when greedy.
+// The reference sorts the whole vocabulary; the fast one selects partially.
+SampledToken SampleReference(const float* logits, int vocab, const SamplingParams& params,
+                             double uniform);
+SampledToken Sample(const float* logits, int vocab, const SamplingParams& params, double uniform);
+
+}  // namespace kvwire::kernels

@@ -1,0 +1,98 @@
+// Small vector helpers for the CPU backend: dot products and AXPY over float32, bfloat16
+// and float16 rows, with AVX2/FMA paths when the compiler targets them and plain loops
+// otherwise (the plain loops are also what the reference backend does).
+#pragma once
+
+#include <cstdint>
+
+#include "common/dtype.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVWIRE_AVX2 1
+#endif
+
+namespace kvwire::kernels::simd {
+
+#if KVWIRE_AVX2
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p, DType t) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (t == DType::kF16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float HorizontalSum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+#endif
+
+inline float LoadScalar(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::kF32:
+      return static_cast<const float*>(p)[i];
+    case DType::kBF16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16:
+      return F16ToFloat(static_cast<const uint16_t*>(p)[i]);
+  }
+  return 0.f;
+}
+
+// Σ a[i] · b[i] for float32 a and b of dtype t.
+inline float Dot(const float* a, const void* b, DType t, int n) {
+  int i = 0;
+  float acc = 0.f;
+#if KVWIRE_AVX2
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  if (t == DType::kF32) {
+    const float* bf = static_cast<const float*>(b);
+    for (; i + 16 <= n; i += 16) {
+      s0 = _mm256_fmadd_ps(Load8(a + i), Load8(bf + i), s0);
+      s1 = _mm256_fmadd_ps(Load8(a + i + 8), Load8(bf + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(Load8(a + i), Load8(bf + i), s0);
+  } else {
+    const uint16_t* bh = static_cast<const uint16_t*>(b);
+    for (; i + 16 <= n; i += 16) {
+      s0 = _mm256_fmadd_ps(Load8(a + i), Load8(bh + i, t), s0);
+      s1 = _mm256_fmadd_ps(Load8(a + i + 8), Load8(bh + i + 8, t), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(Load8(a + i), Load8(bh + i, t), s0);
+  }
+  acc = HorizontalSum(_mm256_add_ps(s0, s1));
+#endif
+  for (; i < n; ++i) acc += a[i] * LoadScalar(b, t, i);
+  return acc;
+}
+
+// y[i] += alpha · x[i] for x of dtype t.
+inline void Axpy(float alpha, const void* x, DType t, float* y, int n) {
+  int i = 0;
+#if KVWIRE_AVX2
+  const __m256 va = _mm256_set1_ps(alpha);
+  if (t == DType::kF32) {
+    const float* xf = static_cast<const float*>(x);
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, Load8(xf + i), Load8(y + i)));
+    }
+  } else {
+    const uint16_t* xh = static_cast<const uint16_t*>(x);
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, Load8(xh + i, t), Load8(y + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) y[i] += alpha * LoadScalar(x, t, i);
+}
+
+// Pointer to element i of a row of dtype t.
+inline const void* Offset(const void* base, DType t, int64_t i) {
+  return static_cast<const char*>(base) + i * static_cast<int64_t>(DTypeSize(t));
+}
+
+}  // namespace kvwire::kernels::simd

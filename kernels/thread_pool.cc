@@ -1,0 +1,111 @@
+#include "kernels/thread_pool.h"
+
+#include <algorithm>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace kvwire::kernels {
+namespace {
+
+inline void CpuRelax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+// About 30 µs of spinning: long enough to bridge consecutive decode kernels, short
+// enough not to steal a core from other processes for long.
+constexpr int kSpinIterations = 2000;
+
+}  // namespace
+
+ThreadPool::ThreadPool(int threads) {
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  for (int i = 0; i + 1 < threads; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::RunChunks() {
+  for (;;) {
+    const int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed);
+    if (c >= num_chunks_) return;
+    const int64_t begin = c * chunk_;
+    const int64_t end = std::min(n_, begin + chunk_);
+    if (begin < end) (*fn_)(begin, end);
+  }
+}
+
+void ThreadPool::ParallelFor(int64_t n, int64_t grain,
+                             const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  if (workers_.empty() || n <= grain) {
+    fn(0, n);
+    return;
+  }
+  std::lock_guard<std::mutex> job_lock(job_mu_);
+  // A few chunks per thread balance uneven work (causal attention rows, say).
+  const int64_t max_chunks = (n + grain - 1) / grain;
+  num_chunks_ = std::min<int64_t>(max_chunks, 4 * size());
+  chunk_ = (n + num_chunks_ - 1) / num_chunks_;
+  num_chunks_ = (n + chunk_ - 1) / chunk_;
+  n_ = n;
+  fn_ = &fn;
+  next_chunk_.store(0, std::memory_order_relaxed);
+  pending_workers_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
+  generation_.fetch_add(1, std::memory_order_release);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+  }
+  wake_.notify_all();
+
+  RunChunks();
+
+  for (int i = 0; i < kSpinIterations; ++i) {
+    if (pending_workers_.load(std::memory_order_acquire) == 0) return;
+    CpuRelax();
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [this] { return pending_workers_.load(std::memory_order_acquire) == 0; });
+}
+
+void ThreadPool::WorkerLoop(int /*index*/) {
+  // Generation 0 is the pool's start: a worker that starts late must still join the
+  // first job, so it must not read the counter here.
+  uint64_t seen = 0;
+  for (;;) {
+    bool ready = false;
+    for (int i = 0; i < kSpinIterations; ++i) {
+      if (generation_.load(std::memory_order_acquire) != seen) {
+        ready = true;
+        break;
+      }
+      CpuRelax();
+    }
+    if (!ready) {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait(lock, [&] {
+        return stop_ || generation_.load(std::memory_order_acquire) != seen;
+      });
+      if (stop_) return;
+    }
+    seen = generation_.load(std::memory_order_acquire);
+    RunChunks();
+    if (pending_workers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_cv_.notify_all();
+    }
+  }
+}
+
+}  // namespace kvwire::kernels

@@ -1,0 +1,17 @@
+// Parameter checks shared by every backend, so that all of them reject the same bad
+// shapes with the same message.
+#pragma once
+
+#include "absl/status/status.h"
+#include "kernels/backend.h"
+
+namespace kvwire::kernels {
+
+absl::Status ValidateMatMul(const MatMulParams& p);
+absl::Status ValidateRmsNorm(const RmsNormParams& p);
+absl::Status ValidateRope(const RopeParams& p);
+absl::Status ValidateSwiGlu(const SwiGluParams& p);
+absl::Status ValidatePrefillAttention(const PrefillAttentionParams& p);
+absl::Status ValidateDecodeAttention(const DecodeAttentionParams& p);
+
+}  // namespace kvwire::kernels

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Configures and builds kvwire into build/ (Release, CUDA when nvcc is found).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+JOBS="${KVWIRE_JOBS:-2}"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
+cmake --build build -j"$JOBS"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds kvwire and runs every test: `bash scripts/test.sh`.
+# Tests that need ../shared (models, data) skip with a message when it is absent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install_deps.sh
+bash scripts/build.sh
+
+# Regenerate the tokenizer oracle cases with the live Hugging Face tokenizers library, so
+# the C++ tokenizer is checked against it, not only against the committed copy.
+if .venv/bin/python -c "import tokenizers" >/dev/null 2>&1; then
+  mkdir -p build/oracle
+  .venv/bin/python tests/data/tokenizers/make_fixtures.py --cases-only --out build/oracle \
+    && export KVWIRE_TOKENIZER_CASES="$PWD/build/oracle/cases.jsonl"
+fi
+
+ctest --test-dir build --output-on-failure -j"${KVWIRE_JOBS:-2}" "$@"

@@ -1,0 +1,458 @@
+// One generic test for every op on every backend against the reference backend (the
+// specification), over a grid of shapes that includes awkward sizes (1, 7, 37, 733).
+// Results must satisfy |a − r| ≤ atol + rtol·|r|; the first mismatches are printed.
+// CUDA cases run only where a GPU is present and skip otherwise.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/backend.h"
+#include "kernels/reference.h"
+
+namespace kvwire::kernels {
+namespace {
+
+struct Tolerance {
+  float atol = 1e-5f;
+  float rtol = 1e-4f;
+};
+
+// Compares and describes the first few mismatches.
+::testing::AssertionResult AllClose(const std::vector<float>& got, const std::vector<float>& want,
+                                    Tolerance tol) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
+  }
+  int bad = 0;
+  std::string first;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const float a = got[i], r = want[i];
+    const bool ok = std::fabs(a - r) <= tol.atol + tol.rtol * std::fabs(r) ||
+                    (std::isnan(a) && std::isnan(r));
+    if (!ok) {
+      if (bad < 5) absl::StrAppend(&first, "\n  [", i, "] got ", a, " want ", r);
+      ++bad;
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " of " << got.size() << " mismatch:" << first;
+}
+
+std::vector<float> Random(size_t n, uint32_t seed, float lo = -1.f, float hi = 1.f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+std::vector<uint8_t> Encode(const std::vector<float>& v, DType t) {
+  std::vector<uint8_t> out(v.size() * DTypeSize(t));
+  FromFloat(t, v.data(), out.data(), v.size());
+  return out;
+}
+
+// Buffers in one backend's memory, freed at scope end.
+class Arena {
+ public:
+  explicit Arena(KernelBackend& b) : b_(b) {}
+  ~Arena() {
+    for (void* p : ptrs_) b_.Free(p);
+  }
+  template <typename T>
+  T* Upload(const std::vector<T>& v) {
+    void* p = Alloc(v.size() * sizeof(T));
+    EXPECT_TRUE(b_.CopyToDevice(p, v.data(), v.size() * sizeof(T)).ok());
+    return static_cast<T*>(p);
+  }
+  float* Zeros(size_t n) { return Upload(std::vector<float>(n, 0.f)); }
+  std::vector<float> Download(const float* p, size_t n) {
+    std::vector<float> v(n);
+    EXPECT_TRUE(b_.CopyToHost(v.data(), p, n * sizeof(float)).ok());
+    return v;
+  }
+
+ private:
+  void* Alloc(size_t bytes) {
+    auto p = b_.Allocate(bytes);
+    EXPECT_TRUE(p.ok()) << p.status();
+    ptrs_.push_back(*p);
+    return *p;
+  }
+  KernelBackend& b_;
+  std::vector<void*> ptrs_;
+};
+
+class BackendOpsTest : public ::testing::TestWithParam<BackendKind> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == BackendKind::kCuda && !CudaAvailable()) {
+      GTEST_SKIP() << "no GPU: the CUDA backend is tested where one is present";
+    }
+    auto b = MakeBackend(GetParam(), 2);
+    ASSERT_TRUE(b.ok()) << b.status();
+    backend_ = std::move(*b);
+    reference_ = MakeReferenceBackend();
+  }
+  KernelBackendPtr backend_;
+  KernelBackendPtr reference_;
+};
+
+// ---------------------------------------------------------------- MatMul
+
+struct MatMulCase {
+  int m, n, k;
+  DType dtype;
+  bool bias;
+  int x_pad = 0, y_pad = 0;
+};
+
+std::vector<float> RunMatMul(KernelBackend& b, const MatMulCase& c, const std::vector<float>& x,
+                             const std::vector<uint8_t>& w, const std::vector<float>& bias) {
+  Arena a(b);
+  MatMulParams p;
+  p.m = c.m;
+  p.n = c.n;
+  p.k = c.k;
+  p.x = a.Upload(x);
+  p.x_stride = c.k + c.x_pad;
+  p.w = a.Upload(w);
+  p.w_dtype = c.dtype;
+  p.bias = c.bias ? a.Upload(bias) : nullptr;
+  p.y_stride = c.n + c.y_pad;
+  const size_t ny = static_cast<size_t>(c.m) * p.y_stride;
+  p.y = a.Zeros(ny);
+  const absl::Status st = b.MatMul(p);
+  EXPECT_TRUE(st.ok()) << st;
+  return a.Download(p.y, ny);
+}
+
+TEST_P(BackendOpsTest, MatMul) {
+  std::vector<MatMulCase> cases;
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (auto [m, n, k] : std::vector<std::tuple<int, int, int>>{{1, 1, 1},
+                                                                  {1, 7, 37},
+                                                                  {2, 37, 733},
+                                                                  {3, 733, 37},
+                                                                  {4, 64, 64},
+                                                                  {7, 33, 100},
+                                                                  {16, 37, 733},
+                                                                  {17, 37, 733},
+                                                                  {37, 64, 128},
+                                                                  {64, 1, 7}}) {
+      cases.push_back({m, n, k, t, false});
+      cases.push_back({m, n, k, t, true, 3, 5});
+    }
+  }
+  uint32_t seed = 1;
+  for (const MatMulCase& c : cases) {
+    SCOPED_TRACE(absl::StrCat("m=", c.m, " n=", c.n, " k=", c.k, " dtype=", DTypeName(c.dtype),
+                              " bias=", c.bias, " padded=", c.x_pad > 0));
+    const auto x = Random(static_cast<size_t>(c.m) * (c.k + c.x_pad), seed++);
+    const auto w = Encode(Random(static_cast<size_t>(c.n) * c.k, seed++), c.dtype);
+    const auto bias = Random(c.n, seed++);
+    const auto want = RunMatMul(*reference_, c, x, w, bias);
+    const auto got = RunMatMul(*backend_, c, x, w, bias);
+    EXPECT_TRUE(AllClose(got, want, {1e-5f, 2e-4f}));
+  }
+}
+
+// ---------------------------------------------------------------- RmsNorm, Rope, SwiGlu
+
+TEST_P(BackendOpsTest, RmsNorm) {
+  uint32_t seed = 100;
+  for (int rows : {1, 7, 37}) {
+    for (int dim : {1, 7, 37, 733}) {
+      SCOPED_TRACE(absl::StrCat("rows=", rows, " dim=", dim));
+      const auto x = Random(static_cast<size_t>(rows) * dim, seed++, -3.f, 3.f);
+      const auto w = Random(dim, seed++, 0.5f, 1.5f);
+      auto run = [&](KernelBackend& b) {
+        Arena a(b);
+        RmsNormParams p{a.Upload(x), a.Upload(w), a.Zeros(x.size()), rows, dim, 1e-5f};
+        EXPECT_TRUE(b.RmsNorm(p).ok());
+        return a.Download(p.y, x.size());
+      };
+      EXPECT_TRUE(AllClose(run(*backend_), run(*reference_), {1e-5f, 1e-4f}));
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, Rope) {
+  uint32_t seed = 200;
+  for (int rows : {1, 7, 37}) {
+    for (int heads : {1, 3}) {
+      for (int head_dim : {2, 8, 64, 128}) {
+        SCOPED_TRACE(absl::StrCat("rows=", rows, " heads=", heads, " head_dim=", head_dim));
+        const int64_t stride = int64_t{heads} * head_dim + 5;
+        const auto x = Random(static_cast<size_t>(rows) * stride, seed++);
+        std::vector<int32_t> pos(rows);
+        std::mt19937 rng(seed++);
+        for (int32_t& p : pos) p = static_cast<int32_t>(rng() % 20000);
+        std::vector<float> inv(head_dim / 2);
+        for (int i = 0; i < head_dim / 2; ++i) {
+          inv[i] = 1.f / std::pow(10000.f, 2.f * i / head_dim);
+        }
+        auto run = [&](KernelBackend& b) {
+          Arena a(b);
+          RopeParams p{a.Upload(x), stride, a.Upload(pos), a.Upload(inv), rows, heads, head_dim};
+          EXPECT_TRUE(b.Rope(p).ok());
+          return a.Download(p.x, x.size());
+        };
+        // Large angles: sin/cos implementations may differ in the last bits.
+        EXPECT_TRUE(AllClose(run(*backend_), run(*reference_), {2e-4f, 1e-4f}));
+      }
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, SwiGlu) {
+  uint32_t seed = 300;
+  for (int rows : {1, 7, 37}) {
+    for (int ffn : {1, 7, 733}) {
+      SCOPED_TRACE(absl::StrCat("rows=", rows, " ffn=", ffn));
+      const auto gu = Random(static_cast<size_t>(rows) * 2 * ffn, seed++, -6.f, 6.f);
+      auto run = [&](KernelBackend& b) {
+        Arena a(b);
+        SwiGluParams p{a.Upload(gu), a.Zeros(static_cast<size_t>(rows) * ffn), rows, ffn};
+        EXPECT_TRUE(b.SwiGlu(p).ok());
+        return a.Download(p.out, static_cast<size_t>(rows) * ffn);
+      };
+      EXPECT_TRUE(AllClose(run(*backend_), run(*reference_), {1e-5f, 1e-5f}));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- PrefillAttention
+
+TEST_P(BackendOpsTest, PrefillAttention) {
+  uint32_t seed = 400;
+  for (int len : {1, 7, 37, 133}) {
+    for (auto [heads, kv_heads] : std::vector<std::pair<int, int>>{{1, 1}, {4, 2}, {8, 1}}) {
+      for (int d : {8, 37, 64, 128}) {
+        for (int window : {0, 1, 7, len}) {
+          if (window > len) continue;
+          SCOPED_TRACE(absl::StrCat("len=", len, " heads=", heads, "/", kv_heads, " d=", d,
+                                    " window=", window));
+          const int64_t qs = int64_t{heads} * d, kvs = int64_t{kv_heads} * d + 3;
+          const auto q = Random(len * qs, seed++, -2.f, 2.f);
+          const auto k = Random(len * kvs, seed++, -2.f, 2.f);
+          const auto v = Random(len * kvs, seed++);
+          auto run = [&](KernelBackend& b, std::vector<float>* scores) {
+            Arena a(b);
+            PrefillAttentionParams p;
+            p.q = a.Upload(q);
+            p.k = a.Upload(k);
+            p.v = a.Upload(v);
+            p.q_stride = qs;
+            p.kv_stride = kvs;
+            p.out_stride = qs;
+            p.out = a.Zeros(len * qs);
+            p.len = len;
+            p.n_heads = heads;
+            p.n_kv_heads = kv_heads;
+            p.head_dim = d;
+            p.scale = 1.f / std::sqrt(static_cast<float>(d));
+            p.window = window;
+            const size_t ns = static_cast<size_t>(heads) * window * len;
+            p.window_scores = window ? a.Zeros(ns) : nullptr;
+            const absl::Status st = b.PrefillAttention(p);
+            EXPECT_TRUE(st.ok()) << st;
+            if (window) *scores = a.Download(p.window_scores, ns);
+            return a.Download(p.out, len * qs);
+          };
+          std::vector<float> s_got, s_want;
+          const auto got = run(*backend_, &s_got);
+          const auto want = run(*reference_, &s_want);
+          EXPECT_TRUE(AllClose(got, want, {2e-5f, 2e-4f}));
+          EXPECT_TRUE(AllClose(s_got, s_want, {1e-6f, 2e-4f}));
+        }
+      }
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, PrefillWindowScoresAreRowSoftmaxes) {
+  // Each window row is a probability distribution over keys 0..i and zero after.
+  const int len = 37, heads = 4, kv = 2, d = 16, window = 7;
+  const auto q = Random(len * heads * d, 7, -2.f, 2.f);
+  const auto k = Random(len * kv * d, 8, -2.f, 2.f);
+  const auto v = Random(len * kv * d, 9);
+  Arena a(*backend_);
+  PrefillAttentionParams p;
+  p.q = a.Upload(q);
+  p.k = a.Upload(k);
+  p.v = a.Upload(v);
+  p.q_stride = heads * d;
+  p.kv_stride = kv * d;
+  p.out_stride = heads * d;
+  p.out = a.Zeros(len * heads * d);
+  p.len = len;
+  p.n_heads = heads;
+  p.n_kv_heads = kv;
+  p.head_dim = d;
+  p.scale = 0.25f;
+  p.window = window;
+  p.window_scores = a.Zeros(heads * window * len);
+  ASSERT_TRUE(backend_->PrefillAttention(p).ok());
+  const auto s = a.Download(p.window_scores, heads * window * len);
+  for (int h = 0; h < heads; ++h) {
+    for (int r = 0; r < window; ++r) {
+      const int i = len - window + r;
+      double sum = 0;
+      for (int j = 0; j < len; ++j) {
+        const float x = s[(h * window + r) * len + j];
+        if (j > i) {
+          EXPECT_EQ(x, 0.f) << "h=" << h << " row " << i << " key " << j;
+        } else {
+          EXPECT_GT(x, 0.f);
+        }
+        sum += x;
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-5) << "h=" << h << " row " << i;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- DecodeAttention
+
+TEST_P(BackendOpsTest, DecodeAttention) {
+  uint32_t seed = 500;
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (int len : {1, 7, 37, 733}) {
+      for (auto [heads, cache_heads] : std::vector<std::pair<int, int>>{{1, 1}, {8, 2}, {4, 4}}) {
+        for (int d : {8, 64, 128}) {
+          for (bool sparse : {false, true}) {
+            SCOPED_TRACE(absl::StrCat("dtype=", DTypeName(t), " len=", len, " heads=", heads, "/",
+                                      cache_heads, " d=", d, " sparse=", sparse));
+            const int batch = 3;
+            const int capacity = len + 5;
+            const int64_t hs = int64_t{capacity} * d;
+            std::vector<std::vector<float>> qs, ks, vs;
+            std::vector<std::vector<int32_t>> idx;
+            const int n_idx = sparse ? (len + 1) / 2 : 0;
+            for (int b = 0; b < batch; ++b) {
+              qs.push_back(Random(heads * d, seed++, -2.f, 2.f));
+              ks.push_back(Random(cache_heads * hs, seed++, -2.f, 2.f));
+              vs.push_back(Random(cache_heads * hs, seed++));
+              std::vector<int32_t> ix;
+              std::mt19937 rng(seed++);
+              for (int c = 0; c < cache_heads; ++c) {
+                std::vector<int32_t> perm(len);
+                for (int i = 0; i < len; ++i) perm[i] = i;
+                std::shuffle(perm.begin(), perm.end(), rng);
+                ix.insert(ix.end(), perm.begin(), perm.begin() + n_idx);
+              }
+              idx.push_back(ix);
+            }
+            auto run = [&](KernelBackend& be, std::vector<float>* probs_out) {
+              Arena a(be);
+              std::vector<DecodeSequence> seqs(batch);
+              std::vector<float*> outs(batch), probs(batch);
+              for (int b = 0; b < batch; ++b) {
+                DecodeSequence& s = seqs[b];
+                s.q = a.Upload(qs[b]);
+                outs[b] = a.Zeros(heads * d);
+                s.out = outs[b];
+                s.k = a.Upload(Encode(ks[b], t));
+                s.v = a.Upload(Encode(vs[b], t));
+                s.head_stride = hs;
+                s.len = len;
+                if (sparse) {
+                  s.indices = a.Upload(idx[b]);
+                  s.num_indices = n_idx;
+                }
+                probs[b] = a.Zeros(static_cast<size_t>(heads) * len);
+                s.probs = probs[b];
+              }
+              DecodeAttentionParams p;
+              p.seqs = seqs.data();
+              p.batch = batch;
+              p.n_heads = heads;
+              p.n_cache_heads = cache_heads;
+              p.head_dim = d;
+              p.kv_dtype = t;
+              p.scale = 1.f / std::sqrt(static_cast<float>(d));
+              const absl::Status st = be.DecodeAttention(p);
+              EXPECT_TRUE(st.ok()) << st;
+              std::vector<float> out;
+              for (int b = 0; b < batch; ++b) {
+                auto o = a.Download(outs[b], heads * d);
+                out.insert(out.end(), o.begin(), o.end());
+                auto pr = a.Download(probs[b], static_cast<size_t>(heads) * len);
+                probs_out->insert(probs_out->end(), pr.begin(), pr.end());
+              }
+              return out;
+            };
+            std::vector<float> p_got, p_want;
+            const auto got = run(*backend_, &p_got);
+            const auto want = run(*reference_, &p_want);
+            EXPECT_TRUE(AllClose(got, want, {2e-5f, 2e-4f}));
+            EXPECT_TRUE(AllClose(p_got, p_want, {1e-6f, 2e-4f}));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, RejectsBadShapes) {
+  float x = 0, y = 0;
+  MatMulParams mm;
+  mm.x = &x;
+  mm.w = &x;
+  mm.y = &y;
+  mm.m = 1;
+  mm.n = 0;
+  mm.k = 1;
+  const absl::Status st = backend_->MatMul(mm);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("n=0"), std::string::npos) << st;
+
+  PrefillAttentionParams pa;
+  pa.q = pa.k = pa.v = &x;
+  pa.out = &y;
+  pa.len = 4;
+  pa.n_heads = 3;
+  pa.n_kv_heads = 2;
+  pa.head_dim = 8;
+  pa.q_stride = 24;
+  pa.kv_stride = 16;
+  pa.out_stride = 24;
+  EXPECT_EQ(backend_->PrefillAttention(pa).code(), absl::StatusCode::kInvalidArgument);
+
+  DecodeAttentionParams da;
+  da.n_heads = 4;
+  da.n_cache_heads = 3;
+  da.head_dim = 8;
+  EXPECT_EQ(backend_->DecodeAttention(da).code(), absl::StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, BackendOpsTest,
+                         ::testing::Values(BackendKind::kCpu, BackendKind::kCuda),
+                         [](const ::testing::TestParamInfo<BackendKind>& info) {
+                           return std::string(BackendName(info.param));
+                         });
+
+TEST(BackendFactory, CudaWithoutGpuSaysWhy) {
+  if (CudaAvailable()) GTEST_SKIP() << "a GPU is present";
+  auto b = MakeBackend(BackendKind::kCuda);
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(b.status().code() == absl::StatusCode::kUnimplemented ||
+              b.status().code() == absl::StatusCode::kUnavailable)
+      << b.status();
+  EXPECT_FALSE(b.status().message().empty());
+}
+
+TEST(BackendFactory, ParsesNames) {
+  EXPECT_EQ(*ParseBackendKind("cpu"), BackendKind::kCpu);
+  EXPECT_EQ(*ParseBackendKind("reference"), BackendKind::kReference);
+  EXPECT_EQ(ParseBackendKind("tpu").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvwire::kernels

@@ -1,0 +1,56 @@
+#include "kernels/thread_pool.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+namespace kvwire::kernels {
+namespace {
+
+TEST(ThreadPool, CoversEveryIndexExactlyOnce) {
+  ThreadPool pool(3);
+  for (int64_t n : {0, 1, 7, 37, 733, 100000}) {
+    for (int64_t grain : {1, 8, 1000}) {
+      std::vector<std::atomic<int>> hits(n);
+      pool.ParallelFor(n, grain, [&](int64_t b, int64_t e) {
+        EXPECT_LT(b, e);
+        for (int64_t i = b; i < e; ++i) hits[i].fetch_add(1);
+      });
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "n=" << n << " i=" << i;
+    }
+  }
+}
+
+TEST(ThreadPool, UsesMoreThanOneThread) {
+  ThreadPool pool(2);
+  std::atomic<int> concurrent{0}, peak{0};
+  pool.ParallelFor(8, 1, [&](int64_t, int64_t) {
+    const int now = ++concurrent;
+    int p = peak.load();
+    while (now > p && !peak.compare_exchange_weak(p, now)) {
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    --concurrent;
+  });
+  EXPECT_EQ(peak.load(), 2);
+}
+
+TEST(ThreadPool, CallersFromSeveralThreadsTakeTurns) {
+  ThreadPool pool(2);
+  std::atomic<int64_t> total{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([&] {
+      for (int r = 0; r < 200; ++r) {
+        pool.ParallelFor(100, 1, [&](int64_t b, int64_t e) { total += e - b; });
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  EXPECT_EQ(total.load(), 4 * 200 * 100);
+}
+
+}  // namespace
+}  // namespace kvwire::kernels

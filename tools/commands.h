@@ -1,0 +1,43 @@
+// Commands of the kvwire tool. Each returns the process exit code: 0 success, 1 a failure
+// reported on stderr, 2 a usage error.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/flags.h"
+#include "common/compression.h"
+#include "common/llama_model.h"
+
+namespace kvwire::tools {
+
+struct Command {
+  const char* name;
+  const char* summary;
+  int (*run)(int argc, char** argv);
+};
+
+const std::vector<Command>& Commands();
+
+int RunGenerate(int argc, char** argv);
+int RunTokenize(int argc, char** argv);
+int RunSelect(int argc, char** argv);
+int RunEval(int argc, char** argv);
+
+// Shared by the commands.
+// Parses flags; on --help prints them and returns exit code 0, on an error prints it and
+// returns 2; otherwise returns -1 (carry on).
+int ParseFlagsOrExit(Flags& flags, const char* command, const char* usage, int argc, char** argv);
+// Prints "kvwire COMMAND: message" and returns 1 (or 2 for InvalidArgument).
+int Fail(const char* command, const absl::Status& status);
+// Declares --model, --dtype, --threads and loads the model they name.
+void DefineModelFlags(Flags& flags);
+absl::StatusOr<std::unique_ptr<LlamaModel>> LoadModelFromFlags(const Flags& flags);
+// Declares the compression policy flags (--policy, --budget, --window, ...) shared by
+// generate, select and eval, and reads them back (`policy` overrides --policy if set).
+void DefineCompressionFlags(Flags& flags);
+absl::StatusOr<CompressionConfig> CompressionFromFlags(const Flags& flags);
+
+}  // namespace kvwire::tools

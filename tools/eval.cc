@@ -1,0 +1,391 @@
+#include "tools/eval.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace kvwire::tools {
+namespace {
+
+// Keeps each prefill layer's K/V and window scores so that every method can be replayed
+// over the same prefill without running the model again.
+class CapturedPrefill : public PrefillObserver {
+ public:
+  CapturedPrefill(int window, int n_heads) : window_(window), n_heads_(n_heads) {}
+  int window() const override { return window_; }
+  absl::Status OnLayer(const PrefillLayer& l) override {
+    Layer c;
+    c.len = l.len;
+    c.window = l.window;
+    c.row = static_cast<int>(l.kv_stride);
+    c.k.assign(l.k, l.k + int64_t{l.len} * l.kv_stride);
+    c.v.assign(l.v, l.v + int64_t{l.len} * l.kv_stride);
+    if (l.window_scores) {
+      const size_t n = static_cast<size_t>(l.window) * l.len;
+      c.scores.assign(l.window_scores, l.window_scores + n * n_heads_);
+    }
+    layers_.push_back(std::move(c));
+    return absl::OkStatus();
+  }
+
+  // Replays the captured prefill through `observer` (a Compressor).
+  absl::Status Replay(PrefillObserver& observer) const {
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& c = layers_[i];
+      PrefillLayer l;
+      l.layer = static_cast<int>(i);
+      l.len = c.len;
+      l.k = c.k.data();
+      l.v = c.v.data();
+      l.kv_stride = c.row;
+      l.window = c.window;
+      l.window_scores = c.scores.empty() ? nullptr : c.scores.data();
+      RETURN_IF_ERROR(observer.OnLayer(l));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Layer {
+    int len = 0, window = 0, row = 0;
+    std::vector<float> k, v, scores;
+  };
+  int window_;
+  int n_heads_;
+  std::vector<Layer> layers_;
+};
+
+// Records the decode-time attention over the first `prompt_len` cache slots.
+class AttentionRecorder : public DecodeObserver {
+ public:
+  AttentionRecorder(int layers, int heads, int prompt_len)
+      : heads_(heads), prompt_len_(prompt_len), step_(static_cast<size_t>(layers) * heads * prompt_len) {}
+  void OnAttention(int /*seq*/, int layer, const float* probs, int len) override {
+    for (int h = 0; h < heads_; ++h) {
+      std::copy(probs + int64_t{h} * len, probs + int64_t{h} * len + prompt_len_,
+                step_.begin() + (static_cast<size_t>(layer) * heads_ + h) * prompt_len_);
+    }
+  }
+  std::vector<float>& step() { return step_; }
+
+ private:
+  int heads_, prompt_len_;
+  std::vector<float> step_;  // [layer, head, prompt position]
+};
+
+std::vector<double> LogSoftmax(const float* logits, int n) {
+  const float mx = *std::max_element(logits, logits + n);
+  double z = 0;
+  for (int i = 0; i < n; ++i) z += std::exp(static_cast<double>(logits[i]) - mx);
+  const double lz = std::log(z) + mx;
+  std::vector<double> out(n);
+  for (int i = 0; i < n; ++i) out[i] = logits[i] - lz;
+  return out;
+}
+
+int32_t Argmax(const float* x, int n) {
+  return static_cast<int32_t>(std::max_element(x, x + n) - x);
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> ReplayInto(LlamaModel& model, const CapturedPrefill& cap,
+                                                    const CompressionConfig& config, int len,
+                                                    int extra) {
+  const KvCacheShape shape =
+      CompressedCacheShape(config, model.config(), model.kv_dtype(), len, extra);
+  ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(shape, HeapKvAllocator()));
+  cache->set_prompt_len(len);
+  CacheSink sink(cache.get());
+  Compressor compressor(config, model.config(), model.kv_dtype(), &sink);
+  RETURN_IF_ERROR(cap.Replay(compressor));
+  return cache;
+}
+
+// Kept prompt positions as masks [layer][cache head][position].
+std::vector<std::vector<std::vector<char>>> KeptMasks(const KvCache& cache, int len) {
+  std::vector<std::vector<std::vector<char>>> masks(cache.num_layers());
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    const LayerCache& lc = cache.layer(l);
+    masks[l].assign(lc.n_heads, std::vector<char>(len, 0));
+    for (int c = 0; c < lc.n_heads; ++c) {
+      for (int t = 0; t < lc.len; ++t) {
+        const int32_t p = lc.position(c, t);
+        if (p >= 0 && p < len) masks[l][c][p] = 1;
+      }
+    }
+  }
+  return masks;
+}
+
+struct Accumulator {
+  int64_t agree = 0, predictions = 0;
+  double kl = 0;
+  double recall = 0;
+  int64_t recall_n = 0;
+  int64_t hit = 0, important = 0;
+  int prompts = 0;
+};
+
+// Adds one step's recall and hit-rate terms for a kept mask per (layer, cache head).
+void AddAttention(const std::vector<float>& attn, int layers, int heads, int len, int prefix,
+                  double theta, const std::function<const std::vector<char>&(int, int)>& mask,
+                  Accumulator* acc) {
+  for (int l = 0; l < layers; ++l) {
+    for (int h = 0; h < heads; ++h) {
+      const float* a = attn.data() + (static_cast<size_t>(l) * heads + h) * len;
+      const std::vector<char>& m = mask(l, h);
+      double total = 0, kept = 0;
+      for (int j = 0; j < len; ++j) {
+        total += a[j];
+        if (m[j]) kept += a[j];
+        if (j < prefix && a[j] > theta) {
+          ++acc->important;
+          if (m[j]) ++acc->hit;
+        }
+      }
+      if (total > 0) {
+        acc->recall += kept / total;
+        ++acc->recall_n;
+      }
+    }
+  }
+}
+
+double Nan() { return std::numeric_limits<double>::quiet_NaN(); }
+
+}  // namespace
+
+absl::StatusOr<std::vector<EvalPrompt>> ReadPrompts(const std::string& path, const Tokenizer& tok,
+                                                    bool need_answer) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::vector<EvalPrompt> out;
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = absl::StrCat(path, ":", lineno);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": not valid JSON: ", e.what()));
+    }
+    EvalPrompt p;
+    p.id = j.contains("id") && j["id"].is_string() ? j["id"].get<std::string>()
+                                                   : absl::StrCat("line", lineno);
+    auto ids_of = [&](const char* key, std::vector<int32_t>* ids) -> absl::Status {
+      if (!j[key].is_array()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": \"", key, "\" is not a list"));
+      }
+      for (const auto& x : j[key]) {
+        if (!x.is_number_integer() || x.get<int64_t>() < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": \"", key, "\" must hold non-negative token ids"));
+        }
+        ids->push_back(x.get<int32_t>());
+      }
+      return absl::OkStatus();
+    };
+    if (j.contains("prompt_ids")) {
+      RETURN_IF_ERROR(ids_of("prompt_ids", &p.ids));
+    } else if (j.contains("prompt") && j["prompt"].is_string()) {
+      ASSIGN_OR_RETURN(p.ids, tok.Encode(j["prompt"].get<std::string>()));
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": expected \"prompt_ids\" or \"prompt\""));
+    }
+    if (p.ids.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": empty prompt"));
+    if (need_answer) {
+      if (!j.contains("answer_ids")) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": expected \"answer_ids\""));
+      }
+      RETURN_IF_ERROR(ids_of("answer_ids", &p.answer));
+      if (p.answer.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": empty answer"));
+    }
+    for (int32_t id : p.ids) {
+      if (id >= tok.vocab_size()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": token id ", id,
+                                                       " is outside the model's vocabulary of ",
+                                                       tok.vocab_size()));
+      }
+    }
+    out.push_back(std::move(p));
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no prompts"));
+  return out;
+}
+
+absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
+    LlamaModel& model, const std::vector<EvalPrompt>& prompts,
+    const std::vector<EvalMethod>& methods, const std::vector<int>& budgets,
+    const FidelityOptions& options, const std::function<void(int, int)>& progress) {
+  const ModelConfig& mc = model.config();
+  const int layers = mc.num_layers, heads = mc.num_heads, group = mc.num_heads / mc.num_kv_heads;
+  const int vocab = mc.vocab_size, gen = options.gen;
+  std::vector<Accumulator> acc(methods.size() * budgets.size()), oracle(budgets.size());
+  int done = 0;
+  for (const EvalPrompt& prompt : prompts) {
+    const int len = static_cast<int>(prompt.ids.size());
+    if (len + gen + 1 > mc.context_limit()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt ", prompt.id, " (", len, " tokens) + ", gen + 1,
+          " generated exceeds the model's context of ", mc.context_limit()));
+    }
+    const int window = std::min(options.window, len);
+    const int prefix = len - window;
+    CapturedPrefill cap(window, heads);
+    ASSIGN_OR_RETURN(PrefillResult pre, model.Prefill(prompt.ids, &cap));
+
+    // The full-cache reference: tokens, next-token log-probs, attention over the prompt.
+    ASSIGN_OR_RETURN(auto full, ReplayInto(model, cap, CompressionConfig{}, len, gen));
+    std::vector<int32_t> tokens = {Argmax(pre.logits.data(), vocab)};
+    std::vector<std::vector<double>> full_logp;
+    std::vector<std::vector<float>> attention;
+    std::vector<float> logits(vocab);
+    AttentionRecorder recorder(layers, heads, len);
+    for (int t = 0; t < gen; ++t) {
+      DecodeInput in{tokens[t], len + t, full.get(), nullptr};
+      RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data(), &recorder));
+      full_logp.push_back(LogSoftmax(logits.data(), vocab));
+      attention.push_back(recorder.step());
+      tokens.push_back(Argmax(logits.data(), vocab));
+    }
+
+    for (size_t m = 0; m < methods.size(); ++m) {
+      for (size_t b = 0; b < budgets.size(); ++b) {
+        CompressionConfig config = methods[m].compression(budgets[b]);
+        if (config.NeedsScores()) config.window = window;
+        RETURN_IF_ERROR(Annotate(config.Validate(), methods[m].name));
+        ASSIGN_OR_RETURN(auto cache, ReplayInto(model, cap, config, len, gen));
+        const auto masks = KeptMasks(*cache, len);
+        const int cache_group = heads / cache->shape().n_heads;
+        Accumulator& a = acc[m * budgets.size() + b];
+        for (int t = 0; t < gen; ++t) {
+          DecodeInput in{tokens[t], len + t, cache.get(), nullptr};
+          RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
+          const std::vector<double> lp = LogSoftmax(logits.data(), vocab);
+          a.agree += Argmax(logits.data(), vocab) == tokens[t + 1];
+          double kl = 0;
+          for (int v = 0; v < vocab; ++v) kl += std::exp(full_logp[t][v]) * (full_logp[t][v] - lp[v]);
+          a.kl += kl;
+          ++a.predictions;
+          AddAttention(attention[t], layers, heads, len, prefix, options.theta,
+                       [&](int l, int h) -> const std::vector<char>& {
+                         return masks[l][h / cache_group];
+                       },
+                       &a);
+        }
+        ++a.prompts;
+      }
+    }
+    // The exact top-k oracle: per step, layer and KV head, the `budget` prompt positions
+    // holding the most attention of the group.
+    for (size_t b = 0; b < budgets.size(); ++b) {
+      const int k = std::min(budgets[b], len);
+      Accumulator& a = oracle[b];
+      for (int t = 0; t < gen; ++t) {
+        std::vector<std::vector<std::vector<char>>> masks(
+            layers, std::vector<std::vector<char>>(mc.num_kv_heads, std::vector<char>(len, 0)));
+        for (int l = 0; l < layers; ++l) {
+          for (int g = 0; g < mc.num_kv_heads; ++g) {
+            std::vector<float> s(len, 0.f);
+            for (int x = 0; x < group; ++x) {
+              const float* row =
+                  attention[t].data() + (static_cast<size_t>(l) * heads + g * group + x) * len;
+              for (int j = 0; j < len; ++j) s[j] += row[j];
+            }
+            std::vector<int32_t> idx(len);
+            std::iota(idx.begin(), idx.end(), 0);
+            std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(),
+                             [&](int32_t x, int32_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
+            for (int i = 0; i < k; ++i) masks[l][g][idx[i]] = 1;
+          }
+        }
+        AddAttention(attention[t], layers, heads, len, prefix, options.theta,
+                     [&](int l, int h) -> const std::vector<char>& { return masks[l][h / group]; },
+                     &a);
+      }
+      ++a.prompts;
+    }
+    if (progress) progress(++done, static_cast<int>(prompts.size()));
+  }
+
+  std::vector<FidelityRecord> out;
+  auto finish = [&](const std::string& name, int budget, const Accumulator& a, bool decoded) {
+    FidelityRecord r;
+    r.policy = name;
+    r.budget = budget;
+    r.agreement = decoded && a.predictions ? static_cast<double>(a.agree) / a.predictions : Nan();
+    r.kl = decoded && a.predictions ? a.kl / a.predictions : Nan();
+    r.recall = a.recall_n ? a.recall / a.recall_n : Nan();
+    r.hit_rate = a.important ? static_cast<double>(a.hit) / a.important : Nan();
+    r.n = a.prompts;
+    r.predictions = a.predictions;
+    out.push_back(r);
+  };
+  for (size_t m = 0; m < methods.size(); ++m) {
+    for (size_t b = 0; b < budgets.size(); ++b) {
+      finish(methods[m].name, budgets[b], acc[m * budgets.size() + b], true);
+    }
+  }
+  for (size_t b = 0; b < budgets.size(); ++b) finish("oracle", budgets[b], oracle[b], false);
+  return out;
+}
+
+absl::StatusOr<std::vector<PasskeyRecord>> EvalPasskey(
+    LlamaModel& model, const std::vector<EvalPrompt>& prompts,
+    const std::vector<EvalMethod>& methods, const std::vector<int>& budgets, int window,
+    const std::function<void(int, int)>& progress) {
+  const ModelConfig& mc = model.config();
+  const int vocab = mc.vocab_size;
+  std::vector<PasskeyRecord> out;
+  for (const auto& m : methods) {
+    for (int b : budgets) out.push_back({m.name, b, 0, 0, 0});
+  }
+  std::vector<int> correct(out.size(), 0);
+  int done = 0;
+  std::vector<float> logits(vocab);
+  for (const EvalPrompt& prompt : prompts) {
+    const int len = static_cast<int>(prompt.ids.size());
+    const int n_ans = static_cast<int>(prompt.answer.size());
+    if (len + n_ans > mc.context_limit()) {
+      for (auto& r : out) ++r.skipped;
+      if (progress) progress(++done, static_cast<int>(prompts.size()));
+      continue;
+    }
+    const int w = std::min(window, len);
+    CapturedPrefill cap(w, mc.num_heads);
+    ASSIGN_OR_RETURN(PrefillResult pre, model.Prefill(prompt.ids, &cap));
+    for (size_t m = 0; m < methods.size(); ++m) {
+      for (size_t b = 0; b < budgets.size(); ++b) {
+        const size_t r = m * budgets.size() + b;
+        CompressionConfig config = methods[m].compression(budgets[b]);
+        if (config.NeedsScores()) config.window = w;
+        RETURN_IF_ERROR(Annotate(config.Validate(), methods[m].name));
+        ASSIGN_OR_RETURN(auto cache, ReplayInto(model, cap, config, len, n_ans));
+        std::vector<int32_t> got = {Argmax(pre.logits.data(), vocab)};
+        for (int t = 1; t < n_ans; ++t) {
+          DecodeInput in{got.back(), len + t - 1, cache.get(), nullptr};
+          RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
+          got.push_back(Argmax(logits.data(), vocab));
+        }
+        correct[r] += got == prompt.answer;
+        ++out[r].n;
+      }
+    }
+    if (progress) progress(++done, static_cast<int>(prompts.size()));
+  }
+  for (size_t r = 0; r < out.size(); ++r) {
+    out[r].accuracy = out[r].n ? static_cast<double>(correct[r]) / out[r].n : Nan();
+  }
+  return out;
+}
+
+}  // namespace kvwire::tools
