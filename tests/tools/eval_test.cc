@@ -1,1 +1,179 @@
+// The evaluation harness's mechanics on a model whose answers we can know: the full
+// policy must agree perfectly, the oracle bounds every policy's recall, passkey counts
+// exact matches and skips prompts beyond the context, and bad data files are errors that
+// name the file and line.
+#include "tools/eval.h"
 
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "common/generate.h"
+#include "tests/test_util.h"
+
+namespace kvwire::tools {
+namespace {
+
+EvalMethod Method(const std::string& name, Policy p, int window = 8) {
+  return {name, [p, window](int budget) {
+            CompressionConfig c;
+            c.policy = p;
+            c.budget = budget;
+            c.window = window;
+            return c;
+          }};
+}
+
+std::vector<EvalPrompt> SyntheticPrompts(int n, int len) {
+  std::vector<EvalPrompt> out;
+  for (int i = 0; i < n; ++i) {
+    EvalPrompt p;
+    p.id = "p" + std::to_string(i);
+    p.ids.push_back(1);
+    for (int t = 1; t < len; ++t) p.ids.push_back(3 + (t * (7 + i)) % 250);
+    out.push_back(p);
+  }
+  return out;
+}
+
+TEST(EvalFidelity, FullAgreesPerfectlyAndOracleBoundsRecall) {
+  auto model = LlamaModel::Load("synthetic:tiny");
+  ASSERT_TRUE(model.ok());
+  const auto prompts = SyntheticPrompts(3, 120);
+  FidelityOptions opts;
+  opts.gen = 8;
+  opts.window = 8;
+  int calls = 0;
+  auto records = EvalFidelity(
+      **model, prompts,
+      {Method("full", Policy::kFull), Method("snapkv", Policy::kSnapKV),
+       Method("random", Policy::kRandom)},
+      {16, 64, 500}, opts, [&](int done, int total) {
+        EXPECT_EQ(total, 3);
+        EXPECT_EQ(done, ++calls);
+      });
+  ASSERT_TRUE(records.ok()) << records.status();
+  EXPECT_EQ(calls, 3);
+  ASSERT_EQ(records->size(), 4u * 3u);  // three methods and the oracle, three budgets each
+  std::map<std::pair<std::string, int>, FidelityRecord> by;
+  for (const auto& r : *records) by[{r.policy, r.budget}] = r;
+  for (int b : {16, 64, 500}) {
+    const FidelityRecord& full = by[{"full", b}];
+    EXPECT_EQ(full.agreement, 1.0);
+    EXPECT_NEAR(full.kl, 0.0, 1e-9);
+    EXPECT_NEAR(full.recall, 1.0, 1e-6);
+    EXPECT_EQ(full.n, 3);
+    EXPECT_EQ(full.predictions, 24);
+    const FidelityRecord& oracle = by[{"oracle", b}];
+    EXPECT_TRUE(std::isnan(oracle.agreement));
+    for (const char* p : {"snapkv", "random"}) {
+      const FidelityRecord& r = by[{p, b}];
+      EXPECT_GE(r.kl, 0.0) << p;
+      EXPECT_LE(r.recall, oracle.recall + 1e-9) << p << " at " << b;
+      EXPECT_GE(r.agreement, 0.0);
+      EXPECT_LE(r.agreement, 1.0);
+    }
+  }
+  // A budget above the prompt keeps everything.
+  const auto at = [&](const char* policy, int budget) { return by[{policy, budget}]; };
+  EXPECT_EQ(at("snapkv", 500).agreement, 1.0);
+  EXPECT_NEAR(at("oracle", 500).recall, 1.0, 1e-6);
+  // Recall grows with the budget.
+  EXPECT_LT(at("snapkv", 16).recall, at("snapkv", 64).recall);
+}
+
+TEST(EvalFidelity, PromptBeyondContextIsAnError) {
+  auto model = LlamaModel::Load("synthetic:tiny,context=128");
+  ASSERT_TRUE(model.ok());
+  FidelityOptions opts;
+  opts.gen = 16;
+  auto r = EvalFidelity(**model, SyntheticPrompts(1, 120), {Method("full", Policy::kFull)}, {32},
+                        opts, nullptr);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(r.status().message()).find("context"), std::string::npos);
+}
+
+TEST(EvalPasskey, CountsExactMatchesAndSkipsLongPrompts) {
+  auto model_or = LlamaModel::Load("synthetic:tiny,context=256");
+  ASSERT_TRUE(model_or.ok());
+  LlamaModel& model = **model_or;
+  // The "answer" of each prompt is the model's own greedy continuation with the full
+  // cache, so full must score 100%; one prompt is too long for the context.
+  std::vector<EvalPrompt> prompts = SyntheticPrompts(3, 100);
+  for (EvalPrompt& p : prompts) {
+    GenerationRequest req;
+    req.prompt_ids = p.ids;
+    req.max_tokens = 5;
+    req.sampling.temperature = 0;
+    auto r = Generate(model, req);
+    ASSERT_TRUE(r.ok());
+    p.answer = r->ids;
+  }
+  EvalPrompt too_long = SyntheticPrompts(1, 254)[0];
+  too_long.answer = {5, 6, 7};
+  prompts.push_back(too_long);
+  auto records = EvalPasskey(model, prompts,
+                             {Method("full", Policy::kFull), Method("streaming", Policy::kStreaming)},
+                             {20, 300}, 8, nullptr);
+  ASSERT_TRUE(records.ok()) << records.status();
+  ASSERT_EQ(records->size(), 4u);
+  for (const PasskeyRecord& r : *records) {
+    EXPECT_EQ(r.n, 3) << r.policy;
+    EXPECT_EQ(r.skipped, 1) << r.policy;
+    if (r.policy == "full" || r.budget == 300) EXPECT_EQ(r.accuracy, 1.0) << r.policy << r.budget;
+    EXPECT_GE(r.accuracy, 0.0);
+  }
+}
+
+TEST(ReadPrompts, ErrorsNameTheFileAndLine) {
+  auto model = LlamaModel::Load("synthetic:tiny");
+  ASSERT_TRUE(model.ok());
+  const Tokenizer& tok = (*model)->tokenizer();
+  const std::string dir = testing::MakeTempDir("prompts");
+  struct Case {
+    std::string contents;
+    bool answer;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {"{\"prompt_ids\": [1, 2]}\n{oops\n", false, "data.jsonl:2: not valid JSON"},
+      {"{\"id\": \"a\"}\n", false, "expected \"prompt_ids\" or \"prompt\""},
+      {"{\"prompt_ids\": [1, -4]}\n", false, "non-negative token ids"},
+      {"{\"prompt_ids\": [1, 99999]}\n", false, "outside the model's vocabulary"},
+      {"{\"prompt_ids\": [1, 2]}\n", true, "expected \"answer_ids\""},
+      {"\n\n", false, "no prompts"},
+  };
+  for (const Case& c : cases) {
+    testing::WriteFile(dir + "/data.jsonl", c.contents);
+    auto r = ReadPrompts(dir + "/data.jsonl", tok, c.answer);
+    ASSERT_FALSE(r.ok()) << c.contents;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(r.status().message()).find(c.expect), std::string::npos)
+        << r.status().message();
+  }
+  testing::WriteFile(dir + "/data.jsonl", "{\"id\": \"x\", \"prompt\": \"hi\"}\n");
+  auto ok = ReadPrompts(dir + "/data.jsonl", tok, false);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)[0].id, "x");
+  EXPECT_EQ((*ok)[0].ids, *tok.Encode("hi"));
+  EXPECT_EQ(ReadPrompts(dir + "/missing.jsonl", tok, false).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(EvalFidelity, StoriesDevPromptsLoad) {
+  KVWIRE_REQUIRE_SHARED();
+  auto model = LlamaModel::Load(testing::StoriesModelDir());
+  ASSERT_TRUE(model.ok());
+  auto prompts = ReadPrompts(testing::SharedDir() + "/data/stories/dev.jsonl",
+                             (*model)->tokenizer(), false);
+  ASSERT_TRUE(prompts.ok()) << prompts.status();
+  EXPECT_EQ(prompts->size(), 100u);
+  auto passkey = ReadPrompts(testing::SharedDir() + "/data/passkey/dev.jsonl",
+                             (*model)->tokenizer(), true);
+  ASSERT_TRUE(passkey.ok()) << passkey.status();
+  EXPECT_EQ(passkey->size(), 200u);
+}
+
+}  // namespace
+}  // namespace kvwire::tools
