@@ -90,7 +90,32 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
     RETURN_IF_ERROR(model->LoadFromFolder(spec, options));
   }
   model->inv_freq_ = model->config_.RopeInvFreq();
+  model->ComputeFingerprint();
   return model;
+}
+
+void LlamaModel::ComputeFingerprint() {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64
+  auto mix = [&](const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  };
+  const ModelConfig& c = config_;
+  const std::string shape =
+      absl::StrCat(c.model_type, "/", c.num_layers, "/", c.hidden_size, "/", c.num_heads, "/",
+                   c.num_kv_heads, "/", c.head_dim, "/", c.intermediate_size, "/", c.vocab_size,
+                   "/", c.rope_theta, "/", DTypeName(kv_dtype()));
+  mix(shape.data(), shape.size());
+  // The first and last rows of the embedding and of one projection per layer: enough to
+  // tell different checkpoints of one architecture apart, cheap for any model size.
+  const size_t row = static_cast<size_t>(c.hidden_size) * DTypeSize(embed_.dtype);
+  const auto* emb = static_cast<const uint8_t*>(embed_.w);
+  mix(emb, row);
+  mix(emb + (static_cast<size_t>(c.vocab_size) - 1) * row, row);
+  for (const Layer& l : layers_) mix(l.q.w, static_cast<size_t>(l.q.in) * DTypeSize(l.q.dtype));
+  mix(final_norm_.data(), final_norm_.size() * sizeof(float));
+  fingerprint_ = absl::StrCat(c.model_type, "-", c.num_layers, "x", c.hidden_size, "-",
+                              DTypeName(kv_dtype()), "-", absl::Hex(h, absl::kZeroPad16));
 }
 
 const void* LlamaModel::Own(std::vector<uint8_t> bytes) {

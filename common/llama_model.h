@@ -106,6 +106,9 @@ class LlamaModel {
   // "stories260K-hf (f32 weights, model.safetensors)" or "synthetic:llama-1b (bf16 ...)".
   const std::string& description() const { return description_; }
   DType weight_dtype() const { return weight_dtype_; }
+  // Identifies the model a KV cache belongs to: prefill and decode nodes must agree on it.
+  // A hash of the architecture, the shapes, the KV dtype and a sample of the weights.
+  const std::string& fingerprint() const { return fingerprint_; }
   // Bytes of weights one decode step reads.
   int64_t WeightBytes() const;
   // The dtype caches hold: the model's compute dtype class (bf16/f16 weights → that, else f32).
@@ -144,8 +147,11 @@ class LlamaModel {
   absl::Status MatMul(const Linear& l, const float* x, int m, float* y, int64_t y_stride = 0);
   void EmbedRow(int32_t token, float* out) const;
 
+  void ComputeFingerprint();
+
   ModelConfig config_;
   std::string description_;
+  std::string fingerprint_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<WeightFiles> files_;
   std::vector<std::vector<uint8_t>> owned_;

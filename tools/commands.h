@@ -10,6 +10,7 @@
 #include "common/flags.h"
 #include "common/compression.h"
 #include "common/llama_model.h"
+#include "common/standard_flags.h"
 
 namespace kvwire::tools {
 
@@ -32,12 +33,6 @@ int RunEval(int argc, char** argv);
 int ParseFlagsOrExit(Flags& flags, const char* command, const char* usage, int argc, char** argv);
 // Prints "kvwire COMMAND: message" and returns 1 (or 2 for InvalidArgument).
 int Fail(const char* command, const absl::Status& status);
-// Declares --model, --dtype, --threads and loads the model they name.
-void DefineModelFlags(Flags& flags);
-absl::StatusOr<std::unique_ptr<LlamaModel>> LoadModelFromFlags(const Flags& flags);
-// Declares the compression policy flags (--policy, --budget, --window, ...) shared by
-// generate, select and eval, and reads them back (`policy` overrides --policy if set).
-void DefineCompressionFlags(Flags& flags);
-absl::StatusOr<CompressionConfig> CompressionFromFlags(const Flags& flags);
+
 
 }  // namespace kvwire::tools

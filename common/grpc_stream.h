@@ -1,0 +1,150 @@
+// A server-streaming reactor fed from any thread. gRPC reactions must not block, and the
+// engines that produce messages run on their own threads, so producers push into a
+// queue (Send) and the reactor writes one message at a time from it; Finish is deferred
+// until the queue drains. Producers keep a shared_ptr to the StreamState, which outlives
+// the reactor: after the RPC is done, Send and Finish are no-ops.
+//
+// Backpressure: WaitForRoom blocks a producer (never a gRPC thread) while too many
+// messages are queued, so a slow client cannot make a node buffer a whole KV cache.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+namespace kvwire {
+
+template <typename Msg>
+class StreamState;
+
+template <typename Msg>
+class BufferedWriteReactor final : public grpc::ServerWriteReactor<Msg> {
+ public:
+  explicit BufferedWriteReactor(std::shared_ptr<StreamState<Msg>> state) : state_(std::move(state)) {}
+  void OnWriteDone(bool ok) override { state_->OnWriteDone(ok); }
+  void OnCancel() override { state_->OnCancel(); }
+  void OnDone() override {
+    state_->OnDone();
+    delete this;
+  }
+
+ private:
+  std::shared_ptr<StreamState<Msg>> state_;
+};
+
+template <typename Msg>
+class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
+ public:
+  // Makes the reactor that gRPC owns; `on_cancel` runs (on a gRPC thread, so it must not
+  // block) when the client cancels or the deadline passes.
+  static std::pair<std::shared_ptr<StreamState>, grpc::ServerWriteReactor<Msg>*> Create(
+      std::function<void()> on_cancel = {}) {
+    auto state = std::shared_ptr<StreamState>(new StreamState(std::move(on_cancel)));
+    auto* reactor = new BufferedWriteReactor<Msg>(state);
+    state->reactor_ = reactor;
+    return {state, reactor};
+  }
+
+  // Queues a message; false once the stream is finishing, cancelled or done.
+  bool Send(Msg msg) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finishing_ || done_ || cancelled_) return false;
+    queue_.push_back(std::move(msg));
+    if (!writing_) StartNextLocked();
+    return true;
+  }
+
+  // Finishes once every queued message is written (immediately if cancelled).
+  void Finish(const grpc::Status& status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finishing_ || done_) return;
+    finishing_ = true;
+    status_ = status;
+    if (cancelled_) queue_.clear();
+    if (!writing_) FinishLocked();
+  }
+
+  // Blocks while more than `max_queued` messages wait; false if the stream ended.
+  bool WaitForRoom(size_t max_queued) {
+    std::unique_lock<std::mutex> lock(mu_);
+    room_.wait(lock, [&] { return queue_.size() <= max_queued || cancelled_ || done_; });
+    return !cancelled_ && !done_;
+  }
+
+  bool cancelled() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancelled_ || done_;
+  }
+
+  // gRPC callbacks (through the reactor).
+  void OnWriteDone(bool ok) {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = false;
+    if (!queue_.empty()) queue_.pop_front();
+    if (!ok) {  // the client went away
+      cancelled_ = true;
+      queue_.clear();
+    }
+    room_.notify_all();
+    if (!queue_.empty() && !cancelled_) {
+      StartNextLocked();
+    } else if (finishing_ || cancelled_) {
+      if (!finishing_) {
+        finishing_ = true;
+        status_ = grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+      }
+      FinishLocked();
+    }
+  }
+  void OnCancel() {
+    std::function<void()> cb;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      room_.notify_all();
+      cb = on_cancel_;
+      // gRPC still needs a Finish; give it now unless a write will complete and do it.
+      if (!writing_ && !finishing_) {
+        finishing_ = true;
+        status_ = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+        queue_.clear();
+        FinishLocked();
+      }
+    }
+    if (cb) cb();
+  }
+  void OnDone() {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    reactor_ = nullptr;
+    room_.notify_all();
+  }
+
+ private:
+  explicit StreamState(std::function<void()> on_cancel) : on_cancel_(std::move(on_cancel)) {}
+
+  void StartNextLocked() {
+    writing_ = true;
+    reactor_->StartWrite(&queue_.front());
+  }
+  void FinishLocked() {
+    if (finished_called_ || reactor_ == nullptr) return;
+    finished_called_ = true;
+    reactor_->Finish(status_);
+  }
+
+  mutable std::mutex mu_;
+  std::condition_variable room_;
+  std::deque<Msg> queue_;  // front() is being written while writing_
+  grpc::ServerWriteReactor<Msg>* reactor_ = nullptr;
+  std::function<void()> on_cancel_;
+  grpc::Status status_;
+  bool writing_ = false, finishing_ = false, finished_called_ = false;
+  bool cancelled_ = false, done_ = false;
+};
+
+}  // namespace kvwire

@@ -1,0 +1,22 @@
+// Flags that several kvwire programs share: the model to load and the compression policy
+// with its parameters (the tools' flags and the servers' defaults).
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "common/compression.h"
+#include "common/flags.h"
+#include "common/llama_model.h"
+
+namespace kvwire {
+
+// --model, --dtype, --threads, --backend.
+void DefineModelFlags(Flags& flags);
+absl::StatusOr<std::unique_ptr<LlamaModel>> LoadModelFromFlags(const Flags& flags);
+// --policy, --budget, --ratio, --window, --kernel, --pool, --gqa, ... (and --seed unless
+// already defined).
+void DefineCompressionFlags(Flags& flags);
+absl::StatusOr<CompressionConfig> CompressionFromFlags(const Flags& flags);
+
+}  // namespace kvwire

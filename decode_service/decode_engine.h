@@ -1,0 +1,137 @@
+// The decode node's engine: admission against the KV pool, pulling each prompt's
+// compressed cache from a prefill node (or prefilling short prompts locally), and a
+// continuous batch in which every active sequence advances one token per step, new ones
+// joining and finished ones leaving between steps. Everything here is in domain terms;
+// decode_service/generation_service.cc translates the gRPC API.
+//
+// Threads: one engine thread owns the batch and runs the decode steps; one local-prefill
+// thread; gRPC threads deliver prefill streams (writing only into the cache that the
+// sequence was given at admission) and cancellations.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/compression.h"
+#include "common/llama_model.h"
+#include "common/telemetry.h"
+#include "common/sparse_attention.h"
+#include "decode_service/kv_pool.h"
+#include "decode_service/prefill_client.h"
+#include "kernels/sampling.h"
+
+namespace kvwire {
+
+using Clock = std::chrono::steady_clock;
+
+struct GenerationJob {
+  std::string request_id;
+  std::string prompt_text;            // tokenized by the engine when prompt_ids is empty
+  std::vector<int32_t> prompt_ids;
+  int max_tokens = 16;
+  kernels::SamplingParams sampling;
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_ids;      // also the model's end-of-sequence ids unless ignore_eos
+  CompressionConfig compression;
+  DecodeAttentionConfig attention;
+  bool logprobs = false;
+  std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
+  TraceContext trace;
+  Clock::time_point arrival = Clock::now();
+};
+
+struct TokenDelta {
+  std::vector<int32_t> ids;
+  std::string text;
+  std::vector<float> logprobs;
+};
+
+enum class Finish { kLength, kStop };
+
+struct RequestFigures {
+  int prompt_tokens = 0, completion_tokens = 0, kept_tokens = 0;
+  int64_t full_cache_bytes = 0, wire_bytes = 0;
+  double transfer_ms = 0, prefill_ms = 0, queue_ms = 0, ttft_ms = 0, mean_itl_ms = 0;
+  std::string policy, prefill_node, decode_node, attention;
+  int prefill_attempts = 0;
+  Finish finish = Finish::kLength;
+};
+
+// Where a request's output goes: the client stream. Thread-safe; Finish exactly once.
+class ResponseSink {
+ public:
+  virtual ~ResponseSink() = default;
+  virtual bool Send(TokenDelta delta) = 0;  // false once the client is gone
+  virtual void Finish(const absl::Status& status, const RequestFigures* figures) = 0;
+  virtual bool cancelled() const = 0;
+};
+
+struct DecodeEngineOptions {
+  std::string node_name = "decode";
+  int max_batch = 32;             // sequences being prefilled or decoded at once
+  int max_queue = 64;             // requests waiting for admission; more is refused
+  int queue_timeout_ms = 30000;   // longest wait for KV pool room
+  int prefill_attempts = 3;       // tries of a failed prefill (on other nodes) per request
+  int local_prefill_below = 0;    // prompts shorter than this prefill on this node
+  size_t max_chunk_bytes = kDefaultMaxChunkBytes;
+  Telemetry* telemetry = nullptr;
+};
+
+class DecodeEngine {
+ public:
+  // `prefill` may be null when every request prefills locally.
+  DecodeEngine(LlamaModel* model, KvPool* pool, PrefillClient* prefill, DecodeEngineOptions options);
+  ~DecodeEngine();
+
+  // Queues a request. ResourceExhausted when the queue is full; everything else (a bad
+  // prompt, no room) arrives through the sink.
+  absl::Status Submit(GenerationJob job, std::shared_ptr<ResponseSink> sink);
+  // Wakes the engine (a client cancelled, memory came back).
+  void Wake();
+  // Stops admitting; finishes queued requests with UNAVAILABLE; waits for running ones
+  // up to `grace`, then cancels them.
+  void Drain(std::chrono::milliseconds grace);
+
+  int active() const;
+  int queued() const;
+
+ private:
+  struct Seq;
+  void Loop();
+  void LocalPrefillLoop();
+  void Admit(std::vector<std::shared_ptr<Seq>>* finished);
+  absl::Status Prepare(Seq& s);
+  void StartRemotePrefill(const std::shared_ptr<Seq>& s);
+  void RunLocalPrefill(const std::shared_ptr<Seq>& s);
+  void OnPrefillDone(const std::shared_ptr<Seq>& s, absl::Status status);
+  // Emits a token to the client; true when the sequence is now finished.
+  bool Emit(Seq& s, int32_t token, float logprob);
+  void Step(std::vector<std::shared_ptr<Seq>>* finished);
+  void Complete(const std::shared_ptr<Seq>& s, const absl::Status& status);
+
+  LlamaModel* model_;
+  KvPool* pool_;
+  PrefillClient* prefill_;
+  DecodeEngineOptions options_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Seq>> waiting_;       // not yet admitted
+  std::vector<std::shared_ptr<Seq>> prefilling_;   // admitted, KV arriving
+  std::vector<std::shared_ptr<Seq>> running_;      // decoding
+  std::deque<std::shared_ptr<Seq>> local_queue_;   // for the local-prefill thread
+  std::vector<std::pair<std::shared_ptr<Seq>, absl::Status>> prefill_done_;
+  bool stopping_ = false, draining_ = false, wake_ = false;
+  std::condition_variable local_cv_;
+  std::thread loop_, local_;
+};
+
+}  // namespace kvwire

@@ -1,0 +1,127 @@
+// kvwire-decode: the decode node. Flags, the server, wait for SIGTERM, drain.
+#include <csignal>
+#include <cstdio>
+
+#include "common/server_main.h"
+#include "common/standard_flags.h"
+#include "common/status.h"
+#include "decode_service/decode_server.h"
+
+namespace kvwire {
+namespace {
+
+absl::StatusOr<DecodeServerOptions> OptionsFromFlags(const Flags& f) {
+  DecodeServerOptions o;
+  o.listen = f.GetString("listen");
+  o.prefill_target = f.GetString("prefill");
+  o.prefill_tls = {f.GetString("prefill-tls-ca"), f.GetString("prefill-tls-cert"),
+                   f.GetString("prefill-tls-key"), f.GetString("prefill-tls-server-name")};
+  o.tls = {f.GetString("tls-cert"), f.GetString("tls-key"), f.GetString("tls-client-ca")};
+  ASSIGN_OR_RETURN(o.kv_pool_bytes, ParseBytes(f.GetString("kv-pool-bytes")));
+  ASSIGN_OR_RETURN(o.kv_page_bytes, ParseBytes(f.GetString("kv-page-bytes")));
+  o.engine.node_name = f.GetString("node-name");
+  ASSIGN_OR_RETURN(int64_t batch, f.GetInt("max-batch", 1, 4096));
+  ASSIGN_OR_RETURN(int64_t queue, f.GetInt("max-queue", 0, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t timeout, f.GetInt("queue-timeout-ms", 0, 3600000));
+  ASSIGN_OR_RETURN(int64_t attempts, f.GetInt("prefill-attempts", 1, 16));
+  ASSIGN_OR_RETURN(int64_t local, f.GetInt("local-prefill-below", 0, 1 << 30));
+  ASSIGN_OR_RETURN(size_t chunk, ParseBytes(f.GetString("max-chunk-bytes")));
+  o.engine.max_batch = static_cast<int>(batch);
+  o.engine.max_queue = static_cast<int>(queue);
+  o.engine.queue_timeout_ms = static_cast<int>(timeout);
+  o.engine.prefill_attempts = static_cast<int>(attempts);
+  o.engine.local_prefill_below = static_cast<int>(local);
+  o.engine.max_chunk_bytes = chunk;
+  ASSIGN_OR_RETURN(o.default_compression, CompressionFromFlags(f));
+  ASSIGN_OR_RETURN(o.default_attention.mode, ParseAttentionMode(f.GetString("attention")));
+  ASSIGN_OR_RETURN(int64_t budget, f.GetInt("attention-budget", 0, 1 << 30));
+  o.default_attention.token_budget = static_cast<int>(budget);
+  RETURN_IF_ERROR(o.default_attention.Validate());
+  ASSIGN_OR_RETURN(int64_t def_max, f.GetInt("default-max-tokens", 1, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t max_limit, f.GetInt("max-tokens-limit", 1, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t max_prompt, f.GetInt("max-prompt-tokens", 0, 1 << 30));
+  ASSIGN_OR_RETURN(o.max_message_bytes, ParseBytes(f.GetString("max-message-bytes")));
+  o.default_max_tokens = static_cast<int>(def_max);
+  o.max_tokens_limit = static_cast<int>(max_limit);
+  o.max_prompt_tokens = static_cast<int>(max_prompt);
+  if (o.prefill_target.empty() && o.engine.local_prefill_below == 0) {
+    o.engine.local_prefill_below = 1 << 30;  // no prefill nodes: everything is local
+  }
+  return o;
+}
+
+}  // namespace
+}  // namespace kvwire
+
+int main(int argc, char** argv) {
+  using namespace kvwire;
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+
+  Flags flags;
+  DefineModelFlags(flags);
+  DefineCompressionFlags(flags);
+  DefineServerFlags(flags, "decode", "0.0.0.0:9102");
+  flags.Define("listen", "0.0.0.0:50051", "gRPC address of the Generation service");
+  flags.Define("prefill", "",
+               "prefill nodes: ipv4:HOST:PORT,HOST:PORT or dns:///NAME:PORT (round-robin "
+               "balanced); empty: prefill every prompt here");
+  flags.Define("prefill-tls-ca", "", "CA that signed the prefill nodes' certificates (TLS)");
+  flags.Define("prefill-tls-cert", "", "this node's client certificate (mutual TLS)");
+  flags.Define("prefill-tls-key", "", "this node's client key (mutual TLS)");
+  flags.Define("prefill-tls-server-name", "", "name to check in the prefill certificates");
+  flags.Define("tls-cert", "", "server certificate chain for clients (PEM); enables TLS");
+  flags.Define("tls-key", "", "server private key (PEM)");
+  flags.Define("tls-client-ca", "", "require client certificates signed by this CA");
+  flags.Define("kv-pool-bytes", "1GiB", "KV cache memory for all sequences");
+  flags.Define("kv-page-bytes", "64KiB", "allocation granularity of the KV pool");
+  flags.Define("max-batch", "32", "sequences prefilling or decoding at once");
+  flags.Define("max-queue", "64", "requests that may wait for admission");
+  flags.Define("queue-timeout-ms", "30000", "longest wait for KV pool room");
+  flags.Define("prefill-attempts", "3", "tries of a failed prefill, on other nodes");
+  flags.Define("local-prefill-below", "0", "prefill prompts shorter than this here");
+  flags.Define("max-chunk-bytes", "1MiB", "largest KV chunk the prefill node may send");
+  flags.Define("attention", "dense", "default decode attention: dense, hybrid, quest, exact_topk");
+  flags.Define("attention-budget", "0", "default per-step token budget of sparse attention");
+  flags.Define("default-max-tokens", "128", "max_tokens when a request sets none");
+  flags.Define("max-tokens-limit", "4096", "largest max_tokens a request may ask");
+  flags.Define("max-prompt-tokens", "0", "longest prompt accepted (0: the model's context)");
+  flags.Define("max-message-bytes", "4MiB", "largest request message accepted");
+  flags.DefineBool("help", "print this help");
+  auto fail = [](const absl::Status& st) {
+    std::fprintf(stderr, "kvwire-decode: %s\n", std::string(st.message()).c_str());
+    return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  };
+  if (absl::Status st = flags.Parse(argc, argv); !st.ok()) return fail(st);
+  if (flags.GetBool("help")) {
+    std::printf("usage: kvwire-decode --model DIR --prefill TARGET [flags]\n\n%s",
+                flags.Help().c_str());
+    return 0;
+  }
+  auto options = OptionsFromFlags(flags);
+  if (!options.ok()) return fail(options.status());
+  auto grace = flags.GetInt("grace-ms", 0, 3600000);
+  if (!grace.ok()) return fail(grace.status());
+  if (flags.GetString("model").empty()) return fail(absl::InvalidArgumentError("--model is required"));
+  if (flags.GetBool("dry-run")) {
+    std::printf("kvwire-decode: flags OK (listen %s, prefill '%s')\n", options->listen.c_str(),
+                options->prefill_target.c_str());
+    return 0;
+  }
+  auto telemetry = TelemetryFromFlags(flags, "decode");
+  if (!telemetry.ok()) return fail(telemetry.status());
+  options->telemetry = telemetry->get();
+  auto model = LoadModelFromFlags(flags);
+  if (!model.ok()) return fail(model.status());
+  auto server = DecodeServer::Start(model->get(), *options);
+  if (!server.ok()) return fail(server.status());
+  std::fprintf(stderr, "kvwire-decode %s: serving %s on port %d, metrics on port %d, prefill %s\n",
+               options->engine.node_name.c_str(), (*model)->description().c_str(),
+               (*server)->port(), (*telemetry)->metrics_port(),
+               options->prefill_target.empty() ? "local" : options->prefill_target.c_str());
+  WaitForTermination([&] { (*server)->Shutdown(static_cast<int>(*grace)); });
+  return 0;
+}

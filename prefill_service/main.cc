@@ -1,0 +1,66 @@
+// kvwire-prefill: the prefill node. Flags, the server, wait for SIGTERM, drain.
+#include <csignal>
+#include <cstdio>
+
+#include "common/server_main.h"
+#include "common/standard_flags.h"
+#include "prefill_service/prefill_server.h"
+
+int main(int argc, char** argv) {
+  using namespace kvwire;
+  // Signals are taken by WaitForTermination; block them in every thread.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+
+  Flags flags;
+  DefineModelFlags(flags);
+  DefineServerFlags(flags, "prefill", "0.0.0.0:9101");
+  flags.Define("listen", "0.0.0.0:50052", "gRPC address of the Prefill service");
+  flags.Define("workers", "1", "prefills that run at once");
+  flags.Define("max-queue", "16", "prefills that may wait; more is RESOURCE_EXHAUSTED");
+  flags.Define("tls-cert", "", "server certificate chain (PEM); enables TLS");
+  flags.Define("tls-key", "", "server private key (PEM)");
+  flags.Define("tls-client-ca", "", "require client certificates signed by this CA (mutual TLS)");
+  flags.DefineBool("help", "print this help");
+  auto fail = [](const absl::Status& st) {
+    std::fprintf(stderr, "kvwire-prefill: %s\n", std::string(st.message()).c_str());
+    return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  };
+  if (absl::Status st = flags.Parse(argc, argv); !st.ok()) return fail(st);
+  if (flags.GetBool("help")) {
+    std::printf("usage: kvwire-prefill --model DIR [flags]\n\n%s", flags.Help().c_str());
+    return 0;
+  }
+  PrefillServerOptions o;
+  o.listen = flags.GetString("listen");
+  o.node_name = flags.GetString("node-name");
+  auto workers = flags.GetInt("workers", 1, 256);
+  auto queue = flags.GetInt("max-queue", 0, 1 << 20);
+  auto grace = flags.GetInt("grace-ms", 0, 3600000);
+  for (const absl::Status& st : {workers.status(), queue.status(), grace.status()}) {
+    if (!st.ok()) return fail(st);
+  }
+  o.workers = static_cast<int>(*workers);
+  o.max_queue = static_cast<int>(*queue);
+  o.tls = {flags.GetString("tls-cert"), flags.GetString("tls-key"), flags.GetString("tls-client-ca")};
+  if (flags.GetString("model").empty()) return fail(absl::InvalidArgumentError("--model is required"));
+  if (flags.GetBool("dry-run")) {
+    std::printf("kvwire-prefill: flags OK (listen %s)\n", o.listen.c_str());
+    return 0;
+  }
+  auto telemetry = TelemetryFromFlags(flags, "prefill");
+  if (!telemetry.ok()) return fail(telemetry.status());
+  o.telemetry = telemetry->get();
+  auto model = LoadModelFromFlags(flags);
+  if (!model.ok()) return fail(model.status());
+  auto server = PrefillServer::Start(model->get(), o);
+  if (!server.ok()) return fail(server.status());
+  std::fprintf(stderr, "kvwire-prefill %s: serving %s on port %d, metrics on port %d\n",
+               o.node_name.c_str(), (*model)->description().c_str(), (*server)->port(),
+               (*telemetry)->metrics_port());
+  WaitForTermination([&] { (*server)->Shutdown(static_cast<int>(*grace)); });
+  return 0;
+}

@@ -1,0 +1,38 @@
+// Translation between the kvwire/v1 protobuf messages and kvwire's domain types, and the
+// one place where absl::Status becomes grpc::Status (the codes map one to one).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/compression.h"
+#include "common/kv_wire.h"
+#include "kvwire/v1/generation.pb.h"
+#include "kvwire/v1/kv.pb.h"
+#include "kvwire/v1/prefill.pb.h"
+
+namespace kvwire {
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// Overlays the fields set in `params` on `config` (the server's defaults). Names that
+// are not policies, pooling kinds or GQA modes are InvalidArgument naming the field;
+// the result is validated.
+absl::Status ApplyCompressionParams(const v1::CompressionParams& params, CompressionConfig* config);
+// Every field set: what the decode node sends the prefill node.
+v1::CompressionParams ToProto(const CompressionConfig& config);
+
+v1::KvDType ToProto(DType dtype);
+absl::StatusOr<DType> FromProto(v1::KvDType dtype);
+
+v1::KvHeader ToProto(const WireHeader& header);
+absl::StatusOr<WireHeader> FromProto(const v1::KvHeader& header);
+// Moves the payload bytes.
+void ToProto(WireChunk chunk, v1::KvChunk* out);
+WireChunk FromProto(v1::KvChunk* chunk);
+v1::KvTrailer ToProto(const WireTrailer& trailer);
+WireTrailer FromProto(const v1::KvTrailer& trailer);
+
+}  // namespace kvwire
