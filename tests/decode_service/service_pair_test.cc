@@ -1,0 +1,639 @@
+// The service pair with real gRPC servers on loopback port 0: tokens through prefill node
+// + decode node equal single-process generation; every bad request field is
+// INVALID_ARGUMENT naming the field; a prefill node killed mid-stream, a client that
+// cancels, a deadline that passes, a full pool and a corrupted KV chunk all end cleanly,
+// after which the KV pool is empty again and the nodes keep serving.
+#include <gtest/gtest.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <thread>
+
+#include "common/generate.h"
+#include "decode_service/decode_server.h"
+#include "kvwire/v1/generation.grpc.pb.h"
+#include "prefill_service/prefill_server.h"
+#include "tests/test_util.h"
+
+namespace kvwire {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string ModelSpec() {
+  return testing::SharedDir().empty() ? "synthetic:stories" : testing::StoriesModelDir();
+}
+
+struct Result {
+  grpc::Status status;
+  std::vector<int32_t> ids;
+  std::string text;
+  std::vector<float> logprobs;
+  v1::Final final;
+  int messages = 0;
+};
+
+Result Call(v1::Generation::Stub& stub, const v1::GenerateRequest& req, int deadline_ms = 30000,
+            const std::function<void(grpc::ClientContext&, int)>& after_message = {}) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
+  Result r;
+  auto reader = stub.Generate(&ctx, req);
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    ++r.messages;
+    r.ids.insert(r.ids.end(), msg.token_ids().begin(), msg.token_ids().end());
+    r.text += msg.text();
+    r.logprobs.insert(r.logprobs.end(), msg.logprobs().begin(), msg.logprobs().end());
+    if (msg.has_final()) r.final = msg.final();
+    if (after_message) after_message(ctx, r.messages);
+  }
+  r.status = reader->Finish();
+  return r;
+}
+
+class ServicePairTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefill_model_ = Load();
+    decode_model_ = Load();
+    ASSERT_NE(prefill_model_, nullptr);
+    ASSERT_NE(decode_model_, nullptr);
+  }
+  void TearDown() override {
+    for (auto& t : helpers_) t.join();
+    decode_.reset();
+    prefills_.clear();
+  }
+
+  static std::unique_ptr<LlamaModel> Load() {
+    LoadOptions o;
+    o.threads = 1;
+    auto m = LlamaModel::Load(ModelSpec(), o);
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.ok() ? std::move(*m) : nullptr;
+  }
+
+  PrefillServer* AddPrefill(PrefillServerOptions o = {}) {
+    o.listen = o.listen == "0.0.0.0:0" ? "127.0.0.1:0" : o.listen;
+    auto s = PrefillServer::Start(prefill_model_.get(), std::move(o));
+    EXPECT_TRUE(s.ok()) << s.status();
+    prefills_.push_back(std::move(*s));
+    return prefills_.back().get();
+  }
+
+  void StartDecode(DecodeServerOptions o = {}) {
+    o.listen = "127.0.0.1:0";
+    if (o.prefill_target.empty() && !prefills_.empty()) {
+      o.prefill_target = "ipv4:";
+      for (size_t i = 0; i < prefills_.size(); ++i) {
+        o.prefill_target += (i ? ",127.0.0.1:" : "127.0.0.1:") + std::to_string(prefills_[i]->port());
+      }
+    }
+    o.engine.node_name = "decode-test";
+    auto s = DecodeServer::Start(decode_model_.get(), std::move(o));
+    ASSERT_TRUE(s.ok()) << s.status();
+    decode_ = std::move(*s);
+    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(decode_->port()),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = v1::Generation::NewStub(channel_);
+  }
+
+  // The pool is empty again (waits a little: pages return when the engine notices).
+  void ExpectPoolEmpty() {
+    const auto until = Clock::now() + std::chrono::seconds(5);
+    while (decode_->pool().used() != 0 && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(decode_->pool().used(), 0u);
+    EXPECT_EQ(decode_->engine().active(), 0);
+  }
+
+  // A request the nodes must still serve correctly.
+  void ExpectStillServing() {
+    v1::GenerateRequest req;
+    req.mutable_prompt_ids()->add_ids(1);
+    req.mutable_sampling()->set_max_tokens(4);
+    const Result r = Call(*stub_, req);
+    EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.ids.size(), 4u);
+  }
+
+  std::vector<int32_t> LongPrompt(int n) const {
+    std::vector<int32_t> ids = {1};
+    auto text = decode_model_->tokenizer().Encode(
+        "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+        "park with her friends and her dog. One day, she saw a big red ball under a tree. ",
+        false);
+    while (static_cast<int>(ids.size()) < n) {
+      for (int32_t id : *text) {
+        if (static_cast<int>(ids.size()) < n) ids.push_back(id);
+      }
+    }
+    return ids;
+  }
+
+  std::unique_ptr<LlamaModel> prefill_model_, decode_model_;
+  std::vector<std::unique_ptr<PrefillServer>> prefills_;
+  std::unique_ptr<DecodeServer> decode_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Generation::Stub> stub_;
+  std::vector<std::thread> helpers_;  // joined before the servers go
+};
+
+v1::GenerateRequest Request(const std::vector<int32_t>& ids, int max_tokens) {
+  v1::GenerateRequest req;
+  for (int32_t id : ids) req.mutable_prompt_ids()->add_ids(id);
+  req.mutable_sampling()->set_max_tokens(max_tokens);
+  return req;
+}
+
+TEST_F(ServicePairTest, TokensEqualSingleProcessGeneration) {
+  AddPrefill();
+  StartDecode();
+  const std::vector<int32_t> prompt = LongPrompt(300);
+  struct Case {
+    std::string name;
+    std::function<void(v1::CompressionParams*)> compression;
+    Policy policy;
+    int budget;
+    GqaMode gqa = GqaMode::kSum;
+  };
+  const std::vector<Case> cases = {
+      {"full", [](auto* c) { c->set_policy("full"); }, Policy::kFull, 0},
+      {"snapkv", [](auto* c) { c->set_policy("snapkv"); c->set_budget(64); }, Policy::kSnapKV, 64},
+      {"snapkv per query head",
+       [](auto* c) { c->set_policy("snapkv"); c->set_budget(48); c->set_gqa("per_query_head"); },
+       Policy::kSnapKV, 48, GqaMode::kPerQueryHead},
+      {"chunkkv", [](auto* c) { c->set_policy("chunkkv"); c->set_budget(80); }, Policy::kChunkKV, 80},
+  };
+  for (const Case& c : cases) {
+    for (bool sampled : {false, true}) {
+      SCOPED_TRACE(c.name + (sampled ? " sampled" : " greedy"));
+      v1::GenerateRequest req = Request(prompt, 24);
+      c.compression(req.mutable_compression());
+      req.set_return_logprobs(true);
+      GenerationRequest local;
+      local.prompt_ids = prompt;
+      local.max_tokens = 24;
+      local.compression.policy = c.policy;
+      local.compression.budget = c.budget;
+      local.compression.gqa = c.gqa;
+      local.stop_ids = decode_model_->config().eos_token_ids;
+      if (sampled) {
+        req.mutable_sampling()->set_temperature(0.8f);
+        req.mutable_sampling()->set_top_p(0.9f);
+        req.mutable_sampling()->set_seed(7);
+        local.sampling = {0.8f, 0, 0.9f};
+        local.seed = 7;
+      } else {
+        local.sampling.temperature = 0;
+      }
+      const Result r = Call(*stub_, req);
+      ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+      auto want = Generate(*decode_model_, local);
+      ASSERT_TRUE(want.ok()) << want.status();
+      EXPECT_EQ(r.ids, want->ids);
+      ASSERT_EQ(r.logprobs.size(), want->logprobs.size());
+      for (size_t i = 0; i < r.logprobs.size(); ++i) EXPECT_NEAR(r.logprobs[i], want->logprobs[i], 1e-4);
+      auto text = decode_model_->tokenizer().Decode(want->ids);
+      StreamingDecoder expect_text(decode_model_->tokenizer());
+      ASSERT_TRUE(expect_text.Prime(prompt).ok());
+      std::string streamed;
+      for (int32_t id : want->ids) streamed += *expect_text.Push(id);
+      streamed += expect_text.Flush();
+      EXPECT_EQ(r.text, streamed);
+      // The request's own figures.
+      const v1::RequestStats& st = r.final.stats();
+      const int64_t per_token = decode_model_->config().KvBytesPerToken(decode_model_->kv_dtype());
+      EXPECT_EQ(r.final.usage().prompt_tokens(), 300);
+      EXPECT_EQ(r.final.usage().completion_tokens(), static_cast<int>(want->ids.size()));
+      EXPECT_EQ(st.full_cache_bytes(), 300 * per_token);
+      EXPECT_EQ(st.kept_tokens(), c.budget ? c.budget : 300);
+      EXPECT_GT(st.wire_bytes(), 0);
+      if (c.policy != Policy::kFull) {
+        EXPECT_LT(st.wire_bytes(), st.full_cache_bytes());
+      }
+      EXPECT_EQ(st.prefill_node(), "prefill");
+      EXPECT_EQ(st.decode_node(), "decode-test");
+      EXPECT_GT(st.ttft_ms(), 0);
+      EXPECT_EQ(st.prefill_attempts(), 1);
+    }
+  }
+  ExpectPoolEmpty();
+}
+
+TEST_F(ServicePairTest, ConcurrentRequestsShareTheBatch) {
+  AddPrefill();
+  DecodeServerOptions o;
+  o.default_compression.policy = Policy::kSnapKV;
+  o.default_compression.budget = 40;
+  StartDecode(o);
+  constexpr int kRequests = 8;
+  std::vector<Result> results(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      v1::GenerateRequest req = Request(LongPrompt(60 + 17 * i), 12 + i);
+      results[i] = Call(*stub_, req);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
+    GenerationRequest local;
+    local.prompt_ids = LongPrompt(60 + 17 * i);
+    local.max_tokens = 12 + i;
+    local.sampling.temperature = 0;
+    local.compression.policy = Policy::kSnapKV;
+    local.compression.budget = 40;
+    local.stop_ids = decode_model_->config().eos_token_ids;
+    auto want = Generate(*decode_model_, local);
+    ASSERT_TRUE(want.ok());
+    EXPECT_EQ(results[i].ids, want->ids) << "request " << i;
+  }
+  ExpectPoolEmpty();
+}
+
+TEST_F(ServicePairTest, LocalPrefillForShortPrompts) {
+  AddPrefill();
+  DecodeServerOptions o;
+  o.engine.local_prefill_below = 50;
+  StartDecode(o);
+  const Result r = Call(*stub_, Request(LongPrompt(20), 10));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.final.stats().prefill_node(), "local");
+  EXPECT_EQ(r.final.stats().wire_bytes(), 0);
+  GenerationRequest local;
+  local.prompt_ids = LongPrompt(20);
+  local.max_tokens = 10;
+  local.sampling.temperature = 0;
+  local.stop_ids = decode_model_->config().eos_token_ids;
+  EXPECT_EQ(r.ids, Generate(*decode_model_, local)->ids);
+  const Result remote = Call(*stub_, Request(LongPrompt(80), 4));
+  ASSERT_TRUE(remote.status.ok());
+  EXPECT_EQ(remote.final.stats().prefill_node(), "prefill");
+}
+
+TEST_F(ServicePairTest, TextPromptStopStringsAndEos) {
+  AddPrefill();
+  StartDecode();
+  v1::GenerateRequest req;
+  req.set_prompt("Once upon a time, there was a little girl named Lily.");
+  req.mutable_sampling()->set_max_tokens(48);
+  const Result full = Call(*stub_, req);
+  ASSERT_TRUE(full.status.ok());
+  ASSERT_GT(full.text.size(), 20u);
+  // Stop at a string from the middle of that text: output ends right before it.
+  const std::string stop = full.text.substr(full.text.size() / 2, 4);
+  req.mutable_sampling()->add_stop(stop);
+  const Result stopped = Call(*stub_, req);
+  ASSERT_TRUE(stopped.status.ok());
+  EXPECT_EQ(stopped.final.finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_EQ(stopped.text, full.text.substr(0, full.text.find(stop)));
+  EXPECT_EQ(full.final.finish_reason(), v1::FINISH_REASON_LENGTH);
+  // A stop token id ends generation after that token.
+  v1::GenerateRequest by_id = req;
+  by_id.mutable_sampling()->clear_stop();
+  by_id.mutable_sampling()->add_stop_token_ids(full.ids[3]);
+  const Result r = Call(*stub_, by_id);
+  ASSERT_TRUE(r.status.ok());
+  EXPECT_EQ(r.ids, std::vector<int32_t>(full.ids.begin(), full.ids.begin() + 4));
+  EXPECT_EQ(r.final.finish_reason(), v1::FINISH_REASON_STOP);
+}
+
+TEST_F(ServicePairTest, EveryBadFieldIsInvalidArgumentNamingIt) {
+  AddPrefill();
+  StartDecode();
+  struct Case {
+    std::string expect;
+    std::function<void(v1::GenerateRequest*)> edit;
+  };
+  const int vocab = decode_model_->config().vocab_size;
+  const std::vector<Case> cases = {
+      {"input", [](auto* r) { r->clear_prompt_ids(); }},
+      {"prompt: is empty", [](auto* r) { r->set_prompt(""); }},
+      {"prompt_ids: is empty", [](auto* r) { r->mutable_prompt_ids()->clear_ids(); }},
+      {"prompt_ids: ids[3] = -3", [](auto* r) { r->mutable_prompt_ids()->add_ids(-3); }},
+      {"prompt_ids: ids[3]", [=](auto* r) { r->mutable_prompt_ids()->add_ids(vocab); }},
+      {"sampling.max_tokens", [](auto* r) { r->mutable_sampling()->set_max_tokens(0); }},
+      {"sampling.max_tokens", [](auto* r) { r->mutable_sampling()->set_max_tokens(100000); }},
+      {"sampling.temperature", [](auto* r) { r->mutable_sampling()->set_temperature(-1); }},
+      {"sampling.temperature", [](auto* r) { r->mutable_sampling()->set_temperature(NAN); }},
+      {"sampling.top_p", [](auto* r) { r->mutable_sampling()->set_top_p(0); }},
+      {"sampling.top_p", [](auto* r) { r->mutable_sampling()->set_top_p(1.5f); }},
+      {"sampling.top_k", [](auto* r) { r->mutable_sampling()->set_top_k(-1); }},
+      {"sampling.stop", [](auto* r) { r->mutable_sampling()->add_stop(""); }},
+      {"sampling.stop", [](auto* r) { r->mutable_sampling()->add_stop(std::string(300, 'a')); }},
+      {"sampling.stop_token_ids", [=](auto* r) { r->mutable_sampling()->add_stop_token_ids(vocab + 5); }},
+      {"compression.policy", [](auto* r) { r->mutable_compression()->set_policy("h2o"); }},
+      {"needs a budget", [](auto* r) { r->mutable_compression()->set_policy("snapkv"); }},
+      {"must exceed the observation window",
+       [](auto* r) { r->mutable_compression()->set_policy("snapkv"); r->mutable_compression()->set_budget(8); }},
+      {"kernel must be odd",
+       [](auto* r) {
+         r->mutable_compression()->set_policy("snapkv");
+         r->mutable_compression()->set_budget(64);
+         r->mutable_compression()->set_kernel(4);
+       }},
+      {"compression.pool", [](auto* r) { r->mutable_compression()->set_pool("min"); }},
+      {"compression.gqa", [](auto* r) { r->mutable_compression()->set_gqa("all"); }},
+      {"ratio must be in", [](auto* r) {
+         r->mutable_compression()->set_policy("snapkv");
+         r->mutable_compression()->set_ratio(2.0);
+       }},
+      {"attention.mode", [](auto* r) { r->mutable_attention()->set_mode("magic"); }},
+      {"request_id", [](auto* r) { r->set_request_id(std::string(300, 'x')); }},
+      {"exceeds the model's context", [](auto* r) { r->mutable_sampling()->set_max_tokens(4000); }},
+  };
+  for (const Case& c : cases) {
+    v1::GenerateRequest req = Request({1, 100, 200}, 8);
+    c.edit(&req);
+    const Result r = Call(*stub_, req);
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << c.expect << ": " << r.status.error_message();
+    EXPECT_NE(r.status.error_message().find(c.expect), std::string::npos)
+        << "'" << c.expect << "' not in: " << r.status.error_message();
+    EXPECT_TRUE(r.ids.empty());
+  }
+  ExpectPoolEmpty();
+  ExpectStillServing();
+}
+
+TEST_F(ServicePairTest, PrefillKilledMidStreamRetriesOnAnotherNode) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool reached = false, release = false;
+  PrefillServerOptions doomed;
+  doomed.node_name = "doomed";
+  doomed.testing_before_chunk = [&](int chunk) {
+    if (chunk != 2) return;
+    std::unique_lock<std::mutex> lock(mu);
+    reached = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return release; });
+  };
+  PrefillServer* a = AddPrefill(doomed);
+  PrefillServerOptions healthy;
+  healthy.node_name = "healthy";
+  AddPrefill(healthy);
+  StartDecode();
+  // When a stream reaches its third chunk on the doomed node, the node is shut down
+  // (which cancels the stream) while that chunk is held back.
+  helpers_.emplace_back([&] {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return reached; });
+    lock.unlock();
+    std::thread kill([a] { a->Shutdown(0); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    lock.lock();
+    release = true;
+    cv.notify_all();
+    lock.unlock();
+    kill.join();
+  });
+  // Round robin spreads requests over both nodes, so one meets the doomed node.
+  v1::GenerateRequest req = Request(LongPrompt(200), 8);
+  req.mutable_compression()->set_policy("snapkv");
+  req.mutable_compression()->set_budget(32);
+  int retried = 0;
+  for (int i = 0; i < 4; ++i) {
+    const Result r = Call(*stub_, req);
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.ids.size(), 8u);
+    EXPECT_EQ(r.final.stats().prefill_node(), "healthy");
+    retried += r.final.stats().prefill_attempts() > 1;
+  }
+  EXPECT_TRUE(reached);
+  EXPECT_GE(retried, 1) << "the request that met the dying node was retried";
+  ExpectPoolEmpty();
+  ExpectStillServing();
+}
+
+TEST_F(ServicePairTest, PrefillKilledWithNoOtherNodeFailsCleanly) {
+  std::atomic<PrefillServer*> victim{nullptr};
+  std::mutex helpers_mu;
+  PrefillServerOptions o;
+  o.testing_before_chunk = [&](int chunk) {
+    if (chunk == 1 && victim.load()) {
+      PrefillServer* v = victim.exchange(nullptr);
+      {
+        std::lock_guard<std::mutex> lock(helpers_mu);
+        helpers_.emplace_back([v] { v->Shutdown(0); });
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  };
+  PrefillServer* p = AddPrefill(o);
+  const int port = p->port();
+  victim = p;
+  DecodeServerOptions d;
+  d.engine.prefill_attempts = 2;
+  StartDecode(d);
+  const Result r = Call(*stub_, Request(LongPrompt(120), 8));
+  EXPECT_FALSE(r.status.ok());
+  EXPECT_TRUE(r.status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+              r.status.error_code() == grpc::StatusCode::CANCELLED)
+      << r.status.error_code() << " " << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("prefill"), std::string::npos) << r.status.error_message();
+  ExpectPoolEmpty();
+  // A replacement prefill node on the same port: the decode node serves again.
+  PrefillServerOptions again;
+  again.listen = "127.0.0.1:" + std::to_string(port);
+  AddPrefill(again);
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  Result ok;
+  do {
+    ok = Call(*stub_, Request(LongPrompt(120), 4));
+  } while (!ok.status.ok() && Clock::now() < until);
+  EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
+}
+
+TEST_F(ServicePairTest, ClientCancellationFreesEverything) {
+  AddPrefill();
+  StartDecode();
+  v1::GenerateRequest req = Request(LongPrompt(100), 400);
+  req.mutable_sampling()->set_ignore_eos(true);
+  const Result r = Call(*stub_, req, 30000, [](grpc::ClientContext& ctx, int messages) {
+    if (messages == 3) ctx.TryCancel();
+  });
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_LT(r.ids.size(), 400u);
+  ExpectPoolEmpty();
+  ExpectStillServing();
+}
+
+TEST_F(ServicePairTest, CancellationDuringPrefillCancelsThePrefill) {
+  std::atomic<int> started{0};
+  PrefillServerOptions o;
+  o.testing_before_chunk = [&](int chunk) {
+    if (chunk == 0) {
+      ++started;
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    }
+  };
+  AddPrefill(o);
+  StartDecode();
+  grpc::ClientContext ctx;
+  std::thread canceller([&] {
+    while (started.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    ctx.TryCancel();
+  });
+  auto reader = stub_->Generate(&ctx, Request(LongPrompt(100), 8));
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  canceller.join();
+  ExpectPoolEmpty();
+  ExpectStillServing();
+}
+
+TEST_F(ServicePairTest, DeadlineExpiry) {
+  PrefillServerOptions o;
+  o.testing_before_chunk = [](int chunk) {
+    if (chunk == 0) std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  };
+  AddPrefill(o);
+  StartDecode();
+  const Result r = Call(*stub_, Request(LongPrompt(100), 8), /*deadline_ms=*/150);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << r.status.error_message();
+  ExpectPoolEmpty();
+  ExpectStillServing();
+}
+
+size_t CacheBytes(const LlamaModel& m, int prompt, int max_tokens) {
+  return KvCache::BytesFor(
+      CompressedCacheShape(CompressionConfig{}, m.config(), m.kv_dtype(), prompt, max_tokens));
+}
+
+TEST_F(ServicePairTest, FullPoolWaitsForRoom) {
+  AddPrefill();
+  DecodeServerOptions o;
+  o.kv_pool_bytes = CacheBytes(*decode_model_, 100, 100) * 3 / 2;  // one 200-token request
+  o.kv_page_bytes = 4096;
+  StartDecode(o);
+  // Too big for the pool whatever happens: refused at once, saying why.
+  const Result huge = Call(*stub_, Request(LongPrompt(200), 300));
+  EXPECT_EQ(huge.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(huge.status.error_message().find("pool holds"), std::string::npos)
+      << huge.status.error_message();
+  // Two that fit only one at a time: the second waits for the first, then runs.
+  v1::GenerateRequest req = Request(LongPrompt(100), 100);
+  req.mutable_sampling()->set_ignore_eos(true);
+  std::vector<Result> both(2);
+  std::thread t1([&] { both[0] = Call(*stub_, req); });
+  std::thread t2([&] { both[1] = Call(*stub_, req); });
+  t1.join();
+  t2.join();
+  for (const Result& r : both) {
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.ids.size(), 100u);
+  }
+  EXPECT_EQ(both[0].ids, both[1].ids);
+  ExpectPoolEmpty();
+}
+
+TEST_F(ServicePairTest, FullPoolRefusesAfterTheQueueTimeout) {
+  PrefillServerOptions slow;
+  slow.testing_before_chunk = [](int chunk) {
+    if (chunk == 0) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  };
+  AddPrefill(slow);
+  DecodeServerOptions o;
+  o.kv_pool_bytes = CacheBytes(*decode_model_, 100, 100) * 3 / 2;
+  o.kv_page_bytes = 4096;
+  o.engine.queue_timeout_ms = 150;
+  StartDecode(o);
+  v1::GenerateRequest req = Request(LongPrompt(100), 100);
+  std::vector<Result> both(2);
+  std::thread t1([&] { both[0] = Call(*stub_, req); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::thread t2([&] { both[1] = Call(*stub_, req); });
+  t1.join();
+  t2.join();
+  EXPECT_TRUE(both[0].status.ok()) << both[0].status.error_message();
+  EXPECT_EQ(both[1].status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(both[1].status.error_message().find("waited 150 ms"), std::string::npos)
+      << both[1].status.error_message();
+  ExpectPoolEmpty();
+  ExpectStillServing();
+}
+
+TEST_F(ServicePairTest, CorruptedChunkIsRejectedByChecksum) {
+  PrefillServerOptions bad;
+  bad.node_name = "corrupting";
+  bad.testing_corrupt_chunk = 1;
+  AddPrefill(bad);
+  DecodeServerOptions o;
+  o.engine.prefill_attempts = 1;
+  StartDecode(o);
+  const Result r = Call(*stub_, Request(LongPrompt(150), 8));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DATA_LOSS) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("CRC-32C mismatch"), std::string::npos)
+      << r.status.error_message();
+  ExpectPoolEmpty();
+  // With a healthy node beside it, the retry lands there and the request succeeds.
+  PrefillServerOptions good;
+  good.node_name = "good";
+  AddPrefill(good);
+  decode_.reset();
+  StartDecode();
+  for (int i = 0; i < 3; ++i) {
+    const Result ok = Call(*stub_, Request(LongPrompt(150), 8));
+    ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
+    EXPECT_EQ(ok.final.stats().prefill_node(), "good");
+  }
+  ExpectPoolEmpty();
+}
+
+TEST_F(ServicePairTest, HealthCheckingIsServing) {
+  AddPrefill();
+  StartDecode();
+  for (int port : {decode_->port(), prefills_[0]->port()}) {
+    auto ch = grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
+    grpc::ClientContext ctx;
+    grpc::Slice empty("", 0);
+    grpc::ByteBuffer request(&empty, 1), response;
+    // grpc.health.v1.HealthCheckRequest{service: ""} is the empty message.
+    grpc::GenericStub generic(ch);
+    grpc::Status st;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                      &response, [&](grpc::Status s) {
+                        std::lock_guard<std::mutex> lock(mu);
+                        st = s;
+                        done = true;
+                        cv.notify_all();
+                      });
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(response.Dump(&slices).ok());
+    // HealthCheckResponse{status: SERVING (1)} encodes as field 1, varint 1.
+    ASSERT_EQ(slices.size(), 1u);
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(slices[0].begin()), slices[0].size()),
+              std::string("\x08\x01", 2));
+  }
+}
+
+TEST_F(ServicePairTest, OversizedRequestMessageIsRefused) {
+  AddPrefill();
+  DecodeServerOptions o;
+  o.max_message_bytes = 4096;
+  StartDecode(o);
+  v1::GenerateRequest req;
+  req.set_prompt(std::string(8000, 'a'));
+  const Result r = Call(*stub_, req);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << r.status.error_message();
+  ExpectStillServing();
+}
+
+}  // namespace
+}  // namespace kvwire
