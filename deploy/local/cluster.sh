@@ -1,0 +1,472 @@
+#!/usr/bin/env bash
+# A local kvwire cluster on loopback: nginx as the gRPC router, two decode nodes behind it,
+# two prefill nodes behind those. Every file it writes (rendered config, logs, traces, pids,
+# nginx temp dirs) lives under the run directory.
+#
+#   deploy/local/cluster.sh start       [--dir DIR] [--base-port N] [--model M] [--build-dir B]
+#   deploy/local/cluster.sh wait-ready  [--dir DIR] [--timeout S]
+#   deploy/local/cluster.sh status      [--dir DIR]
+#   deploy/local/cluster.sh stop        [--dir DIR] [--timeout S]
+#
+# See deploy/local/README.md. Node flags (policy defaults etc.) come from
+# deploy/local/node-flags.env, the file the Kubernetes ConfigMap carries too.
+set -euo pipefail
+shopt -u patsub_replacement 2>/dev/null || true  # '&' in a replacement is literal
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+FLAGS_FILE="$REPO/deploy/local/node-flags.env"
+TEMPLATE="$REPO/deploy/router/nginx.conf.template"
+SHARED_MODEL="$REPO/../shared/models/stories260K-hf"
+
+usage() {
+  cat <<EOF
+usage: deploy/local/cluster.sh start|stop|status|wait-ready [options]
+
+commands:
+  start       start the router, 2 decode and 2 prefill nodes (what already runs is kept)
+  wait-ready  wait until every node and the router answer grpc.health.v1.Health/Check
+  status      print each process, its pid, ports and whether it is alive (exit 3 if any is not)
+  stop        SIGTERM the nodes (SIGQUIT nginx), wait, SIGKILL stragglers; keeps logs
+
+options:
+  --dir DIR        run directory: logs, pids, rendered config, nginx temp (default build/cluster)
+  --base-port N    router N, decode-0 N+1, prefill-0 N+2, decode-1 N+3, prefill-1 N+4,
+                   metrics N+5..N+8 (start only; overrides the port variables below)
+  --model M        model folder or synthetic:NAME (default ../shared/models/stories260K-hf
+                   when present, else synthetic:stories)
+  --build-dir B    where the binaries are (default build)
+  --timeout S      wait-ready: seconds to wait (default 60); stop: seconds before SIGKILL
+                   (default 30)
+
+environment (start; defaults in brackets):
+  KVWIRE_HOST [127.0.0.1]  KVWIRE_ROUTER_PORT [8080]
+  KVWIRE_DECODE0_PORT [50051]  KVWIRE_DECODE1_PORT [50061]
+  KVWIRE_PREFILL0_PORT [50052]  KVWIRE_PREFILL1_PORT [50062]
+  KVWIRE_PREFILL0_METRICS_PORT [9101]  KVWIRE_DECODE0_METRICS_PORT [9102]
+  KVWIRE_PREFILL1_METRICS_PORT [9103]  KVWIRE_DECODE1_METRICS_PORT [9104]
+  KVWIRE_THREADS [1]  CPU threads per node (4 nodes share this machine)
+  KVWIRE_NGINX [nginx on PATH, else /usr/sbin/nginx]  KVWIRE_PYTHON [/usr/bin/python3]
+EOF
+}
+
+die() {
+  echo "cluster.sh: error: $*" >&2
+  exit 1
+}
+say() { echo "cluster.sh: $*"; }
+
+# ---- options ----------------------------------------------------------------------------
+
+[[ $# -ge 1 ]] || { usage >&2; exit 2; }
+CMD=$1
+shift
+DIR="$REPO/build/cluster"
+BUILD_DIR="${KVWIRE_BUILD_DIR:-$REPO/build}"
+BASE_PORT=""
+MODEL="${KVWIRE_MODEL:-}"
+TIMEOUT=""
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --dir) DIR=${2:?--dir needs a value}; shift 2 ;;
+    --base-port) BASE_PORT=${2:?--base-port needs a value}; shift 2 ;;
+    --model) MODEL=${2:?--model needs a value}; shift 2 ;;
+    --build-dir) BUILD_DIR=${2:?--build-dir needs a value}; shift 2 ;;
+    --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
+    -h | --help) usage; exit 0 ;;
+    *) usage >&2; die "unknown option '$1'" ;;
+  esac
+done
+case $CMD in
+  start | stop | status | wait-ready) ;;
+  -h | --help | help) usage; exit 0 ;;
+  *) usage >&2; die "unknown command '$CMD'" ;;
+esac
+[[ -z $BASE_PORT || $BASE_PORT =~ ^[0-9]+$ ]] || die "--base-port takes a number, got '$BASE_PORT'"
+[[ -z $TIMEOUT || $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout takes whole seconds, got '$TIMEOUT'"
+
+if [[ $CMD == start ]]; then
+  mkdir -p "$DIR" 2>/dev/null || die "cannot create the run directory $DIR"
+fi
+[[ -d $DIR ]] || die "no cluster in $DIR (no such directory)"
+DIR=$(cd "$DIR" && pwd)
+BUILD_DIR=$(cd "$BUILD_DIR" 2>/dev/null && pwd) || BUILD_DIR="$REPO/build"
+PREFILL_BIN="$BUILD_DIR/prefill_service/kvwire-prefill"
+DECODE_BIN="$BUILD_DIR/decode_service/kvwire-decode"
+PYTHON="${KVWIRE_PYTHON:-/usr/bin/python3}"
+NGINX="${KVWIRE_NGINX:-$(command -v nginx || echo /usr/sbin/nginx)}"
+NODES_FILE="$DIR/nodes"    # one line per process: NAME KIND PORT METRICS_PORT EXECUTABLE
+MODEL_FILE="$DIR/model"
+
+# ---- processes --------------------------------------------------------------------------
+
+# Is `pid` alive and running `exe`? (A zombie has an empty cmdline; nginx rewrites its own to
+# "nginx: master process /usr/sbin/nginx ...", which still contains the executable.)
+alive() {
+  local pid=$1 exe=$2 cmdline
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  [[ $cmdline == *"$exe"* ]]
+}
+
+pid_of() {  # prints the recorded pid of a process, if any
+  local f="$DIR/pids/$1.pid"
+  [[ -r $f ]] && cat "$f"
+}
+
+port_in_use() { (: <"/dev/tcp/$1/$2") 2>/dev/null; }
+
+# Reads the process table written by start into the arrays NAMES KINDS PORTS METRICS EXES.
+load_nodes() {
+  [[ -r $NODES_FILE ]] || die "no cluster in $DIR (run: deploy/local/cluster.sh start --dir $DIR)"
+  NAMES=() KINDS=() PORTS=() METRICS=() EXES=()
+  local name kind port metrics exe
+  while read -r name kind port metrics exe; do
+    NAMES+=("$name") KINDS+=("$kind") PORTS+=("$port") METRICS+=("$metrics") EXES+=("$exe")
+  done <"$NODES_FILE"
+  HOST=$(cat "$DIR/host")
+}
+
+any_alive() {
+  local i pid
+  for i in "${!NAMES[@]}"; do
+    pid=$(pid_of "${NAMES[$i]}") && alive "$pid" "${EXES[$i]}" && return 0
+  done
+  return 1
+}
+
+log_tail() {
+  local log
+  for log in "$DIR/logs/$1.log" "$DIR/$1/logs/error.log"; do
+    if [[ -s $log ]]; then
+      echo "---- last lines of $log" >&2
+      tail -n 15 "$log" >&2
+    fi
+  done
+}
+
+# Appends the flags of one role (PREFILL or DECODE) from node-flags.env to the array FLAGS:
+# DECODE_KV_POOL_BYTES=256MiB becomes --kv-pool-bytes=256MiB.
+role_flags() {
+  local role=$1 line key value n=0
+  while IFS= read -r line || [[ -n $line ]]; do
+    n=$((n + 1))
+    [[ $line =~ ^[[:space:]]*(#|$) ]] && continue
+    [[ $line =~ ^([A-Z][A-Z0-9_]*)=([^[:space:]\"\']*)$ ]] ||
+      die "$FLAGS_FILE:$n: expected KEY=VALUE (no quotes, no spaces), got '$line'"
+    key=${BASH_REMATCH[1]} value=${BASH_REMATCH[2]}
+    [[ $key == "${role}_"* ]] || continue
+    key=${key#"${role}_"}
+    key=${key,,}
+    FLAGS+=("--${key//_/-}=$value")
+  done <"$FLAGS_FILE"
+}
+
+# Starts one process in its own session (so a terminal's hangup or ^C does not reach it;
+# stop and the demo's trap end it), output appended to its log.
+launch() {
+  local name=$1 exe=$2 port=$3 metrics=$4 pid
+  shift 4
+  if pid=$(pid_of "$name") && alive "$pid" "$exe"; then
+    say "$name already running (pid $pid)"
+    return
+  fi
+  local p
+  for p in "$port" "$metrics"; do
+    [[ $p == - ]] && continue
+    port_in_use "$HOST" "$p" &&
+      die "port $HOST:$p for $name is already in use (another cluster? stop it, or choose" \
+        "ports with --base-port or the KVWIRE_*_PORT variables)"
+  done
+  local log="$DIR/logs/$name.log"
+  echo "==== $(date -u +%FT%TZ) $exe $*" >>"$log"
+  setsid "$exe" "$@" </dev/null >>"$log" 2>&1 &
+  echo "$!" >"$DIR/pids/$name.pid"
+  say "started $name (pid $!) on $HOST:$port; log $log"
+}
+
+# ---- commands ---------------------------------------------------------------------------
+
+nginx_args() {
+  NGINX_ARGS=(-p "$DIR/router" -e "$DIR/router/logs/error.log" -c "$DIR/router/nginx.conf")
+  # As root, nginx would run its workers as nobody, who may not reach a private run
+  # directory; run them as the launching user instead, as they are when it is not root.
+  if [[ $(id -u) -eq 0 ]]; then NGINX_ARGS+=(-g "user root;"); fi
+}
+
+render_router() {
+  local servers="" i
+  for i in "${!NAMES[@]}"; do
+    [[ ${KINDS[$i]} == decode ]] || continue
+    servers+="    server $HOST:${PORTS[$i]} max_fails=1 fail_timeout=2s;"$'\n'
+  done
+  local conf
+  conf=$(<"$TEMPLATE")
+  conf=${conf//@PREFIX@/$DIR/router}
+  conf=${conf//@LISTEN@/$HOST:$ROUTER_PORT}
+  conf=${conf//@DECODE_SERVERS@/${servers%$'\n'}}
+  if [[ $conf =~ @[A-Z_]+@ ]]; then die "$TEMPLATE: placeholder ${BASH_REMATCH[0]} not filled"; fi
+  mkdir -p "$DIR/router/logs" "$DIR/router/temp"
+  printf '%s\n' "$conf" >"$DIR/router/nginx.conf"
+  nginx_args
+  if ! "$NGINX" -t -q "${NGINX_ARGS[@]}"; then
+    log_tail router
+    die "nginx rejects $DIR/router/nginx.conf"
+  fi
+}
+
+cmd_start() {
+  [[ -x $PREFILL_BIN && -x $DECODE_BIN ]] ||
+    die "kvwire binaries not found in $BUILD_DIR (prefill_service/kvwire-prefill," \
+      "decode_service/kvwire-decode): run 'bash scripts/build.sh'"
+  [[ -x $NGINX ]] || die "nginx not found (looked for $NGINX): install Debian's nginx" \
+    "('bash scripts/install_deps.sh' does) or set KVWIRE_NGINX"
+  [[ -r $FLAGS_FILE ]] || die "missing $FLAGS_FILE"
+  mkdir -p "$DIR/logs" "$DIR/pids" "$DIR/traces"
+
+  local reuse=0
+  if [[ -r $NODES_FILE ]]; then
+    load_nodes
+    any_alive && reuse=1
+  fi
+  if ((reuse)); then
+    MODEL=$(cat "$MODEL_FILE")
+    say "a cluster is running in $DIR: starting only what is missing, on its ports"
+  else
+    HOST=${KVWIRE_HOST:-127.0.0.1}
+    local b=$BASE_PORT
+    if [[ -n $b ]]; then
+      ROUTER_PORT=$b
+      set -- "$((b + 1))" "$((b + 3))" "$((b + 2))" "$((b + 4))" \
+        "$((b + 6))" "$((b + 8))" "$((b + 5))" "$((b + 7))"
+    else
+      ROUTER_PORT=${KVWIRE_ROUTER_PORT:-8080}
+      set -- "${KVWIRE_DECODE0_PORT:-50051}" "${KVWIRE_DECODE1_PORT:-50061}" \
+        "${KVWIRE_PREFILL0_PORT:-50052}" "${KVWIRE_PREFILL1_PORT:-50062}" \
+        "${KVWIRE_DECODE0_METRICS_PORT:-9102}" "${KVWIRE_DECODE1_METRICS_PORT:-9104}" \
+        "${KVWIRE_PREFILL0_METRICS_PORT:-9101}" "${KVWIRE_PREFILL1_METRICS_PORT:-9103}"
+    fi
+    local p
+    for p in "$ROUTER_PORT" "$@"; do
+      if ! [[ $p =~ ^[0-9]+$ ]] || ((p < 1 || p > 65535)); then die "bad port '$p'"; fi
+    done
+    if [[ -z $MODEL ]]; then
+      if [[ -f $SHARED_MODEL/config.json ]]; then
+        MODEL=$(cd "$SHARED_MODEL" && pwd)
+      else
+        MODEL=synthetic:stories
+      fi
+    elif [[ $MODEL != synthetic:* ]]; then
+      [[ -d $MODEL ]] || die "model folder $MODEL not found"
+      MODEL=$(cd "$MODEL" && pwd)
+    fi
+    {
+      echo "prefill-0 prefill $3 $7 $PREFILL_BIN"
+      echo "prefill-1 prefill $4 $8 $PREFILL_BIN"
+      echo "decode-0 decode $1 $5 $DECODE_BIN"
+      echo "decode-1 decode $2 $6 $DECODE_BIN"
+      echo "router router $ROUTER_PORT - $NGINX"
+    } >"$NODES_FILE"
+    echo "$HOST" >"$DIR/host"
+    echo "$MODEL" >"$MODEL_FILE"
+    load_nodes
+  fi
+  if [[ $MODEL == synthetic:* ]]; then
+    say "model: $MODEL (${SHARED_MODEL#"$REPO/"} not found: random weights, the text is noise)"
+  else
+    say "model: $MODEL"
+  fi
+
+  local i prefill_target="ipv4:" threads=${KVWIRE_THREADS:-1}
+  for i in "${!NAMES[@]}"; do
+    [[ ${KINDS[$i]} == prefill ]] && prefill_target+="$HOST:${PORTS[$i]},"
+  done
+  prefill_target=${prefill_target%,}
+  for i in "${!NAMES[@]}"; do
+    local name=${NAMES[$i]} kind=${KINDS[$i]}
+    [[ $kind == router ]] && continue
+    FLAGS=()
+    role_flags "${kind^^}"
+    FLAGS+=(--model="$MODEL" --listen="$HOST:${PORTS[$i]}"
+      --metrics-listen="$HOST:${METRICS[$i]}" --node-name="$name" --threads="$threads"
+      --trace-file="$DIR/traces/$name.jsonl")
+    [[ $kind == decode ]] && FLAGS+=(--prefill="$prefill_target")
+    launch "$name" "${EXES[$i]}" "${PORTS[$i]}" "${METRICS[$i]}" "${FLAGS[@]}"
+  done
+  for i in "${!NAMES[@]}"; do
+    [[ ${KINDS[$i]} == router ]] || continue
+    ROUTER_PORT=${PORTS[$i]}
+    local pid
+    if pid=$(pid_of router) && alive "$pid" "$NGINX"; then
+      say "router already running (pid $pid)"
+    else
+      render_router
+      launch router "$NGINX" "$ROUTER_PORT" - "${NGINX_ARGS[@]}"
+    fi
+  done
+  say "router (nginx) at $HOST:$ROUTER_PORT; next: deploy/local/cluster.sh wait-ready --dir $DIR"
+}
+
+cmd_status() {
+  load_nodes
+  local i pid state bad=0
+  echo "run dir: $DIR"
+  echo "model:   $(cat "$MODEL_FILE")"
+  printf '%-10s %-8s %8s %-22s %-8s %s\n' NAME KIND PID ADDRESS METRICS STATE
+  for i in "${!NAMES[@]}"; do
+    if pid=$(pid_of "${NAMES[$i]}"); then
+      if alive "$pid" "${EXES[$i]}"; then state=alive; else state=dead bad=1; fi
+    else
+      pid=- state=stopped bad=1
+    fi
+    printf '%-10s %-8s %8s %-22s %-8s %s\n' "${NAMES[$i]}" "${KINDS[$i]}" "$pid" \
+      "$HOST:${PORTS[$i]}" "${METRICS[$i]}" "$state"
+  done
+  return $((bad ? 3 : 0))
+}
+
+cmd_wait_ready() {
+  load_nodes
+  local i pid args=() timeout=${TIMEOUT:-60}
+  if ! "$PYTHON" -c "import grpc" 2>/dev/null; then
+    die "$PYTHON with grpcio is needed to check health (Debian: python3-grpcio)"
+  fi
+  for i in "${!NAMES[@]}"; do
+    pid=$(pid_of "${NAMES[$i]}") || die "${NAMES[$i]} was not started (run start first)"
+    args+=("${NAMES[$i]}" "$HOST:${PORTS[$i]}" "$pid")
+  done
+  local not_ready="$DIR/not-ready"
+  rm -f "$not_ready"
+  if "$PYTHON" - "$timeout" "$not_ready" "${args[@]}" <<'PY'; then
+"""Polls grpc.health.v1.Health/Check on every node (and through the router) until all
+answer SERVING, a process exits, or the time is up."""
+import sys
+import time
+
+import grpc
+
+timeout, report, rest = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
+pending = {rest[i]: (rest[i + 1], int(rest[i + 2])) for i in range(0, len(rest), 3)}
+last = {name: "no answer yet" for name in pending}
+start = time.monotonic()
+
+
+def running(pid):
+  try:
+    with open("/proc/%d/cmdline" % pid, "rb") as f:
+      return bool(f.read())  # a zombie's is empty
+  except OSError:
+    return False
+
+
+def fail(names, why):
+  with open(report, "w") as f:
+    f.write("\n".join(names) + "\n")
+  sys.exit("cluster.sh: error: " + why)
+
+
+while pending:
+  for name, (target, pid) in list(pending.items()):
+    if not running(pid):
+      fail([name], "%s (pid %d) exited before it was ready" % (name, pid))
+    with grpc.insecure_channel(target) as channel:
+      check = channel.unary_unary("/grpc.health.v1.Health/Check")
+      try:
+        # HealthCheckRequest{} is empty; HealthCheckResponse{status: SERVING} is 08 01.
+        reply = check(b"", timeout=1.0)
+        if reply == b"\x08\x01":
+          print("cluster.sh: %-10s ready at %s (%.1f s)" % (name, target, time.monotonic() - start))
+          del pending[name]
+        else:
+          last[name] = "health status bytes %r, not SERVING" % reply
+      except grpc.RpcError as e:
+        last[name] = "%s: %s" % (e.code().name, e.details())
+  if pending and time.monotonic() - start > timeout:
+    fail(sorted(pending), "not ready after %.0f s: %s" % (timeout, "; ".join(
+        "%s at %s: %s" % (n, pending[n][0], last[n]) for n in sorted(pending))))
+  if pending:
+    time.sleep(0.1)
+PY
+    say "all ${#NAMES[@]} processes ready; router at $HOST:$(router_port)"
+  else
+    local name
+    if [[ -r $not_ready ]]; then
+      while read -r name; do log_tail "$name"; done <"$not_ready"
+    fi
+    exit 1
+  fi
+}
+
+router_port() {
+  local i
+  for i in "${!NAMES[@]}"; do [[ ${KINDS[$i]} == router ]] && echo "${PORTS[$i]}"; done
+}
+
+# Stops one tier of processes (given as indexes) and waits; SIGKILL after the timeout.
+stop_tier() {
+  local sig=$1 i pid
+  shift
+  local -a live=()
+  for i in "$@"; do
+    pid=""
+    if pid=$(pid_of "${NAMES[$i]}") && alive "$pid" "${EXES[$i]}"; then
+      kill "-$sig" "$pid" 2>/dev/null || true
+      live+=("$i")
+    elif [[ -n ${pid:-} ]]; then
+      say "${NAMES[$i]} (pid $pid) was not running"
+    fi
+  done
+  local deadline=$((SECONDS + ${TIMEOUT:-30})) still
+  while ((${#live[@]})); do
+    still=()
+    for i in "${live[@]}"; do
+      pid=$(pid_of "${NAMES[$i]}")
+      if alive "$pid" "${EXES[$i]}"; then still+=("$i"); else say "stopped ${NAMES[$i]} (pid $pid)"; fi
+    done
+    live=("${still[@]+"${still[@]}"}")
+    ((${#live[@]})) || break
+    if ((SECONDS >= deadline)); then
+      for i in "${live[@]}"; do
+        pid=$(pid_of "${NAMES[$i]}")
+        local children
+        children=$(ps -o pid= --ppid "$pid" 2>/dev/null || true)  # nginx workers
+        # shellcheck disable=SC2086  # word splitting of the child pid list is intended
+        kill -KILL "$pid" $children 2>/dev/null || true
+        say "killed ${NAMES[$i]} (pid $pid): still running after ${TIMEOUT:-30} s"
+      done
+      break
+    fi
+    sleep 0.1
+  done
+}
+
+cmd_stop() {
+  load_nodes
+  local i router=() decode=() prefill=()
+  for i in "${!NAMES[@]}"; do
+    case ${KINDS[$i]} in
+      router) router+=("$i") ;;
+      decode) decode+=("$i") ;;
+      prefill) prefill+=("$i") ;;
+    esac
+  done
+  # Front to back, so that each tier drains while the one behind it still serves:
+  # nginx's graceful shutdown is SIGQUIT; the nodes drain on SIGTERM (--grace-ms).
+  stop_tier QUIT "${router[@]}"
+  stop_tier TERM "${decode[@]}"
+  stop_tier TERM "${prefill[@]}"
+  for i in "${!NAMES[@]}"; do
+    if pid=$(pid_of "${NAMES[$i]}") && alive "$pid" "${EXES[$i]}"; then
+      die "${NAMES[$i]} (pid $pid) is still running"
+    fi
+    rm -f "$DIR/pids/${NAMES[$i]}.pid"
+  done
+  rm -f "$DIR/router/nginx.pid"
+  say "cluster in $DIR stopped (logs kept in $DIR/logs and $DIR/router/logs)"
+}
+
+case $CMD in
+  start) cmd_start ;;
+  stop) cmd_stop ;;
+  status) cmd_status ;;
+  wait-ready) cmd_wait_ready ;;
+esac

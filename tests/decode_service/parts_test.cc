@@ -1,0 +1,81 @@
+// The decode node's parts on their own: the KV pool's accounting and byte sizes, and stop
+// strings over streamed text.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "decode_service/kv_pool.h"
+#include "decode_service/stop_matcher.h"
+
+namespace kvwire {
+namespace {
+
+TEST(KvPool, ReservesWholePagesAndGivesThemBack) {
+  std::atomic<int> released{0};
+  KvPool pool(10000, 1000, [&] { ++released; });
+  auto a = pool.Allocate(1500);  // two pages
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(pool.used(), 2000u);
+  auto b = pool.Allocate(8000);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(pool.used(), 10000u);
+  auto c = pool.Allocate(1);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(std::string(c.status().message()).find("KV pool full"), std::string::npos);
+  auto never = pool.Allocate(20000);
+  EXPECT_NE(std::string(never.status().message()).find("pool holds 10000"), std::string::npos);
+  EXPECT_FALSE(pool.CanEverFit(10001));
+  a->reset();
+  EXPECT_EQ(pool.used(), 8000u);
+  EXPECT_EQ(released.load(), 1);
+  // Writable memory of the asked size.
+  std::memset((*b)->data(), 7, 8000);
+  EXPECT_EQ((*b)->size(), 8000u);
+  b->reset();
+  EXPECT_EQ(pool.used(), 0u);
+}
+
+TEST(KvPool, ParseBytes) {
+  EXPECT_EQ(*ParseBytes("1GiB"), size_t{1} << 30);
+  EXPECT_EQ(*ParseBytes("512MiB"), size_t{512} << 20);
+  EXPECT_EQ(*ParseBytes("64KiB"), size_t{64} << 10);
+  EXPECT_EQ(*ParseBytes("2g"), size_t{2} << 30);
+  EXPECT_EQ(*ParseBytes(" 1000 "), 1000u);
+  EXPECT_EQ(*ParseBytes("1.5KiB"), 1536u);
+  for (const char* bad : {"", "lots", "-1GiB", "1XB"}) {
+    auto r = ParseBytes(bad);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+TEST(StopMatcher, HoldsBackPossiblePrefixesAndStopsBeforeTheString) {
+  StopMatcher m({"END", "\n\n"});
+  EXPECT_EQ(m.Push("hello E"), "hello ");  // "E" may start "END"
+  EXPECT_EQ(m.Push("x"), "Ex");
+  EXPECT_EQ(m.Push(" and\n"), " and");
+  EXPECT_EQ(m.Push("more"), "\nmore");
+  EXPECT_FALSE(m.stopped());
+  EXPECT_EQ(m.Push(" stuff EN"), " stuff ");
+  EXPECT_EQ(m.Push("D after"), "");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.Push("ignored"), "");
+  EXPECT_EQ(m.Flush(), "");
+}
+
+TEST(StopMatcher, FlushReleasesTheHeldTail) {
+  StopMatcher m({"STOP"});
+  EXPECT_EQ(m.Push("almost ST"), "almost ");
+  EXPECT_EQ(m.Flush(), "ST");
+  StopMatcher none({});
+  EXPECT_EQ(none.Push("anything"), "anything");
+}
+
+TEST(StopMatcher, StopStringInsideOneDelta) {
+  StopMatcher m({"cat"});
+  EXPECT_EQ(m.Push("the cat sat"), "the ");
+  EXPECT_TRUE(m.stopped());
+}
+
+}  // namespace
+}  // namespace kvwire

@@ -1,0 +1,223 @@
+// The prefill node on its own, called as the decode node calls it: the stream's
+// structure (header, chunks tiling every layer in order, trailer), its content (what a
+// local prefill with the same policy keeps), and its refusals.
+#include "prefill_service/prefill_server.h"
+
+#include <gtest/gtest.h>
+#include <grpcpp/grpcpp.h>
+
+#include <condition_variable>
+#include <thread>
+
+#include "common/generate.h"
+#include "common/kv_wire.h"
+#include "kvwire/v1/prefill.grpc.pb.h"
+#include "proto/convert.h"
+#include "tests/test_util.h"
+
+namespace kvwire {
+namespace {
+
+std::string ModelSpec() {
+  return testing::SharedDir().empty() ? "synthetic:stories" : testing::StoriesModelDir();
+}
+
+class PrefillServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    LoadOptions o;
+    o.threads = 1;
+    auto m = LlamaModel::Load(ModelSpec(), o);
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = std::move(*m);
+  }
+  void Start(PrefillServerOptions o = {}) {
+    o.listen = "127.0.0.1:0";
+    auto s = PrefillServer::Start(model_.get(), std::move(o));
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    stub_ = v1::Prefill::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  }
+  v1::PrefillRequest Request(int len, const CompressionConfig& c) {
+    v1::PrefillRequest r;
+    r.set_request_id("t");
+    r.add_prompt_ids(1);
+    for (int i = 1; i < len; ++i) r.add_prompt_ids(3 + (i * 37) % 400);
+    *r.mutable_compression() = ToProto(c);
+    r.set_model_fingerprint(model_->fingerprint());
+    return r;
+  }
+  struct Reply {
+    grpc::Status status;
+    std::vector<v1::PrefillResponse> messages;
+  };
+  Reply Call(const v1::PrefillRequest& req) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    Reply r;
+    auto reader = stub_->Prefill(&ctx, req);
+    v1::PrefillResponse m;
+    while (reader->Read(&m)) r.messages.push_back(m);
+    r.status = reader->Finish();
+    return r;
+  }
+
+  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<PrefillServer> server_;
+  std::unique_ptr<v1::Prefill::Stub> stub_;
+};
+
+TEST_F(PrefillServerTest, StreamCarriesWhatALocalPrefillKeeps) {
+  Start();
+  CompressionConfig c;
+  c.policy = Policy::kHBW;
+  c.budget = 64;
+  const v1::PrefillRequest req = Request(300, c);
+  const Reply r = Call(req);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_GE(r.messages.size(), 3u);
+  ASSERT_TRUE(r.messages.front().has_header());
+  ASSERT_TRUE(r.messages.back().has_trailer());
+  auto header = FromProto(r.messages.front().header());
+  ASSERT_TRUE(header.ok());
+  const ModelConfig& mc = model_->config();
+  EXPECT_EQ(header->format_version, kWireFormatVersion);
+  EXPECT_EQ(header->num_layers, mc.num_layers);
+  EXPECT_EQ(header->num_cache_heads, mc.num_kv_heads);
+  EXPECT_EQ(header->prompt_len, 300);
+  EXPECT_EQ(header->kept_per_layer, std::vector<int>(mc.num_layers, 64));
+  EXPECT_NE(header->policy.find("hbw(budget=64"), std::string::npos) << header->policy;
+
+  // Reassemble as the decode node does and compare with a local compressed prefill.
+  std::vector<int32_t> ids(req.prompt_ids().begin(), req.prompt_ids().end());
+  auto local = PrefillSequence(*model_, ids, c, 0);
+  ASSERT_TRUE(local.ok());
+  auto cache = KvCache::Create(local->cache->shape(), HeapKvAllocator());
+  ASSERT_TRUE(cache.ok());
+  WireExpectation e;
+  e.model_fingerprint = model_->fingerprint();
+  e.num_layers = mc.num_layers;
+  e.num_cache_heads = mc.num_kv_heads;
+  e.head_dim = mc.head_dim;
+  e.dtype = model_->kv_dtype();
+  e.prompt_len = 300;
+  KvAssembler a(e, cache->get());
+  ASSERT_TRUE(a.OnHeader(*header).ok());
+  for (size_t i = 1; i + 1 < r.messages.size(); ++i) {
+    ASSERT_TRUE(r.messages[i].has_chunk()) << i;
+    v1::KvChunk chunk = r.messages[i].chunk();
+    ASSERT_TRUE(a.OnChunk(FromProto(&chunk)).ok());
+  }
+  const WireTrailer t = FromProto(r.messages.back().trailer());
+  ASSERT_TRUE(a.OnTrailer(t, mc.vocab_size).ok());
+  EXPECT_EQ(t.first_token, static_cast<int32_t>(std::max_element(local->logits.begin(),
+                                                                   local->logits.end()) -
+                                                 local->logits.begin()));
+  EXPECT_EQ(t.full_cache_bytes, 300 * mc.KvBytesPerToken(model_->kv_dtype()));
+  EXPECT_GT(t.forward_ms, 0);
+  for (int l = 0; l < mc.num_layers; ++l) {
+    const LayerCache& want = local->cache->layer(l);
+    const LayerCache& got = (*cache)->layer(l);
+    ASSERT_EQ(got.len, want.len);
+    for (int h = 0; h < want.n_heads; ++h) {
+      for (int x = 0; x < want.len; ++x) {
+        ASSERT_EQ(got.position(h, x), want.position(h, x));
+        ASSERT_EQ(std::memcmp(got.k_row(h, x), want.k_row(h, x), want.row_bytes()), 0);
+        ASSERT_EQ(std::memcmp(got.v_row(h, x), want.v_row(h, x), want.row_bytes()), 0);
+      }
+    }
+  }
+}
+
+TEST_F(PrefillServerTest, ChunksRespectTheRequestedBound) {
+  Start();
+  v1::PrefillRequest req = Request(200, CompressionConfig{});
+  req.set_max_chunk_bytes(2048);
+  const Reply r = Call(req);
+  ASSERT_TRUE(r.status.ok());
+  int chunks = 0;
+  for (const auto& m : r.messages) {
+    if (!m.has_chunk()) continue;
+    ++chunks;
+    EXPECT_LE(m.chunk().positions().size() + m.chunk().k().size() + m.chunk().v().size(), 2048u);
+  }
+  EXPECT_EQ(chunks, static_cast<int>(r.messages.back().trailer().chunks()));
+  EXPECT_GT(chunks, model_->config().num_layers * model_->config().num_kv_heads);
+}
+
+TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
+  Start();
+  struct Case {
+    std::function<void(v1::PrefillRequest*)> edit;
+    grpc::StatusCode code;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {[](auto* r) { r->set_model_fingerprint("llama-other"); }, grpc::StatusCode::FAILED_PRECONDITION,
+       "llama-other"},
+      {[](auto* r) { r->clear_prompt_ids(); }, grpc::StatusCode::INVALID_ARGUMENT, "empty"},
+      {[](auto* r) { r->set_prompt_ids(2, 100000); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "prompt_ids[2]"},
+      {[](auto* r) { r->mutable_compression()->set_policy("nope"); },
+       grpc::StatusCode::INVALID_ARGUMENT, "compression.policy"},
+      {[](auto* r) { r->set_max_chunk_bytes(10); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "max_chunk_bytes"},
+      {[](auto* r) { r->set_top_p(2); }, grpc::StatusCode::INVALID_ARGUMENT, "top_p"},
+      {[](auto* r) {
+         for (int i = 0; i < 600; ++i) r->add_prompt_ids(5);
+       }, grpc::StatusCode::INVALID_ARGUMENT, "context"},
+  };
+  for (const Case& c : cases) {
+    v1::PrefillRequest req = Request(20, CompressionConfig{});
+    c.edit(&req);
+    const Reply r = Call(req);
+    EXPECT_EQ(r.status.error_code(), c.code) << c.expect << ": " << r.status.error_message();
+    EXPECT_NE(r.status.error_message().find(c.expect), std::string::npos)
+        << r.status.error_message();
+  }
+  EXPECT_TRUE(Call(Request(20, CompressionConfig{})).status.ok());
+}
+
+TEST_F(PrefillServerTest, FullQueueIsResourceExhausted) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  int blocked = 0;
+  PrefillServerOptions o;
+  o.workers = 1;
+  o.max_queue = 1;
+  o.node_name = "busy";
+  o.testing_before_chunk = [&](int chunk) {
+    if (chunk != 0) return;
+    std::unique_lock<std::mutex> lock(mu);
+    ++blocked;
+    cv.notify_all();
+    cv.wait(lock, [&] { return release; });
+  };
+  Start(o);
+  std::vector<Reply> replies(2);
+  std::thread first([&] { replies[0] = Call(Request(30, CompressionConfig{})); });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return blocked == 1; });  // the worker is busy
+  }
+  std::thread second([&] { replies[1] = Call(Request(30, CompressionConfig{})); });  // queued
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const Reply third = Call(Request(30, CompressionConfig{}));  // no room
+  EXPECT_EQ(third.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(third.status.error_message().find("prefill node busy is full"), std::string::npos)
+      << third.status.error_message();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  first.join();
+  second.join();
+  EXPECT_TRUE(replies[0].status.ok());
+  EXPECT_TRUE(replies[1].status.ok());
+}
+
+}  // namespace
+}  // namespace kvwire
