@@ -244,15 +244,19 @@ absl::string_view PolicyName(Policy p) {
       return "chunkkv";
     case Policy::kHBW:
       return "hbw";
+    case Policy::kRocketKV:
+      return "rocketkv";
   }
   return "?";
 }
 
-std::string PolicyNames() { return "full, streaming, random, snapkv, snapkv_pp, chunkkv, hbw"; }
+std::string PolicyNames() {
+  return "full, streaming, random, snapkv, snapkv_pp, chunkkv, hbw, rocketkv";
+}
 
 absl::StatusOr<Policy> ParsePolicy(absl::string_view name) {
   for (Policy p : {Policy::kFull, Policy::kStreaming, Policy::kRandom, Policy::kSnapKV,
-                   Policy::kSnapKVpp, Policy::kChunkKV, Policy::kHBW}) {
+                   Policy::kSnapKVpp, Policy::kChunkKV, Policy::kHBW, Policy::kRocketKV}) {
     if (name == PolicyName(p)) return p;
   }
   return absl::InvalidArgumentError(
@@ -300,7 +304,7 @@ absl::Status CompressionConfig::Validate() const {
   }
   if (skip_layers < 0) return Bad(absl::StrCat("skip_layers must be >= 0, got ", skip_layers));
   if (window < 1) return Bad(absl::StrCat("window must be >= 1, got ", window));
-  if (budget > 0 && budget <= window) {
+  if (budget > 0 && budget <= window && policy != Policy::kRocketKV) {
     return Bad(absl::StrCat("budget (", budget, ") must exceed the observation window (", window,
                             "), which is always kept"));
   }
@@ -336,6 +340,12 @@ absl::Status CompressionConfig::Validate() const {
         if (g < 1) return Bad(absl::StrCat("groups must be >= 1, got ", g));
       }
       break;
+    case Policy::kRocketKV:
+      if (budget < 2) {
+        return Bad(absl::StrCat("rocketkv needs budget = the per-step token budget t (>= 2), got ",
+                                budget));
+      }
+      break;
     case Policy::kStreaming:
       if (sinks < 0) return Bad(absl::StrCat("sinks must be >= 0, got ", sinks));
       if (budget > 0 && budget < sinks + window) {
@@ -361,6 +371,8 @@ bool CompressionConfig::Compresses(int len) const {
 }
 
 int CompressionConfig::KeptTokens(int layer, int len) const {
+  // rocketkv is resolved into snapkv_pp before a prompt is compressed.
+  KVWIRE_CHECK(policy != Policy::kRocketKV);
   if (layer < skip_layers || !Compresses(len)) return len;
   return EffectiveBudget(len);
 }
@@ -371,7 +383,7 @@ int CompressionConfig::CacheHeads(int n_heads, int n_kv_heads) const {
 
 bool CompressionConfig::NeedsScores() const {
   return policy == Policy::kSnapKV || policy == Policy::kSnapKVpp || policy == Policy::kChunkKV ||
-         policy == Policy::kHBW;
+         policy == Policy::kHBW || policy == Policy::kRocketKV;
 }
 
 std::string CompressionConfig::Describe() const {
@@ -401,6 +413,8 @@ std::string CompressionConfig::Describe() const {
     case Policy::kRandom:
       absl::StrAppend(&s, ", seed=", seed);
       break;
+    case Policy::kRocketKV:
+      return absl::StrCat("rocketkv(t=", budget, ", window=", window, ")");
     default:
       break;
   }

@@ -9,6 +9,9 @@
 //   snapkv_pp  SnapKV++, RocketKV Algorithm 1: group-summed votes, adaptive kernel
 //   chunkkv    ChunkKV, Algorithms 1-2: whole chunks, one index set per layer, layer reuse
 //   hbw        HBW-KV: block-wise and hierarchical (grouped) selection
+//   rocketkv   RocketKV's two stages from one per-step token budget: SnapKV++ here plus
+//              hybrid sparse attention at decode (common/sparse_attention.h resolves it
+//              into the two before a prefill runs)
 //
 // Budget semantics (every policy): `budget` tokens are kept per cache head, the
 // observation window included; a prompt not longer than the budget is kept whole. Kept
@@ -28,7 +31,7 @@
 
 namespace kvwire {
 
-enum class Policy { kFull, kStreaming, kRandom, kSnapKV, kSnapKVpp, kChunkKV, kHBW };
+enum class Policy { kFull, kStreaming, kRandom, kSnapKV, kSnapKVpp, kChunkKV, kHBW, kRocketKV };
 enum class PoolKind { kMax, kAvg };
 // How SnapKV turns the query heads' votes into selections under GQA.
 enum class GqaMode {
@@ -44,7 +47,7 @@ absl::string_view PoolName(PoolKind p);
 absl::StatusOr<PoolKind> ParsePool(absl::string_view name);
 absl::string_view GqaName(GqaMode g);
 absl::StatusOr<GqaMode> ParseGqa(absl::string_view name);
-// "full, streaming, random, snapkv, snapkv_pp, chunkkv, hbw"
+// "full, streaming, random, snapkv, snapkv_pp, chunkkv, hbw, rocketkv"
 std::string PolicyNames();
 
 struct CompressionConfig {

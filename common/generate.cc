@@ -49,12 +49,18 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
         "prompt (", len, " tokens) + max_tokens (", request.max_tokens,
         ") exceeds the model's context of ", c.context_limit()));
   }
+  CompressionConfig compression = request.compression;
+  DecodeAttentionConfig attention = request.attention;
+  RETURN_IF_ERROR(ResolveTwoStage(&compression, &attention, len, request.max_tokens, c.head_dim));
   ASSIGN_OR_RETURN(PrefilledSequence seq,
-                   PrefillSequence(model, request.prompt_ids, request.compression,
-                                   request.max_tokens));
+                   PrefillSequence(model, request.prompt_ids, compression, request.max_tokens));
   KvCache* cache = seq.cache.get();
+  ASSIGN_OR_RETURN(std::unique_ptr<DecodeSelector> selector,
+                   MakeDecodeSelector(attention, c, cache->shape(), HeapKvAllocator()));
   GenerationResult result;
   result.prompt_tokens = len;
+  result.compression = compression;
+  result.attention = attention;
   result.prefill_seconds = seq.prefill_seconds;
   result.compress_seconds = seq.compress_seconds;
   result.full_cache_bytes = int64_t{len} * c.KvBytesPerToken(model.kv_dtype());
@@ -69,6 +75,7 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
       in.token = result.ids.back();
       in.position = len + i - 1;  // continues from the original prompt length
       in.cache = cache;
+      in.selector = selector.get();
       RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
     }
     const kernels::SampledToken tok =

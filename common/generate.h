@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "common/compression.h"
 #include "common/kv_cache.h"
+#include "common/sparse_attention.h"
 #include "common/llama_model.h"
 #include "kernels/sampling.h"
 
@@ -53,6 +54,7 @@ struct GenerationRequest {
   uint64_t seed = 0;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
   CompressionConfig compression;   // how the prompt's cache is compressed (default: full)
+  DecodeAttentionConfig attention; // how decode attends over it (default: dense)
 };
 
 struct GenerationResult {
@@ -65,6 +67,8 @@ struct GenerationResult {
   double prefill_seconds = 0;
   double compress_seconds = 0;
   double decode_seconds = 0;
+  CompressionConfig compression;   // as applied (rocketkv resolved into its stages)
+  DecodeAttentionConfig attention;
 };
 
 // Runs one request. `on_token` (optional) sees each token as soon as it is sampled.

@@ -95,4 +95,28 @@ absl::StatusOr<CompressionConfig> CompressionFromFlags(const Flags& flags) {
   return c;
 }
 
+void DefineAttentionFlags(Flags& flags) {
+  flags.Define("attention", "dense", "decode attention: dense, hybrid, quest or exact_topk");
+  flags.Define("attention-budget", "0",
+               "per-step token budget of sparse attention, per KV head, auxiliary reads included");
+  flags.Define("attention-k", "0", "tokens attended per KV head (overrides the budget's)");
+  flags.Define("attention-r", "0", "hybrid: head dimensions approximated (overrides)");
+  flags.Define("attention-page", "0", "tokens per page summary (overrides)");
+}
+
+absl::StatusOr<DecodeAttentionConfig> AttentionFromFlags(const Flags& flags) {
+  DecodeAttentionConfig a;
+  ASSIGN_OR_RETURN(a.mode, ParseAttentionMode(flags.GetString("attention")));
+  ASSIGN_OR_RETURN(int64_t t, flags.GetInt("attention-budget", 0, 1 << 30));
+  ASSIGN_OR_RETURN(int64_t k, flags.GetInt("attention-k", 0, 1 << 30));
+  ASSIGN_OR_RETURN(int64_t r, flags.GetInt("attention-r", 0, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t p, flags.GetInt("attention-page", 0, 1 << 20));
+  a.token_budget = static_cast<int>(t);
+  a.top_k = static_cast<int>(k);
+  a.top_r = static_cast<int>(r);
+  a.page_size = static_cast<int>(p);
+  RETURN_IF_ERROR(a.Validate());
+  return a;
+}
+
 }  // namespace kvwire

@@ -8,6 +8,7 @@
 #include "common/compression.h"
 #include "common/flags.h"
 #include "common/llama_model.h"
+#include "common/sparse_attention.h"
 
 namespace kvwire {
 
@@ -18,5 +19,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LoadModelFromFlags(const Flags& flag
 // already defined).
 void DefineCompressionFlags(Flags& flags);
 absl::StatusOr<CompressionConfig> CompressionFromFlags(const Flags& flags);
+// --attention, --attention-budget, --attention-k, --attention-r, --attention-page.
+void DefineAttentionFlags(Flags& flags);
+absl::StatusOr<DecodeAttentionConfig> AttentionFromFlags(const Flags& flags);
 
 }  // namespace kvwire

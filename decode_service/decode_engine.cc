@@ -153,6 +153,7 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
     if (j.prompt_ids.empty()) return absl::InvalidArgumentError("prompt: encodes to no tokens");
   }
   const int len = static_cast<int>(j.prompt_ids.size());
+  RETURN_IF_ERROR(ResolveTwoStage(&j.compression, &j.attention, len, j.max_tokens, mc.head_dim));
   if (len + j.max_tokens > mc.context_limit()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt (", len, " tokens) + max_tokens (", j.max_tokens,
@@ -163,7 +164,7 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   ASSIGN_OR_RETURN(s.cache, KvCache::Create(shape, *pool_));
   s.cache->set_prompt_len(len);
   for (int l = 0; l < mc.num_layers; ++l) s.kept_per_layer.push_back(j.compression.KeptTokens(l, len));
-  ASSIGN_OR_RETURN(s.selector, MakeDecodeSelector(j.attention, mc));
+  ASSIGN_OR_RETURN(s.selector, MakeDecodeSelector(j.attention, mc, shape, *pool_));
   s.rng = std::make_unique<SamplingRng>(j.seed);
   s.decoder = std::make_unique<StreamingDecoder>(model_->tokenizer());
   RETURN_IF_ERROR(s.decoder->Prime(j.prompt_ids));

@@ -33,10 +33,7 @@ absl::StatusOr<DecodeServerOptions> OptionsFromFlags(const Flags& f) {
   o.engine.local_prefill_below = static_cast<int>(local);
   o.engine.max_chunk_bytes = chunk;
   ASSIGN_OR_RETURN(o.default_compression, CompressionFromFlags(f));
-  ASSIGN_OR_RETURN(o.default_attention.mode, ParseAttentionMode(f.GetString("attention")));
-  ASSIGN_OR_RETURN(int64_t budget, f.GetInt("attention-budget", 0, 1 << 30));
-  o.default_attention.token_budget = static_cast<int>(budget);
-  RETURN_IF_ERROR(o.default_attention.Validate());
+  ASSIGN_OR_RETURN(o.default_attention, AttentionFromFlags(f));
   ASSIGN_OR_RETURN(int64_t def_max, f.GetInt("default-max-tokens", 1, 1 << 20));
   ASSIGN_OR_RETURN(int64_t max_limit, f.GetInt("max-tokens-limit", 1, 1 << 20));
   ASSIGN_OR_RETURN(int64_t max_prompt, f.GetInt("max-prompt-tokens", 0, 1 << 30));
@@ -84,8 +81,7 @@ int main(int argc, char** argv) {
   flags.Define("prefill-attempts", "3", "tries of a failed prefill, on other nodes");
   flags.Define("local-prefill-below", "0", "prefill prompts shorter than this here");
   flags.Define("max-chunk-bytes", "1MiB", "largest KV chunk the prefill node may send");
-  flags.Define("attention", "dense", "default decode attention: dense, hybrid, quest, exact_topk");
-  flags.Define("attention-budget", "0", "default per-step token budget of sparse attention");
+  DefineAttentionFlags(flags);
   flags.Define("default-max-tokens", "128", "max_tokens when a request sets none");
   flags.Define("max-tokens-limit", "4096", "largest max_tokens a request may ask");
   flags.Define("max-prompt-tokens", "0", "longest prompt accepted (0: the model's context)");

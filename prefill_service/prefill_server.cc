@@ -198,6 +198,10 @@ struct PrefillServer::Impl final : public v1::Prefill::CallbackService {
     }
     CompressionConfig config;
     RETURN_IF_ERROR(ApplyCompressionParams(req.compression(), &config));
+    if (config.policy == Policy::kRocketKV) {
+      return absl::InvalidArgumentError(
+          "compression.policy: rocketkv must be resolved into its two stages by the decode node");
+    }
     const size_t max_chunk = req.max_chunk_bytes() == 0
                                  ? kDefaultMaxChunkBytes
                                  : std::min<size_t>(req.max_chunk_bytes(), kMaxChunkBytesLimit);

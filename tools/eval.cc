@@ -79,6 +79,38 @@ class AttentionRecorder : public DecodeObserver {
   std::vector<float> step_;  // [layer, head, prompt position]
 };
 
+// Wraps a sequence's selector and records, per layer, the prompt positions each cache
+// head attended at the last step (all of its cache for dense attention).
+class RecordingSelector : public DecodeSelector {
+ public:
+  RecordingSelector(DecodeSelector* inner, int layers, int prompt_len)
+      : inner_(inner), prompt_len_(prompt_len), masks_(layers) {}
+  absl::StatusOr<bool> Select(int layer, const float* q, LayerCache& lc,
+                              std::vector<int32_t>* indices, int* num) override {
+    bool sparse = false;
+    if (inner_) {
+      ASSIGN_OR_RETURN(sparse, inner_->Select(layer, q, lc, indices, num));
+    }
+    auto& m = masks_[layer];
+    m.assign(lc.n_heads, std::vector<char>(prompt_len_, 0));
+    for (int c = 0; c < lc.n_heads; ++c) {
+      const int n = sparse ? *num : lc.len;
+      for (int x = 0; x < n; ++x) {
+        const int slot = sparse ? (*indices)[static_cast<size_t>(c) * *num + x] : x;
+        const int32_t pos = lc.position(c, slot);
+        if (pos >= 0 && pos < prompt_len_) m[c][pos] = 1;
+      }
+    }
+    return sparse;
+  }
+  const std::vector<char>& mask(int layer, int head) const { return masks_[layer][head]; }
+
+ private:
+  DecodeSelector* inner_;
+  int prompt_len_;
+  std::vector<std::vector<std::vector<char>>> masks_;  // [layer][cache head][position]
+};
+
 std::vector<double> LogSoftmax(const float* logits, int n) {
   const float mx = *std::max_element(logits, logits + n);
   double z = 0;
@@ -104,22 +136,6 @@ absl::StatusOr<std::unique_ptr<KvCache>> ReplayInto(LlamaModel& model, const Cap
   Compressor compressor(config, model.config(), model.kv_dtype(), &sink);
   RETURN_IF_ERROR(cap.Replay(compressor));
   return cache;
-}
-
-// Kept prompt positions as masks [layer][cache head][position].
-std::vector<std::vector<std::vector<char>>> KeptMasks(const KvCache& cache, int len) {
-  std::vector<std::vector<std::vector<char>>> masks(cache.num_layers());
-  for (int l = 0; l < cache.num_layers(); ++l) {
-    const LayerCache& lc = cache.layer(l);
-    masks[l].assign(lc.n_heads, std::vector<char>(len, 0));
-    for (int c = 0; c < lc.n_heads; ++c) {
-      for (int t = 0; t < lc.len; ++t) {
-        const int32_t p = lc.position(c, t);
-        if (p >= 0 && p < len) masks[l][c][p] = 1;
-      }
-    }
-  }
-  return masks;
 }
 
 struct Accumulator {
@@ -261,14 +277,21 @@ absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
     for (size_t m = 0; m < methods.size(); ++m) {
       for (size_t b = 0; b < budgets.size(); ++b) {
         CompressionConfig config = methods[m].compression(budgets[b]);
+        DecodeAttentionConfig decode_attention =
+            methods[m].attention ? methods[m].attention(budgets[b]) : DecodeAttentionConfig{};
         if (config.NeedsScores()) config.window = window;
         RETURN_IF_ERROR(Annotate(config.Validate(), methods[m].name));
+        RETURN_IF_ERROR(Annotate(
+            ResolveTwoStage(&config, &decode_attention, len, gen + 1, model.config().head_dim),
+            methods[m].name));
         ASSIGN_OR_RETURN(auto cache, ReplayInto(model, cap, config, len, gen));
-        const auto masks = KeptMasks(*cache, len);
+        ASSIGN_OR_RETURN(auto selector, MakeDecodeSelector(decode_attention, model.config(),
+                                                           cache->shape(), HeapKvAllocator()));
+        RecordingSelector recorder(selector.get(), layers, len);
         const int cache_group = heads / cache->shape().n_heads;
         Accumulator& a = acc[m * budgets.size() + b];
         for (int t = 0; t < gen; ++t) {
-          DecodeInput in{tokens[t], len + t, cache.get(), nullptr};
+          DecodeInput in{tokens[t], len + t, cache.get(), &recorder};
           RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
           const std::vector<double> lp = LogSoftmax(logits.data(), vocab);
           a.agree += Argmax(logits.data(), vocab) == tokens[t + 1];
@@ -278,7 +301,7 @@ absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
           ++a.predictions;
           AddAttention(attention[t], layers, heads, len, prefix, options.theta,
                        [&](int l, int h) -> const std::vector<char>& {
-                         return masks[l][h / cache_group];
+                         return recorder.mask(l, h / cache_group);
                        },
                        &a);
         }
@@ -367,12 +390,18 @@ absl::StatusOr<std::vector<PasskeyRecord>> EvalPasskey(
       for (size_t b = 0; b < budgets.size(); ++b) {
         const size_t r = m * budgets.size() + b;
         CompressionConfig config = methods[m].compression(budgets[b]);
+        DecodeAttentionConfig attention =
+            methods[m].attention ? methods[m].attention(budgets[b]) : DecodeAttentionConfig{};
         if (config.NeedsScores()) config.window = w;
         RETURN_IF_ERROR(Annotate(config.Validate(), methods[m].name));
+        RETURN_IF_ERROR(Annotate(ResolveTwoStage(&config, &attention, len, n_ans, mc.head_dim),
+                                 methods[m].name));
         ASSIGN_OR_RETURN(auto cache, ReplayInto(model, cap, config, len, n_ans));
+        ASSIGN_OR_RETURN(auto selector,
+                         MakeDecodeSelector(attention, mc, cache->shape(), HeapKvAllocator()));
         std::vector<int32_t> got = {Argmax(pre.logits.data(), vocab)};
         for (int t = 1; t < n_ans; ++t) {
-          DecodeInput in{got.back(), len + t - 1, cache.get(), nullptr};
+          DecodeInput in{got.back(), len + t - 1, cache.get(), selector.get()};
           RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
           got.push_back(Argmax(logits.data(), vocab));
         }

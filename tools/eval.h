@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "common/compression.h"
 #include "common/llama_model.h"
+#include "common/sparse_attention.h"
 
 namespace kvwire::tools {
 
@@ -36,10 +37,12 @@ struct EvalPrompt {
 absl::StatusOr<std::vector<EvalPrompt>> ReadPrompts(const std::string& path, const Tokenizer& tok,
                                                     bool need_answer);
 
-// A method under evaluation: a name and how the compression config is made for a budget.
+// A method under evaluation: a name and, for a budget, how the prompt's cache is
+// compressed and how decode attends over it (rocketkv is resolved per prompt).
 struct EvalMethod {
   std::string name;
   std::function<CompressionConfig(int budget)> compression;
+  std::function<DecodeAttentionConfig(int budget)> attention;  // null: dense
 };
 
 struct FidelityRecord {

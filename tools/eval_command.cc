@@ -1,8 +1,10 @@
 // kvwire eval fidelity|passkey: compare compression policies on a dataset, with a
 // progress bar, a table on stdout, --json records and a --plot PNG.
 //
-// Methods are policy names, optionally with parameter overrides after colons, e.g.
-//   --policies snapkv,snapkv:gqa=per_query_head,hbw:groups=1,streaming
+// Methods are policy names (rocketkv: both stages from one token budget) or decode
+// attention modes over the full cache (hybrid, quest, exact_topk), optionally with
+// parameter overrides after colons, e.g.
+//   --policies snapkv,snapkv:gqa=per_query_head,hbw:groups=1,streaming,rocketkv,quest
 // Overrides use the compression flags' names (see --help); the rest come from the flags.
 #include <cmath>
 #include <cstdio>
@@ -28,7 +30,8 @@ absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& 
   for (const std::string& spec : names) {
     std::vector<std::string> parts = absl::StrSplit(spec, ':');
     std::vector<std::string> margs = args;
-    margs.push_back("--policy=" + parts[0]);
+    const bool is_mode = ParseAttentionMode(parts[0]).ok();
+    margs.push_back("--policy=" + (is_mode ? std::string("full") : parts[0]));
     for (size_t i = 1; i < parts.size(); ++i) margs.push_back("--" + parts[i]);
     Flags f;
     DefineCompressionFlags(f);
@@ -39,12 +42,27 @@ absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& 
     auto probe = CompressionFromFlags(f);
     if (!probe.ok()) return Annotate(probe.status(), absl::StrCat("method '", spec, "'"));
     const CompressionConfig base = *probe;
-    methods.push_back({spec, [base](int budget) {
+    // A decode attention mode as the method: the full prompt cache, sparse reads of
+    // `budget` tokens per step (RocketKV's comparison points).
+    auto mode = ParseAttentionMode(parts[0]);
+    if (mode.ok() && *mode != AttentionMode::kDense) {
+      const AttentionMode m = *mode;
+      methods.push_back({spec, [](int) { return CompressionConfig{}; }, [m](int budget) {
+                           DecodeAttentionConfig a;
+                           a.mode = m;
+                           a.token_budget = budget;
+                           return a;
+                         }});
+      continue;
+    }
+    methods.push_back({spec,
+                       [base](int budget) {
                          CompressionConfig c = base;
                          c.budget = budget;
                          c.ratio = 0;
                          return c;
-                       }});
+                       },
+                       nullptr});
   }
   return methods;
 }

@@ -36,6 +36,7 @@ int RunGenerate(int argc, char** argv) {
   DefineModelFlags(flags);
   DefineSamplingFlags(flags);
   DefineCompressionFlags(flags);
+  DefineAttentionFlags(flags);
   flags.Define("prompt", "", "the prompt text (BOS is added as the tokenizer specifies)");
   const char* usage =
       "kvwire generate --model DIR --prompt TEXT [--max-tokens N] [--temperature T] "
@@ -47,6 +48,9 @@ int RunGenerate(int argc, char** argv) {
   auto compression = CompressionFromFlags(flags);
   if (!compression.ok()) return Fail("generate", compression.status());
   req.compression = *compression;
+  auto attention = AttentionFromFlags(flags);
+  if (!attention.ok()) return Fail("generate", attention.status());
+  req.attention = *attention;
   auto model_or = LoadModelFromFlags(flags);
   if (!model_or.ok()) return Fail("generate", model_or.status());
   LlamaModel& model = **model_or;
@@ -87,11 +91,13 @@ int RunGenerate(int argc, char** argv) {
                r.prompt_tokens, n, r.finish == FinishReason::kStop ? "stop" : "length",
                r.prefill_seconds * 1e3, r.prompt_tokens / std::max(r.prefill_seconds, 1e-9),
                n > 1 ? (n - 1) / std::max(r.decode_seconds, 1e-9) : 0.0);
-  const int kept = req.compression.KeptTokens(req.compression.skip_layers, r.prompt_tokens);
+  const int kept = r.compression.KeptTokens(r.compression.skip_layers, r.prompt_tokens);
   std::fprintf(stderr,
-               "compression: %s; kept %d of %d prompt tokens per head (%.1f%%), %.2f ms\n"
+               "compression: %s, decode attention %s; kept %d of %d prompt tokens per head "
+               "(%.1f%%), %.2f ms\n"
                "kv cache: full %lld bytes, compressed %lld bytes (%.1fx smaller)\n",
-               req.compression.Describe().c_str(), kept, r.prompt_tokens,
+               r.compression.Describe().c_str(), r.attention.Describe().c_str(), kept,
+               r.prompt_tokens,
                100.0 * kept / std::max(r.prompt_tokens, 1), r.compress_seconds * 1e3,
                static_cast<long long>(r.full_cache_bytes), static_cast<long long>(r.kept_cache_bytes),
                static_cast<double>(r.full_cache_bytes) / std::max<int64_t>(r.kept_cache_bytes, 1));

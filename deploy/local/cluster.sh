@@ -31,7 +31,8 @@ commands:
 options:
   --dir DIR        run directory: logs, pids, rendered config, nginx temp (default build/cluster)
   --base-port N    router N, decode-0 N+1, prefill-0 N+2, decode-1 N+3, prefill-1 N+4,
-                   metrics N+5..N+8 (start only; overrides the port variables below)
+                   metrics N+5..N+8 (start only; also KVWIRE_BASE_PORT; overrides the
+                   port variables below)
   --model M        model folder or synthetic:NAME (default ../shared/models/stories260K-hf
                    when present, else synthetic:stories)
   --build-dir B    where the binaries are (default build)
@@ -46,6 +47,7 @@ environment (start; defaults in brackets):
   KVWIRE_PREFILL1_METRICS_PORT [9103]  KVWIRE_DECODE1_METRICS_PORT [9104]
   KVWIRE_THREADS [1]  CPU threads per node (4 nodes share this machine)
   KVWIRE_NGINX [nginx on PATH, else /usr/sbin/nginx]  KVWIRE_PYTHON [/usr/bin/python3]
+  KVWIRE_BUILD_DIR [build]  KVWIRE_MODEL (as --model)
 EOF
 }
 
@@ -62,7 +64,7 @@ CMD=$1
 shift
 DIR="$REPO/build/cluster"
 BUILD_DIR="${KVWIRE_BUILD_DIR:-$REPO/build}"
-BASE_PORT=""
+BASE_PORT="${KVWIRE_BASE_PORT:-}"
 MODEL="${KVWIRE_MODEL:-}"
 TIMEOUT=""
 while [[ $# -gt 0 ]]; do
@@ -89,11 +91,15 @@ if [[ $CMD == start ]]; then
 fi
 [[ -d $DIR ]] || die "no cluster in $DIR (no such directory)"
 DIR=$(cd "$DIR" && pwd)
-BUILD_DIR=$(cd "$BUILD_DIR" 2>/dev/null && pwd) || BUILD_DIR="$REPO/build"
+if [[ -d $BUILD_DIR ]]; then BUILD_DIR=$(cd "$BUILD_DIR" && pwd); fi
 PREFILL_BIN="$BUILD_DIR/prefill_service/kvwire-prefill"
 DECODE_BIN="$BUILD_DIR/decode_service/kvwire-decode"
 PYTHON="${KVWIRE_PYTHON:-/usr/bin/python3}"
-NGINX="${KVWIRE_NGINX:-$(command -v nginx || echo /usr/sbin/nginx)}"
+if [[ -n ${KVWIRE_NGINX:-} ]]; then
+  NGINX=$(command -v "$KVWIRE_NGINX" || echo "$KVWIRE_NGINX")
+else
+  NGINX=$(command -v nginx || echo /usr/sbin/nginx)  # /usr/sbin may not be on a user's PATH
+fi
 NODES_FILE="$DIR/nodes"    # one line per process: NAME KIND PORT METRICS_PORT EXECUTABLE
 MODEL_FILE="$DIR/model"
 
@@ -205,7 +211,7 @@ render_router() {
   conf=${conf//@LISTEN@/$HOST:$ROUTER_PORT}
   conf=${conf//@DECODE_SERVERS@/${servers%$'\n'}}
   if [[ $conf =~ @[A-Z_]+@ ]]; then die "$TEMPLATE: placeholder ${BASH_REMATCH[0]} not filled"; fi
-  mkdir -p "$DIR/router/logs" "$DIR/router/temp"
+  mkdir -p "$DIR/router/logs"
   printf '%s\n' "$conf" >"$DIR/router/nginx.conf"
   nginx_args
   if ! "$NGINX" -t -q "${NGINX_ARGS[@]}"; then
@@ -276,7 +282,15 @@ cmd_start() {
     say "model: $MODEL"
   fi
 
-  local i prefill_target="ipv4:" threads=${KVWIRE_THREADS:-1}
+  # The router's config is checked before anything starts, so a bad one starts nothing.
+  local i pid router_up=0
+  for i in "${!NAMES[@]}"; do
+    [[ ${KINDS[$i]} == router ]] || continue
+    ROUTER_PORT=${PORTS[$i]}
+    if pid=$(pid_of router) && alive "$pid" "$NGINX"; then router_up=1; else render_router; fi
+  done
+
+  local prefill_target="ipv4:" threads=${KVWIRE_THREADS:-1}
   for i in "${!NAMES[@]}"; do
     [[ ${KINDS[$i]} == prefill ]] && prefill_target+="$HOST:${PORTS[$i]},"
   done
@@ -292,17 +306,11 @@ cmd_start() {
     [[ $kind == decode ]] && FLAGS+=(--prefill="$prefill_target")
     launch "$name" "${EXES[$i]}" "${PORTS[$i]}" "${METRICS[$i]}" "${FLAGS[@]}"
   done
-  for i in "${!NAMES[@]}"; do
-    [[ ${KINDS[$i]} == router ]] || continue
-    ROUTER_PORT=${PORTS[$i]}
-    local pid
-    if pid=$(pid_of router) && alive "$pid" "$NGINX"; then
-      say "router already running (pid $pid)"
-    else
-      render_router
-      launch router "$NGINX" "$ROUTER_PORT" - "${NGINX_ARGS[@]}"
-    fi
-  done
+  if ((router_up)); then
+    say "router already running (pid $(pid_of router))"
+  else
+    launch router "$NGINX" "$ROUTER_PORT" - "${NGINX_ARGS[@]}"
+  fi
   say "router (nginx) at $HOST:$ROUTER_PORT; next: deploy/local/cluster.sh wait-ready --dir $DIR"
 }
 
@@ -337,8 +345,9 @@ cmd_wait_ready() {
   local not_ready="$DIR/not-ready"
   rm -f "$not_ready"
   if "$PYTHON" - "$timeout" "$not_ready" "${args[@]}" <<'PY'; then
-"""Polls grpc.health.v1.Health/Check on every node (and through the router) until all
-answer SERVING, a process exits, or the time is up."""
+"""Polls grpc.health.v1.Health/Check on every node until all answer SERVING, a process
+exits, or the time is up. The router is asked last, through nginx, once the decode nodes
+behind it answer: asked earlier, nginx would mark them failed for fail_timeout."""
 import sys
 import time
 
@@ -368,6 +377,8 @@ while pending:
   for name, (target, pid) in list(pending.items()):
     if not running(pid):
       fail([name], "%s (pid %d) exited before it was ready" % (name, pid))
+    if name == "router" and len(pending) > 1:
+      continue
     with grpc.insecure_channel(target) as channel:
       check = channel.unary_unary("/grpc.health.v1.Health/Check")
       try:
@@ -401,39 +412,45 @@ router_port() {
   for i in "${!NAMES[@]}"; do [[ ${KINDS[$i]} == router ]] && echo "${PORTS[$i]}"; done
 }
 
-# Stops one tier of processes (given as indexes) and waits; SIGKILL after the timeout.
+# Stops one tier of processes (given as indexes): signal, wait for them to exit; after the
+# timeout SIGKILL what is left (with its children: nginx's workers) and wait for that too.
 stop_tier() {
   local sig=$1 i pid
   shift
-  local -a live=()
+  local -a live=() still=()
   for i in "$@"; do
     pid=""
     if pid=$(pid_of "${NAMES[$i]}") && alive "$pid" "${EXES[$i]}"; then
       kill "-$sig" "$pid" 2>/dev/null || true
       live+=("$i")
-    elif [[ -n ${pid:-} ]]; then
+    elif [[ -n $pid ]]; then
       say "${NAMES[$i]} (pid $pid) was not running"
     fi
   done
-  local deadline=$((SECONDS + ${TIMEOUT:-30})) still
+  local deadline=$((SECONDS + ${TIMEOUT:-30})) killed=0 children
   while ((${#live[@]})); do
     still=()
     for i in "${live[@]}"; do
       pid=$(pid_of "${NAMES[$i]}")
-      if alive "$pid" "${EXES[$i]}"; then still+=("$i"); else say "stopped ${NAMES[$i]} (pid $pid)"; fi
+      if alive "$pid" "${EXES[$i]}"; then
+        still+=("$i")
+      elif ((!killed)); then
+        say "stopped ${NAMES[$i]} (pid $pid)"
+      fi
     done
     live=("${still[@]+"${still[@]}"}")
     ((${#live[@]})) || break
-    if ((SECONDS >= deadline)); then
+    if ((!killed && SECONDS >= deadline)); then
       for i in "${live[@]}"; do
         pid=$(pid_of "${NAMES[$i]}")
-        local children
-        children=$(ps -o pid= --ppid "$pid" 2>/dev/null || true)  # nginx workers
+        children=$(ps -o pid= --ppid "$pid" 2>/dev/null || true)
         # shellcheck disable=SC2086  # word splitting of the child pid list is intended
         kill -KILL "$pid" $children 2>/dev/null || true
         say "killed ${NAMES[$i]} (pid $pid): still running after ${TIMEOUT:-30} s"
       done
-      break
+      killed=1 deadline=$((SECONDS + 5))
+    elif ((killed && SECONDS >= deadline)); then
+      break  # cmd_stop reports what is left
     fi
     sleep 0.1
   done
