@@ -224,6 +224,7 @@ struct PrefillServer::Impl final : public v1::Prefill::CallbackService {
     for (int l = 0; l < mc.num_layers; ++l) header.kept_per_layer.push_back(config.KeptTokens(l, len));
     v1::PrefillResponse first;
     *first.mutable_header() = ToProto(header);
+    const int64_t header_bytes = static_cast<int64_t>(first.ByteSizeLong());
     if (!job.stream->Send(std::move(first))) return absl::CancelledError("the decode node went away");
 
     const auto t0 = Clock::now();
@@ -257,14 +258,16 @@ struct PrefillServer::Impl final : public v1::Prefill::CallbackService {
     trailer.node = options.node_name;
     v1::PrefillResponse last;
     *last.mutable_trailer() = ToProto(trailer);
+    // Wire bytes count every message of the stream, as the decode node counts them.
+    const int64_t wire_bytes = header_bytes + sink.wire_bytes() + static_cast<int64_t>(last.ByteSizeLong());
     if (!job.stream->Send(std::move(last))) return absl::CancelledError("the decode node went away");
     span.SetAttribute("policy", header.policy);
     span.SetAttribute("kv.full_bytes", trailer.full_cache_bytes);
-    span.SetAttribute("kv.wire_bytes", sink.wire_bytes());
+    span.SetAttribute("kv.wire_bytes", wire_bytes);
     if (options.telemetry) {
       options.telemetry->ObservePrefill(forward_ms / 1e3, trailer.compress_ms / 1e3);
       options.telemetry->CountTransfer("grpc", std::string(PolicyName(config.policy)),
-                                       trailer.full_cache_bytes, sink.wire_bytes());
+                                       trailer.full_cache_bytes, wire_bytes);
     }
     return absl::OkStatus();
   }
