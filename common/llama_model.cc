@@ -62,8 +62,8 @@ constexpr SyntheticPreset kPresets[] = {
      DType::kF32, 1e4},
     {"llama-1b", "Llama-3.2-1B shape: 16 layers, hidden 2048, 32 heads, 8 KV heads, bf16", 16,
      2048, 32, 8, 64, 8192, 32000, 131072, DType::kBF16, 5e5},
-    {"attn-8kv", "attention-bound: 2 layers, 32 heads, 8 KV heads x 128, bf16, 32K context", 2,
-     4096, 32, 8, 128, 1024, 1024, 32768, DType::kBF16, 5e5},
+    {"attn-8kv", "attention-bound: 2 layers, hidden 1024, 32 heads, 8 KV heads x 128, bf16, 32K context",
+     2, 1024, 32, 8, 128, 1024, 1024, 32768, DType::kBF16, 5e5},
 };
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
+#include "kernels/simd.h"
 
 namespace kvwire {
 namespace {
@@ -20,15 +21,21 @@ void Widen(const uint8_t* src, DType dtype, float* dst, int n) { ToFloat(dtype, 
 // its lowest slots (docs §3.3: all slots of a page share its score, so top-k tokens are
 // whole pages plus part of one; the cut is deterministic rather than tie-order).
 void TakePages(const std::vector<float>& score, int page, int len, int k, int32_t* out) {
-  std::vector<int32_t> order(score.size());
+  const int n_pages = static_cast<int>(score.size());
+  auto better = [&](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
+  std::vector<int32_t> order(n_pages);
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-    return score[a] > score[b] || (score[a] == score[b] && a < b);
-  });
+  // Only the best pages are needed: ceil(k/page) of them, one more for a short last page.
+  int sorted = std::min(n_pages, (k + page - 1) / page + 1);
+  std::partial_sort(order.begin(), order.begin() + sorted, order.end(), better);
   int n = 0;
-  for (int32_t p : order) {
+  for (int i = 0; i < n_pages && n < k; ++i) {
+    if (i == sorted) {  // more short pages than expected: rank the rest too
+      std::sort(order.begin() + sorted, order.end(), better);
+      sorted = n_pages;
+    }
+    const int p = order[i];
     for (int t = p * page; t < std::min(len, (p + 1) * page) && n < k; ++t) out[n++] = t;
-    if (n == k) return;
   }
 }
 
@@ -90,36 +97,37 @@ class SparseSelector final : public DecodeSelector {
       return a[x] > a[y] || (a[x] == a[y] && x < y);
     });
     // Lines 4-6: per dimension K_max where Σ_g q ≥ 0 else K_min; per-head page logits.
-    std::vector<float> u(static_cast<size_t>(group) * n_pages, 0.f), row(n_pages);
+    // Each summary row is read once, in the cache dtype, straight into every head's AXPY.
+    std::vector<float> u(static_cast<size_t>(group) * n_pages, 0.f);
     for (int x = 0; x < r; ++x) {
       const int i = dims[x];
-      Widen(summaries_->Row(layer, c, sum[i] >= 0.f, i), lc.dtype, row.data(), n_pages);
+      const uint8_t* row = summaries_->Row(layer, c, sum[i] >= 0.f, i);
       for (int g = 0; g < group; ++g) {
-        const float qi = q[g * d + i];
-        float* ug = u.data() + static_cast<size_t>(g) * n_pages;
-        for (int p = 0; p < n_pages; ++p) ug[p] += qi * row[p];
+        kernels::simd::Axpy(q[g * d + i], row, lc.dtype, u.data() + static_cast<size_t>(g) * n_pages,
+                            n_pages);
       }
     }
     // SparQ-style temperature: each head's scale sqrt(d · ||q_I||_1 / ||q||_1); a softmax
     // per head over slots (each slot carries its page's logit), then the group's sum.
+    const int page = summaries_->page();
+    const int last_page_slots = lc.len - (n_pages - 1) * page;
     std::vector<float> score(n_pages, 0.f);
     for (int g = 0; g < group; ++g) {
       const float* qh = q + g * d;
       float num = 0.f, den = 0.f;
       for (int x = 0; x < r; ++x) num += std::fabs(qh[dims[x]]);
       for (int i = 0; i < d; ++i) den += std::fabs(qh[i]);
-      const float scale = den > 0.f && num > 0.f ? std::sqrt(d * num / den) : 1.f;
-      const float* ug = u.data() + static_cast<size_t>(g) * n_pages;
+      const float inv_scale = den > 0.f && num > 0.f ? 1.f / std::sqrt(d * num / den) : 1.f;
+      float* ug = u.data() + static_cast<size_t>(g) * n_pages;
       float mx = -std::numeric_limits<float>::infinity();
-      for (int p = 0; p < n_pages; ++p) mx = std::max(mx, ug[p] / scale);
-      double z = 0;
-      std::vector<float> e(n_pages);
       for (int p = 0; p < n_pages; ++p) {
-        e[p] = std::exp(ug[p] / scale - mx);
-        z += static_cast<double>(e[p]) * (std::min(lc.len, (p + 1) * summaries_->page()) -
-                                          p * summaries_->page());
+        ug[p] *= inv_scale;
+        mx = std::max(mx, ug[p]);
       }
-      for (int p = 0; p < n_pages; ++p) score[p] += static_cast<float>(e[p] / z);
+      // Every page but the last holds `page` slots, each carrying the page's logit.
+      const float z = kernels::simd::ExpShiftSum(ug, n_pages, mx) * page -
+                      ug[n_pages - 1] * static_cast<float>(page - last_page_slots);
+      kernels::simd::Axpy(1.f / z, ug, DType::kF32, score.data(), n_pages);
     }
     TakePages(score, summaries_->page(), lc.len, p_.top_k, out);  // line 7
   }
@@ -128,14 +136,13 @@ class SparseSelector final : public DecodeSelector {
   void QuestHead(int layer, int c, const float* q, int group, const LayerCache& lc, int32_t* out) {
     const int d = head_dim_;
     const int n_pages = summaries_->pages(lc.len);
-    std::vector<float> bound(n_pages, 0.f), hi(n_pages), lo(n_pages);
+    std::vector<float> bound(n_pages, 0.f);
     for (int i = 0; i < d; ++i) {
-      Widen(summaries_->Row(layer, c, true, i), lc.dtype, hi.data(), n_pages);
-      Widen(summaries_->Row(layer, c, false, i), lc.dtype, lo.data(), n_pages);
+      const uint8_t* hi = summaries_->Row(layer, c, true, i);
+      const uint8_t* lo = summaries_->Row(layer, c, false, i);
       for (int g = 0; g < group; ++g) {
         const float qi = q[g * d + i];
-        const float* src = qi >= 0.f ? hi.data() : lo.data();
-        for (int p = 0; p < n_pages; ++p) bound[p] += qi * src[p];
+        kernels::simd::Axpy(qi, qi >= 0.f ? hi : lo, lc.dtype, bound.data(), n_pages);
       }
     }
     TakePages(bound, summaries_->page(), lc.len, p_.top_k, out);

@@ -286,58 +286,163 @@ absl::Status CpuBackend::PrefillAttention(const PrefillAttentionParams& p) {
   return absl::OkStatus();
 }
 
-// Decode attention: a task is (sequence, cache head). Scores for all query heads of the
-// group are computed in one pass over the keys, then one pass over the values.
+// Decode attention: a task is (sequence, cache head). One pass over the keys scores all
+// query heads of the group (each K row widened once), a vectorised softmax, then one pass
+// over the values accumulates all heads' outputs (each V row widened once). Long caches
+// make this a streaming read of K and V, so the point is to keep up with memory. The
+// element type is a template parameter so the inner loops carry no dtype branches.
+#if KVWIRE_AVX2
+template <DType T>
+inline __m256 LoadKv8(const void* row, int i) {
+  if constexpr (T == DType::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + i);
+  } else if constexpr (T == DType::kBF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i)));
+  }
+}
+#endif
+
+template <int G, DType T>
+void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float* s) {
+  const int count = seq.indices ? seq.num_indices : seq.len;
+  const int32_t* idx = seq.indices ? seq.indices + int64_t{c} * seq.num_indices : nullptr;
+  const void* kbase = simd::Offset(seq.k, T, c * seq.head_stride);
+  const void* vbase = simd::Offset(seq.v, T, c * seq.head_stride);
+  const float* q = seq.q + int64_t{c} * G * d;
+  float* out = seq.out + int64_t{c} * G * d;
+  constexpr int kVecs = G <= 4 ? 4 : 2;  // 8-float vectors per dimension block (pass 2)
+  constexpr int kTile = 64;
+#if KVWIRE_AVX2
+  const bool vec = d % (8 * kVecs) == 0;
+#else
+  const bool vec = false;
+#endif
+  for (int x = 0; x < count; ++x) {
+    const int64_t tok = idx ? idx[x] : x;
+    const void* krow = simd::Offset(kbase, T, tok * d);
+    if (vec) {
+#if KVWIRE_AVX2
+      // Prefetch a few rows ahead: the loop is a stream of short rows with work between,
+      // which the hardware prefetcher alone does not run far enough ahead of.
+      if (x + 8 < count) {
+        const char* ahead = static_cast<const char*>(simd::Offset(kbase, T, (idx ? idx[x + 8] : x + 8) * d));
+        for (int b = 0; b < d * static_cast<int>(sizeof(uint16_t)) * (T == DType::kF32 ? 2 : 1); b += 64) {
+          _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
+      }
+      __m256 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+      for (int i = 0; i < d; i += 8) {
+        const __m256 kv = LoadKv8<T>(krow, i);
+        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) s[int64_t{g} * count + x] = simd::HorizontalSum(acc[g]) * scale;
+#endif
+    } else {
+      for (int g = 0; g < G; ++g) s[int64_t{g} * count + x] = simd::Dot(q + g * d, krow, T, d) * scale;
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* sh = s + int64_t{g} * count;
+    const float mx = *std::max_element(sh, sh + count);
+    const float inv = 1.f / simd::ExpShiftSum(sh, count, mx);
+    for (int x = 0; x < count; ++x) sh[x] *= inv;
+    std::fill(out + g * d, out + (g + 1) * d, 0.f);
+  }
+  // Values: tiles of tokens small enough to stay in L1, and for each tile blocks of head
+  // dimensions whose outputs for all G heads fit in registers, so each V element is
+  // widened and multiplied without an output load and store per token.
+  if (vec) {
+#if KVWIRE_AVX2
+    for (int x0 = 0; x0 < count; x0 += kTile) {
+      const int x1 = std::min(count, x0 + kTile);
+      for (int i0 = 0; i0 < d; i0 += 8 * kVecs) {
+        __m256 acc[G][kVecs];
+        for (int g = 0; g < G; ++g) {
+          for (int j = 0; j < kVecs; ++j) acc[g][j] = _mm256_loadu_ps(out + g * d + i0 + 8 * j);
+        }
+        for (int x = x0; x < x1; ++x) {
+          const int64_t tok = idx ? idx[x] : x;
+          const void* vrow = simd::Offset(vbase, T, tok * d);
+          if (i0 == 0 && x + 8 < count) {
+            const char* ahead = static_cast<const char*>(simd::Offset(vbase, T, (idx ? idx[x + 8] : x + 8) * d));
+            for (int b = 0; b < d * static_cast<int>(sizeof(uint16_t)) * (T == DType::kF32 ? 2 : 1); b += 64) {
+              _mm_prefetch(ahead + b, _MM_HINT_T0);
+            }
+          }
+          __m256 vv[kVecs];
+          for (int j = 0; j < kVecs; ++j) vv[j] = LoadKv8<T>(vrow, i0 + 8 * j);
+          for (int g = 0; g < G; ++g) {
+            const __m256 w = _mm256_set1_ps(s[int64_t{g} * count + x]);
+            for (int j = 0; j < kVecs; ++j) acc[g][j] = _mm256_fmadd_ps(w, vv[j], acc[g][j]);
+          }
+        }
+        for (int g = 0; g < G; ++g) {
+          for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(out + g * d + i0 + 8 * j, acc[g][j]);
+        }
+      }
+    }
+#endif
+  } else {
+    std::vector<float> row(d);
+    for (int x = 0; x < count; ++x) {
+      const int64_t tok = idx ? idx[x] : x;
+      const void* vrow = simd::Offset(vbase, T, tok * d);
+      ToFloat(T, vrow, row.data(), d);
+      for (int g = 0; g < G; ++g) simd::Axpy(s[int64_t{g} * count + x], row.data(), DType::kF32, out + g * d, d);
+    }
+  }
+  if (seq.probs) {
+    for (int g = 0; g < G; ++g) {
+      float* probs = seq.probs + int64_t{c * G + g} * seq.len;
+      std::fill(probs, probs + seq.len, 0.f);
+      for (int x = 0; x < count; ++x) probs[idx ? idx[x] : x] = s[int64_t{g} * count + x];
+    }
+  }
+}
+
+template <int G>
+void DecodeHeadGroupAnyType(const DecodeSequence& seq, int c, int d, DType t, float scale, float* s) {
+  switch (t) {
+    case DType::kF32:
+      return DecodeHeadGroup<G, DType::kF32>(seq, c, d, scale, s);
+    case DType::kBF16:
+      return DecodeHeadGroup<G, DType::kBF16>(seq, c, d, scale, s);
+    case DType::kF16:
+      return DecodeHeadGroup<G, DType::kF16>(seq, c, d, scale, s);
+  }
+}
+
 absl::Status CpuBackend::DecodeAttention(const DecodeAttentionParams& p) {
   RETURN_IF_ERROR(ValidateDecodeAttention(p));
   const int group = p.n_heads / p.n_cache_heads;
-  const int d = p.head_dim;
-  const DType t = p.kv_dtype;
   const int64_t tasks = int64_t{p.batch} * p.n_cache_heads;
   pool_.ParallelFor(tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s;
+    // Kept across calls: a fresh multi-megabyte buffer per step would be fresh pages
+    // (page faults and zeroing) every time.
+    thread_local std::vector<float> s;
     for (int64_t task = t0; task < t1; ++task) {
       const DecodeSequence& seq = p.seqs[task / p.n_cache_heads];
       const int c = static_cast<int>(task % p.n_cache_heads);
-      const int count = seq.indices ? seq.num_indices : seq.len;
-      const int32_t* idx = seq.indices ? seq.indices + int64_t{c} * seq.num_indices : nullptr;
-      const void* kbase = simd::Offset(seq.k, t, c * seq.head_stride);
-      const void* vbase = simd::Offset(seq.v, t, c * seq.head_stride);
-      s.resize(int64_t{group} * count);
-      for (int x = 0; x < count; ++x) {
-        const int64_t tok = idx ? idx[x] : x;
-        const void* krow = simd::Offset(kbase, t, tok * d);
-        for (int hg = 0; hg < group; ++hg) {
-          const float* q = seq.q + int64_t{c * group + hg} * d;
-          s[int64_t{hg} * count + x] = simd::Dot(q, krow, t, d) * p.scale;
-        }
-      }
-      for (int hg = 0; hg < group; ++hg) {
-        float* sh = s.data() + int64_t{hg} * count;
-        const float mx = *std::max_element(sh, sh + count);
-        float sum = 0.f;
-        for (int x = 0; x < count; ++x) {
-          sh[x] = std::exp(sh[x] - mx);
-          sum += sh[x];
-        }
-        const float inv = 1.f / sum;
-        for (int x = 0; x < count; ++x) sh[x] *= inv;
-        float* o = seq.out + int64_t{c * group + hg} * d;
-        std::fill(o, o + d, 0.f);
-      }
-      for (int x = 0; x < count; ++x) {
-        const int64_t tok = idx ? idx[x] : x;
-        const void* vrow = simd::Offset(vbase, t, tok * d);
-        for (int hg = 0; hg < group; ++hg) {
-          simd::Axpy(s[int64_t{hg} * count + x], vrow, t, seq.out + int64_t{c * group + hg} * d, d);
-        }
-      }
-      if (seq.probs) {
-        for (int hg = 0; hg < group; ++hg) {
-          float* probs = seq.probs + int64_t{c * group + hg} * seq.len;
-          std::fill(probs, probs + seq.len, 0.f);
-          for (int x = 0; x < count; ++x) probs[idx ? idx[x] : x] = s[int64_t{hg} * count + x];
-        }
+      s.resize(int64_t{group} * (seq.indices ? seq.num_indices : seq.len));
+      switch (group) {
+        case 1: DecodeHeadGroupAnyType<1>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data()); break;
+        case 2: DecodeHeadGroupAnyType<2>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data()); break;
+        case 4: DecodeHeadGroupAnyType<4>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data()); break;
+        case 8: DecodeHeadGroupAnyType<8>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data()); break;
+        default:
+          // Other group sizes: one query head at a time (as a group of one).
+          for (int g = 0; g < group; ++g) {
+            DecodeSequence one = seq;
+            one.q = seq.q + int64_t{c * group + g} * p.head_dim - int64_t{c} * p.head_dim;
+            one.out = seq.out + int64_t{c * group + g} * p.head_dim - int64_t{c} * p.head_dim;
+            one.probs = seq.probs ? seq.probs + int64_t{c * group + g} * seq.len - int64_t{c} * seq.len
+                                  : nullptr;
+            DecodeHeadGroupAnyType<1>(one, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+          }
       }
     }
   });

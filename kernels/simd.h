@@ -3,6 +3,7 @@
 // otherwise (the plain loops are also what the reference backend does).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "common/dtype.h"
@@ -88,6 +89,49 @@ inline void Axpy(float alpha, const void* x, DType t, float* y, int n) {
   }
 #endif
   for (; i < n; ++i) y[i] += alpha * LoadScalar(x, t, i);
+}
+
+#if KVWIRE_AVX2
+// exp(x) for 8 floats: x = n·ln2 + r with |r| ≤ ln2/2, e^r by a degree-6 polynomial
+// (Cephes' expf coefficients), 2^n built in the exponent bits. Relative error ~2e-7;
+// inputs below -87 flush to 0, as softmax wants for scores far under the maximum.
+inline __m256 Exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  x = _mm256_min_ps(x, hi);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+// x[i] = exp(x[i] - shift); returns Σ x[i] (after the exp).
+inline float ExpShiftSum(float* x, int n, float shift) {
+  int i = 0;
+  float sum = 0.f;
+#if KVWIRE_AVX2
+  const __m256 vs = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vs));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = HorizontalSum(acc);
+#endif
+  for (; i < n; ++i) sum += x[i] = std::exp(x[i] - shift);
+  return sum;
 }
 
 // Pointer to element i of a row of dtype t.

@@ -1,0 +1,168 @@
+// Long-context decode: time per step and K/V bytes read per step for each decode
+// configuration, measured side by side (round-robin over the modes, one step each per
+// round, medians reported) on a model shaped so attention matters (synthetic:attn-8kv: 32
+// query heads, 8 KV heads x 128, bf16, small MLP). The cache is filled synthetically with
+// `--ctx` tokens, as a long prefill would leave it.
+//
+//   full dense        every prompt token, exact attention
+//   compressed dense  --kept tokens per KV head (what SnapKV-family prefill keeps), exact
+//   hybrid            the full cache, RocketKV stage 2 reading --t tokens' worth per step
+//   rocketkv          both stages from --t: SnapKV++ capacity by the α rule, then hybrid
+//   quest             the full cache, Quest pages at --t
+//
+// Run: build/bench/decode_bench [--ctx 16384 --kept 2048 --t 1024 --steps 24 --threads 2]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/flags.h"
+#include "common/kv_cache.h"
+#include "common/llama_model.h"
+#include "common/sparse_attention.h"
+
+namespace kvwire {
+namespace {
+
+struct Mode {
+  std::string name;
+  int prompt_kept;                 // tokens per KV head in the cache before decoding
+  DecodeAttentionConfig attention;
+  std::unique_ptr<KvCache> cache;
+  std::unique_ptr<DecodeSelector> selector;
+  std::vector<double> ms;
+  int64_t kv_bytes = 0;
+};
+
+void Fill(KvCache& cache, int len, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.f, 1.f);
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    LayerCache& lc = cache.layer(l);
+    std::vector<float> row(lc.head_dim);
+    for (int h = 0; h < lc.n_heads; ++h) {
+      for (int t = 0; t < len; ++t) {
+        for (float& x : row) x = n(rng);
+        FromFloat(lc.dtype, row.data(), lc.k_row(h, t), lc.head_dim);
+        for (float& x : row) x = n(rng);
+        FromFloat(lc.dtype, row.data(), lc.v_row(h, t), lc.head_dim);
+        lc.positions[int64_t{h} * lc.capacity + t] = t;
+      }
+    }
+    lc.len = len;
+  }
+}
+
+}  // namespace
+}  // namespace kvwire
+
+int main(int argc, char** argv) {
+  using namespace kvwire;
+  Flags f;
+  f.Define("model", "synthetic:attn-8kv", "model (synthetic spec or folder)");
+  f.Define("ctx", "16384", "prompt tokens in the cache");
+  f.Define("kept", "2048", "tokens per KV head the compressed cache keeps");
+  f.Define("t", "1024", "per-step token budget of the sparse modes");
+  f.Define("steps", "24", "timed decode steps per mode");
+  f.Define("threads", "2", "CPU threads");
+  f.DefineBool("help", "print this help");
+  if (!f.Parse(argc, argv).ok() || f.GetBool("help")) {
+    std::printf("usage: decode_bench [flags]\n%s", f.Help().c_str());
+    return f.GetBool("help") ? 0 : 2;
+  }
+  const int ctx = static_cast<int>(*f.GetInt("ctx", 16, 1 << 20));
+  const int kept = static_cast<int>(*f.GetInt("kept", 16, 1 << 20));
+  const int t = static_cast<int>(*f.GetInt("t", 2, 1 << 20));
+  const int steps = static_cast<int>(*f.GetInt("steps", 1, 10000));
+  LoadOptions lo;
+  lo.threads = static_cast<int>(*f.GetInt("threads", 1, 256));
+  auto model_or = LlamaModel::Load(f.GetString("model") + ",context=" + std::to_string(ctx + steps + 8), lo);
+  if (!model_or.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(model_or.status().message()).c_str());
+    return 1;
+  }
+  LlamaModel& m = **model_or;
+  const ModelConfig& c = m.config();
+  std::printf("model: %s\ncontext %d tokens, compressed cache %d, token budget t=%d, %d steps, %d threads\n",
+              m.description().c_str(), ctx, kept, t, steps, lo.threads);
+
+  std::vector<Mode> modes;
+  auto add = [&](std::string name, int prompt_kept, DecodeAttentionConfig a) {
+    Mode md;
+    md.name = std::move(name);
+    md.prompt_kept = prompt_kept;
+    md.attention = a;
+    modes.push_back(std::move(md));
+  };
+  DecodeAttentionConfig dense;
+  add("full dense", ctx, dense);
+  add("compressed dense", kept, dense);
+  DecodeAttentionConfig hybrid;
+  hybrid.mode = AttentionMode::kHybrid;
+  hybrid.token_budget = t;
+  add("hybrid (full cache)", ctx, hybrid);
+  auto two = ResolveRocketKV(t, ctx, steps + 1, c.head_dim, CompressionConfig{});
+  if (!two.ok()) return 1;
+  add("rocketkv (2 stages)", two->stage1.budget, two->stage2);
+  DecodeAttentionConfig quest;
+  quest.mode = AttentionMode::kQuest;
+  quest.token_budget = t;
+  add("quest (full cache)", ctx, quest);
+
+  for (size_t i = 0; i < modes.size(); ++i) {
+    Mode& md = modes[i];
+    KvCacheShape shape{c.num_kv_heads, c.head_dim, m.kv_dtype(),
+                       std::vector<int>(c.num_layers, md.prompt_kept + steps + 2)};
+    md.cache = *KvCache::Create(shape, HeapKvAllocator());
+    md.cache->set_prompt_len(ctx);
+    Fill(*md.cache, md.prompt_kept, 42 + i);
+    auto sel = MakeDecodeSelector(md.attention, c, shape, HeapKvAllocator());
+    if (!sel.ok()) {
+      std::fprintf(stderr, "%s: %s\n", md.name.c_str(), std::string(sel.status().message()).c_str());
+      return 1;
+    }
+    md.selector = std::move(*sel);
+    // One untimed step builds the page summaries over the prompt (done once per request).
+    std::vector<float> logits(c.vocab_size);
+    DecodeInput in{5, ctx, md.cache.get(), md.selector.get()};
+    if (!m.DecodeStep({&in, 1}, logits.data()).ok()) return 1;
+  }
+  std::vector<float> logits(c.vocab_size);
+  for (int s = 0; s < steps; ++s) {
+    for (Mode& md : modes) {
+      DecodeInput in{7, ctx + 1 + s, md.cache.get(), md.selector.get()};
+      const auto t0 = std::chrono::steady_clock::now();
+      if (!m.DecodeStep({&in, 1}, logits.data()).ok()) return 1;
+      md.ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  const double weights = static_cast<double>(m.WeightBytes());
+  std::printf("\n%-22s %9s %10s %12s %10s %9s %9s  %s\n", "mode", "kv_tokens", "step_ms",
+              "kv_MB/step", "GB/s", "x_faster", "x_less_kv", "parameters");
+  double base_ms = 0, base_kv = 0;
+  for (Mode& md : modes) {
+    std::sort(md.ms.begin(), md.ms.end());
+    const double med = md.ms[md.ms.size() / 2];
+    const int len = md.cache->layer(0).len;
+    auto p = ResolveSparseParams(md.attention, md.prompt_kept + steps + 2, c.head_dim);
+    const double kv = static_cast<double>(BytesReadPerStep(*p, len, c.head_dim, m.kv_dtype())) *
+                      c.num_kv_heads * c.num_layers;
+    if (base_ms == 0) {
+      base_ms = med;
+      base_kv = kv;
+    }
+    std::printf("%-22s %9d %10.2f %12.2f %10.2f %9.2f %9.2f  %s\n", md.name.c_str(), len, med, kv / 1e6,
+                (kv + weights) / (med * 1e6), base_ms / med, base_kv / kv,
+                md.attention.mode == AttentionMode::kDense
+                    ? "dense"
+                    : absl::StrCat(md.attention.Describe(), " -> k=", p->top_k, " r=", p->top_r,
+                                   " page=", p->page_size)
+                          .c_str());
+  }
+  std::printf("\nweights read per step: %.1f MB; GB/s counts weights + KV read per step.\n",
+              weights / 1e6);
+  return 0;
+}
