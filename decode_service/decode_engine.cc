@@ -38,7 +38,7 @@ struct DecodeEngine::Seq {
   GenerationJob job;
   std::shared_ptr<ResponseSink> sink;
   State state = State::kWaiting;
-  Span span, queue_span, prefill_span;
+  Span span, queue_span, prefill_span, transfer_span, generate_span;
 
   // Set at admission.
   std::unique_ptr<KvCache> cache;
@@ -260,9 +260,16 @@ void DecodeEngine::StartRemotePrefill(const std::shared_ptr<Seq>& s) {
   std::weak_ptr<Seq> weak = s;
   PrefillCallbacks cb;
   Seq* raw = s.get();  // valid while the call runs: the engine keeps `s` until on_done
-  cb.on_header = [raw](const WireHeader& h) {
+  Telemetry* telemetry = options_.telemetry;
+  cb.on_header = [raw, telemetry](const WireHeader& h) {
     raw->first_kv = Clock::now();
     raw->header_seen = true;
+    if (telemetry) {
+      raw->transfer_span = telemetry->StartSpan("decode.kv_transfer", raw->prefill_span.context());
+      raw->transfer_span.SetAttribute("policy", h.policy);
+      raw->transfer_span.SetAttribute("kv.kept_tokens",
+                                      h.kept_per_layer.empty() ? 0 : h.kept_per_layer.back());
+    }
     return raw->assembler->OnHeader(h);
   };
   cb.on_chunk = [raw](const WireChunk& c) { return raw->assembler->OnChunk(c); };
@@ -280,6 +287,12 @@ void DecodeEngine::StartRemotePrefill(const std::shared_ptr<Seq>& s) {
     std::shared_ptr<Seq> seq = weak.lock();
     if (!seq) return;
     seq->wire_bytes += wire_bytes;
+    // The transfer: first KV byte to the end of the stream, with what it carried.
+    seq->transfer_span.SetAttribute("kv.wire_bytes", wire_bytes);
+    seq->transfer_span.SetAttribute("kv.full_bytes", seq->trailer.full_cache_bytes);
+    seq->transfer_span.SetAttribute("kv.chunks", seq->trailer.chunks);
+    seq->transfer_span.SetError(seq->assembler->complete() ? absl::OkStatus() : st);
+    seq->transfer_span.End();
     OnPrefillDone(seq, st);
   };
   s->prefill_inflight = true;
@@ -417,6 +430,11 @@ void DecodeEngine::Complete(const std::shared_ptr<Seq>& s, const absl::Status& s
     s->span.SetAttribute("policy", f.policy);
     s->span.SetAttribute("budget", s->job.compression.EffectiveBudget(f.prompt_tokens));
     s->span.SetAttribute("completion_tokens", f.completion_tokens);
+    s->span.SetAttribute("ttft_ms", f.ttft_ms);
+    s->generate_span.SetAttribute("completion_tokens", f.completion_tokens);
+    s->generate_span.SetAttribute("mean_itl_ms", f.mean_itl_ms);
+    s->generate_span.SetError(status);
+    s->generate_span.End();
     s->span.SetError(status);
     s->span.End();
   }
@@ -445,12 +463,7 @@ void DecodeEngine::Step(std::vector<std::shared_ptr<Seq>>* finished) {
     inputs.push_back(in);
   }
   std::vector<float> logits(batch.size() * static_cast<size_t>(vocab));
-  Span step = options_.telemetry && !batch.empty()
-                  ? options_.telemetry->StartSpan("decode.step", batch[0]->span.context())
-                  : Span();
   const absl::Status st = model_->DecodeStep(inputs, logits.data());
-  step.SetAttribute("batch", static_cast<int>(batch.size()));
-  step.End();
   for (size_t b = 0; b < batch.size(); ++b) {
     Seq& s = *batch[b];
     if (!st.ok()) {
@@ -496,6 +509,10 @@ void DecodeEngine::Loop() {
           std::erase(prefilling_, s);
           s->state = Seq::State::kRunning;
           running_.push_back(s);
+          if (options_.telemetry) {
+            s->generate_span = options_.telemetry->StartSpan("decode.generate", s->span.context());
+            s->generate_span.SetAttribute("attention", s->job.attention.Describe());
+          }
           if (options_.telemetry) {
             options_.telemetry->CountTransfer(s->trailer.node == "local" ? "local" : "grpc",
                                               std::string(PolicyName(s->job.compression.policy)),

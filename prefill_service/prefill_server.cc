@@ -73,6 +73,27 @@ class WireSink : public CompressedLayerSink {
   int64_t payload_bytes_ = 0, wire_bytes_ = 0;
 };
 
+// A span per layer for the compression step (cheap next to the layer's forward pass).
+class TracedCompressor : public PrefillObserver {
+ public:
+  TracedCompressor(Compressor* inner, Telemetry* telemetry, const Span* parent)
+      : inner_(inner), telemetry_(telemetry), parent_(parent) {}
+  int window() const override { return inner_->window(); }
+  absl::Status OnLayer(const PrefillLayer& layer) override {
+    if (telemetry_ == nullptr) return inner_->OnLayer(layer);
+    Span span = telemetry_->StartSpan("prefill.compress", parent_->context());
+    span.SetAttribute("layer", layer.layer);
+    const absl::Status st = inner_->OnLayer(layer);
+    span.SetError(st);
+    return st;
+  }
+
+ private:
+  Compressor* inner_;
+  Telemetry* telemetry_;
+  const Span* parent_;
+};
+
 // Stops the forward pass between layers when the caller is gone or out of time.
 class Interruptible : public PrefillObserver {
  public:
@@ -230,9 +251,10 @@ struct PrefillServer::Impl final : public v1::Prefill::CallbackService {
     const auto t0 = Clock::now();
     WireSink sink(job.stream.get(), max_chunk, options);
     Compressor compressor(config, mc, model->kv_dtype(), &sink);
-    Interruptible observer(&compressor, job.stream.get(), job.deadline);
     Span forward = options.telemetry ? options.telemetry->StartSpan("prefill.forward", span.context())
                                      : Span();
+    TracedCompressor traced(&compressor, options.telemetry, &forward);
+    Interruptible observer(&traced, job.stream.get(), job.deadline);
     auto result = model->Prefill(ids, &observer);
     forward.SetAttribute("prompt_tokens", len);
     forward.End();
@@ -262,6 +284,8 @@ struct PrefillServer::Impl final : public v1::Prefill::CallbackService {
     const int64_t wire_bytes = header_bytes + sink.wire_bytes() + static_cast<int64_t>(last.ByteSizeLong());
     if (!job.stream->Send(std::move(last))) return absl::CancelledError("the decode node went away");
     span.SetAttribute("policy", header.policy);
+    span.SetAttribute("budget", config.EffectiveBudget(len));
+    span.SetAttribute("kv.kept_tokens", header.kept_per_layer.back());
     span.SetAttribute("kv.full_bytes", trailer.full_cache_bytes);
     span.SetAttribute("kv.wire_bytes", wire_bytes);
     if (options.telemetry) {
