@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 
 #include "common/grpc_util.h"
 #include "decode_service/decode_server.h"
@@ -99,6 +101,11 @@ TEST_F(TlsTest, MutualTlsBetweenNodesAndTlsForClients) {
   ASSERT_TRUE(anonymous.ok());
   const grpc::Status refused = Generate((*anonymous)->port(), &tokens);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  // Pages come back when the engine notices the failure, just after the client hears of it.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while ((*anonymous)->pool().used() != 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   EXPECT_EQ((*anonymous)->pool().used(), 0u);
 }
 
