@@ -5,6 +5,19 @@
 
 namespace kvwire {
 
+void BlockTerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int FailExit(const char* program, const absl::Status& status) {
+  std::fprintf(stderr, "%s: %s\n", program, std::string(status.message()).c_str());
+  return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+}
+
 void DefineServerFlags(Flags& flags, const std::string& role, const std::string& metrics_default) {
   flags.Define("node-name", role, "name of this node in metrics, traces and responses");
   flags.Define("metrics-listen", metrics_default,

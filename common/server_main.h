@@ -12,6 +12,13 @@
 
 namespace kvwire {
 
+// Blocks SIGTERM and SIGINT in this thread and every thread it starts after, so that
+// WaitForTermination receives them. Call first thing in main().
+void BlockTerminationSignals();
+// Prints "PROGRAM: message" and returns the exit code: 2 for a usage error
+// (InvalidArgument), 1 otherwise.
+int FailExit(const char* program, const absl::Status& status);
+
 // --metrics-listen, --trace-file, --node-name, --grace-ms, --dry-run.
 void DefineServerFlags(Flags& flags, const std::string& role, const std::string& metrics_default);
 absl::StatusOr<std::unique_ptr<Telemetry>> TelemetryFromFlags(const Flags& flags,

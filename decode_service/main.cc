@@ -1,5 +1,4 @@
 // kvwire-decode: the decode node. Flags, the server, wait for SIGTERM, drain.
-#include <csignal>
 #include <cstdio>
 
 #include "common/server_main.h"
@@ -52,11 +51,7 @@ absl::StatusOr<DecodeServerOptions> OptionsFromFlags(const Flags& f) {
 
 int main(int argc, char** argv) {
   using namespace kvwire;
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  BlockTerminationSignals();
 
   Flags flags;
   DefineModelFlags(flags);
@@ -87,10 +82,7 @@ int main(int argc, char** argv) {
   flags.Define("max-prompt-tokens", "0", "longest prompt accepted (0: the model's context)");
   flags.Define("max-message-bytes", "4MiB", "largest request message accepted");
   flags.DefineBool("help", "print this help");
-  auto fail = [](const absl::Status& st) {
-    std::fprintf(stderr, "kvwire-decode: %s\n", std::string(st.message()).c_str());
-    return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-  };
+  auto fail = [](const absl::Status& st) { return FailExit("kvwire-decode", st); };
   if (absl::Status st = flags.Parse(argc, argv); !st.ok()) return fail(st);
   if (flags.GetBool("help")) {
     std::printf("usage: kvwire-decode --model DIR --prefill TARGET [flags]\n\n%s",

@@ -1,5 +1,4 @@
 // kvwire-prefill: the prefill node. Flags, the server, wait for SIGTERM, drain.
-#include <csignal>
 #include <cstdio>
 
 #include "common/server_main.h"
@@ -8,12 +7,7 @@
 
 int main(int argc, char** argv) {
   using namespace kvwire;
-  // Signals are taken by WaitForTermination; block them in every thread.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  BlockTerminationSignals();
 
   Flags flags;
   DefineModelFlags(flags);
@@ -25,10 +19,7 @@ int main(int argc, char** argv) {
   flags.Define("tls-key", "", "server private key (PEM)");
   flags.Define("tls-client-ca", "", "require client certificates signed by this CA (mutual TLS)");
   flags.DefineBool("help", "print this help");
-  auto fail = [](const absl::Status& st) {
-    std::fprintf(stderr, "kvwire-prefill: %s\n", std::string(st.message()).c_str());
-    return st.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-  };
+  auto fail = [](const absl::Status& st) { return FailExit("kvwire-prefill", st); };
   if (absl::Status st = flags.Parse(argc, argv); !st.ok()) return fail(st);
   if (flags.GetBool("help")) {
     std::printf("usage: kvwire-prefill --model DIR [flags]\n\n%s", flags.Help().c_str());
