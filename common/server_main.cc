@@ -3,6 +3,10 @@
 #include <csignal>
 #include <cstdio>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
 namespace kvwire {
 
 void BlockTerminationSignals() {
@@ -16,6 +20,27 @@ void BlockTerminationSignals() {
 int FailExit(const char* program, const absl::Status& status) {
   std::fprintf(stderr, "%s: %s\n", program, std::string(status.message()).c_str());
   return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+namespace {
+
+absl::Status CheckListenAddress(const std::string& flag, const std::string& value) {
+  const size_t colon = value.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || !absl::SimpleAtoi(value.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be HOST:PORT with a port in "
+                                                   "[0, 65535], got '", value, "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckServerAddresses(const Flags& flags) {
+  RETURN_IF_ERROR(CheckListenAddress("listen", flags.GetString("listen")));
+  if (flags.GetString("metrics-listen").empty()) return absl::OkStatus();
+  return CheckListenAddress("metrics-listen", flags.GetString("metrics-listen"));
 }
 
 void DefineServerFlags(Flags& flags, const std::string& role, const std::string& metrics_default) {

@@ -19,6 +19,9 @@ void BlockTerminationSignals();
 // (InvalidArgument), 1 otherwise.
 int FailExit(const char* program, const absl::Status& status);
 
+// --listen and (when set) --metrics-listen are HOST:PORT with a port in [0, 65535].
+absl::Status CheckServerAddresses(const Flags& flags);
+
 // --metrics-listen, --trace-file, --node-name, --grace-ms, --dry-run.
 void DefineServerFlags(Flags& flags, const std::string& role, const std::string& metrics_default);
 absl::StatusOr<std::unique_ptr<Telemetry>> TelemetryFromFlags(const Flags& flags,

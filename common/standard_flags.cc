@@ -16,9 +16,8 @@ void DefineModelFlags(Flags& flags) {
   flags.Define("backend", "cpu", "kernel backend: cpu, reference or cuda");
 }
 
-absl::StatusOr<std::unique_ptr<LlamaModel>> LoadModelFromFlags(const Flags& flags) {
-  const std::string spec = flags.GetString("model");
-  if (spec.empty()) return absl::InvalidArgumentError("--model is required");
+absl::StatusOr<LoadOptions> LoadOptionsFromFlags(const Flags& flags) {
+  if (flags.GetString("model").empty()) return absl::InvalidArgumentError("--model is required");
   LoadOptions options;
   if (!flags.GetString("dtype").empty()) {
     ASSIGN_OR_RETURN(options.weight_dtype, ParseDType(flags.GetString("dtype")));
@@ -26,7 +25,12 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LoadModelFromFlags(const Flags& flag
   ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0, 1024));
   options.threads = static_cast<int>(threads);
   ASSIGN_OR_RETURN(options.backend, kernels::ParseBackendKind(flags.GetString("backend")));
-  return LlamaModel::Load(spec, options);
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LoadModelFromFlags(const Flags& flags) {
+  ASSIGN_OR_RETURN(LoadOptions options, LoadOptionsFromFlags(flags));
+  return LlamaModel::Load(flags.GetString("model"), options);
 }
 
 void DefineCompressionFlags(Flags& flags) {

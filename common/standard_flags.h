@@ -15,6 +15,8 @@ namespace kvwire {
 // --model, --dtype, --threads, --backend.
 void DefineModelFlags(Flags& flags);
 absl::StatusOr<std::unique_ptr<LlamaModel>> LoadModelFromFlags(const Flags& flags);
+// The model flags' values, checked without loading anything (for --dry-run).
+absl::StatusOr<LoadOptions> LoadOptionsFromFlags(const Flags& flags);
 // --policy, --budget, --ratio, --window, --kernel, --pool, --gqa, ... (and --seed unless
 // already defined).
 void DefineCompressionFlags(Flags& flags);

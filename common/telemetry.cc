@@ -46,7 +46,8 @@ const Buckets kQueue = {0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30
 const Buckets kForward = {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
 const Buckets kCompress = {1e-5, 5e-5, 1e-4, 5e-4, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1};
 const Buckets kTransfer = {0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30};
-const Buckets kRatio = {1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128};
+// Below 1 too: an uncompressed transfer carries positions and framing beyond the K/V.
+const Buckets kRatio = {0.5, 0.75, 0.9, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128};
 
 }  // namespace
 

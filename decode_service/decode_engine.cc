@@ -501,6 +501,14 @@ void DecodeEngine::Loop() {
         s->call.reset();
         s->prefill_span.SetError(st);
         s->prefill_span.End();
+        if (st.ok() && options_.telemetry) {
+          options_.telemetry->CountTransfer(s->trailer.node == "local" ? "local" : "grpc",
+                                            std::string(PolicyName(s->job.compression.policy)),
+                                            s->trailer.full_cache_bytes, s->wire_bytes);
+          if (s->trailer.node != "local") {
+            options_.telemetry->ObserveTransfer(Ms(s->trailer_at - s->first_kv) / 1e3);
+          }
+        }
         if (st.ok() && s->finished) {  // the first token already ended it
           std::erase(prefilling_, s);
           finished.push_back(s);
@@ -512,14 +520,6 @@ void DecodeEngine::Loop() {
           if (options_.telemetry) {
             s->generate_span = options_.telemetry->StartSpan("decode.generate", s->span.context());
             s->generate_span.SetAttribute("attention", s->job.attention.Describe());
-          }
-          if (options_.telemetry) {
-            options_.telemetry->CountTransfer(s->trailer.node == "local" ? "local" : "grpc",
-                                              std::string(PolicyName(s->job.compression.policy)),
-                                              s->trailer.full_cache_bytes, s->wire_bytes);
-            if (s->trailer.node != "local") {
-              options_.telemetry->ObserveTransfer(Ms(s->trailer_at - s->first_kv) / 1e3);
-            }
           }
         } else if (Retryable(st) && !s->sink->cancelled() && !draining_ &&
                    s->attempts < options_.prefill_attempts && prefill_ != nullptr &&

@@ -268,11 +268,14 @@ int DecodeServer::port() const { return impl_->port; }
 KvPool& DecodeServer::pool() { return *impl_->pool; }
 DecodeEngine& DecodeServer::engine() { return *impl_->engine; }
 
+// Health goes NOT_SERVING; the server stops taking calls (GOAWAY tells routers with pooled
+// connections to go elsewhere) and waits up to `grace_ms` for the calls it has, which the
+// engine keeps serving; at the deadline gRPC cancels what is left.
 void DecodeServer::Shutdown(int grace_ms) {
   if (impl_->server == nullptr) return;
   if (auto* health = impl_->server->GetHealthCheckService()) health->Shutdown();
-  impl_->engine->Drain(std::chrono::milliseconds(grace_ms));
-  impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
+  impl_->engine->Drain(std::chrono::milliseconds(0));
   impl_->live_engine = nullptr;
   impl_->engine.reset();
   impl_->server.reset();

@@ -93,7 +93,9 @@ int main(int argc, char** argv) {
   if (!options.ok()) return fail(options.status());
   auto grace = flags.GetInt("grace-ms", 0, 3600000);
   if (!grace.ok()) return fail(grace.status());
-  if (flags.GetString("model").empty()) return fail(absl::InvalidArgumentError("--model is required"));
+  auto load_options = LoadOptionsFromFlags(flags);
+  if (!load_options.ok()) return fail(load_options.status());
+  if (absl::Status st = CheckServerAddresses(flags); !st.ok()) return fail(st);
   if (flags.GetBool("dry-run")) {
     std::printf("kvwire-decode: flags OK (listen %s, prefill '%s')\n", options->listen.c_str(),
                 options->prefill_target.c_str());
@@ -102,7 +104,7 @@ int main(int argc, char** argv) {
   auto telemetry = TelemetryFromFlags(flags, "decode");
   if (!telemetry.ok()) return fail(telemetry.status());
   options->telemetry = telemetry->get();
-  auto model = LoadModelFromFlags(flags);
+  auto model = LlamaModel::Load(flags.GetString("model"), *load_options);
   if (!model.ok()) return fail(model.status());
   auto server = DecodeServer::Start(model->get(), *options);
   if (!server.ok()) return fail(server.status());

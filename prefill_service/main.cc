@@ -37,7 +37,9 @@ int main(int argc, char** argv) {
   o.workers = static_cast<int>(*workers);
   o.max_queue = static_cast<int>(*queue);
   o.tls = {flags.GetString("tls-cert"), flags.GetString("tls-key"), flags.GetString("tls-client-ca")};
-  if (flags.GetString("model").empty()) return fail(absl::InvalidArgumentError("--model is required"));
+  auto load_options = LoadOptionsFromFlags(flags);
+  if (!load_options.ok()) return fail(load_options.status());
+  if (absl::Status st = CheckServerAddresses(flags); !st.ok()) return fail(st);
   if (flags.GetBool("dry-run")) {
     std::printf("kvwire-prefill: flags OK (listen %s)\n", o.listen.c_str());
     return 0;
@@ -45,7 +47,7 @@ int main(int argc, char** argv) {
   auto telemetry = TelemetryFromFlags(flags, "prefill");
   if (!telemetry.ok()) return fail(telemetry.status());
   o.telemetry = telemetry->get();
-  auto model = LoadModelFromFlags(flags);
+  auto model = LlamaModel::Load(flags.GetString("model"), *load_options);
   if (!model.ok()) return fail(model.status());
   auto server = PrefillServer::Start(model->get(), o);
   if (!server.ok()) return fail(server.status());

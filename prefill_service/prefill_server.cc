@@ -317,6 +317,10 @@ absl::StatusOr<std::unique_ptr<PrefillServer>> PrefillServer::Start(LlamaModel* 
   builder.RegisterService(impl.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(impl->options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(kMaxChunkBytesLimit + (1 << 20)));
+  // Connections age out so that decode nodes re-resolve the prefill Service now and then
+  // and spread over new replicas; streams in flight get the grace period to finish.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, 10 * 60 * 1000);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, 2 * 60 * 1000);
   impl->server = builder.BuildAndStart();
   if (impl->server == nullptr || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", impl->options.listen));

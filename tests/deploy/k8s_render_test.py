@@ -706,9 +706,6 @@ class K8sRenderTest(unittest.TestCase):
     demo = self.renderings["cpu-demo"]
     self.assertIn(MODEL_CLAIM, demo.kind("PersistentVolumeClaim"),
                   "cpu-demo: creates no PersistentVolumeClaim %s" % MODEL_CLAIM)
-    for name in ("base", "gpu"):
-      self.assertEqual(len(self.renderings[name].kind("Deployment")["kvwire-prefill"]["spec"]
-                           .get("template")["spec"]["containers"]), 1)
 
   # -- Prometheus -----------------------------------------------------------------------------
 

@@ -244,11 +244,16 @@ class PrometheusE2ETest(unittest.TestCase):
         return False
     wait_until(ready, 30, "prometheus to be ready")
 
+    last = {}
+
     def all_up():
-      up = cls.query_vector("up")
-      return len(up) == 4 and all(v == 1 for v in up.values())
-    wait_until(all_up, 30, "prometheus to scrape the 4 nodes (up == 1); targets: %s"
-               % cls.query_vector("up"))
+      last["up"] = {dict(k).get("instance"): v for k, v in cls.query_vector("up").items()}
+      return len(last["up"]) == 4 and all(v == 1 for v in last["up"].values())
+    try:
+      wait_until(all_up, 30, "prometheus to scrape the 4 nodes (up == 1)")
+    except AssertionError as e:
+      raise AssertionError("%s; up by instance: %s; the nodes' metrics ports: %s"
+                           % (e, last.get("up"), cls.metrics_ports)) from None
 
   @classmethod
   def api(cls, path, **params):
@@ -376,8 +381,9 @@ class PrometheusE2ETest(unittest.TestCase):
                                   "--policy", "full")}
     every = rows["snapkv"] + rows["full"]
     remote = [r for r in every if r["prefill_node"] not in ("", "local")]
-    self.assertEqual(len(remote), len(every), "requests prefilled on a decode node: %s"
-                     % [r for r in every if r not in remote])
+    self.assertEqual(len(remote), len(every), "requests prefilled on the decode node itself "
+                     "(prefill_node %s): this test is about remote prefills"
+                     % [r["prefill_node"] for r in every])
     self.wait_scraped()
     after = self.snapshot()
 
@@ -463,7 +469,9 @@ class PrometheusE2ETest(unittest.TestCase):
 
   def test_2_request_ended_by_its_first_token(self):
     """max_tokens 1: the prefill node's first token ends the request before it joins the
-    decode batch; its KV transfer still happened and must be counted."""
+    decode batch; its KV transfer still happened and must be counted. (The decode engine
+    counts a transfer where a sequence joins the batch; the branch for a sequence its first
+    token finished must count it too.)"""
     self.wait_scraped()
     before = self.snapshot()
     row, = self.generate(self.prompts[-1:], "--max-tokens", "1", "--policy", "snapkv",
