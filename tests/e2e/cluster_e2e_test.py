@@ -21,15 +21,16 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 import unittest
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_cluster import (LocalClusterCase, children, find_nginx, free_ports,  # noqa: E402
+                           running, wait_until)
 
 REPO = ""
 BUILD = ""
@@ -42,53 +43,6 @@ SHORT_PROMPT = "Once upon a time, there was a little girl named Lily."
 # token per byte) with 4 repeats, and for the real one with 12.
 FALLBACK_SENTENCE = ("The little dog ran to the park with his ball and played with a big red kite "
                      "all day. ")
-
-
-def find_nginx():
-  """KVWIRE_NGINX if set (as cluster.sh), else nginx on PATH or in /usr/sbin; None if absent."""
-  if os.environ.get("KVWIRE_NGINX"):
-    return shutil.which(os.environ["KVWIRE_NGINX"])
-  return shutil.which("nginx") or shutil.which("/usr/sbin/nginx")
-
-
-def free_ports(n):
-  """n distinct free loopback ports: all bound at once to port 0, then released."""
-  socks = []
-  try:
-    for _ in range(n):
-      s = socket.socket()
-      s.bind(("127.0.0.1", 0))
-      socks.append(s)
-    return [s.getsockname()[1] for s in socks]
-  finally:
-    for s in socks:
-      s.close()
-
-
-def running(pid):
-  """Alive and not a zombie (the cluster's processes are not our children, so a dead one
-  may linger as a zombie until its new parent reaps it)."""
-  try:
-    with open("/proc/%d/cmdline" % pid, "rb") as f:
-      return bool(f.read())
-  except OSError:
-    return False
-
-
-def wait_until(predicate, timeout, what):
-  deadline = time.monotonic() + timeout
-  while not predicate():
-    if time.monotonic() > deadline:
-      raise AssertionError("timed out after %.0f s waiting for %s" % (timeout, what))
-    time.sleep(0.05)
-
-
-def children(pid):
-  try:
-    with open("/proc/%d/task/%d/children" % (pid, pid)) as f:
-      return [int(p) for p in f.read().split()]
-  except OSError:
-    return []
 
 
 def unread_bytes(port):
@@ -118,7 +72,7 @@ def metric_sum(text, name):
   return total
 
 
-class ClusterE2ETest(unittest.TestCase):
+class ClusterE2ETest(LocalClusterCase):
 
   @classmethod
   def setUpClass(cls):
@@ -149,29 +103,11 @@ class ClusterE2ETest(unittest.TestCase):
       cls.long_prompts = [text, text[:-30] + "Then he went home."]
     print("model: %s" % cls.model, file=sys.stderr)
 
-    cls.tmp = tempfile.mkdtemp(prefix="kvwire-e2e-")
-    cls.dir = os.path.join(cls.tmp, "cluster")
-    ports = free_ports(9)
-    cls.router_port = ports[0]
-    cls.env = {k: v for k, v in os.environ.items()
-               if k not in ("KVWIRE_BASE_PORT", "KVWIRE_MODEL", "KVWIRE_BUILD_DIR")}
-    cls.env.update({
-        "KVWIRE_HOST": "127.0.0.1", "KVWIRE_ROUTER_PORT": str(ports[0]),
-        "KVWIRE_DECODE0_PORT": str(ports[1]), "KVWIRE_DECODE1_PORT": str(ports[2]),
-        "KVWIRE_PREFILL0_PORT": str(ports[3]), "KVWIRE_PREFILL1_PORT": str(ports[4]),
-        "KVWIRE_DECODE0_METRICS_PORT": str(ports[5]),
-        "KVWIRE_DECODE1_METRICS_PORT": str(ports[6]),
-        "KVWIRE_PREFILL0_METRICS_PORT": str(ports[7]),
-        "KVWIRE_PREFILL1_METRICS_PORT": str(ports[8]),
-        "KVWIRE_THREADS": "1", "KVWIRE_NGINX": cls.nginx, "KVWIRE_PYTHON": sys.executable,
-    })
-    cls.decode_metrics = ["127.0.0.1:%d" % p for p in ports[5:7]]
-    cls.prefill0_port = ports[3]
-    cls.pids = {}
-    cls.failed = False
+    cls.REPO, cls.BUILD = REPO, BUILD
     try:
-      cls.cluster("start", "--model", cls.model, "--build-dir", BUILD)
-      cls.pids = cls.read_pids()
+      cls.start_cluster(cls.model, "kvwire-e2e-")
+      cls.decode_metrics = ["127.0.0.1:%d" % cls.metrics_ports[n] for n in ("decode-0", "decode-1")]
+      cls.prefill0_port = cls.node_ports["prefill-0"]
       cls.cluster("wait-ready", "--timeout", "60")
     except BaseException:
       cls.failed = True
@@ -180,56 +116,7 @@ class ClusterE2ETest(unittest.TestCase):
 
   @classmethod
   def tearDownClass(cls):
-    # Normally test_6 has stopped everything; this is for a failure on the way there.
-    pids = dict(cls.read_pids(), **cls.pids)
-    if any(running(p) for p in pids.values()):
-      subprocess.run([cls.cluster_sh, "stop", "--dir", cls.dir, "--timeout", "10"],
-                     env=cls.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    for pid in pids.values():
-      for p in children(pid) + [pid]:
-        if running(p):
-          os.kill(p, signal.SIGKILL)
-    if cls.failed:
-      for log in sorted(os.listdir(os.path.join(cls.dir, "logs"))) + ["../router/logs/error.log"]:
-        path = os.path.join(cls.dir, "logs", log)
-        if os.path.exists(path):
-          with open(path, errors="replace") as f:
-            print("---- %s (last lines)\n%s" % (path, "".join(f.readlines()[-15:])),
-                  file=sys.stderr)
-    if cls.failed or os.environ.get("KVWIRE_KEEP_TMP"):
-      print("kept %s" % cls.tmp, file=sys.stderr)
-    else:
-      shutil.rmtree(cls.tmp, ignore_errors=True)
-
-  def run(self, result=None):
-    # Remembers a failure, so that tearDownClass shows the nodes' logs and keeps them.
-    bad = lambda: len(result.failures) + len(result.errors) if result else 0
-    before = bad()
-    outcome = super().run(result)
-    if bad() > before:
-      type(self).failed = True
-    return outcome
-
-  # ---- helpers ----------------------------------------------------------------------------
-
-  @classmethod
-  def cluster(cls, *args, check=True):
-    r = subprocess.run([cls.cluster_sh, args[0], "--dir", cls.dir] + list(args[1:]),
-                       env=cls.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=90)
-    if check and r.returncode != 0:
-      raise AssertionError("cluster.sh %s failed (exit %d):\n%s" % (args[0], r.returncode,
-                                                                    r.stdout))
-    return r
-
-  @classmethod
-  def read_pids(cls):
-    pids = {}
-    pid_dir = os.path.join(cls.dir, "pids")
-    for name in os.listdir(pid_dir) if os.path.isdir(pid_dir) else []:
-      with open(os.path.join(pid_dir, name)) as f:
-        pids[name[:-len(".pid")]] = int(f.read())
-    return pids
+    cls.stop_cluster()
 
   def client_cmd(self, prompts, *flags, target=None):
     """The Python client (--json) sending `prompts` one after another through the router."""

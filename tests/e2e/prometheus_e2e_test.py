@@ -28,10 +28,8 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 import unittest
 import urllib.parse
@@ -39,7 +37,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The cluster test's helpers: free ports, process checks, polling.
-from cluster_e2e_test import children, find_nginx, free_ports, running, wait_until  # noqa: E402
+from local_cluster import LocalClusterCase, find_nginx, wait_until  # noqa: E402
 
 REPO = ""
 BUILD = ""
@@ -76,7 +74,7 @@ def kvwire_samples(text):
   return {line for line in text.splitlines() if line.startswith("kvwire_")}
 
 
-class PrometheusE2ETest(unittest.TestCase):
+class PrometheusE2ETest(LocalClusterCase):
 
   @classmethod
   def setUpClass(cls):
@@ -110,30 +108,10 @@ class PrometheusE2ETest(unittest.TestCase):
                      for _ in range(n_prompts)]
     print("model: %s" % cls.model, file=sys.stderr)
 
-    cls.tmp = tempfile.mkdtemp(prefix="kvwire-prom-e2e-")
-    cls.dir = os.path.join(cls.tmp, "cluster")
-    ports = free_ports(10)
-    cls.router_port, cls.prom_port = ports[0], ports[9]
-    cls.metrics_ports = {"prefill-0": ports[5], "prefill-1": ports[6],
-                         "decode-0": ports[7], "decode-1": ports[8]}
-    cls.env = {k: v for k, v in os.environ.items()
-               if k not in ("KVWIRE_BASE_PORT", "KVWIRE_MODEL", "KVWIRE_BUILD_DIR")}
-    cls.env.update({
-        "KVWIRE_HOST": "127.0.0.1", "KVWIRE_ROUTER_PORT": str(ports[0]),
-        "KVWIRE_DECODE0_PORT": str(ports[1]), "KVWIRE_DECODE1_PORT": str(ports[2]),
-        "KVWIRE_PREFILL0_PORT": str(ports[3]), "KVWIRE_PREFILL1_PORT": str(ports[4]),
-        "KVWIRE_PREFILL0_METRICS_PORT": str(ports[5]),
-        "KVWIRE_PREFILL1_METRICS_PORT": str(ports[6]),
-        "KVWIRE_DECODE0_METRICS_PORT": str(ports[7]),
-        "KVWIRE_DECODE1_METRICS_PORT": str(ports[8]),
-        "KVWIRE_THREADS": "1", "KVWIRE_NGINX": cls.nginx, "KVWIRE_PYTHON": sys.executable,
-    })
+    cls.REPO, cls.BUILD = REPO, BUILD
     cls.prom = None
-    cls.pids = {}
-    cls.failed = False
     try:
-      cls.cluster("start", "--model", cls.model, "--build-dir", BUILD)
-      cls.pids = cls.read_pids()
+      (cls.prom_port,) = cls.start_cluster(cls.model, "kvwire-prom-e2e-", extra_ports=1)
       cls.start_prometheus()
       cls.cluster("wait-ready", "--timeout", "60")
       cls.wait_prometheus_ready()
@@ -151,57 +129,9 @@ class PrometheusE2ETest(unittest.TestCase):
       except subprocess.TimeoutExpired:
         cls.prom.kill()
         cls.prom.wait()
-    pids = dict(cls.read_pids(), **cls.pids)
-    if any(running(p) for p in pids.values()):
-      subprocess.run([cls.cluster_sh, "stop", "--dir", cls.dir, "--timeout", "10"],
-                     env=cls.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    for pid in pids.values():
-      for p in children(pid) + [pid]:
-        if running(p):
-          os.kill(p, signal.SIGKILL)
-    if cls.failed:
-      logs = [os.path.join(cls.dir, "logs", n) for n in
-              sorted(os.listdir(os.path.join(cls.dir, "logs")))
-              if os.path.isdir(os.path.join(cls.dir, "logs"))]
-      for path in logs + [os.path.join(cls.tmp, "prometheus.log")]:
-        if os.path.exists(path):
-          with open(path, errors="replace") as f:
-            print("---- %s (last lines)\n%s" % (path, "".join(f.readlines()[-15:])),
-                  file=sys.stderr)
-    if cls.failed or os.environ.get("KVWIRE_KEEP_TMP"):
-      print("kept %s" % cls.tmp, file=sys.stderr)
-    else:
-      shutil.rmtree(cls.tmp, ignore_errors=True)
-
-  def run(self, result=None):
-    # Remembers a failure, so that tearDownClass shows the logs and keeps the run directory.
-    bad = lambda: len(result.failures) + len(result.errors) if result else 0
-    before = bad()
-    outcome = super().run(result)
-    if bad() > before:
-      type(self).failed = True
-    return outcome
+    cls.stop_cluster(extra_logs=[os.path.join(cls.tmp, "prometheus.log")] if hasattr(cls, "tmp") else [])
 
   # ---- the cluster and Prometheus -----------------------------------------------------------
-
-  @classmethod
-  def cluster(cls, *args):
-    r = subprocess.run([cls.cluster_sh, args[0], "--dir", cls.dir] + list(args[1:]),
-                       env=cls.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=90)
-    if r.returncode != 0:
-      raise AssertionError("cluster.sh %s failed (exit %d):\n%s" % (args[0], r.returncode,
-                                                                    r.stdout))
-    return r
-
-  @classmethod
-  def read_pids(cls):
-    pids = {}
-    pid_dir = os.path.join(cls.dir, "pids")
-    for name in os.listdir(pid_dir) if os.path.isdir(pid_dir) else []:
-      with open(os.path.join(pid_dir, name)) as f:
-        pids[name[:-len(".pid")]] = int(f.read())
-    return pids
 
   @classmethod
   def start_prometheus(cls):
