@@ -15,7 +15,7 @@ rendering:
     router's nginx.conf (which the real nginx accepts) names the decode ClusterIP Service;
   * resources, non-root read-only containers, drain timing (terminationGracePeriodSeconds >
     preStop + --grace-ms), the model volume, and what each overlay is for (gpu: nvidia.com/gpu
-    and --backend=cuda; cpu-demo: the stories model and one thread);
+    and the CPU backend; cpu-demo: the stories model and one thread);
   * the copies in deploy/k8s/base are current (deploy/k8s/sync.sh --check);
   * Prometheus's relabeling (the real promtool) turns the rendered pods into exactly one scrape
     target per prefill and decode pod, from deploy/k8s/prometheus/prometheus.yml;
@@ -686,7 +686,9 @@ class K8sRenderTest(unittest.TestCase):
   # -- what each overlay is for ----------------------------------------------------------------
 
   def test_overlays(self):
-    expect = {"base": ("cpu", "cpu"), "cpu-demo": ("cpu", "cpu"), "gpu": ("gpu", "cuda")}
+    # The gpu overlay schedules the CUDA image on GPU nodes; the engine runs its CPU backend
+    # (kvwire refuses --backend=cuda until the model is device-resident).
+    expect = {"base": ("cpu", "cpu"), "cpu-demo": ("cpu", "cpu"), "gpu": ("gpu", "cpu")}
     for r, c in self.all_nodes():
       with self.subTest(node=c.what):
         tag, backend = expect[r.name]
