@@ -298,6 +298,24 @@ absl::Status CompressionConfig::Validate() const {
   if (!(ratio >= 0 && ratio <= 1)) {
     return Bad(absl::StrCat("ratio must be in (0, 1] (kept / prompt tokens), got ", ratio));
   }
+  // Upper bounds keep every sum below int overflow and every buffer sane; the window also
+  // bounds the score buffer (heads × window × prompt floats per layer).
+  constexpr int kMaxParam = 1 << 20;
+  if (budget > (1 << 30)) return Bad(absl::StrCat("budget must be <= 2^30, got ", budget));
+  if (window > kMaxWindow) {
+    return Bad(absl::StrCat("window must be <= ", kMaxWindow, " (observation windows are 16-128 "
+                            "tokens in the papers), got ", window));
+  }
+  for (const auto& [name, v] : std::vector<std::pair<const char*, int>>{
+           {"kernel", kernel}, {"kernel_small", kernel_small}, {"kernel_large", kernel_large},
+           {"chunk", chunk}, {"block", block}, {"sinks", sinks}, {"reuse_layers", reuse_layers},
+           {"skip_layers", skip_layers}}) {
+    if (v > kMaxParam) return Bad(absl::StrCat(name, " must be <= 2^20, got ", v));
+  }
+  if (groups.size() > 64) return Bad(absl::StrCat("at most 64 groups, got ", groups.size()));
+  for (int g : groups) {
+    if (g > kMaxParam) return Bad(absl::StrCat("groups must be <= 2^20, got ", g));
+  }
   if (policy == Policy::kFull) return absl::OkStatus();
   if (budget == 0 && ratio == 0) {
     return Bad(absl::StrCat(PolicyName(policy), " needs a budget (tokens kept per head) or a ratio"));
@@ -517,7 +535,10 @@ Compressor::Compressor(const CompressionConfig& config, const ModelConfig& model
       selector_(config, model.num_heads, model.num_kv_heads),
       sink_(sink) {}
 
-int Compressor::window() const { return config_.NeedsScores() ? config_.window : 0; }
+// Only a prompt that will be compressed needs scores (their buffer is heads × w × L floats).
+int Compressor::window(int len) const {
+  return config_.NeedsScores() && config_.Compresses(len) ? config_.window : 0;
+}
 
 absl::Status Compressor::OnLayer(const PrefillLayer& layer) {
   const auto t0 = std::chrono::steady_clock::now();

@@ -50,6 +50,9 @@ absl::StatusOr<GqaMode> ParseGqa(absl::string_view name);
 // "full, streaming, random, snapkv, snapkv_pp, chunkkv, hbw, rocketkv"
 std::string PolicyNames();
 
+// The largest observation window accepted.
+inline constexpr int kMaxWindow = 1024;
+
 struct CompressionConfig {
   Policy policy = Policy::kFull;
   int budget = 0;      // tokens kept per cache head, window included (0: from ratio)
@@ -137,7 +140,7 @@ class Compressor : public PrefillObserver {
  public:
   Compressor(const CompressionConfig& config, const ModelConfig& model, DType kv_dtype,
              CompressedLayerSink* sink);
-  int window() const override;
+  int window(int len) const override;
   absl::Status OnLayer(const PrefillLayer& layer) override;
   // Seconds spent selecting and gathering (the compression overhead).
   double seconds() const { return seconds_; }

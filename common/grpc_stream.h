@@ -64,7 +64,9 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
     if (finishing_ || done_) return;
     finishing_ = true;
     status_ = status;
-    if (cancelled_) queue_.clear();
+    // After a cancel nothing more is sent; the message being written stays until its
+    // OnWriteDone (gRPC may still read it).
+    if (cancelled_) queue_.erase(writing_ && !queue_.empty() ? queue_.begin() + 1 : queue_.begin(), queue_.end());
     if (!writing_) FinishLocked();
   }
 

@@ -171,8 +171,10 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
     return Malformed(absl::StrCat(where, ": out of order; expected layer ", layer_, " head ",
                                   head_, " token ", token_));
   }
-  if (c.head_count < 1 || c.token_count < 1 || c.head_begin + c.head_count > header_.num_cache_heads ||
-      c.token_begin + c.token_count > kept) {
+  // int64: the counts come from the network and may be anything up to INT_MAX.
+  if (c.head_count < 1 || c.token_count < 1 ||
+      int64_t{c.head_begin} + c.head_count > header_.num_cache_heads ||
+      int64_t{c.token_begin} + c.token_count > kept) {
     return Malformed(absl::StrCat(where, ": outside the layer's ", header_.num_cache_heads,
                                   " heads x ", kept, " tokens"));
   }
@@ -246,6 +248,7 @@ absl::Status KvAssembler::OnChunk(const WireChunk& c) {
 absl::Status KvAssembler::OnTrailer(const WireTrailer& t, int vocab_size) {
   if (failed_) return absl::FailedPreconditionError("KV stream already failed");
   if (!header_seen_) return Fail(Malformed("a trailer before the header"));
+  if (complete_) return Fail(Malformed("a second trailer"));
   if (layer_ != header_.num_layers) {
     return Fail(Malformed(absl::StrCat("trailer after ", layer_, " of ", header_.num_layers,
                                        " layers (layer ", layer_, " incomplete at head ", head_,

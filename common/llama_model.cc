@@ -412,7 +412,7 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
   const int hd = c.hidden_size, d = c.head_dim, ffn = c.intermediate_size;
   const int qd = c.num_heads * d, kvd = c.num_kv_heads * d;
   const int64_t stride = qd + 2 * kvd;
-  const int window = observer ? std::min(observer->window(), len) : 0;
+  const int window = observer ? std::min(observer->window(len), len) : 0;
 
   std::vector<float> x(int64_t{len} * hd), h(int64_t{len} * hd), qkv(len * stride),
       attn(int64_t{len} * qd), scores(int64_t{c.num_heads} * window * len);

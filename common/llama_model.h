@@ -55,8 +55,8 @@ struct PrefillLayer {
 class PrefillObserver {
  public:
   virtual ~PrefillObserver() = default;
-  // Rows of window scores wanted (0: none); clamped to the prompt length.
-  virtual int window() const = 0;
+  // Rows of window scores wanted for a `len`-token prompt (0: none); clamped to len.
+  virtual int window(int len) const = 0;
   // Called after each layer, in order. An error stops the prefill and is returned by it
   // (that is how cancellation and deadlines reach into a long prompt).
   virtual absl::Status OnLayer(const PrefillLayer& layer) = 0;

@@ -125,8 +125,8 @@ class SparseSelector final : public DecodeSelector {
         mx = std::max(mx, ug[p]);
       }
       // Every page but the last holds `page` slots, each carrying the page's logit.
-      const float z = kernels::simd::ExpShiftSum(ug, n_pages, mx) * page -
-                      ug[n_pages - 1] * static_cast<float>(page - last_page_slots);
+      const float total = kernels::simd::ExpShiftSum(ug, n_pages, mx);  // ug now holds exps
+      const float z = total * page - ug[n_pages - 1] * static_cast<float>(page - last_page_slots);
       kernels::simd::Axpy(1.f / z, ug, DType::kF32, score.data(), n_pages);
     }
     TakePages(score, summaries_->page(), lc.len, p_.top_k, out);  // line 7
@@ -265,6 +265,10 @@ absl::Status DecodeAttentionConfig::Validate() const {
     return absl::InvalidArgumentError(
         "attention: token_budget, top_k, top_r and page_size must be >= 0");
   }
+  if (token_budget > (1 << 26) || top_k > (1 << 26) || top_r > (1 << 16) || page_size > (1 << 16)) {
+    return absl::InvalidArgumentError(
+        "attention: token_budget and top_k must be <= 2^26, top_r and page_size <= 2^16");
+  }
   if (mode != AttentionMode::kDense && token_budget == 0 && top_k == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "attention: ", AttentionModeName(mode), " needs a token_budget (or an explicit top_k)"));
@@ -381,16 +385,37 @@ absl::Status ResolveTwoStage(CompressionConfig* compression, DecodeAttentionConf
   return absl::OkStatus();
 }
 
+namespace {
+
+// The parameters a sequence's selector will run with, and whether it keeps page summaries.
+absl::StatusOr<SparseParams> SelectorParams(const DecodeAttentionConfig& config,
+                                            const ModelConfig& model, const KvCacheShape& cache) {
+  int capacity = 0;
+  for (int c : cache.capacity) capacity = std::max(capacity, c);
+  return ResolveSparseParams(config, capacity, model.head_dim);
+}
+
+bool KeepsSummaries(const SparseParams& p) {
+  return p.mode == AttentionMode::kHybrid || p.mode == AttentionMode::kQuest;
+}
+
+}  // namespace
+
+absl::StatusOr<size_t> DecodeSelectorBytes(const DecodeAttentionConfig& config,
+                                           const ModelConfig& model, const KvCacheShape& cache) {
+  if (config.mode == AttentionMode::kDense) return size_t{0};
+  ASSIGN_OR_RETURN(SparseParams p, SelectorParams(config, model, cache));
+  return KeepsSummaries(p) ? PageSummaries::Bytes(cache, p.page_size) : size_t{0};
+}
+
 absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(const DecodeAttentionConfig& config,
                                                                    const ModelConfig& model,
                                                                    const KvCacheShape& cache,
                                                                    KvAllocator& allocator) {
   if (config.mode == AttentionMode::kDense) return std::unique_ptr<DecodeSelector>();
-  int capacity = 0;
-  for (int c : cache.capacity) capacity = std::max(capacity, c);
-  ASSIGN_OR_RETURN(SparseParams p, ResolveSparseParams(config, capacity, model.head_dim));
+  ASSIGN_OR_RETURN(SparseParams p, SelectorParams(config, model, cache));
   std::unique_ptr<PageSummaries> summaries;
-  if (p.mode == AttentionMode::kHybrid || p.mode == AttentionMode::kQuest) {
+  if (KeepsSummaries(p)) {
     ASSIGN_OR_RETURN(KvMemoryPtr mem, allocator.Allocate(PageSummaries::Bytes(cache, p.page_size)));
     summaries = std::make_unique<PageSummaries>(cache, p.page_size, std::move(mem));
   }

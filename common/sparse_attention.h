@@ -107,6 +107,11 @@ class PageSummaries {
 absl::Status ResolveTwoStage(CompressionConfig* compression, DecodeAttentionConfig* attention,
                              int prompt_len, int max_new, int head_dim);
 
+// Bytes of pool memory MakeDecodeSelector will take for this sequence (its page
+// summaries; 0 for dense, exact top-k and any mode that keeps none).
+absl::StatusOr<size_t> DecodeSelectorBytes(const DecodeAttentionConfig& config,
+                                           const ModelConfig& model, const KvCacheShape& cache);
+
 // The selector of one sequence, or null for dense attention. Page summaries take their
 // memory from `allocator` (the decode node's KV pool).
 absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(const DecodeAttentionConfig& config,

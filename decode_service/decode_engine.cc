@@ -12,6 +12,13 @@
 namespace kvwire {
 namespace {
 
+// A KV stream the assembler rejects is the prefill node's fault, not the client's request:
+// the client must not hear INVALID_ARGUMENT for it.
+absl::Status StreamFault(const absl::Status& st) {
+  if (st.code() != absl::StatusCode::kInvalidArgument) return st;
+  return absl::InternalError(absl::StrCat("from the prefill node: ", st.message()));
+}
+
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 // Worth retrying on another prefill node: the node or the path failed, not the request.
@@ -49,6 +56,8 @@ struct DecodeEngine::Seq {
   std::unique_ptr<KvAssembler> assembler;
   std::shared_ptr<PrefillCall> call;
   bool prefill_inflight = false;
+  bool local = false;        // prefilled on this node
+  size_t reserve_bytes = 0;  // KV pool bytes the request needs (cache + page summaries)
   int attempts = 0;
   Clock::time_point admitted, first_kv, trailer_at;
   WireTrailer trailer;
@@ -97,11 +106,11 @@ int DecodeEngine::queued() const {
   return static_cast<int>(waiting_.size());
 }
 
+// Lock-free, because it is called where the engine's lock may be held (memory going back
+// to the pool). The loop's wait has a 20 ms timeout, so a wake-up that slips in just before
+// it starts waiting costs at most that.
 void DecodeEngine::Wake() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    wake_ = true;
-  }
+  wake_.store(true);
   cv_.notify_all();
 }
 
@@ -161,10 +170,23 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   }
   const KvCacheShape shape =
       CompressedCacheShape(j.compression, mc, model_->kv_dtype(), len, j.max_tokens);
-  ASSIGN_OR_RETURN(s.cache, KvCache::Create(shape, *pool_));
+  ASSIGN_OR_RETURN(const size_t selector_bytes, DecodeSelectorBytes(j.attention, mc, shape));
+  s.reserve_bytes = KvCache::BytesFor(shape) + selector_bytes;
+  if (!pool_->CanEverFit(s.reserve_bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the request needs ", s.reserve_bytes, " bytes of KV cache but the pool holds ",
+        pool_->capacity(), " (--kv-pool-bytes); lower max_tokens or the compression budget"));
+  }
+  // Everything is allocated before anything is kept, so a request that must wait holds no
+  // memory while it waits.
+  ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(shape, *pool_));
+  ASSIGN_OR_RETURN(std::unique_ptr<DecodeSelector> selector,
+                   MakeDecodeSelector(j.attention, mc, shape, *pool_));
+  s.cache = std::move(cache);
+  s.selector = std::move(selector);
   s.cache->set_prompt_len(len);
+  s.kept_per_layer.clear();
   for (int l = 0; l < mc.num_layers; ++l) s.kept_per_layer.push_back(j.compression.KeptTokens(l, len));
-  ASSIGN_OR_RETURN(s.selector, MakeDecodeSelector(j.attention, mc, shape, *pool_));
   s.rng = std::make_unique<SamplingRng>(j.seed);
   s.decoder = std::make_unique<StreamingDecoder>(model_->tokenizer());
   RETURN_IF_ERROR(s.decoder->Prime(j.prompt_ids));
@@ -173,40 +195,34 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
 }
 
 void DecodeEngine::Admit(std::vector<std::shared_ptr<Seq>>* finished) {
+  // Requests that were cancelled or ran out of time while waiting leave the queue now, not
+  // when they reach its head, so they do not hold queue slots.
+  const auto now = std::chrono::system_clock::now();
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    const bool cancelled = (*it)->sink->cancelled();
+    if (!cancelled && now <= (*it)->job.deadline) {
+      ++it;
+      continue;
+    }
+    (*it)->sink->Finish(cancelled ? absl::CancelledError("cancelled while queued")
+                                  : absl::DeadlineExceededError("deadline passed while queued"),
+                        nullptr);
+    finished->push_back(*it);
+    it = waiting_.erase(it);
+  }
   // FIFO: the head waits for room rather than letting later, smaller requests starve it.
   while (!waiting_.empty()) {
     std::shared_ptr<Seq> s = waiting_.front();
-    if (s->sink->cancelled()) {
-      waiting_.pop_front();
-      s->state = Seq::State::kDone;
-      finished->push_back(s);
-      s->sink->Finish(absl::CancelledError("cancelled while queued"), nullptr);
-      continue;
-    }
-    if (std::chrono::system_clock::now() > s->job.deadline) {
-      waiting_.pop_front();
-      finished->push_back(s);
-      s->sink->Finish(absl::DeadlineExceededError("deadline passed while queued"), nullptr);
-      continue;
-    }
     if (static_cast<int>(prefilling_.size() + running_.size()) >= options_.max_batch) return;
     absl::Status st = Prepare(*s);
-    if (st.code() == absl::StatusCode::kResourceExhausted) {
-      const size_t need = KvCache::BytesFor(CompressedCacheShape(
-          s->job.compression, model_->config(), model_->kv_dtype(),
-          static_cast<int>(s->job.prompt_ids.size()), s->job.max_tokens));
-      const bool never = !pool_->CanEverFit(need);
-      const bool timed_out = Ms(Clock::now() - s->job.arrival) > options_.queue_timeout_ms;
-      if (!never && !timed_out) return;  // wait for memory to come back
-      if (timed_out && !never) {
-        st = absl::ResourceExhaustedError(absl::StrCat(
-            "waited ", options_.queue_timeout_ms, " ms for ", need,
-            " bytes of KV pool; ", pool_->used(), " of ", pool_->capacity(), " are in use"));
-      }
+    if (st.code() == absl::StatusCode::kResourceExhausted && pool_->CanEverFit(s->reserve_bytes)) {
+      if (Ms(Clock::now() - s->job.arrival) <= options_.queue_timeout_ms) return;  // wait
+      st = absl::ResourceExhaustedError(absl::StrCat(
+          "waited ", options_.queue_timeout_ms, " ms for ", s->reserve_bytes,
+          " bytes of KV pool; ", pool_->used(), " of ", pool_->capacity(), " are in use"));
     }
     waiting_.pop_front();
     if (!st.ok()) {
-      s->cache.reset();
       finished->push_back(s);
       s->sink->Finish(st, nullptr);
       continue;
@@ -215,9 +231,9 @@ void DecodeEngine::Admit(std::vector<std::shared_ptr<Seq>>* finished) {
     s->admitted = Clock::now();
     s->state = Seq::State::kPrefilling;
     prefilling_.push_back(s);
-    const bool local = prefill_ == nullptr ||
-                       static_cast<int>(s->job.prompt_ids.size()) < options_.local_prefill_below;
-    if (local) {
+    s->local = prefill_ == nullptr ||
+               static_cast<int>(s->job.prompt_ids.size()) < options_.local_prefill_below;
+    if (s->local) {
       local_queue_.push_back(s);
       local_cv_.notify_one();
     } else {
@@ -270,11 +286,11 @@ void DecodeEngine::StartRemotePrefill(const std::shared_ptr<Seq>& s) {
       raw->transfer_span.SetAttribute("kv.kept_tokens",
                                       h.kept_per_layer.empty() ? 0 : h.kept_per_layer.back());
     }
-    return raw->assembler->OnHeader(h);
+    return StreamFault(raw->assembler->OnHeader(h));
   };
-  cb.on_chunk = [raw](const WireChunk& c) { return raw->assembler->OnChunk(c); };
+  cb.on_chunk = [raw](const WireChunk& c) { return StreamFault(raw->assembler->OnChunk(c)); };
   cb.on_trailer = [this, raw](const WireTrailer& t) {
-    RETURN_IF_ERROR(raw->assembler->OnTrailer(t, model_->config().vocab_size));
+    RETURN_IF_ERROR(StreamFault(raw->assembler->OnTrailer(t, model_->config().vocab_size)));
     raw->trailer = t;
     raw->trailer_at = Clock::now();
     // The first token goes to the client now, not at the next decode step. Its random
@@ -293,21 +309,21 @@ void DecodeEngine::StartRemotePrefill(const std::shared_ptr<Seq>& s) {
     seq->transfer_span.SetAttribute("kv.chunks", seq->trailer.chunks);
     seq->transfer_span.SetError(seq->assembler->complete() ? absl::OkStatus() : st);
     seq->transfer_span.End();
-    OnPrefillDone(seq, st);
+    OnPrefillDone(std::move(seq), st);  // this thread keeps no reference past the hand-over
   };
   s->prefill_inflight = true;
   TraceContext ctx = s->prefill_span.context().valid() ? s->prefill_span.context() : s->job.trace;
   s->call = prefill_->Start(req, s->job.deadline, ctx, std::move(cb));
 }
 
-void DecodeEngine::OnPrefillDone(const std::shared_ptr<Seq>& s, absl::Status status) {
+void DecodeEngine::OnPrefillDone(std::shared_ptr<Seq> s, absl::Status status) {
   // A complete stream counts even if the call then failed: the cache is whole.
   if (s->assembler && s->assembler->complete()) status = absl::OkStatus();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    prefill_done_.emplace_back(s, status);
-    wake_ = true;
-  }
+  // Notified under the lock: once it is released the engine may finish and be destroyed,
+  // and this (gRPC) thread must not touch it after that.
+  std::lock_guard<std::mutex> lock(mu_);
+  prefill_done_.emplace_back(std::move(s), status);
+  wake_ = true;
   cv_.notify_all();
 }
 
@@ -331,7 +347,7 @@ void DecodeEngine::RunLocalPrefill(const std::shared_ptr<Seq>& s) {
   class Guard : public PrefillObserver {
    public:
     Guard(PrefillObserver* inner, Seq* s) : inner_(inner), s_(s) {}
-    int window() const override { return inner_->window(); }
+    int window(int len) const override { return inner_->window(len); }
     absl::Status OnLayer(const PrefillLayer& l) override {
       if (s_->sink->cancelled()) return absl::CancelledError("cancelled by the client");
       if (std::chrono::system_clock::now() > s_->job.deadline) {
@@ -408,7 +424,7 @@ void DecodeEngine::Complete(const std::shared_ptr<Seq>& s, const absl::Status& s
   f.kept_tokens = s->job.compression.KeptTokens(s->job.compression.skip_layers, f.prompt_tokens);
   f.full_cache_bytes = int64_t{f.prompt_tokens} * mc.KvBytesPerToken(model_->kv_dtype());
   f.wire_bytes = s->wire_bytes;
-  f.transfer_ms = s->trailer.node == "local" ? 0 : Ms(s->trailer_at - s->first_kv);
+  f.transfer_ms = s->local ? 0 : Ms(s->trailer_at - s->first_kv);
   f.prefill_ms = s->trailer.forward_ms;
   f.queue_ms = Ms(s->admitted - s->job.arrival);
   f.ttft_ms = Ms(s->first_token_at - s->job.arrival);
@@ -488,9 +504,9 @@ void DecodeEngine::Loop() {
       std::unique_lock<std::mutex> lock(mu_);
       // Idle: wait for work, waking now and then for queue timeouts and deadlines.
       if (running_.empty()) {
-        cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return stopping_ || wake_; });
+        cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return stopping_ || wake_.load(); });
       }
-      wake_ = false;
+      wake_.store(false);
       if (stopping_ && waiting_.empty() && prefilling_.empty() && running_.empty()) break;
 
       // Prefills that ended: join the batch, retry elsewhere, or fail.
@@ -502,12 +518,10 @@ void DecodeEngine::Loop() {
         s->prefill_span.SetError(st);
         s->prefill_span.End();
         if (st.ok() && options_.telemetry) {
-          options_.telemetry->CountTransfer(s->trailer.node == "local" ? "local" : "grpc",
+          options_.telemetry->CountTransfer(s->local ? "local" : "grpc",
                                             std::string(PolicyName(s->job.compression.policy)),
                                             s->trailer.full_cache_bytes, s->wire_bytes);
-          if (s->trailer.node != "local") {
-            options_.telemetry->ObserveTransfer(Ms(s->trailer_at - s->first_kv) / 1e3);
-          }
+          if (!s->local) options_.telemetry->ObserveTransfer(Ms(s->trailer_at - s->first_kv) / 1e3);
         }
         if (st.ok() && s->finished) {  // the first token already ended it
           std::erase(prefilling_, s);
@@ -522,12 +536,12 @@ void DecodeEngine::Loop() {
             s->generate_span.SetAttribute("attention", s->job.attention.Describe());
           }
         } else if (Retryable(st) && !s->sink->cancelled() && !draining_ &&
-                   s->attempts < options_.prefill_attempts && prefill_ != nullptr &&
-                   s->trailer.node != "local" && std::chrono::system_clock::now() < s->job.deadline) {
+                   s->attempts < options_.prefill_attempts && !s->local &&
+                   std::chrono::system_clock::now() < s->job.deadline) {
           if (options_.telemetry) options_.telemetry->CountTransferFailure(StatusLabel(st));
           StartRemotePrefill(s);
         } else {
-          if (options_.telemetry && s->trailer.node != "local") {
+          if (options_.telemetry && !s->local) {
             options_.telemetry->CountTransferFailure(StatusLabel(st));
           }
           std::erase(prefilling_, s);

@@ -9,6 +9,7 @@
 // sequence was given at admission) and cancellations.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -96,8 +97,8 @@ class DecodeEngine {
   absl::Status Submit(GenerationJob job, std::shared_ptr<ResponseSink> sink);
   // Wakes the engine (a client cancelled, memory came back).
   void Wake();
-  // Stops admitting; finishes queued requests with UNAVAILABLE; waits for running ones
-  // up to `grace`, then cancels them.
+  // Stops admitting; finishes queued requests with UNAVAILABLE; waits up to `grace` for the
+  // running ones (the destructor, not this, ends any still running).
   void Drain(std::chrono::milliseconds grace);
 
   int active() const;
@@ -111,7 +112,7 @@ class DecodeEngine {
   absl::Status Prepare(Seq& s);
   void StartRemotePrefill(const std::shared_ptr<Seq>& s);
   void RunLocalPrefill(const std::shared_ptr<Seq>& s);
-  void OnPrefillDone(const std::shared_ptr<Seq>& s, absl::Status status);
+  void OnPrefillDone(std::shared_ptr<Seq> s, absl::Status status);
   // Emits a token to the client; true when the sequence is now finished.
   bool Emit(Seq& s, int32_t token, float logprob);
   void Step(std::vector<std::shared_ptr<Seq>>* finished);
@@ -129,7 +130,8 @@ class DecodeEngine {
   std::vector<std::shared_ptr<Seq>> running_;      // decoding
   std::deque<std::shared_ptr<Seq>> local_queue_;   // for the local-prefill thread
   std::vector<std::pair<std::shared_ptr<Seq>, absl::Status>> prefill_done_;
-  bool stopping_ = false, draining_ = false, wake_ = false;
+  bool stopping_ = false, draining_ = false;
+  std::atomic<bool> wake_{false};
   std::condition_variable local_cv_;
   std::thread loop_, local_;
 };

@@ -4,9 +4,12 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <atomic>
 #include <cmath>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/grpc_stream.h"
 #include "common/status.h"
 #include "common/telemetry.h"
@@ -85,7 +88,14 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
   std::unique_ptr<KvPool> pool;
   std::unique_ptr<PrefillClient> prefill;
   std::unique_ptr<DecodeEngine> engine;
-  std::atomic<DecodeEngine*> live_engine{nullptr};  // for callbacks racing shutdown
+  // Stream and pool callbacks can fire while Shutdown destroys the engine; they wake it
+  // only under this lock, and Shutdown clears `live_engine` under it first.
+  absl::Mutex wake_mu;
+  DecodeEngine* live_engine ABSL_GUARDED_BY(wake_mu) = nullptr;
+  void WakeEngine() {
+    absl::MutexLock lock(&wake_mu);
+    if (live_engine != nullptr) live_engine->Wake();
+  }
   std::unique_ptr<grpc::Server> server;
   int port = 0;
   std::atomic<uint64_t> next_id{1};
@@ -201,9 +211,7 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* ctx, const v1::GenerateRequest* request) override {
-    auto [stream, reactor] = Stream::Create([this] {
-      if (DecodeEngine* e = live_engine.load()) e->Wake();
-    });
+    auto [stream, reactor] = Stream::Create([this] { WakeEngine(); });
     auto job = Translate(*request);
     if (!job.ok()) {
       if (options.telemetry) options.telemetry->CountRequest(job.status());
@@ -227,9 +235,9 @@ DecodeServer::~DecodeServer() { Shutdown(0); }
 absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* model,
                                                                   DecodeServerOptions options) {
   RETURN_IF_ERROR(options.default_compression.Validate());
-  if (options.engine.max_batch < 1 || options.engine.max_queue < 0 ||
+  if (options.engine.max_batch < 1 || options.engine.max_queue < 1 ||
       options.engine.prefill_attempts < 1) {
-    return absl::InvalidArgumentError("need --max-batch >= 1, --max-queue >= 0, --prefill-attempts >= 1");
+    return absl::InvalidArgumentError("need --max-batch >= 1, --max-queue >= 1, --prefill-attempts >= 1");
   }
   if (options.default_max_tokens < 1 || options.max_tokens_limit < options.default_max_tokens) {
     return absl::InvalidArgumentError("need 1 <= --default-max-tokens <= --max-tokens-limit");
@@ -240,15 +248,17 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   DecodeServerOptions& o = impl->options;
   o.engine.telemetry = o.telemetry;
   Impl* raw = impl.get();
-  impl->pool = std::make_unique<KvPool>(o.kv_pool_bytes, o.kv_page_bytes, [raw] {
-    if (DecodeEngine* e = raw->live_engine.load()) e->Wake();
-  });
+  impl->pool = std::make_unique<KvPool>(o.kv_pool_bytes, o.kv_page_bytes,
+                                        [raw] { raw->WakeEngine(); });
   if (!o.prefill_target.empty()) {
     ASSIGN_OR_RETURN(impl->prefill, PrefillClient::Create(o.prefill_target, o.prefill_tls));
   }
   if (o.telemetry) o.telemetry->SetPool(0, static_cast<double>(o.kv_pool_bytes));
   impl->engine = std::make_unique<DecodeEngine>(model, impl->pool.get(), impl->prefill.get(), o.engine);
-  impl->live_engine = impl->engine.get();
+  {
+    absl::MutexLock lock(&impl->wake_mu);
+    impl->live_engine = impl->engine.get();
+  }
 
   ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(o.tls));
   grpc::EnableDefaultHealthCheckService(true);
@@ -276,7 +286,10 @@ void DecodeServer::Shutdown(int grace_ms) {
   if (auto* health = impl_->server->GetHealthCheckService()) health->Shutdown();
   impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
   impl_->engine->Drain(std::chrono::milliseconds(0));
-  impl_->live_engine = nullptr;
+  {
+    absl::MutexLock lock(&impl_->wake_mu);
+    impl_->live_engine = nullptr;
+  }
   impl_->engine.reset();
   impl_->server.reset();
 }

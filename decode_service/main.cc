@@ -20,7 +20,7 @@ absl::StatusOr<DecodeServerOptions> OptionsFromFlags(const Flags& f) {
   ASSIGN_OR_RETURN(o.kv_page_bytes, ParseBytes(f.GetString("kv-page-bytes")));
   o.engine.node_name = f.GetString("node-name");
   ASSIGN_OR_RETURN(int64_t batch, f.GetInt("max-batch", 1, 4096));
-  ASSIGN_OR_RETURN(int64_t queue, f.GetInt("max-queue", 0, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t queue, f.GetInt("max-queue", 1, 1 << 20));
   ASSIGN_OR_RETURN(int64_t timeout, f.GetInt("queue-timeout-ms", 0, 3600000));
   ASSIGN_OR_RETURN(int64_t attempts, f.GetInt("prefill-attempts", 1, 16));
   ASSIGN_OR_RETURN(int64_t local, f.GetInt("local-prefill-below", 0, 1 << 30));

@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   o.listen = flags.GetString("listen");
   o.node_name = flags.GetString("node-name");
   auto workers = flags.GetInt("workers", 1, 256);
-  auto queue = flags.GetInt("max-queue", 0, 1 << 20);
+  auto queue = flags.GetInt("max-queue", 1, 1 << 20);
   auto grace = flags.GetInt("grace-ms", 0, 3600000);
   for (const absl::Status& st : {workers.status(), queue.status(), grace.status()}) {
     if (!st.ok()) return fail(st);

@@ -78,7 +78,7 @@ class TracedCompressor : public PrefillObserver {
  public:
   TracedCompressor(Compressor* inner, Telemetry* telemetry, const Span* parent)
       : inner_(inner), telemetry_(telemetry), parent_(parent) {}
-  int window() const override { return inner_->window(); }
+  int window(int len) const override { return inner_->window(len); }
   absl::Status OnLayer(const PrefillLayer& layer) override {
     if (telemetry_ == nullptr) return inner_->OnLayer(layer);
     Span span = telemetry_->StartSpan("prefill.compress", parent_->context());
@@ -100,7 +100,7 @@ class Interruptible : public PrefillObserver {
   Interruptible(PrefillObserver* inner, Stream* stream,
                 std::chrono::system_clock::time_point deadline)
       : inner_(inner), stream_(stream), deadline_(deadline) {}
-  int window() const override { return inner_->window(); }
+  int window(int len) const override { return inner_->window(len); }
   absl::Status OnLayer(const PrefillLayer& layer) override {
     if (stream_->cancelled()) return absl::CancelledError("prefill cancelled by the decode node");
     if (std::chrono::system_clock::now() > deadline_) {
@@ -303,8 +303,8 @@ PrefillServer::~PrefillServer() { Shutdown(0); }
 
 absl::StatusOr<std::unique_ptr<PrefillServer>> PrefillServer::Start(LlamaModel* model,
                                                                     PrefillServerOptions options) {
-  if (options.workers < 1 || options.max_queue < 0) {
-    return absl::InvalidArgumentError("--workers must be >= 1 and --max-queue >= 0");
+  if (options.workers < 1 || options.max_queue < 1) {
+    return absl::InvalidArgumentError("--workers must be >= 1 and --max-queue >= 1");
   }
   auto impl = std::make_unique<Impl>();
   impl->model = model;

@@ -18,7 +18,7 @@ namespace {
 class CapturedPrefill : public PrefillObserver {
  public:
   CapturedPrefill(int window, int n_heads) : window_(window), n_heads_(n_heads) {}
-  int window() const override { return window_; }
+  int window(int /*len*/) const override { return window_; }
   absl::Status OnLayer(const PrefillLayer& l) override {
     Layer c;
     c.len = l.len;

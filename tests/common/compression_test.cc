@@ -300,6 +300,10 @@ TEST(CompressionConfig, BadParametersSayWhich) {
       {[](auto& c) { c.policy = Policy::kSnapKVpp; c.kernel_large = 510; }, "kernel_large"},
       {[](auto& c) { c.policy = Policy::kStreaming; c.sinks = 20; }, "hold the sinks"},
       {[](auto& c) { c.skip_layers = -1; }, "skip_layers"},
+      {[](auto& c) { c.budget = (1 << 30) + 1; }, "budget must be <= 2^30"},
+      {[](auto& c) { c.window = kMaxWindow + 1; }, "window must be <= 1024"},
+      {[](auto& c) { c.kernel = (1 << 20) + 3; }, "kernel must be <= 2^20"},
+      {[](auto& c) { c.policy = Policy::kHBW; c.groups.assign(65, 1); }, "at most 64 groups"},
   };
   for (const Case& k : cases) {
     CompressionConfig c = Config(Policy::kSnapKV, 32, 16);

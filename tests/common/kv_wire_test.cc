@@ -209,6 +209,11 @@ TEST(KvWire, RejectsMalformedStreams) {
        absl::StatusCode::kInvalidArgument, "outside the vocabulary"},
       {"early trailer", [](Stream& s) { s.chunks.pop_back(); }, absl::StatusCode::kInvalidArgument,
        "incomplete"},
+      {"overflowing rectangle", [](Stream& s) {  // token_begin + count overflows an int
+         ASSERT_GT(s.chunks[1].token_begin, 0);
+         s.chunks[1].token_count = 0x7fffffff;
+         s.chunks[1].crc32c = ChunkChecksum(s.chunks[1]);
+       }, absl::StatusCode::kInvalidArgument, "outside the layer"},
   };
   for (const Mutation& m : cases) {
     Stream s = MakeStream(3, 4, 8, {40, 30, 20}, 700, DType::kF32, 5);
@@ -230,6 +235,17 @@ TEST(KvWire, RejectsMalformedStreams) {
       EXPECT_FALSE(a.OnChunk(original.chunks[0]).ok()) << m.name;
     }
   }
+}
+
+TEST(KvWire, ASecondTrailerFails) {
+  const Stream s = MakeStream(3, 4, 8, {40, 30, 20}, 700, DType::kF32, 5);
+  auto cache = MakeCache(s);
+  KvAssembler a(Expect(s), cache.get());
+  ASSERT_TRUE(Feed(s, cache.get(), &a).ok());
+  ASSERT_TRUE(a.complete());
+  const absl::Status st = a.OnTrailer(s.trailer, 512);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(std::string(st.message()).find("a second trailer"), std::string::npos) << st;
 }
 
 // What an accepted stream must have stored: exactly the rows of the chunks it accepted.

@@ -209,6 +209,37 @@ TEST(SparseAttention, ModesMatchNaiveReferences) {
   EXPECT_GE(exact, cases * 9 / 10) << "near-ties explain a few, not many";
 }
 
+// Counts what a selector takes, so the decode node's reservation can be checked against it.
+class CountingAllocator : public KvAllocator {
+ public:
+  absl::StatusOr<KvMemoryPtr> Allocate(size_t bytes) override {
+    total += bytes;
+    return HeapKvAllocator().Allocate(bytes);
+  }
+  size_t total = 0;
+};
+
+// The decode node reserves DecodeSelectorBytes before it admits a request; the selector
+// must take exactly that, in every mode.
+TEST(SparseAttention, SelectorBytesAreWhatTheSelectorTakes) {
+  const ModelConfig mc = Shape(8, 2, 64);
+  const KvCacheShape shape{2, 64, DType::kBF16, {300}};
+  for (AttentionMode mode : {AttentionMode::kDense, AttentionMode::kHybrid, AttentionMode::kQuest,
+                             AttentionMode::kExactTopK}) {
+    DecodeAttentionConfig a;
+    a.mode = mode;
+    if (mode != AttentionMode::kDense) a.token_budget = 64;
+    CountingAllocator alloc;
+    auto sel = MakeDecodeSelector(a, mc, shape, alloc);
+    ASSERT_TRUE(sel.ok()) << AttentionModeName(mode) << ": " << sel.status();
+    auto bytes = DecodeSelectorBytes(a, mc, shape);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    EXPECT_EQ(*bytes, alloc.total) << AttentionModeName(mode);
+    const bool summaries = mode == AttentionMode::kHybrid || mode == AttentionMode::kQuest;
+    EXPECT_EQ(*bytes > 0, summaries) << AttentionModeName(mode);
+  }
+}
+
 TEST(SparseAttention, HybridWithAllDimensionsAndUnitPagesIsExactTopK) {
   std::mt19937 rng(4);
   const ModelConfig mc = Shape(8, 2, 32);
