@@ -68,17 +68,22 @@ int main(int argc, char** argv) {
   f.Define("t", "1024", "per-step token budget of the sparse modes");
   f.Define("steps", "24", "timed decode steps per mode");
   f.Define("threads", "2", "CPU threads");
-  f.DefineBool("help", "print this help");
-  if (!f.Parse(argc, argv).ok() || f.GetBool("help")) {
-    std::printf("usage: decode_bench [flags]\n%s", f.Help().c_str());
-    return f.GetBool("help") ? 0 : 2;
+  if (int rc = ParseFlagsOrExit(f, "decode_bench", "decode_bench [flags]", argc, argv); rc >= 0) {
+    return rc;
   }
-  const int ctx = static_cast<int>(*f.GetInt("ctx", 16, 1 << 20));
-  const int kept = static_cast<int>(*f.GetInt("kept", 16, 1 << 20));
-  const int t = static_cast<int>(*f.GetInt("t", 2, 1 << 20));
-  const int steps = static_cast<int>(*f.GetInt("steps", 1, 10000));
+  auto ctx_or = f.GetInt("ctx", 16, 1 << 20), kept_or = f.GetInt("kept", 16, 1 << 20),
+       t_or = f.GetInt("t", 2, 1 << 20), steps_or = f.GetInt("steps", 1, 10000),
+       threads_or = f.GetInt("threads", 1, 256);
+  for (const auto* v : {&ctx_or, &kept_or, &t_or, &steps_or, &threads_or}) {
+    if (!v->ok()) {
+      std::fprintf(stderr, "decode_bench: %s\n", std::string(v->status().message()).c_str());
+      return 2;
+    }
+  }
+  const int ctx = static_cast<int>(*ctx_or), kept = static_cast<int>(*kept_or);
+  const int t = static_cast<int>(*t_or), steps = static_cast<int>(*steps_or);
   LoadOptions lo;
-  lo.threads = static_cast<int>(*f.GetInt("threads", 1, 256));
+  lo.threads = static_cast<int>(*threads_or);
   auto model_or = LlamaModel::Load(f.GetString("model") + ",context=" + std::to_string(ctx + steps + 8), lo);
   if (!model_or.ok()) {
     std::fprintf(stderr, "%s\n", std::string(model_or.status().message()).c_str());
@@ -105,7 +110,10 @@ int main(int argc, char** argv) {
   hybrid.token_budget = t;
   add("hybrid (full cache)", ctx, hybrid);
   auto two = ResolveRocketKV(t, ctx, steps + 1, c.head_dim, CompressionConfig{});
-  if (!two.ok()) return 1;
+  if (!two.ok()) {
+    std::fprintf(stderr, "decode_bench: rocketkv: %s\n", std::string(two.status().message()).c_str());
+    return 1;
+  }
   add("rocketkv (2 stages)", two->stage1.budget, two->stage2);
   DecodeAttentionConfig quest;
   quest.mode = AttentionMode::kQuest;

@@ -105,26 +105,45 @@ int main(int argc, char** argv) {
   f.Define("settings", "full,snapkv:64", "compression settings compared, policy[:budget]");
   f.Define("ttft-prompt", "0", "measure TTFT vs forward time with prompts of this many tokens");
   f.Define("vocab", "512", "vocabulary for synthetic prompts");
-  f.DefineBool("help", "print this help");
-  if (!f.Parse(argc, argv).ok() || f.GetBool("help")) {
-    std::printf("usage: serving_bench --target HOST:PORT [flags]\n%s", f.Help().c_str());
-    return f.GetBool("help") ? 0 : 2;
+  if (int rc = ParseFlagsOrExit(f, "serving_bench", "serving_bench --target HOST:PORT [flags]",
+                                argc, argv);
+      rc >= 0) {
+    return rc;
   }
+  auto fail = [](const std::string& what) {
+    std::fprintf(stderr, "serving_bench: %s\n", what.c_str());
+    return 2;
+  };
+  auto concurrency_or = f.GetInt("concurrency", 1, 1024), requests_or = f.GetInt("requests", 1, 1 << 20),
+       max_tokens_or = f.GetInt("max-tokens", 1, 1 << 16), vocab_or = f.GetInt("vocab", 4, 1 << 24),
+       ttft_or = f.GetInt("ttft-prompt", 0, 1 << 20);
+  for (const auto* v : {&concurrency_or, &requests_or, &max_tokens_or, &vocab_or, &ttft_or}) {
+    if (!v->ok()) return fail(std::string(v->status().message()));
+  }
+  const int concurrency = static_cast<int>(*concurrency_or);
+  const int requests = static_cast<int>(*requests_or);
+  const int max_tokens = static_cast<int>(*max_tokens_or);
+  const int vocab = static_cast<int>(*vocab_or);
+  const int ttft_prompt = static_cast<int>(*ttft_or);
   auto stub = v1::Generation::NewStub(
       grpc::CreateChannel(f.GetString("target"), grpc::InsecureChannelCredentials()));
-  const int concurrency = static_cast<int>(*f.GetInt("concurrency", 1, 1024));
-  const int requests = static_cast<int>(*f.GetInt("requests", 1, 1 << 20));
-  const int max_tokens = static_cast<int>(*f.GetInt("max-tokens", 1, 1 << 16));
-  const int vocab = static_cast<int>(*f.GetInt("vocab", 4, 1 << 24));
 
   std::vector<std::vector<int32_t>> prompts;
-  if (!f.GetString("data").empty()) {
-    std::ifstream in(f.GetString("data"));
+  if (const std::string data = f.GetString("data"); !data.empty()) {
+    std::ifstream in(data);
+    if (!in) return fail("cannot open --data " + data);
+    int n = 0;
     for (std::string line; std::getline(in, line);) {
-      prompts.push_back(nlohmann::json::parse(line)["prompt_ids"].get<std::vector<int32_t>>());
+      ++n;
+      try {
+        prompts.push_back(nlohmann::json::parse(line).at("prompt_ids").get<std::vector<int32_t>>());
+      } catch (const nlohmann::json::exception& e) {
+        return fail(data + ":" + std::to_string(n) + ": expected a JSON object with prompt_ids (" +
+                    e.what() + ")");
+      }
     }
+    if (prompts.empty()) return fail(data + ": no prompts");
   }
-  const int ttft_prompt = static_cast<int>(*f.GetInt("ttft-prompt", 0, 1 << 20));
   if (prompts.empty() || ttft_prompt > 0) {
     prompts.clear();
     const int len = ttft_prompt > 0 ? ttft_prompt : 400;

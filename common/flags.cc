@@ -1,5 +1,7 @@
 #include "common/flags.h"
 
+#include <cstdio>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -107,6 +109,21 @@ std::string Flags::Help() const {
     absl::StrAppend(&out, "\n");
   }
   return out;
+}
+
+int ParseFlagsOrExit(Flags& flags, const std::string& program, const std::string& usage,
+                     int argc, char** argv, int first) {
+  if (!flags.IsDefined("help")) flags.DefineBool("help", "print this help");
+  if (absl::Status st = flags.Parse(argc, argv, first); !st.ok()) {
+    std::fprintf(stderr, "%s: %s\nusage: %s\n", program.c_str(), std::string(st.message()).c_str(),
+                 usage.c_str());
+    return 2;
+  }
+  if (flags.GetBool("help")) {
+    std::printf("usage: %s\n\nflags:\n%s", usage.c_str(), flags.Help().c_str());
+    return 0;
+  }
+  return -1;
 }
 
 }  // namespace kvwire

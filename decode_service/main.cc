@@ -81,14 +81,12 @@ int main(int argc, char** argv) {
   flags.Define("max-tokens-limit", "4096", "largest max_tokens a request may ask");
   flags.Define("max-prompt-tokens", "0", "longest prompt accepted (0: the model's context)");
   flags.Define("max-message-bytes", "4MiB", "largest request message accepted");
-  flags.DefineBool("help", "print this help");
-  auto fail = [](const absl::Status& st) { return FailExit("kvwire-decode", st); };
-  if (absl::Status st = flags.Parse(argc, argv); !st.ok()) return fail(st);
-  if (flags.GetBool("help")) {
-    std::printf("usage: kvwire-decode --model DIR --prefill TARGET [flags]\n\n%s",
-                flags.Help().c_str());
-    return 0;
+  if (int rc = ParseFlagsOrExit(flags, "kvwire-decode",
+                                "kvwire-decode --model DIR --prefill TARGET [flags]", argc, argv);
+      rc >= 0) {
+    return rc;
   }
+  auto fail = [](const absl::Status& st) { return FailExit("kvwire-decode", st); };
   auto options = OptionsFromFlags(flags);
   if (!options.ok()) return fail(options.status());
   auto grace = flags.GetInt("grace-ms", 0, 3600000);

@@ -18,13 +18,12 @@ int main(int argc, char** argv) {
   flags.Define("tls-cert", "", "server certificate chain (PEM); enables TLS");
   flags.Define("tls-key", "", "server private key (PEM)");
   flags.Define("tls-client-ca", "", "require client certificates signed by this CA (mutual TLS)");
-  flags.DefineBool("help", "print this help");
-  auto fail = [](const absl::Status& st) { return FailExit("kvwire-prefill", st); };
-  if (absl::Status st = flags.Parse(argc, argv); !st.ok()) return fail(st);
-  if (flags.GetBool("help")) {
-    std::printf("usage: kvwire-prefill --model DIR [flags]\n\n%s", flags.Help().c_str());
-    return 0;
+  if (int rc = ParseFlagsOrExit(flags, "kvwire-prefill", "kvwire-prefill --model DIR [flags]",
+                                argc, argv);
+      rc >= 0) {
+    return rc;
   }
+  auto fail = [](const absl::Status& st) { return FailExit("kvwire-prefill", st); };
   PrefillServerOptions o;
   o.listen = flags.GetString("listen");
   o.node_name = flags.GetString("node-name");

@@ -17,21 +17,6 @@ const std::vector<Command>& Commands() {
   return *commands;
 }
 
-int ParseFlagsOrExit(Flags& flags, const char* command, const char* usage, int argc, char** argv) {
-  flags.DefineBool("help", "print this help");
-  const absl::Status st = flags.Parse(argc, argv, 0);
-  if (!st.ok()) {
-    std::fprintf(stderr, "kvwire %s: %s\nusage: %s\n", command, std::string(st.message()).c_str(),
-                 usage);
-    return 2;
-  }
-  if (flags.GetBool("help")) {
-    std::printf("usage: %s\n\nflags:\n%s", usage, flags.Help().c_str());
-    return 0;
-  }
-  return -1;
-}
-
 int Fail(const char* command, const absl::Status& status) {
   std::fprintf(stderr, "kvwire %s: %s\n", command, std::string(status.message()).c_str());
   return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;

@@ -27,10 +27,6 @@ int RunTokenize(int argc, char** argv);
 int RunSelect(int argc, char** argv);
 int RunEval(int argc, char** argv);
 
-// Shared by the commands.
-// Parses flags; on --help prints them and returns exit code 0, on an error prints it and
-// returns 2; otherwise returns -1 (carry on).
-int ParseFlagsOrExit(Flags& flags, const char* command, const char* usage, int argc, char** argv);
 // Prints "kvwire COMMAND: message" and returns 1 (or 2 for InvalidArgument).
 int Fail(const char* command, const absl::Status& status);
 

@@ -268,7 +268,7 @@ int RunEval(int argc, char** argv) {
   const std::string usage = absl::StrCat("kvwire eval ", sub,
                                          " --model DIR --data FILE.jsonl --policies a,b "
                                          "--budgets 32,64,128 [--json FILE] [--plot FILE.png]");
-  if (int rc = ParseFlagsOrExit(flags, "eval", usage.c_str(), argc - 1, argv + 1); rc >= 0) {
+  if (int rc = ParseFlagsOrExit(flags, "kvwire eval", usage, argc - 1, argv + 1, 0); rc >= 0) {
     return rc;
   }
   // The compression flags given on the command line, for the per-method re-parse.

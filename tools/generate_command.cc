@@ -41,7 +41,7 @@ int RunGenerate(int argc, char** argv) {
   const char* usage =
       "kvwire generate --model DIR --prompt TEXT [--max-tokens N] [--temperature T] "
       "[--top-p P] [--top-k K] [--seed S] [--policy NAME --budget N ...]";
-  if (int rc = ParseFlagsOrExit(flags, "generate", usage, argc, argv); rc >= 0) return rc;
+  if (int rc = ParseFlagsOrExit(flags, "kvwire generate", usage, argc, argv, 0); rc >= 0) return rc;
 
   GenerationRequest req;
   if (absl::Status st = SamplingFromFlags(flags, &req); !st.ok()) return Fail("generate", st);

@@ -89,7 +89,7 @@ int RunSelect(int argc, char** argv) {
   DefineCompressionFlags(flags);
   flags.Define("tensors", "", "safetensors file with q [n_heads, L, d] and k [n_kv_heads, L, d]");
   const char* usage = "kvwire select --tensors FILE.safetensors --policy NAME --budget N [...]";
-  if (int rc = ParseFlagsOrExit(flags, "select", usage, argc, argv); rc >= 0) return rc;
+  if (int rc = ParseFlagsOrExit(flags, "kvwire select", usage, argc, argv, 0); rc >= 0) return rc;
   auto result = Select(flags);
   if (!result.ok()) return Fail("select", result.status());
   std::printf("%s\n", result->dump().c_str());

@@ -14,7 +14,7 @@ int RunTokenize(int argc, char** argv) {
   flags.Define("text", "", "the text to encode");
   flags.DefineBool("no-special", "do not add special tokens (BOS)");
   const char* usage = "kvwire tokenize --model DIR --text TEXT";
-  if (int rc = ParseFlagsOrExit(flags, "tokenize", usage, argc, argv); rc >= 0) return rc;
+  if (int rc = ParseFlagsOrExit(flags, "kvwire tokenize", usage, argc, argv, 0); rc >= 0) return rc;
   auto model = LoadModelFromFlags(flags);
   if (!model.ok()) return Fail("tokenize", model.status());
   const Tokenizer& tok = (*model)->tokenizer();

@@ -30,7 +30,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_cluster import (LocalClusterCase, children, find_nginx, free_ports,  # noqa: E402
-                           running, wait_until)
+                           pick_model, require_binaries, running, stories_prompts, wait_until)
 
 REPO = ""
 BUILD = ""
@@ -82,26 +82,12 @@ class ClusterE2ETest(LocalClusterCase):
     cls.cluster_sh = os.path.join(REPO, "deploy", "local", "cluster.sh")
     cls.client_py = os.path.join(REPO, "tools", "kvwire_client.py")
     cls.kvwire = os.path.join(BUILD, "tools", "kvwire")
-    for path in (cls.kvwire, os.path.join(BUILD, "decode_service", "kvwire-decode"),
-                 os.path.join(BUILD, "prefill_service", "kvwire-prefill")):
-      if not os.access(path, os.X_OK):
-        raise RuntimeError("%s not found: run 'bash scripts/build.sh'" % path)
-
-    shared_model = os.path.join(REPO, "..", "shared", "models", "stories260K-hf")
-    stories = os.path.join(REPO, "..", "shared", "data", "stories", "dev.jsonl")
-    if MODEL_OVERRIDE:
-      cls.model = MODEL_OVERRIDE
-    elif os.path.exists(os.path.join(shared_model, "config.json")):
-      cls.model = os.path.abspath(shared_model)
-    else:
-      cls.model = "synthetic:stories"
-    if os.path.exists(stories) and not cls.model.startswith("synthetic:"):
-      with open(stories) as f:
-        cls.long_prompts = [json.loads(line)["prompt"] for line in f.readlines()[:2]]
-    else:
+    require_binaries(BUILD, extra=(cls.kvwire,))
+    cls.model = pick_model(REPO, MODEL_OVERRIDE)
+    cls.long_prompts = stories_prompts(REPO, cls.model, 2)
+    if cls.long_prompts is None:
       text = FALLBACK_SENTENCE * (4 if cls.model.startswith("synthetic:") else 12)
       cls.long_prompts = [text, text[:-30] + "Then he went home."]
-    print("model: %s" % cls.model, file=sys.stderr)
 
     cls.REPO, cls.BUILD = REPO, BUILD
     try:

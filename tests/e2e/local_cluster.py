@@ -1,6 +1,7 @@
 """What the end-to-end tests share: free ports, process checks, and LocalClusterCase, a test
 case that runs deploy/local/cluster.sh in a temporary directory and cleans up after itself
 (stopping the cluster, killing stragglers, showing the nodes' logs when a test failed)."""
+import json
 import os
 import shutil
 import signal
@@ -57,6 +58,39 @@ def children(pid):
       return [int(p) for p in f.read().split()]
   except OSError:
     return []
+
+
+def require_binaries(build, extra=()):
+  """Raises (an error, not a skip: CI builds them) when a node binary is missing."""
+  for path in (os.path.join(build, "decode_service", "kvwire-decode"),
+               os.path.join(build, "prefill_service", "kvwire-prefill")) + tuple(extra):
+    if not os.access(path, os.X_OK):
+      raise RuntimeError("%s not found: run 'bash scripts/build.sh'" % path)
+
+
+def pick_model(repo, override):
+  """The model the cluster serves and up to that many stories prompts for it: `override`
+  if given, else the real stories260K model in ../shared, else the synthetic preset (whose
+  random weights have no tokenizer-meaningful prompts; callers make their own then)."""
+  shared_model = os.path.join(repo, "..", "shared", "models", "stories260K-hf")
+  if override:
+    model = override
+  elif os.path.exists(os.path.join(shared_model, "config.json")):
+    model = os.path.abspath(shared_model)
+  else:
+    model = "synthetic:stories"
+  print("model: %s" % model, file=sys.stderr)
+  return model
+
+
+def stories_prompts(repo, model, n):
+  """The first n prompts of ../shared/data/stories/dev.jsonl for a real model; None when
+  the data is absent or the model is synthetic."""
+  stories = os.path.join(repo, "..", "shared", "data", "stories", "dev.jsonl")
+  if model.startswith("synthetic:") or not os.path.exists(stories):
+    return None
+  with open(stories) as f:
+    return [json.loads(line)["prompt"] for line in f.readlines()[:n]]
 
 
 class LocalClusterCase(unittest.TestCase):

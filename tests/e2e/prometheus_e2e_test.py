@@ -37,7 +37,8 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The cluster test's helpers: free ports, process checks, polling.
-from local_cluster import LocalClusterCase, find_nginx, wait_until  # noqa: E402
+from local_cluster import (LocalClusterCase, find_nginx, pick_model, require_binaries,  # noqa: E402
+                           stories_prompts, wait_until)
 
 REPO = ""
 BUILD = ""
@@ -83,30 +84,16 @@ class PrometheusE2ETest(LocalClusterCase):
       raise unittest.SkipTest("SKIP: nginx or prometheus is not installed")
     cls.cluster_sh = os.path.join(REPO, "deploy", "local", "cluster.sh")
     cls.client_py = os.path.join(REPO, "tools", "kvwire_client.py")
-    for path in (os.path.join(BUILD, "decode_service", "kvwire-decode"),
-                 os.path.join(BUILD, "prefill_service", "kvwire-prefill")):
-      if not os.access(path, os.X_OK):
-        raise RuntimeError("%s not found: run 'bash scripts/build.sh'" % path)
-
-    shared_model = os.path.join(REPO, "..", "shared", "models", "stories260K-hf")
-    stories = os.path.join(REPO, "..", "shared", "data", "stories", "dev.jsonl")
+    require_binaries(BUILD)
+    cls.model = pick_model(REPO, MODEL_OVERRIDE)
     n_prompts = 2 * REQUESTS_PER_POLICY + 1
-    if MODEL_OVERRIDE:
-      cls.model = MODEL_OVERRIDE
-    elif os.path.exists(os.path.join(shared_model, "config.json")):
-      cls.model = os.path.abspath(shared_model)
-    else:
-      cls.model = "synthetic:stories"
-    if os.path.exists(stories) and not cls.model.startswith("synthetic:"):
-      with open(stories) as f:
-        cls.prompts = [json.loads(line)["prompt"] for line in f.readlines()[:n_prompts]]
-    else:
+    cls.prompts = stories_prompts(REPO, cls.model, n_prompts)
+    if cls.prompts is None:
       # Token ids for the synthetic model (vocabulary 512; 3.. skips BOS/EOS), 350-450 long.
       rng = random.Random(7)
       cls.prompts = ["ids:" + ",".join(str(rng.randrange(3, 500))
                                        for _ in range(rng.randrange(350, 450)))
                      for _ in range(n_prompts)]
-    print("model: %s" % cls.model, file=sys.stderr)
 
     cls.REPO, cls.BUILD = REPO, BUILD
     cls.prom = None
