@@ -12,7 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "common/generate.h"
+#include "common/engine/generate.h"
 
 namespace kvwire {
 namespace {

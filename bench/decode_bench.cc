@@ -19,10 +19,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/flags.h"
-#include "common/kv_cache.h"
-#include "common/llama_model.h"
-#include "common/sparse_attention.h"
+#include "common/base/flags.h"
+#include "common/model/kv_cache.h"
+#include "common/model/llama_model.h"
+#include "common/sparse/sparse_attention.h"
 
 namespace kvwire {
 namespace {

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "common/generate.h"
-#include "common/llama_model.h"
+#include "common/engine/generate.h"
+#include "common/model/llama_model.h"
 #include "kernels/simd.h"
 #include "kernels/thread_pool.h"
 

@@ -25,7 +25,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "common/flags.h"
+#include "common/base/flags.h"
 #include "kvwire/v1/generation.grpc.pb.h"
 
 namespace kvwire {

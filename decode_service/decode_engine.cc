@@ -3,9 +3,9 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "common/generate.h"
-#include "common/kv_wire.h"
-#include "common/status.h"
+#include "common/engine/generate.h"
+#include "common/wire/kv_wire.h"
+#include "common/base/status.h"
 #include "decode_service/stop_matcher.h"
 #include "proto/convert.h"
 

@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/compression.h"
-#include "common/llama_model.h"
-#include "common/telemetry.h"
-#include "common/sparse_attention.h"
+#include "common/compression/compression.h"
+#include "common/model/llama_model.h"
+#include "common/telemetry/telemetry.h"
+#include "common/sparse/sparse_attention.h"
 #include "decode_service/kv_pool.h"
 #include "decode_service/prefill_client.h"
 #include "kernels/sampling.h"

@@ -10,9 +10,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/grpc_stream.h"
-#include "common/status.h"
-#include "common/telemetry.h"
+#include "common/server/grpc_stream.h"
+#include "common/server/trace_metadata.h"
+#include "common/base/status.h"
+#include "common/telemetry/telemetry.h"
 #include "kvwire/v1/generation.grpc.pb.h"
 #include "proto/convert.h"
 
@@ -219,7 +220,7 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
       return reactor;
     }
     job->deadline = ctx->deadline();
-    job->trace = TraceContext::FromMetadata(ctx->client_metadata());
+    job->trace = TraceFromMetadata(ctx->client_metadata());
     auto sink = std::make_shared<GrpcSink>(stream, job->request_id);
     if (absl::Status st = engine->Submit(std::move(*job), sink); !st.ok()) {
       if (options.telemetry) options.telemetry->CountRequest(st);

@@ -6,10 +6,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/compression.h"
-#include "common/grpc_util.h"
-#include "common/llama_model.h"
-#include "common/sparse_attention.h"
+#include "common/compression/compression.h"
+#include "common/server/grpc_util.h"
+#include "common/model/llama_model.h"
+#include "common/sparse/sparse_attention.h"
 #include "decode_service/decode_engine.h"
 
 namespace kvwire {

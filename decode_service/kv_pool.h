@@ -9,7 +9,7 @@
 #include <functional>
 #include <mutex>
 
-#include "common/kv_cache.h"
+#include "common/model/kv_cache.h"
 
 namespace kvwire {
 

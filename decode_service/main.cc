@@ -1,9 +1,9 @@
 // kvwire-decode: the decode node. Flags, the server, wait for SIGTERM, drain.
 #include <cstdio>
 
-#include "common/server_main.h"
-#include "common/standard_flags.h"
-#include "common/status.h"
+#include "common/server/server_main.h"
+#include "common/engine/standard_flags.h"
+#include "common/base/status.h"
 #include "decode_service/decode_server.h"
 
 namespace kvwire {

@@ -1,7 +1,7 @@
 #include "decode_service/prefill_client.h"
 
 #include "absl/strings/str_cat.h"
-#include "common/status.h"
+#include "common/base/status.h"
 #include "proto/convert.h"
 
 namespace kvwire {
@@ -26,7 +26,7 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
              std::chrono::system_clock::time_point deadline, const TraceContext& trace) {
     request_ = request;
     context_.set_deadline(deadline);
-    trace.Inject(&context_);
+    InjectTrace(trace, &context_);
     stub->async()->Prefill(&context_, &request_, this);
     StartRead(&msg_);
     StartCall();

@@ -10,9 +10,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/grpc_util.h"
-#include "common/kv_wire.h"
-#include "common/telemetry.h"
+#include "common/server/grpc_util.h"
+#include "common/server/trace_metadata.h"
+#include "common/wire/kv_wire.h"
+#include "common/telemetry/telemetry.h"
 #include "kvwire/v1/prefill.grpc.pb.h"
 
 namespace kvwire {

@@ -17,7 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "common/dtype.h"
+#include "common/base/dtype.h"
 
 namespace kvwire::kernels {
 

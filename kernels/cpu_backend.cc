@@ -16,7 +16,7 @@
 #include <limits>
 #include <vector>
 
-#include "common/status.h"
+#include "common/base/status.h"
 #include "kernels/host_memory.h"
 #include "kernels/simd.h"
 #include "kernels/thread_pool.h"

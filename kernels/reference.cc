@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/host_memory.h"
-#include "common/status.h"
+#include "common/base/status.h"
 #include "kernels/validate.h"
 
 namespace kvwire::kernels {

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/dtype.h"
+#include "common/base/dtype.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

@@ -1,7 +1,7 @@
 #include "kernels/validate.h"
 
 #include "absl/strings/str_cat.h"
-#include "common/status.h"
+#include "common/base/status.h"
 
 namespace kvwire::kernels {
 namespace {

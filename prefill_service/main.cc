@@ -1,8 +1,8 @@
 // kvwire-prefill: the prefill node. Flags, the server, wait for SIGTERM, drain.
 #include <cstdio>
 
-#include "common/server_main.h"
-#include "common/standard_flags.h"
+#include "common/server/server_main.h"
+#include "common/engine/standard_flags.h"
 #include "prefill_service/prefill_server.h"
 
 int main(int argc, char** argv) {

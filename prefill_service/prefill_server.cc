@@ -11,12 +11,12 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "common/compression.h"
-#include "common/generate.h"
-#include "common/grpc_stream.h"
-#include "common/kv_wire.h"
-#include "common/status.h"
-#include "common/telemetry.h"
+#include "common/compression/compression.h"
+#include "common/engine/generate.h"
+#include "common/server/grpc_stream.h"
+#include "common/wire/kv_wire.h"
+#include "common/base/status.h"
+#include "common/telemetry/telemetry.h"
 #include "kvwire/v1/prefill.grpc.pb.h"
 #include "proto/convert.h"
 
@@ -136,7 +136,7 @@ struct PrefillServer::Impl final : public v1::Prefill::CallbackService {
     auto job = std::make_unique<Job>();
     job->request = *request;
     job->deadline = ctx->deadline();
-    job->trace = TraceContext::FromMetadata(ctx->client_metadata());
+    job->trace = TraceFromMetadata(ctx->client_metadata());
     auto [stream, reactor] = Stream::Create([this] { cv.notify_all(); });
     job->stream = stream;
     {

@@ -10,8 +10,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "common/grpc_util.h"
-#include "common/llama_model.h"
+#include "common/server/grpc_util.h"
+#include "common/server/trace_metadata.h"
+#include "common/model/llama_model.h"
 
 namespace kvwire {
 

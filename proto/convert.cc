@@ -1,7 +1,7 @@
 #include "proto/convert.h"
 
 #include "absl/strings/str_cat.h"
-#include "common/status.h"
+#include "common/base/status.h"
 
 namespace kvwire {
 

@@ -6,8 +6,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/compression.h"
-#include "common/kv_wire.h"
+#include "common/compression/compression.h"
+#include "common/wire/kv_wire.h"
 #include "kvwire/v1/generation.pb.h"
 #include "kvwire/v1/kv.pb.h"
 #include "kvwire/v1/prefill.pb.h"

@@ -7,10 +7,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/flags.h"
-#include "common/compression.h"
-#include "common/llama_model.h"
-#include "common/standard_flags.h"
+#include "common/base/flags.h"
+#include "common/compression/compression.h"
+#include "common/model/llama_model.h"
+#include "common/engine/standard_flags.h"
 
 namespace kvwire::tools {
 

@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/compression.h"
-#include "common/llama_model.h"
-#include "common/sparse_attention.h"
+#include "common/compression/compression.h"
+#include "common/model/llama_model.h"
+#include "common/sparse/sparse_attention.h"
 
 namespace kvwire::tools {
 

@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "common/status.h"
+#include "common/base/status.h"
 #include "tools/commands.h"
 #include "tools/eval.h"
 #include "tools/plot.h"

@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "absl/strings/str_format.h"
-#include "common/generate.h"
-#include "common/status.h"
+#include "common/engine/generate.h"
+#include "common/base/status.h"
 #include "tools/commands.h"
 
 namespace kvwire::tools {

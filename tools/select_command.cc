@@ -8,8 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "common/safetensors.h"
-#include "common/status.h"
+#include "common/model/safetensors.h"
+#include "common/base/status.h"
 #include "kernels/reference.h"
 #include "tools/commands.h"
 

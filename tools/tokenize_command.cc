@@ -3,7 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/status.h"
+#include "common/base/status.h"
 #include "tools/commands.h"
 
 namespace kvwire::tools {

@@ -10,8 +10,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "common/dtype.h"
-#include "common/status.h"
+#include "common/base/dtype.h"
+#include "common/base/status.h"
 
 namespace kvwire::kernels::cuda {
 

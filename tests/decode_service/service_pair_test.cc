@@ -12,7 +12,7 @@
 #include <condition_variable>
 #include <thread>
 
-#include "common/generate.h"
+#include "common/engine/generate.h"
 #include "decode_service/decode_server.h"
 #include "kvwire/v1/generation.grpc.pb.h"
 #include "prefill_service/prefill_server.h"

@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <thread>
 
-#include "common/grpc_util.h"
+#include "common/server/grpc_util.h"
 #include "decode_service/decode_server.h"
 #include "kvwire/v1/generation.grpc.pb.h"
 #include "prefill_service/prefill_server.h"

@@ -11,7 +11,7 @@
 #include <sstream>
 #include <thread>
 
-#include "common/telemetry.h"
+#include "common/telemetry/telemetry.h"
 #include "decode_service/decode_server.h"
 #include "kvwire/v1/generation.grpc.pb.h"
 #include "prefill_service/prefill_server.h"

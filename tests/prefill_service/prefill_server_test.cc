@@ -9,8 +9,8 @@
 #include <condition_variable>
 #include <thread>
 
-#include "common/generate.h"
-#include "common/kv_wire.h"
+#include "common/engine/generate.h"
+#include "common/wire/kv_wire.h"
 #include "kvwire/v1/prefill.grpc.pb.h"
 #include "proto/convert.h"
 #include "tests/test_util.h"

@@ -10,7 +10,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "common/generate.h"
+#include "common/engine/generate.h"
 #include "tests/test_util.h"
 
 namespace kvwire::tools {

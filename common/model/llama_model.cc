@@ -1,0 +1,626 @@
+#include "common/model/llama_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/model/safetensors.h"
+#include "common/base/status.h"
+
+namespace kvwire {
+namespace {
+
+using kernels::DecodeAttentionParams;
+using kernels::DecodeSequence;
+using kernels::MatMulParams;
+using kernels::PrefillAttentionParams;
+using kernels::RmsNormParams;
+using kernels::RopeParams;
+using kernels::SwiGluParams;
+
+// Rows of the MLP computed at once during prefill: bounds the [rows, 2·ffn] buffer.
+constexpr int kMlpRowChunk = 256;
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+void AddInPlace(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+// SplitMix64: a tiny, good-enough generator for synthetic weights, seekable by index so
+// that any slice of a tensor can be filled independently and deterministically.
+uint64_t SplitMix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+float UniformAt(uint64_t seed, uint64_t i) {
+  return static_cast<float>(SplitMix(seed ^ (i * 0x2545f4914f6cdd1dull)) >> 40) * 0x1.0p-24f * 2.f - 1.f;
+}
+
+struct SyntheticPreset {
+  const char* name;
+  const char* help;
+  int layers, hidden, heads, kv_heads, head_dim, ffn, vocab, context;
+  DType dtype;
+  double theta;
+};
+
+// Shapes of real models, for benchmarks at sizes no model in ../shared has.
+constexpr SyntheticPreset kPresets[] = {
+    {"tiny", "2 layers, hidden 64: for tests", 2, 64, 4, 2, 16, 128, 320, 4096, DType::kF32, 1e4},
+    {"stories", "the shape of stories260K (5 layers, hidden 64)", 5, 64, 8, 4, 8, 172, 512, 512,
+     DType::kF32, 1e4},
+    {"llama-1b", "Llama-3.2-1B shape: 16 layers, hidden 2048, 32 heads, 8 KV heads, bf16", 16,
+     2048, 32, 8, 64, 8192, 32000, 131072, DType::kBF16, 5e5},
+    {"attn-8kv", "attention-bound: 2 layers, hidden 1024, 32 heads, 8 KV heads x 128, bf16, 32K context",
+     2, 1024, 32, 8, 128, 1024, 1024, 32768, DType::kBF16, 5e5},
+};
+
+}  // namespace
+
+LlamaModel::~LlamaModel() = default;
+
+std::string LlamaModel::SyntheticSpecHelp() {
+  std::string s =
+      "synthetic:NAME[,key=value...] with NAME one of:\n";
+  for (const auto& p : kPresets) absl::StrAppend(&s, "  ", p.name, ": ", p.help, "\n");
+  absl::StrAppend(&s,
+                  "keys: layers, hidden, heads, kv_heads, head_dim, ffn, vocab, context, "
+                  "dtype (f32|bf16|f16), theta, seed");
+  return s;
+}
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& spec,
+                                                             const LoadOptions& options) {
+  if (options.backend == kernels::BackendKind::kCuda) {
+    // The engine hands kernels host pointers; the CUDA kernels are built and tested against
+    // the reference (tests/kernels), but weights, activations and caches are not yet kept in
+    // device memory, so the model cannot run on them.
+    return absl::UnimplementedError(
+        "the Llama engine runs on the cpu (or reference) backend in this version; the CUDA "
+        "backend provides the kernels, not yet a device-resident model");
+  }
+  std::unique_ptr<LlamaModel> model(new LlamaModel());
+  ASSIGN_OR_RETURN(model->backend_, kernels::MakeBackend(options.backend, options.threads));
+  if (spec.rfind("synthetic:", 0) == 0) {
+    RETURN_IF_ERROR(model->LoadSynthetic(spec, options));
+  } else {
+    RETURN_IF_ERROR(model->LoadFromFolder(spec, options));
+  }
+  model->inv_freq_ = model->config_.RopeInvFreq();
+  model->ComputeFingerprint();
+  return model;
+}
+
+void LlamaModel::ComputeFingerprint() {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64
+  auto mix = [&](const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  };
+  const ModelConfig& c = config_;
+  const std::string shape =
+      absl::StrCat(c.model_type, "/", c.num_layers, "/", c.hidden_size, "/", c.num_heads, "/",
+                   c.num_kv_heads, "/", c.head_dim, "/", c.intermediate_size, "/", c.vocab_size,
+                   "/", c.rope_theta, "/", DTypeName(kv_dtype()));
+  mix(shape.data(), shape.size());
+  // The first and last rows of the embedding and of one projection per layer: enough to
+  // tell different checkpoints of one architecture apart, cheap for any model size.
+  const size_t row = static_cast<size_t>(c.hidden_size) * DTypeSize(embed_.dtype);
+  const auto* emb = static_cast<const uint8_t*>(embed_.w);
+  mix(emb, row);
+  mix(emb + (static_cast<size_t>(c.vocab_size) - 1) * row, row);
+  for (const Layer& l : layers_) mix(l.q.w, static_cast<size_t>(l.q.in) * DTypeSize(l.q.dtype));
+  mix(final_norm_.data(), final_norm_.size() * sizeof(float));
+  fingerprint_ = absl::StrCat(c.model_type, "-", c.num_layers, "x", c.hidden_size, "-",
+                              DTypeName(kv_dtype()), "-", absl::Hex(h, absl::kZeroPad16));
+}
+
+const void* LlamaModel::Own(std::vector<uint8_t> bytes) {
+  owned_.push_back(std::move(bytes));
+  return owned_.back().data();
+}
+
+const float* LlamaModel::OwnFloats(std::vector<float> values) {
+  owned_floats_.push_back(std::move(values));
+  return owned_floats_.back().data();
+}
+
+absl::StatusOr<LlamaModel::Linear> LlamaModel::LoadLinear(const std::string& name, int out, int in,
+                                                          bool bias) {
+  ASSIGN_OR_RETURN(const TensorView* t, files_->Get(name + ".weight"));
+  if (t->shape != std::vector<int64_t>{out, in}) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ".weight: shape ", ShapeString(t->shape), " disagrees with config.json, which implies [",
+        out, ", ", in, "] (hidden_size=", config_.hidden_size, ", num_attention_heads=",
+        config_.num_heads, ", num_key_value_heads=", config_.num_kv_heads, ", head_dim=",
+        config_.head_dim, ", intermediate_size=", config_.intermediate_size, ")"));
+  }
+  auto dt = ParseDType(t->dtype);
+  if (!dt.ok()) return Annotate(dt.status(), name + ".weight");
+  Linear l;
+  l.out = out;
+  l.in = in;
+  l.dtype = weight_dtype_;
+  const size_t n = static_cast<size_t>(out) * in;
+  const bool aligned = reinterpret_cast<uintptr_t>(t->data) % DTypeSize(*dt) == 0;
+  if (*dt == weight_dtype_ && aligned) {
+    l.w = t->data;  // used in place from the mapping
+  } else {
+    std::vector<float> wide(n);
+    if (aligned) {
+      ToFloat(*dt, t->data, wide.data(), n);
+    } else {
+      std::vector<uint8_t> copy(t->data, t->data + t->bytes);
+      ToFloat(*dt, copy.data(), wide.data(), n);
+    }
+    std::vector<uint8_t> stored(n * DTypeSize(weight_dtype_));
+    FromFloat(weight_dtype_, wide.data(), stored.data(), n);
+    l.w = Own(std::move(stored));
+  }
+  if (bias) {
+    ASSIGN_OR_RETURN(std::vector<float> b, LoadVector(name + ".bias", out));
+    l.bias = OwnFloats(std::move(b));
+  }
+  return l;
+}
+
+absl::StatusOr<std::vector<float>> LlamaModel::LoadVector(const std::string& name, int n) {
+  ASSIGN_OR_RETURN(const TensorView* t, files_->Get(name));
+  if (t->shape != std::vector<int64_t>{n}) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", ShapeString(t->shape),
+                                                   " disagrees with config.json, which implies [",
+                                                   n, "]"));
+  }
+  auto dt = ParseDType(t->dtype);
+  if (!dt.ok()) return Annotate(dt.status(), name);
+  std::vector<uint8_t> copy(t->data, t->data + t->bytes);  // may be unaligned in the file
+  std::vector<float> v(n);
+  ToFloat(*dt, copy.data(), v.data(), n);
+  return v;
+}
+
+absl::Status LlamaModel::LoadFromFolder(const std::string& dir, const LoadOptions& options) {
+  ASSIGN_OR_RETURN(config_, ModelConfig::FromFile(dir + "/config.json"));
+  ASSIGN_OR_RETURN(tokenizer_, Tokenizer::FromFile(dir + "/tokenizer.json"));
+  if (!config_.eos_token_ids.empty()) tokenizer_->set_eos_id(config_.eos_token_ids.front());
+  ASSIGN_OR_RETURN(files_, WeightFiles::OpenDirectory(dir));
+  const ModelConfig& c = config_;
+
+  ASSIGN_OR_RETURN(const TensorView* emb, files_->Get("model.embed_tokens.weight"));
+  ASSIGN_OR_RETURN(DType stored, ParseDType(emb->dtype));
+  weight_dtype_ = options.weight_dtype.value_or(stored);
+
+  ASSIGN_OR_RETURN(embed_, LoadLinear("model.embed_tokens", c.vocab_size, c.hidden_size, false));
+  if (c.tie_word_embeddings) {
+    lm_head_ = embed_;
+  } else {
+    ASSIGN_OR_RETURN(lm_head_, LoadLinear("lm_head", c.vocab_size, c.hidden_size, false));
+  }
+  ASSIGN_OR_RETURN(final_norm_, LoadVector("model.norm.weight", c.hidden_size));
+  const int qd = c.num_heads * c.head_dim, kvd = c.num_kv_heads * c.head_dim;
+  for (int i = 0; i < c.num_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    Layer l;
+    ASSIGN_OR_RETURN(l.attn_norm, LoadVector(p + "input_layernorm.weight", c.hidden_size));
+    ASSIGN_OR_RETURN(l.mlp_norm, LoadVector(p + "post_attention_layernorm.weight", c.hidden_size));
+    ASSIGN_OR_RETURN(l.q, LoadLinear(p + "self_attn.q_proj", qd, c.hidden_size, c.qkv_bias));
+    ASSIGN_OR_RETURN(l.k, LoadLinear(p + "self_attn.k_proj", kvd, c.hidden_size, c.qkv_bias));
+    ASSIGN_OR_RETURN(l.v, LoadLinear(p + "self_attn.v_proj", kvd, c.hidden_size, c.qkv_bias));
+    ASSIGN_OR_RETURN(l.o, LoadLinear(p + "self_attn.o_proj", c.hidden_size, qd, c.o_bias));
+    ASSIGN_OR_RETURN(l.gate, LoadLinear(p + "mlp.gate_proj", c.intermediate_size, c.hidden_size,
+                                        c.mlp_bias));
+    ASSIGN_OR_RETURN(l.up, LoadLinear(p + "mlp.up_proj", c.intermediate_size, c.hidden_size,
+                                      c.mlp_bias));
+    ASSIGN_OR_RETURN(l.down, LoadLinear(p + "mlp.down_proj", c.hidden_size, c.intermediate_size,
+                                        c.mlp_bias));
+    layers_.push_back(std::move(l));
+  }
+  std::string name = dir;
+  while (name.size() > 1 && name.back() == '/') name.pop_back();
+  name = name.substr(name.find_last_of('/') + 1);
+  description_ = absl::StrCat(name, " (", c.architecture.empty() ? c.model_type : c.architecture,
+                              ", ", DTypeName(weight_dtype_), " weights from ", files_->Describe(),
+                              ")");
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModel::LoadSynthetic(const std::string& spec, const LoadOptions& options) {
+  const std::string body = spec.substr(std::string("synthetic:").size());
+  std::vector<std::string> parts = absl::StrSplit(body, ',');
+  const SyntheticPreset* preset = nullptr;
+  for (const auto& p : kPresets) {
+    if (parts[0] == p.name) preset = &p;
+  }
+  if (preset == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown synthetic model '", parts[0], "'; ",
+                                                   SyntheticSpecHelp()));
+  }
+  ModelConfig& c = config_;
+  c.architecture = "LlamaForCausalLM";
+  c.model_type = "llama";
+  c.num_layers = preset->layers;
+  c.hidden_size = preset->hidden;
+  c.num_heads = preset->heads;
+  c.num_kv_heads = preset->kv_heads;
+  c.head_dim = preset->head_dim;
+  c.intermediate_size = preset->ffn;
+  c.vocab_size = preset->vocab;
+  c.max_position_embeddings = preset->context;
+  c.rope_theta = preset->theta;
+  c.dtype = preset->dtype;
+  c.tie_word_embeddings = true;
+  uint64_t seed = 1234;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
+    const std::string& key = kv.first;
+    const std::string& value = kv.second;
+    int iv = 0;
+    const bool is_int = absl::SimpleAtoi(value, &iv) && iv > 0;
+    auto need_int = [&](int* field) -> absl::Status {
+      if (!is_int) {
+        return absl::InvalidArgumentError(absl::StrCat("synthetic model: ", key,
+                                                       " must be a positive integer, got '",
+                                                       value, "'"));
+      }
+      *field = iv;
+      return absl::OkStatus();
+    };
+    if (key == "layers") {
+      RETURN_IF_ERROR(need_int(&c.num_layers));
+    } else if (key == "hidden") {
+      RETURN_IF_ERROR(need_int(&c.hidden_size));
+    } else if (key == "heads") {
+      RETURN_IF_ERROR(need_int(&c.num_heads));
+    } else if (key == "kv_heads") {
+      RETURN_IF_ERROR(need_int(&c.num_kv_heads));
+    } else if (key == "head_dim") {
+      RETURN_IF_ERROR(need_int(&c.head_dim));
+    } else if (key == "ffn") {
+      RETURN_IF_ERROR(need_int(&c.intermediate_size));
+    } else if (key == "vocab") {
+      RETURN_IF_ERROR(need_int(&c.vocab_size));
+    } else if (key == "context") {
+      RETURN_IF_ERROR(need_int(&c.max_position_embeddings));
+    } else if (key == "seed") {
+      int s = 0;
+      RETURN_IF_ERROR(need_int(&s));
+      seed = static_cast<uint64_t>(s);
+    } else if (key == "theta") {
+      double t = 0;
+      if (!absl::SimpleAtod(value, &t) || !(t > 0)) {
+        return absl::InvalidArgumentError(absl::StrCat("synthetic model: theta must be > 0, got '",
+                                                       value, "'"));
+      }
+      c.rope_theta = t;
+    } else if (key == "dtype") {
+      ASSIGN_OR_RETURN(c.dtype, ParseDType(value));
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("synthetic model: unknown key '", key, "'; ",
+                                                     SyntheticSpecHelp()));
+    }
+  }
+  if (c.vocab_size < 259) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "synthetic model: vocab must be >= 259 for the byte tokenizer, got ", c.vocab_size));
+  }
+  c.bos_token_id = 1;
+  c.eos_token_ids = {2};
+  RETURN_IF_ERROR(c.Validate("synthetic model"));
+  tokenizer_ = Tokenizer::Bytes(c.vocab_size);
+  weight_dtype_ = options.weight_dtype.value_or(c.dtype);
+
+  uint64_t tensor_index = 0;
+  auto random_linear = [&](int out, int in) {
+    // Uniform with variance 1/in, so activations keep their scale through the layers.
+    const float a = std::sqrt(3.f / in);
+    const uint64_t s = SplitMix(seed + 0x51ed27ull * ++tensor_index);
+    const size_t n = static_cast<size_t>(out) * in;
+    std::vector<uint8_t> bytes(n * DTypeSize(weight_dtype_));
+    std::vector<float> row(in);
+    for (int r = 0; r < out; ++r) {
+      for (int i = 0; i < in; ++i) row[i] = a * UniformAt(s, static_cast<uint64_t>(r) * in + i);
+      FromFloat(weight_dtype_, row.data(), bytes.data() + static_cast<size_t>(r) * in * DTypeSize(weight_dtype_), in);
+    }
+    Linear l;
+    l.out = out;
+    l.in = in;
+    l.dtype = weight_dtype_;
+    l.w = Own(std::move(bytes));
+    return l;
+  };
+  const int qd = c.num_heads * c.head_dim, kvd = c.num_kv_heads * c.head_dim;
+  embed_ = random_linear(c.vocab_size, c.hidden_size);
+  lm_head_ = embed_;
+  final_norm_.assign(c.hidden_size, 1.f);
+  for (int i = 0; i < c.num_layers; ++i) {
+    Layer l;
+    l.attn_norm.assign(c.hidden_size, 1.f);
+    l.mlp_norm.assign(c.hidden_size, 1.f);
+    l.q = random_linear(qd, c.hidden_size);
+    l.k = random_linear(kvd, c.hidden_size);
+    l.v = random_linear(kvd, c.hidden_size);
+    l.o = random_linear(c.hidden_size, qd);
+    l.gate = random_linear(c.intermediate_size, c.hidden_size);
+    l.up = random_linear(c.intermediate_size, c.hidden_size);
+    l.down = random_linear(c.hidden_size, c.intermediate_size);
+    layers_.push_back(std::move(l));
+  }
+  description_ = absl::StrCat(spec, " (synthetic ", c.num_layers, " layers, hidden ", c.hidden_size,
+                              ", ", c.num_heads, "/", c.num_kv_heads, " heads x ", c.head_dim, ", ",
+                              DTypeName(weight_dtype_), " weights, ",
+                              c.ParameterCount() / 1000000, "M parameters)");
+  return absl::OkStatus();
+}
+
+int64_t LlamaModel::WeightBytes() const {
+  int64_t total = 0;
+  auto add = [&](const Linear& l) { total += int64_t{l.out} * l.in * DTypeSize(l.dtype); };
+  for (const Layer& l : layers_) {
+    for (const Linear* x : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down}) add(*x);
+  }
+  add(lm_head_);
+  return total;
+}
+
+absl::Status LlamaModel::MatMul(const Linear& l, const float* x, int m, float* y, int64_t y_stride) {
+  MatMulParams p;
+  p.x = x;
+  p.w = l.w;
+  p.w_dtype = l.dtype;
+  p.bias = l.bias;
+  p.y = y;
+  p.y_stride = y_stride;
+  p.m = m;
+  p.n = l.out;
+  p.k = l.in;
+  return backend_->MatMul(p);
+}
+
+void LlamaModel::EmbedRow(int32_t token, float* out) const {
+  const size_t row = static_cast<size_t>(token) * config_.hidden_size * DTypeSize(embed_.dtype);
+  ToFloat(embed_.dtype, static_cast<const uint8_t*>(embed_.w) + row, out, config_.hidden_size);
+}
+
+absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
+                                                  PrefillObserver* observer, bool all_logits) {
+  const ModelConfig& c = config_;
+  const int len = static_cast<int>(ids.size());
+  if (len == 0) return absl::InvalidArgumentError("prefill needs at least one token");
+  if (len > c.context_limit()) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt of ", len,
+                                                   " tokens exceeds the model's context of ",
+                                                   c.context_limit()));
+  }
+  for (int i = 0; i < len; ++i) {
+    if (ids[i] < 0 || ids[i] >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", ids[i], " at position ", i,
+                                                     " is outside the vocabulary [0, ",
+                                                     c.vocab_size, ")"));
+    }
+  }
+  const int hd = c.hidden_size, d = c.head_dim, ffn = c.intermediate_size;
+  const int qd = c.num_heads * d, kvd = c.num_kv_heads * d;
+  const int64_t stride = qd + 2 * kvd;
+  const int window = observer ? std::min(observer->window(len), len) : 0;
+
+  std::vector<float> x(int64_t{len} * hd), h(int64_t{len} * hd), qkv(len * stride),
+      attn(int64_t{len} * qd), scores(int64_t{c.num_heads} * window * len);
+  const int chunk = std::min(len, kMlpRowChunk);
+  std::vector<float> gate_up(int64_t{chunk} * 2 * ffn), act(int64_t{chunk} * ffn);
+  std::vector<int32_t> positions(len);
+  for (int i = 0; i < len; ++i) {
+    positions[i] = i;
+    EmbedRow(ids[i], x.data() + int64_t{i} * hd);
+  }
+  for (int li = 0; li < c.num_layers; ++li) {
+    const Layer& L = layers_[li];
+    RETURN_IF_ERROR(backend_->RmsNorm({x.data(), L.attn_norm.data(), h.data(), len, hd, c.rms_norm_eps}));
+    RETURN_IF_ERROR(MatMul(L.q, h.data(), len, qkv.data(), stride));
+    RETURN_IF_ERROR(MatMul(L.k, h.data(), len, qkv.data() + qd, stride));
+    RETURN_IF_ERROR(MatMul(L.v, h.data(), len, qkv.data() + qd + kvd, stride));
+    RETURN_IF_ERROR(backend_->Rope({qkv.data(), stride, positions.data(), inv_freq_.data(), len,
+                                    c.num_heads, d}));
+    RETURN_IF_ERROR(backend_->Rope({qkv.data() + qd, stride, positions.data(), inv_freq_.data(),
+                                    len, c.num_kv_heads, d}));
+    PrefillAttentionParams ap;
+    ap.q = qkv.data();
+    ap.k = qkv.data() + qd;
+    ap.v = qkv.data() + qd + kvd;
+    ap.out = attn.data();
+    ap.q_stride = ap.kv_stride = stride;
+    ap.out_stride = qd;
+    ap.len = len;
+    ap.n_heads = c.num_heads;
+    ap.n_kv_heads = c.num_kv_heads;
+    ap.head_dim = d;
+    ap.scale = 1.f / std::sqrt(static_cast<float>(d));
+    ap.window = window;
+    ap.window_scores = window > 0 ? scores.data() : nullptr;
+    RETURN_IF_ERROR(backend_->PrefillAttention(ap));
+    if (observer) {
+      PrefillLayer pl;
+      pl.layer = li;
+      pl.len = len;
+      pl.k = ap.k;
+      pl.v = ap.v;
+      pl.kv_stride = stride;
+      pl.window_scores = ap.window_scores;
+      pl.window = window;
+      RETURN_IF_ERROR(observer->OnLayer(pl));
+    }
+    RETURN_IF_ERROR(MatMul(L.o, attn.data(), len, h.data()));
+    AddInPlace(x.data(), h.data(), int64_t{len} * hd);
+    for (int r0 = 0; r0 < len; r0 += chunk) {
+      const int rows = std::min(chunk, len - r0);
+      float* xr = x.data() + int64_t{r0} * hd;
+      float* hr = h.data() + int64_t{r0} * hd;
+      RETURN_IF_ERROR(backend_->RmsNorm({xr, L.mlp_norm.data(), hr, rows, hd, c.rms_norm_eps}));
+      RETURN_IF_ERROR(MatMul(L.gate, hr, rows, gate_up.data(), 2 * ffn));
+      RETURN_IF_ERROR(MatMul(L.up, hr, rows, gate_up.data() + ffn, 2 * ffn));
+      RETURN_IF_ERROR(backend_->SwiGlu({gate_up.data(), act.data(), rows, ffn}));
+      RETURN_IF_ERROR(MatMul(L.down, act.data(), rows, hr));
+      AddInPlace(xr, hr, int64_t{rows} * hd);
+    }
+  }
+  const int first = all_logits ? 0 : len - 1;
+  const int rows = len - first;
+  RETURN_IF_ERROR(backend_->RmsNorm({x.data() + int64_t{first} * hd, final_norm_.data(), h.data(),
+                                     rows, hd, c.rms_norm_eps}));
+  PrefillResult result;
+  result.logits.resize(int64_t{rows} * c.vocab_size);
+  RETURN_IF_ERROR(MatMul(lm_head_, h.data(), rows, result.logits.data()));
+  return result;
+}
+
+absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* logits,
+                                    DecodeObserver* observer) {
+  const ModelConfig& c = config_;
+  const int bsz = static_cast<int>(batch.size());
+  if (bsz == 0) return absl::OkStatus();
+  const int hd = c.hidden_size, d = c.head_dim, ffn = c.intermediate_size;
+  const int qd = c.num_heads * d, kvd = c.num_kv_heads * d;
+  const int64_t stride = qd + 2 * kvd;
+  for (int b = 0; b < bsz; ++b) {
+    const DecodeInput& in = batch[b];
+    if (in.cache == nullptr) return absl::InvalidArgumentError("decode input without a cache");
+    if (in.token < 0 || in.token >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", in.token,
+                                                     " is outside the vocabulary [0, ",
+                                                     c.vocab_size, ")"));
+    }
+    if (in.position < 0 || in.position >= c.context_limit()) {
+      return absl::InvalidArgumentError(absl::StrCat("position ", in.position,
+                                                     " is outside the model's context of ",
+                                                     c.context_limit()));
+    }
+    const KvCacheShape& s = in.cache->shape();
+    if (in.cache->num_layers() != c.num_layers || s.head_dim != d ||
+        (s.n_heads != c.num_kv_heads && s.n_heads != c.num_heads)) {
+      return absl::InvalidArgumentError("KV cache shape does not match the model");
+    }
+    for (int li = 0; li < c.num_layers; ++li) {
+      const LayerCache& lc = in.cache->layer(li);
+      if (lc.len >= lc.capacity) {
+        return absl::FailedPreconditionError(absl::StrCat("KV cache of layer ", li, " is full (",
+                                                          lc.capacity, " tokens)"));
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(decode_mu_);
+  std::vector<float> x(int64_t{bsz} * hd), h(int64_t{bsz} * hd), qkv(bsz * stride),
+      attn(int64_t{bsz} * qd), gate_up(int64_t{bsz} * 2 * ffn), act(int64_t{bsz} * ffn);
+  std::vector<int32_t> positions(bsz);
+  std::vector<DecodeSequence> seqs(bsz);
+  std::vector<std::vector<int32_t>> indices(bsz);
+  std::vector<std::vector<float>> probs(observer ? bsz : 0);
+  for (int b = 0; b < bsz; ++b) {
+    positions[b] = batch[b].position;
+    EmbedRow(batch[b].token, x.data() + int64_t{b} * hd);
+  }
+  for (int li = 0; li < c.num_layers; ++li) {
+    const Layer& L = layers_[li];
+    RETURN_IF_ERROR(backend_->RmsNorm({x.data(), L.attn_norm.data(), h.data(), bsz, hd, c.rms_norm_eps}));
+    RETURN_IF_ERROR(MatMul(L.q, h.data(), bsz, qkv.data(), stride));
+    RETURN_IF_ERROR(MatMul(L.k, h.data(), bsz, qkv.data() + qd, stride));
+    RETURN_IF_ERROR(MatMul(L.v, h.data(), bsz, qkv.data() + qd + kvd, stride));
+    RETURN_IF_ERROR(backend_->Rope({qkv.data(), stride, positions.data(), inv_freq_.data(), bsz,
+                                    c.num_heads, d}));
+    RETURN_IF_ERROR(backend_->Rope({qkv.data() + qd, stride, positions.data(), inv_freq_.data(),
+                                    bsz, c.num_kv_heads, d}));
+    DType kv_dtype = DType::kF32;
+    for (int b = 0; b < bsz; ++b) {
+      LayerCache& lc = batch[b].cache->layer(li);
+      kv_dtype = lc.dtype;
+      const float* kr = qkv.data() + b * stride + qd;
+      const float* vr = kr + kvd;
+      // A cache kept per query head stores its KV head's row once per query head.
+      const int heads_per_kv = lc.n_heads / c.num_kv_heads;
+      const int t = lc.len;
+      for (int ch = 0; ch < lc.n_heads; ++ch) {
+        const int g = ch / heads_per_kv;
+        FromFloat(lc.dtype, kr + int64_t{g} * d, lc.k_row(ch, t), d);
+        FromFloat(lc.dtype, vr + int64_t{g} * d, lc.v_row(ch, t), d);
+        lc.positions[int64_t{ch} * lc.capacity + t] = batch[b].position;
+      }
+      lc.len = t + 1;
+      DecodeSequence& s = seqs[b];
+      s = DecodeSequence{};
+      s.q = qkv.data() + b * stride;
+      s.out = attn.data() + int64_t{b} * qd;
+      s.k = lc.k;
+      s.v = lc.v;
+      s.head_stride = lc.head_stride();
+      s.len = lc.len;
+      if (batch[b].selector) {
+        int n = 0;
+        ASSIGN_OR_RETURN(bool sparse,
+                         batch[b].selector->Select(li, s.q, lc, &indices[b], &n));
+        if (sparse) {
+          if (n <= 0 || n > lc.len ||
+              indices[b].size() < static_cast<size_t>(n) * lc.n_heads) {
+            return absl::InternalError("decode selector returned a malformed selection");
+          }
+          s.indices = indices[b].data();
+          s.num_indices = n;
+        }
+      }
+      if (observer) {
+        probs[b].resize(int64_t{c.num_heads} * lc.len);
+        s.probs = probs[b].data();
+      }
+    }
+    // Sequences in one batch may differ in cache dtype only if callers mix models; they
+    // cannot, as the cache dtype comes from the model.
+    DecodeAttentionParams dp;
+    dp.seqs = seqs.data();
+    dp.batch = bsz;
+    dp.n_heads = c.num_heads;
+    dp.n_cache_heads = batch[0].cache->shape().n_heads;
+    dp.head_dim = d;
+    dp.kv_dtype = kv_dtype;
+    dp.scale = 1.f / std::sqrt(static_cast<float>(d));
+    bool uniform_heads = true;
+    for (int b = 1; b < bsz; ++b) {
+      uniform_heads &= batch[b].cache->shape().n_heads == dp.n_cache_heads &&
+                       batch[b].cache->shape().dtype == kv_dtype;
+    }
+    if (uniform_heads) {
+      RETURN_IF_ERROR(backend_->DecodeAttention(dp));
+    } else {
+      // Mixed cache layouts (per-KV-head and per-query-head) in one batch: one call each.
+      for (int b = 0; b < bsz; ++b) {
+        dp.seqs = &seqs[b];
+        dp.batch = 1;
+        dp.n_cache_heads = batch[b].cache->shape().n_heads;
+        dp.kv_dtype = batch[b].cache->shape().dtype;
+        RETURN_IF_ERROR(backend_->DecodeAttention(dp));
+      }
+    }
+    if (observer) {
+      for (int b = 0; b < bsz; ++b) observer->OnAttention(b, li, probs[b].data(), seqs[b].len);
+    }
+    RETURN_IF_ERROR(MatMul(L.o, attn.data(), bsz, h.data()));
+    AddInPlace(x.data(), h.data(), int64_t{bsz} * hd);
+    RETURN_IF_ERROR(backend_->RmsNorm({x.data(), L.mlp_norm.data(), h.data(), bsz, hd, c.rms_norm_eps}));
+    RETURN_IF_ERROR(MatMul(L.gate, h.data(), bsz, gate_up.data(), 2 * ffn));
+    RETURN_IF_ERROR(MatMul(L.up, h.data(), bsz, gate_up.data() + ffn, 2 * ffn));
+    RETURN_IF_ERROR(backend_->SwiGlu({gate_up.data(), act.data(), bsz, ffn}));
+    RETURN_IF_ERROR(MatMul(L.down, act.data(), bsz, h.data()));
+    AddInPlace(x.data(), h.data(), int64_t{bsz} * hd);
+  }
+  RETURN_IF_ERROR(backend_->RmsNorm({x.data(), final_norm_.data(), h.data(), bsz, hd, c.rms_norm_eps}));
+  return MatMul(lm_head_, h.data(), bsz, logits);
+}
+
+}  // namespace kvwire

@@ -1,0 +1,168 @@
+// A Llama-family transformer (Llama 2/3, Mistral, Qwen2) on a KernelBackend, shaped for
+// disaggregated serving:
+//
+//   Prefill(prompt)      full causal attention over the prompt, layer by layer; after each
+//                        layer's attention an observer sees that layer's K/V (after RoPE)
+//                        and, if it asks, the observation-window attention scores, so the
+//                        compressor can pick the kept positions and ship the layer while the
+//                        next one computes. Returns the last position's logits.
+//   DecodeStep(batch)    one token for each of a batch of sequences, each with its own
+//                        (compressed) cache and RoPE position, appending to the caches.
+//
+// Weights come from a Hugging Face folder (config.json, *.safetensors, tokenizer.json),
+// memory-mapped and used in place when no dtype conversion is asked, or from a synthetic
+// spec ("synthetic:llama-1b") with deterministic random weights.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/model/kv_cache.h"
+#include "common/model/model_config.h"
+#include "common/tokenizer/tokenizer.h"
+#include "kernels/backend.h"
+
+namespace kvwire {
+
+class WeightFiles;
+
+struct LoadOptions {
+  // Convert weights to this dtype at load ("BF16 converted at load"); default: as stored.
+  std::optional<DType> weight_dtype;
+  kernels::BackendKind backend = kernels::BackendKind::kCpu;
+  int threads = 0;  // CPU threads, 0 for all cores
+};
+
+// What a prefill observer sees after one layer's attention.
+struct PrefillLayer {
+  int layer = 0;
+  int len = 0;  // prompt tokens
+  // K (after RoPE) and V: token t, KV head g at k + t·kv_stride + g·head_dim.
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t kv_stride = 0;
+  // Observation-window scores [n_heads, window, len] (see PrefillAttentionParams), or null.
+  const float* window_scores = nullptr;
+  int window = 0;
+};
+
+class PrefillObserver {
+ public:
+  virtual ~PrefillObserver() = default;
+  // Rows of window scores wanted for a `len`-token prompt (0: none); clamped to len.
+  virtual int window(int len) const = 0;
+  // Called after each layer, in order. An error stops the prefill and is returned by it
+  // (that is how cancellation and deadlines reach into a long prompt).
+  virtual absl::Status OnLayer(const PrefillLayer& layer) = 0;
+};
+
+struct PrefillResult {
+  std::vector<float> logits;  // [vocab], or [len, vocab] with all_logits
+};
+
+// Picks, per cache head, which cached tokens a decode step attends to (sparse attention).
+class DecodeSelector {
+ public:
+  virtual ~DecodeSelector() = default;
+  // q: [n_heads, head_dim] after RoPE; `cache` already holds the new token. Returns
+  // false for dense attention over all cache.len tokens, or true after writing
+  // *num_indices ≤ cache.len token indices per cache head into `indices`
+  // ([n_cache_heads, *num_indices]).
+  virtual absl::StatusOr<bool> Select(int layer, const float* q, LayerCache& cache,
+                                      std::vector<int32_t>* indices, int* num_indices) = 0;
+};
+
+// Receives decode-time attention probabilities, for fidelity measurements.
+class DecodeObserver {
+ public:
+  virtual ~DecodeObserver() = default;
+  // probs: [n_heads, len] over the sequence's cache tokens (prompt part first).
+  virtual void OnAttention(int seq, int layer, const float* probs, int len) = 0;
+};
+
+struct DecodeInput {
+  int32_t token = 0;
+  int32_t position = 0;  // RoPE position: original prompt length + tokens generated before
+  KvCache* cache = nullptr;
+  DecodeSelector* selector = nullptr;  // null: dense attention
+};
+
+class LlamaModel {
+ public:
+  // `spec` is a Hugging Face model folder or "synthetic:NAME[,key=value...]"
+  // (see SyntheticSpecHelp()).
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::string& spec,
+                                                          const LoadOptions& options = {});
+  ~LlamaModel();
+
+  const ModelConfig& config() const { return config_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  // "stories260K-hf (f32 weights, model.safetensors)" or "synthetic:llama-1b (bf16 ...)".
+  const std::string& description() const { return description_; }
+  DType weight_dtype() const { return weight_dtype_; }
+  // Identifies the model a KV cache belongs to: prefill and decode nodes must agree on it.
+  // A hash of the architecture, the shapes, the KV dtype and a sample of the weights.
+  const std::string& fingerprint() const { return fingerprint_; }
+  // Bytes of weights one decode step reads.
+  int64_t WeightBytes() const;
+  // The dtype caches hold: the model's compute dtype class (bf16/f16 weights → that, else f32).
+  DType kv_dtype() const { return weight_dtype_; }
+
+  // Runs the prompt through the model. `ids` must be non-empty and within the context.
+  absl::StatusOr<PrefillResult> Prefill(absl::Span<const int32_t> ids, PrefillObserver* observer,
+                                        bool all_logits = false);
+
+  // Appends each input's token to its cache and writes logits [batch, vocab]. Each cache
+  // needs room for one more token per layer. Not reentrant; Prefill may run concurrently.
+  absl::Status DecodeStep(absl::Span<const DecodeInput> batch, float* logits,
+                          DecodeObserver* observer = nullptr);
+
+  static std::string SyntheticSpecHelp();
+
+ private:
+  struct Linear {
+    const void* w = nullptr;
+    DType dtype = DType::kF32;
+    int out = 0, in = 0;
+    const float* bias = nullptr;
+  };
+  struct Layer {
+    std::vector<float> attn_norm, mlp_norm;
+    Linear q, k, v, o, gate, up, down;
+  };
+
+  LlamaModel() = default;
+  absl::Status LoadFromFolder(const std::string& dir, const LoadOptions& options);
+  absl::Status LoadSynthetic(const std::string& spec, const LoadOptions& options);
+  absl::StatusOr<Linear> LoadLinear(const std::string& name, int out, int in, bool bias);
+  absl::StatusOr<std::vector<float>> LoadVector(const std::string& name, int n);
+  const void* Own(std::vector<uint8_t> bytes);
+  const float* OwnFloats(std::vector<float> values);
+  absl::Status MatMul(const Linear& l, const float* x, int m, float* y, int64_t y_stride = 0);
+  void EmbedRow(int32_t token, float* out) const;
+
+  void ComputeFingerprint();
+
+  ModelConfig config_;
+  std::string description_;
+  std::string fingerprint_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<WeightFiles> files_;
+  std::vector<std::vector<uint8_t>> owned_;
+  std::vector<std::vector<float>> owned_floats_;
+  DType weight_dtype_ = DType::kF32;
+  Linear embed_, lm_head_;
+  std::vector<float> final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;
+  kernels::KernelBackendPtr backend_;
+  std::mutex decode_mu_;
+};
+
+}  // namespace kvwire

@@ -1,0 +1,76 @@
+#include "common/server/server_main.h"
+
+#include <csignal>
+#include <cstdio>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/base/status.h"
+
+namespace kvwire {
+
+void BlockTerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int FailExit(const char* program, const absl::Status& status) {
+  std::fprintf(stderr, "%s: %s\n", program, std::string(status.message()).c_str());
+  return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+namespace {
+
+absl::Status CheckListenAddress(const std::string& flag, const std::string& value) {
+  const size_t colon = value.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || !absl::SimpleAtoi(value.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be HOST:PORT with a port in "
+                                                   "[0, 65535], got '", value, "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckServerAddresses(const Flags& flags) {
+  RETURN_IF_ERROR(CheckListenAddress("listen", flags.GetString("listen")));
+  if (flags.GetString("metrics-listen").empty()) return absl::OkStatus();
+  return CheckListenAddress("metrics-listen", flags.GetString("metrics-listen"));
+}
+
+void DefineServerFlags(Flags& flags, const std::string& role, const std::string& metrics_default) {
+  flags.Define("node-name", role, "name of this node in metrics, traces and responses");
+  flags.Define("metrics-listen", metrics_default,
+               "address of the Prometheus /metrics endpoint (empty: none)");
+  flags.Define("trace-file", "", "write spans as OTLP-JSON lines to this file ('-': stderr)");
+  flags.Define("grace-ms", "20000", "on SIGTERM, how long in-flight requests may finish");
+  flags.DefineBool("dry-run", "check the flags and exit without loading or serving");
+}
+
+absl::StatusOr<std::unique_ptr<Telemetry>> TelemetryFromFlags(const Flags& flags,
+                                                              const std::string& role) {
+  TelemetryOptions t;
+  t.role = role;
+  t.node = flags.GetString("node-name");
+  t.metrics_listen = flags.GetString("metrics-listen");
+  t.trace_file = flags.GetString("trace-file");
+  return Telemetry::Create(t);
+}
+
+void WaitForTermination(const std::function<void()>& shutdown) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  int sig = 0;
+  sigwait(&set, &sig);
+  std::fprintf(stderr, "received signal %d: draining\n", sig);
+  shutdown();
+}
+
+}  // namespace kvwire

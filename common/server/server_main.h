@@ -1,0 +1,32 @@
+// What the two node binaries share around their servers: telemetry flags, waiting for
+// SIGTERM/SIGINT, and --dry-run (flags checked, nothing started) for deployment checks.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/base/flags.h"
+#include "common/telemetry/telemetry.h"
+
+namespace kvwire {
+
+// Blocks SIGTERM and SIGINT in this thread and every thread it starts after, so that
+// WaitForTermination receives them. Call first thing in main().
+void BlockTerminationSignals();
+// Prints "PROGRAM: message" and returns the exit code: 2 for a usage error
+// (InvalidArgument), 1 otherwise.
+int FailExit(const char* program, const absl::Status& status);
+
+// --listen and (when set) --metrics-listen are HOST:PORT with a port in [0, 65535].
+absl::Status CheckServerAddresses(const Flags& flags);
+
+// --metrics-listen, --trace-file, --node-name, --grace-ms, --dry-run.
+void DefineServerFlags(Flags& flags, const std::string& role, const std::string& metrics_default);
+absl::StatusOr<std::unique_ptr<Telemetry>> TelemetryFromFlags(const Flags& flags,
+                                                              const std::string& role);
+// Blocks until SIGTERM or SIGINT, then calls `shutdown` (which should drain gracefully).
+void WaitForTermination(const std::function<void()>& shutdown);
+
+}  // namespace kvwire

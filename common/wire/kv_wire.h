@@ -1,0 +1,111 @@
+// The compressed KV cache on the wire (format version 1), independent of the transport:
+// a header, per-layer chunks bounded in size and checksummed, a trailer. The services
+// translate these to and from the protobuf messages of proto/kvwire/v1/kv.proto; this file
+// owns the rules: how a layer is cut into chunks, what the CRC-32C covers, and how a
+// receiver checks every field before a byte reaches the decode node's cache.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/compression/compression.h"
+#include "common/model/kv_cache.h"
+
+namespace kvwire {
+
+inline constexpr uint32_t kWireFormatVersion = 1;
+inline constexpr size_t kDefaultMaxChunkBytes = 1 << 20;
+// A receiver refuses chunks above this, whatever the sender claims.
+inline constexpr size_t kMaxChunkBytesLimit = 16 << 20;
+
+struct WireHeader {
+  uint32_t format_version = kWireFormatVersion;
+  std::string model_fingerprint;
+  int num_layers = 0;
+  int num_cache_heads = 0;
+  int head_dim = 0;
+  DType dtype = DType::kF32;
+  std::string policy;
+  int prompt_len = 0;
+  std::vector<int> kept_per_layer;
+};
+
+struct WireChunk {
+  int layer = 0;
+  int head_begin = 0, head_count = 0;
+  int token_begin = 0, token_count = 0;
+  std::string positions;  // int32 LE [head_count, token_count]
+  std::string k, v;       // [head_count, token_count, head_dim] in the header's dtype
+  uint32_t crc32c = 0;
+
+  size_t payload_bytes() const { return positions.size() + k.size() + v.size(); }
+};
+
+struct WireTrailer {
+  int32_t first_token = 0;
+  float first_logprob = 0;
+  double forward_ms = 0;
+  double compress_ms = 0;
+  int64_t full_cache_bytes = 0;
+  int64_t kv_payload_bytes = 0;
+  int chunks = 0;
+  std::string node;
+};
+
+// CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
+uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0);
+// The checksum a chunk carries: over its five rectangle fields (int32 LE), positions, K, V.
+uint32_t ChunkChecksum(const WireChunk& chunk);
+
+// Cuts a layer into chunks of at most `max_bytes` payload each: whole heads packed
+// together where they fit, a head's tokens split where one head alone does not.
+// Chunks come in order (heads, then tokens) and carry their checksums.
+std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, size_t max_bytes);
+
+// What the receiving node expects of a stream, fixed before it starts.
+struct WireExpectation {
+  std::string model_fingerprint;
+  int num_layers = 0;
+  int num_cache_heads = 0;
+  int head_dim = 0;
+  DType dtype = DType::kF32;
+  int prompt_len = 0;
+  std::vector<int> kept_per_layer;  // what the request's compression keeps (empty: unchecked)
+  size_t max_chunk_bytes = kDefaultMaxChunkBytes;
+};
+
+// Receives one stream into a cache reserved for it. Chunks must tile each layer in
+// order; anything else (a wrong field, an overlap, a gap, a bad checksum, a position out
+// of order or out of the prompt) is an error that says what was wrong and leaves the
+// stream unusable. Checksum failures are DataLoss; other malformations InvalidArgument.
+class KvAssembler {
+ public:
+  KvAssembler(WireExpectation expect, KvCache* cache);
+
+  absl::Status OnHeader(const WireHeader& header);
+  absl::Status OnChunk(const WireChunk& chunk);
+  // Every layer complete and the trailer sane.
+  absl::Status OnTrailer(const WireTrailer& trailer, int vocab_size);
+
+  bool header_seen() const { return header_seen_; }
+  bool complete() const { return complete_; }
+  int64_t payload_bytes() const { return payload_bytes_; }
+  int chunks() const { return chunks_; }
+  const WireHeader& header() const { return header_; }
+
+ private:
+  absl::Status Fail(absl::Status status);
+  absl::Status CheckChunk(const WireChunk& chunk);
+
+  WireExpectation expect_;
+  KvCache* cache_;
+  WireHeader header_;
+  bool header_seen_ = false, complete_ = false, failed_ = false;
+  int layer_ = 0, head_ = 0, token_ = 0;  // where the next chunk must start
+  int64_t payload_bytes_ = 0;
+  int chunks_ = 0;
+};
+
+}  // namespace kvwire

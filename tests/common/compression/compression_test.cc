@@ -1,0 +1,386 @@
+// Compression policies: small hand-computed cases for each, invariants over random
+// inputs for all, parameter validation, and the policies inside real generation.
+#include "common/compression/compression.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+
+#include "common/engine/generate.h"
+#include "tests/test_util.h"
+
+namespace kvwire {
+namespace {
+
+using Kept = std::vector<std::vector<int32_t>>;
+
+// Window scores whose votes (sums over window rows) equal `votes[h][j]` on the prefix:
+// the whole vote goes into the first window row. Window columns get 1.0 so that a
+// policy that wrongly voted on them would show it.
+struct Scores {
+  std::vector<float> data;
+  WindowScores view;
+  Scores(const std::vector<std::vector<float>>& votes, int window, int len) {
+    const int heads = static_cast<int>(votes.size());
+    data.assign(static_cast<size_t>(heads) * window * len, 0.f);
+    for (int h = 0; h < heads; ++h) {
+      for (int j = 0; j < len; ++j) {
+        data[(static_cast<size_t>(h) * window) * len + j] =
+            j < static_cast<int>(votes[h].size()) ? votes[h][j] : 1.f;
+      }
+    }
+    view = {data.data(), heads, window, len};
+  }
+};
+
+Kept Select(const CompressionConfig& c, int n_heads, int n_kv, const Scores& s, int layer = 0) {
+  LayerSelector sel(c, n_heads, n_kv);
+  auto r = sel.Select(layer, s.view.len, &s.view);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : Kept{};
+}
+
+CompressionConfig Config(Policy p, int budget, int window) {
+  CompressionConfig c;
+  c.policy = p;
+  c.budget = budget;
+  c.window = window;
+  return c;
+}
+
+// ------------------------------------------------------------------ hand-computed cases
+
+TEST(SnapKV, TopVotesPlusWindowWithoutPooling) {
+  // L = 10, w = 2 → prefix 0..7; budget 5 → 3 prefix positions.
+  CompressionConfig c = Config(Policy::kSnapKV, 5, 2);
+  c.kernel = 1;
+  Scores s({{0.1f, 0.9f, 0.2f, 0.8f, 0.0f, 0.3f, 0.7f, 0.05f}}, 2, 10);
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{1, 3, 6, 8, 9}}));
+}
+
+TEST(SnapKV, MaxPoolingSpreadsPeaksAndTiesGoToLowerPositions) {
+  // Kernel 3 max-pool of [0,0,5,0,0,0,0,4] = [0,5,5,5,0,0,4,4]; top 3 with ties to the
+  // lower position: 1, 2, 3.
+  CompressionConfig c = Config(Policy::kSnapKV, 5, 2);
+  c.kernel = 3;
+  Scores s({{0, 0, 5, 0, 0, 0, 0, 4}}, 2, 10);
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{1, 2, 3, 8, 9}}));
+  // Top 4 adds the first 4 (position 6).
+  c.budget = 6;
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{1, 2, 3, 6, 8, 9}}));
+}
+
+TEST(SnapKV, AvgPoolingCountsThePadding) {
+  // avg_pool1d(kernel 3, pad 1) divides by 3 even at the edge: [3, 0, 0, 1.5, 0, 0]
+  // pools to [1, 1, 0.5, 0.5, 0.5, 0] (dividing by the 2 real neighbours would give 1.5
+  // at position 0).
+  CompressionConfig c = Config(Policy::kSnapKV, 4, 2);
+  c.kernel = 3;
+  c.pool = PoolKind::kAvg;
+  Scores s({{3, 0, 0, 1.5f, 0, 0}}, 2, 8);
+  // pooled = [1, 1, 0.5, 0.5, 0.5, 0] → top 2 = 0, 1
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 6, 7}}));
+}
+
+TEST(SnapKV, GqaModes) {
+  // Two query heads share one KV head. Head 0 votes for 1, head 1 for 5 (more strongly).
+  const std::vector<std::vector<float>> votes = {{0, 0.6f, 0, 0, 0, 0.1f},
+                                                 {0, 0.1f, 0, 0, 0, 0.8f}};
+  Scores s(votes, 2, 8);
+  CompressionConfig c = Config(Policy::kSnapKV, 3, 2);  // one prefix slot
+  c.kernel = 1;
+  c.gqa = GqaMode::kPerQueryHead;
+  EXPECT_EQ(Select(c, 2, 1, s), (Kept{{1, 6, 7}, {5, 6, 7}}));
+  EXPECT_EQ(c.CacheHeads(2, 1), 2);
+  c.gqa = GqaMode::kSum;  // 0.7 vs 0.9
+  EXPECT_EQ(Select(c, 2, 1, s), (Kept{{5, 6, 7}}));
+  c.gqa = GqaMode::kMean;
+  EXPECT_EQ(Select(c, 2, 1, s), (Kept{{5, 6, 7}}));
+  c.gqa = GqaMode::kMax;  // 0.6 vs 0.8
+  EXPECT_EQ(Select(c, 2, 1, s), (Kept{{5, 6, 7}}));
+  // Max differs from sum when one head is strong and the other spread: 0.7 at 1 from a
+  // single head beats 0.4 + 0.4 at 3.
+  Scores t({{0, 0.7f, 0, 0.4f, 0, 0}, {0, 0, 0, 0.4f, 0, 0}}, 2, 8);
+  EXPECT_EQ(Select(c, 2, 1, t), (Kept{{1, 6, 7}}));
+  c.gqa = GqaMode::kSum;
+  EXPECT_EQ(Select(c, 2, 1, t), (Kept{{3, 6, 7}}));
+}
+
+TEST(SnapKVpp, GroupSumAndKernelByPromptLength) {
+  // Group sum then max-pool. Votes peak at 2 (head 0) and 6 (head 1, stronger).
+  const std::vector<std::vector<float>> votes = {{0, 0, 0.5f, 0, 0, 0, 0, 0},
+                                                 {0, 0, 0, 0, 0, 0, 0.9f, 0}};
+  Scores s(votes, 2, 10);
+  CompressionConfig c = Config(Policy::kSnapKVpp, 3, 2);
+  c.kernel_small = 1;
+  c.kernel_large = 5;
+  c.kernel_threshold = 100;  // L = 10 < 100: kernel_small
+  EXPECT_EQ(Select(c, 2, 1, s), (Kept{{6, 8, 9}}));
+  c.budget = 5;  // .9 at 6, .5 at 2, then a tie of zeros goes to position 0
+  EXPECT_EQ(Select(c, 2, 1, s), (Kept{{0, 2, 6, 8, 9}}));
+  // L ≥ threshold: kernel 5 spreads 0.9 over 4..7 (clipped at the prefix end): top 3 = 4, 5, 6.
+  c.kernel_threshold = 10;
+  EXPECT_EQ(Select(c, 2, 1, s), (Kept{{4, 5, 6, 8, 9}}));
+}
+
+TEST(ChunkKV, WholeChunksByMeanScoreCutToBudget) {
+  // Prefix 0..8 in chunks of 3: [0-2] mean 0.1, [3-5] mean 0.5, [6-8] mean 0.3.
+  // One index set for both KV heads, from votes summed over all query heads.
+  const std::vector<std::vector<float>> votes = {{0.1f, 0.1f, 0.1f, 0.4f, 0.5f, 0.6f, 0.2f, 0.2f, 0.2f},
+                                                 {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.1f, 0.1f, 0.1f},
+                                                 {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f},
+                                                 {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};
+  Scores s(votes, 2, 11);
+  CompressionConfig c = Config(Policy::kChunkKV, 5, 2);  // 3 prefix tokens: one chunk
+  c.chunk = 3;
+  EXPECT_EQ(Select(c, 4, 2, s), (Kept{{3, 4, 5, 9, 10}, {3, 4, 5, 9, 10}}));
+  // 5 prefix tokens: chunks [3-5] and [6-8], sorted, cut to 5 → drops position 8.
+  c.budget = 7;
+  EXPECT_EQ(Select(c, 4, 2, s), (Kept{{3, 4, 5, 6, 7, 9, 10}, {3, 4, 5, 6, 7, 9, 10}}));
+}
+
+TEST(ChunkKV, LayerReuseSharesTheFirstLayersIndices) {
+  CompressionConfig c = Config(Policy::kChunkKV, 5, 2);
+  c.chunk = 3;
+  c.reuse_layers = 2;
+  LayerSelector sel(c, 1, 1);
+  Scores a({{0, 0, 0, 1, 1, 1, 0, 0, 0}}, 2, 11);
+  Scores b({{1, 1, 1, 0, 0, 0, 0, 0, 0}}, 2, 11);
+  auto l0 = sel.Select(0, 11, &a.view);
+  ASSERT_TRUE(l0.ok());
+  EXPECT_FALSE(sel.NeedsScoresFor(1, 11));
+  auto l1 = sel.Select(1, 11, nullptr);  // reused: no scores needed
+  ASSERT_TRUE(l1.ok());
+  EXPECT_EQ(*l1, *l0);
+  EXPECT_TRUE(sel.NeedsScoresFor(2, 11));
+  auto l2 = sel.Select(2, 11, &b.view);
+  ASSERT_TRUE(l2.ok());
+  EXPECT_EQ(*l2, (Kept{{0, 1, 2, 9, 10}}));
+  EXPECT_EQ(*sel.Select(3, 11, nullptr), *l2);
+}
+
+TEST(HBW, BlockMeansAndHierarchicalGroups) {
+  // Prefix 16 in blocks of 2 (8 blocks). Block means: b0 .9, b1 .8, b2 .7, b3 .3,
+  // b4 .05, b5 .04, b6 .2, b7 .03. Prefix budget 8 = two rounds of 4 tokens.
+  std::vector<float> tok = {.9f, .9f, .8f, .8f, .7f, .7f, .3f, .3f,
+                            .05f, .05f, .04f, .04f, .2f, .2f, .03f, .03f};
+  Scores s({tok}, 2, 18);
+  CompressionConfig c = Config(Policy::kHBW, 10, 2);
+  c.block = 2;
+  c.groups = {1, 2};
+  // Round M=1 (4 tokens): b0, b1. Round M=2 (2 tokens per half): first half b0..b3 →
+  // best unselected b2; second half b4..b7 → b6.
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 2, 3, 4, 5, 12, 13, 16, 17}}));
+  // M={1} alone (block-wise SnapKV) piles everything at the front: b0..b3.
+  c.groups = {1};
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 2, 3, 4, 5, 6, 7, 16, 17}}));
+  c.groups = {4};  // 2 tokens per quarter: b0 | b2 | b4 | b6
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 4, 5, 8, 9, 12, 13, 16, 17}}));
+  // Odd capacity: 7 prefix tokens with blocks of 2 → 3 whole blocks then the first
+  // token of the next best block (b3).
+  c.groups = {1};
+  c.budget = 9;
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 2, 3, 4, 5, 6, 16, 17}}));
+}
+
+TEST(Streaming, SinksPlusRecent) {
+  CompressionConfig c = Config(Policy::kStreaming, 6, 2);
+  c.sinks = 2;
+  LayerSelector sel(c, 2, 2);
+  EXPECT_EQ(*sel.Select(0, 10, nullptr), (Kept{{0, 1, 6, 7, 8, 9}, {0, 1, 6, 7, 8, 9}}));
+}
+
+TEST(Random, SeededDistinctAndDifferentPerHeadAndLayer) {
+  CompressionConfig c = Config(Policy::kRandom, 20, 4);
+  c.seed = 9;
+  LayerSelector a(c, 4, 2), b(c, 4, 2);
+  const auto ka = *a.Select(0, 100, nullptr);
+  EXPECT_EQ(ka, *b.Select(0, 100, nullptr));  // deterministic
+  EXPECT_NE(ka[0], ka[1]);                     // heads differ
+  EXPECT_NE(ka, *a.Select(1, 100, nullptr));   // layers differ
+  c.seed = 10;
+  LayerSelector d(c, 4, 2);
+  EXPECT_NE(ka, *d.Select(0, 100, nullptr));
+}
+
+// ------------------------------------------------------------------ invariants
+
+std::vector<float> RandomSoftmaxScores(int heads, int window, int len, std::mt19937& rng) {
+  std::vector<float> s(static_cast<size_t>(heads) * window * len, 0.f);
+  std::exponential_distribution<float> e(1.f);
+  for (int h = 0; h < heads; ++h) {
+    for (int i = 0; i < window; ++i) {
+      const int q = len - window + i;
+      float* row = s.data() + (static_cast<size_t>(h) * window + i) * len;
+      float z = 0;
+      for (int j = 0; j <= q; ++j) z += row[j] = std::pow(e(rng), 3.f);
+      for (int j = 0; j <= q; ++j) row[j] /= z;
+    }
+  }
+  return s;
+}
+
+TEST(CompressionInvariants, BudgetWindowSortedUnique) {
+  std::mt19937 rng(17);
+  int checked = 0;
+  for (Policy p : {Policy::kStreaming, Policy::kRandom, Policy::kSnapKV, Policy::kSnapKVpp,
+                   Policy::kChunkKV, Policy::kHBW}) {
+    for (int trial = 0; trial < 40; ++trial) {
+      const int n_kv = 1 + static_cast<int>(rng() % 3), group = 1 + static_cast<int>(rng() % 3);
+      const int heads = n_kv * group;
+      const int window = 1 + static_cast<int>(rng() % 8);
+      const int len = window + 2 + static_cast<int>(rng() % 300);
+      const int budget = window + 1 + static_cast<int>(rng() % (len + 20));
+      CompressionConfig c = Config(p, budget, window);
+      c.kernel = 1 + 2 * static_cast<int>(rng() % 4);
+      c.pool = rng() % 2 ? PoolKind::kMax : PoolKind::kAvg;
+      c.chunk = 1 + static_cast<int>(rng() % 12);
+      c.block = static_cast<int>(rng() % 9);
+      c.groups = rng() % 2 ? std::vector<int>{1, 8} : std::vector<int>{3};
+      c.sinks = static_cast<int>(rng() % 5);
+      c.kernel_small = 3;
+      c.kernel_large = 9;
+      c.kernel_threshold = 150;
+      if (p == Policy::kSnapKV && rng() % 3 == 0) c.gqa = GqaMode::kPerQueryHead;
+      if (p == Policy::kStreaming && c.budget < c.sinks + window) c.budget = c.sinks + window;
+      ASSERT_TRUE(c.Validate().ok()) << c.Describe() << ": " << c.Validate();
+      const auto data = RandomSoftmaxScores(heads, window, len, rng);
+      const WindowScores ws{data.data(), heads, window, len};
+      LayerSelector sel(c, heads, n_kv);
+      auto kept = sel.Select(0, len, &ws);
+      ASSERT_TRUE(kept.ok()) << kept.status();
+      SCOPED_TRACE(c.Describe() + " len=" + std::to_string(len));
+      ASSERT_EQ(static_cast<int>(kept->size()), c.CacheHeads(heads, n_kv));
+      const int want = std::min(len, c.budget);
+      EXPECT_EQ(c.KeptTokens(0, len), want);
+      for (const auto& row : *kept) {
+        ASSERT_EQ(static_cast<int>(row.size()), want);  // budget exactly
+        for (size_t i = 1; i < row.size(); ++i) ASSERT_LT(row[i - 1], row[i]);  // sorted, unique
+        ASSERT_GE(row.front(), 0);
+        ASSERT_LT(row.back(), len);
+        std::set<int32_t> s(row.begin(), row.end());
+        for (int j = len - window; j < len; ++j) ASSERT_TRUE(s.count(j)) << "window position " << j;
+      }
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 240);
+}
+
+TEST(CompressionInvariants, RatioBudget) {
+  CompressionConfig c = Config(Policy::kSnapKV, 0, 8);
+  c.ratio = 0.25;
+  EXPECT_EQ(c.EffectiveBudget(400), 100);
+  EXPECT_EQ(c.EffectiveBudget(20), 9);  // never below window + 1
+  EXPECT_TRUE(c.Compresses(400));
+  EXPECT_FALSE(c.Compresses(9));
+}
+
+// ------------------------------------------------------------------ validation
+
+TEST(CompressionConfig, BadParametersSayWhich) {
+  struct Case {
+    std::function<void(CompressionConfig&)> edit;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {[](auto& c) { c.budget = 0; }, "needs a budget"},
+      {[](auto& c) { c.budget = 16; }, "must exceed the observation window"},
+      {[](auto& c) { c.kernel = 4; }, "kernel must be odd"},
+      {[](auto& c) { c.window = 0; }, "window must be >= 1"},
+      {[](auto& c) { c.ratio = 1.5; }, "ratio must be in (0, 1]"},
+      {[](auto& c) { c.budget = -1; }, "budget must be >= 0"},
+      {[](auto& c) { c.policy = Policy::kChunkKV; c.chunk = 0; }, "chunk must be >= 1"},
+      {[](auto& c) { c.policy = Policy::kChunkKV; c.reuse_layers = 0; }, "reuse_layers"},
+      {[](auto& c) { c.policy = Policy::kChunkKV; c.gqa = GqaMode::kMax; }, "gqa applies to"},
+      {[](auto& c) { c.policy = Policy::kHBW; c.groups = {}; }, "groups"},
+      {[](auto& c) { c.policy = Policy::kHBW; c.groups = {1, 0}; }, "groups must be >= 1"},
+      {[](auto& c) { c.policy = Policy::kHBW; c.block = -2; }, "block"},
+      {[](auto& c) { c.policy = Policy::kSnapKVpp; c.kernel_large = 510; }, "kernel_large"},
+      {[](auto& c) { c.policy = Policy::kStreaming; c.sinks = 20; }, "hold the sinks"},
+      {[](auto& c) { c.skip_layers = -1; }, "skip_layers"},
+      {[](auto& c) { c.budget = (1 << 30) + 1; }, "budget must be <= 2^30"},
+      {[](auto& c) { c.window = kMaxWindow + 1; }, "window must be <= 1024"},
+      {[](auto& c) { c.kernel = (1 << 20) + 3; }, "kernel must be <= 2^20"},
+      {[](auto& c) { c.policy = Policy::kHBW; c.groups.assign(65, 1); }, "at most 64 groups"},
+  };
+  for (const Case& k : cases) {
+    CompressionConfig c = Config(Policy::kSnapKV, 32, 16);
+    k.edit(c);
+    const absl::Status st = c.Validate();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << k.expect;
+    EXPECT_NE(std::string(st.message()).find(k.expect), std::string::npos)
+        << "'" << k.expect << "' not in: " << st.message();
+  }
+  EXPECT_EQ(ParsePolicy("h2o").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(ParsePolicy("h2o").status().message()).find("snapkv_pp"), std::string::npos);
+  EXPECT_EQ(*ParsePolicy("snapkv_pp"), Policy::kSnapKVpp);
+  EXPECT_EQ(*ParseGqa("per_query_head"), GqaMode::kPerQueryHead);
+  EXPECT_FALSE(ParsePool("min").ok());
+}
+
+// ------------------------------------------------------------------ inside generation
+
+TEST(CompressedGeneration, BudgetAbovePromptIsBitIdenticalToFull) {
+  auto model = LlamaModel::Load("synthetic:tiny");
+  ASSERT_TRUE(model.ok());
+  GenerationRequest full;
+  for (int i = 0; i < 50; ++i) full.prompt_ids.push_back(3 + (i * 13) % 250);
+  full.max_tokens = 12;
+  full.sampling.temperature = 0.9f;
+  full.seed = 5;
+  auto want = Generate(**model, full);
+  ASSERT_TRUE(want.ok());
+  for (Policy p : {Policy::kStreaming, Policy::kRandom, Policy::kSnapKV, Policy::kSnapKVpp,
+                   Policy::kChunkKV, Policy::kHBW}) {
+    GenerationRequest r = full;
+    r.compression = Config(p, 50, 8);
+    auto got = Generate(**model, r);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->ids, want->ids) << PolicyName(p);
+    EXPECT_EQ(got->logprobs, want->logprobs) << PolicyName(p);
+    EXPECT_EQ(got->kept_cache_bytes, want->kept_cache_bytes);
+  }
+}
+
+TEST(CompressedGeneration, KeepsTheBudgetAndContinuesOriginalPositions) {
+  KVWIRE_REQUIRE_SHARED();
+  auto model = LlamaModel::Load(testing::StoriesModelDir());
+  ASSERT_TRUE(model.ok());
+  LlamaModel& m = **model;
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 200; ++i) prompt.push_back(3 + (i * 7) % 500);
+  CompressionConfig c = Config(Policy::kSnapKV, 64, 16);
+  auto seq = PrefillSequence(m, prompt, c, 8);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  KvCache& cache = *seq->cache;
+  EXPECT_EQ(cache.prompt_len(), 200);
+  for (int l = 0; l < cache.num_layers(); ++l) EXPECT_EQ(cache.layer(l).len, 64);
+  // Decode appends generated tokens at original positions 200, 201, ...
+  std::vector<float> logits(m.config().vocab_size);
+  for (int t = 0; t < 3; ++t) {
+    DecodeInput in{5, 200 + t, &cache, nullptr};
+    ASSERT_TRUE(m.DecodeStep({&in, 1}, logits.data()).ok());
+  }
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    const LayerCache& lc = cache.layer(l);
+    ASSERT_EQ(lc.len, 67);
+    for (int h = 0; h < lc.n_heads; ++h) {
+      for (int t = 0; t < 3; ++t) EXPECT_EQ(lc.position(h, 64 + t), 200 + t);
+      for (int t = 48; t < 64; ++t) EXPECT_EQ(lc.position(h, t), 200 - 64 + t);  // window
+    }
+  }
+  // A per-query-head cache is n_rep times larger.
+  c.gqa = GqaMode::kPerQueryHead;
+  auto wide = PrefillSequence(m, prompt, c, 8);
+  ASSERT_TRUE(wide.ok());
+  const ModelConfig& mc = m.config();
+  EXPECT_EQ(wide->cache->StoredBytes(),
+            int64_t{2} * mc.num_layers * mc.num_heads * 64 * mc.head_dim * 4);  // K+V, f32
+  // Prefill logits never depend on the policy: compression happens after attention.
+  EXPECT_EQ(wide->logits, seq->logits);
+}
+
+}  // namespace
+}  // namespace kvwire

@@ -1,0 +1,402 @@
+// Decode attention modes against naive references written from their definitions
+// (docs/algorithms.md §3-4): page summaries stay exact as tokens append; hybrid, quest and
+// exact top-k select what brute force selects; hybrid with every dimension and one-token
+// pages is exact top-k; and a budget covering the cache is dense attention.
+#include "common/sparse/sparse_attention.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "common/engine/generate.h"
+#include "tests/test_util.h"
+
+namespace kvwire {
+namespace {
+
+ModelConfig Shape(int heads, int kv, int d) {
+  ModelConfig c;
+  c.num_heads = heads;
+  c.num_kv_heads = kv;
+  c.head_dim = d;
+  c.num_layers = 1;
+  return c;
+}
+
+std::unique_ptr<KvCache> RandomCache(int heads, int d, int len, int capacity, DType dtype,
+                                     std::mt19937& rng) {
+  KvCacheShape shape{heads, d, dtype, {capacity}};
+  auto cache = *KvCache::Create(shape, HeapKvAllocator());
+  std::normal_distribution<float> n(0.f, 1.f);
+  LayerCache& lc = cache->layer(0);
+  std::vector<float> row(d);
+  for (int h = 0; h < heads; ++h) {
+    for (int t = 0; t < capacity; ++t) {
+      for (float& x : row) x = n(rng) * (t % 7 == 0 ? 3.f : 1.f);  // some salient tokens
+      FromFloat(dtype, row.data(), lc.k_row(h, t), d);
+      for (float& x : row) x = n(rng);
+      FromFloat(dtype, row.data(), lc.v_row(h, t), d);
+      lc.positions[int64_t{h} * capacity + t] = t;
+    }
+  }
+  lc.len = len;
+  return cache;
+}
+
+std::vector<float> RowOf(const LayerCache& lc, int h, int t) {
+  std::vector<float> r(lc.head_dim);
+  ToFloat(lc.dtype, lc.k_row(h, t), r.data(), lc.head_dim);
+  return r;
+}
+
+// Takes whole pages by (score desc, page asc) until k slots, the last page cut low.
+std::set<int32_t> TakeRef(const std::vector<double>& page_score, int page, int len, int k) {
+  std::vector<int> order(page_score.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return page_score[a] > page_score[b]; });
+  std::set<int32_t> out;
+  for (int p : order) {
+    for (int t = p * page; t < std::min(len, (p + 1) * page); ++t) {
+      if (static_cast<int>(out.size()) < k) out.insert(t);
+    }
+  }
+  return out;
+}
+
+// RocketKV Algorithm 2, from its definition: pages' min/max straight from the token rows.
+std::set<int32_t> HybridRef(const LayerCache& lc, int c, const float* q, int group, int r, int page,
+                            int k) {
+  const int d = lc.head_dim, n_pages = (lc.len + page - 1) / page;
+  std::vector<double> a(d, 0), sum(d, 0);
+  for (int g = 0; g < group; ++g) {
+    for (int i = 0; i < d; ++i) {
+      a[i] += std::fabs(q[g * d + i]);
+      sum[i] += q[g * d + i];
+    }
+  }
+  std::vector<int> dims(d);
+  std::iota(dims.begin(), dims.end(), 0);
+  std::stable_sort(dims.begin(), dims.end(), [&](int x, int y) { return a[x] > a[y]; });
+  dims.resize(r);
+  std::vector<double> score(n_pages, 0);
+  for (int g = 0; g < group; ++g) {
+    const float* qh = q + g * d;
+    double num = 0, den = 0;
+    for (int i : dims) num += std::fabs(qh[i]);
+    for (int i = 0; i < d; ++i) den += std::fabs(qh[i]);
+    const double scale = std::sqrt(d * num / den);
+    std::vector<double> logit(n_pages);
+    for (int p = 0; p < n_pages; ++p) {
+      double u = 0;
+      for (int i : dims) {
+        double lo = 1e30, hi = -1e30;
+        for (int t = p * page; t < std::min(lc.len, (p + 1) * page); ++t) {
+          const double v = RowOf(lc, c, t)[i];
+          lo = std::min(lo, v);
+          hi = std::max(hi, v);
+        }
+        u += qh[i] * (sum[i] >= 0 ? hi : lo);
+      }
+      logit[p] = u / scale;
+    }
+    const double mx = *std::max_element(logit.begin(), logit.end());
+    double z = 0;
+    for (int p = 0; p < n_pages; ++p) z += std::exp(logit[p] - mx) * (std::min(lc.len, (p + 1) * page) - p * page);
+    for (int p = 0; p < n_pages; ++p) score[p] += std::exp(logit[p] - mx) / z;
+  }
+  return TakeRef(score, page, lc.len, k);
+}
+
+std::set<int32_t> QuestRef(const LayerCache& lc, int c, const float* q, int group, int page, int k) {
+  const int d = lc.head_dim, n_pages = (lc.len + page - 1) / page;
+  std::vector<double> bound(n_pages, 0);
+  for (int p = 0; p < n_pages; ++p) {
+    for (int i = 0; i < d; ++i) {
+      double lo = 1e30, hi = -1e30;
+      for (int t = p * page; t < std::min(lc.len, (p + 1) * page); ++t) {
+        lo = std::min<double>(lo, RowOf(lc, c, t)[i]);
+        hi = std::max<double>(hi, RowOf(lc, c, t)[i]);
+      }
+      for (int g = 0; g < group; ++g) bound[p] += std::max(q[g * d + i] * lo, q[g * d + i] * hi);
+    }
+  }
+  return TakeRef(bound, page, lc.len, k);
+}
+
+std::set<int32_t> ExactRef(const LayerCache& lc, int c, const float* q, int group, int k) {
+  const int d = lc.head_dim;
+  std::vector<double> total(lc.len, 0);
+  for (int g = 0; g < group; ++g) {
+    std::vector<double> s(lc.len);
+    for (int t = 0; t < lc.len; ++t) {
+      const auto row = RowOf(lc, c, t);
+      double dot = 0;
+      for (int i = 0; i < d; ++i) dot += q[g * d + i] * row[i];
+      s[t] = dot / std::sqrt(static_cast<double>(d));
+    }
+    const double mx = *std::max_element(s.begin(), s.end());
+    double z = 0;
+    for (double& x : s) z += x = std::exp(x - mx);
+    for (int t = 0; t < lc.len; ++t) total[t] += s[t] / z;
+  }
+  return TakeRef(total, 1, lc.len, k);
+}
+
+std::set<int32_t> Selected(const std::vector<int32_t>& idx, int c, int k) {
+  return std::set<int32_t>(idx.begin() + static_cast<long>(c) * k, idx.begin() + static_cast<long>(c + 1) * k);
+}
+
+// Float rounding (float32 here, float64 in the reference) may swap items whose scores
+// tie to ~1e-6; allow a difference of at most one token per head in rare cases.
+void ExpectSameSelection(const std::set<int32_t>& got, const std::set<int32_t>& want,
+                         const std::string& what) {
+  std::vector<int32_t> diff;
+  std::set_symmetric_difference(got.begin(), got.end(), want.begin(), want.end(),
+                                std::back_inserter(diff));
+  EXPECT_LE(diff.size(), 2u) << what;
+}
+
+TEST(SparseAttention, ModesMatchNaiveReferences) {
+  std::mt19937 rng(9);
+  int exact = 0, cases = 0;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int trial = 0; trial < 12; ++trial) {
+      const int kv = 1 + static_cast<int>(rng() % 2), group = 1 + static_cast<int>(rng() % 4);
+      const int d = std::vector<int>{8, 16, 64}[rng() % 3];
+      const int len = 20 + static_cast<int>(rng() % 300);
+      const int k = 1 + static_cast<int>(rng() % (len - 1));
+      const int page = 1 + static_cast<int>(rng() % 8), r = 1 + static_cast<int>(rng() % d);
+      const ModelConfig mc = Shape(kv * group, kv, d);
+      auto cache = RandomCache(kv, d, len, len + 4, dtype, rng);
+      std::vector<float> q(static_cast<size_t>(kv) * group * d);
+      std::normal_distribution<float> n(0.f, 1.f);
+      for (float& x : q) x = n(rng);
+      for (AttentionMode mode : {AttentionMode::kHybrid, AttentionMode::kQuest, AttentionMode::kExactTopK}) {
+        DecodeAttentionConfig a;
+        a.mode = mode;
+        a.top_k = k;
+        a.top_r = r;
+        a.page_size = page;
+        auto sel = MakeDecodeSelector(a, mc, cache->shape(), HeapKvAllocator());
+        ASSERT_TRUE(sel.ok()) << sel.status();
+        std::vector<int32_t> idx;
+        int num = 0;
+        auto sparse = (*sel)->Select(0, q.data(), cache->layer(0), &idx, &num);
+        ASSERT_TRUE(sparse.ok());
+        ASSERT_TRUE(*sparse);
+        ASSERT_EQ(num, k);
+        for (int c = 0; c < kv; ++c) {
+          const float* qc = q.data() + static_cast<size_t>(c) * group * d;
+          const std::set<int32_t> got = Selected(idx, c, k);
+          ASSERT_EQ(static_cast<int>(got.size()), k) << "distinct tokens";
+          std::set<int32_t> want;
+          if (mode == AttentionMode::kHybrid) want = HybridRef(cache->layer(0), c, qc, group, r, page, k);
+          if (mode == AttentionMode::kQuest) want = QuestRef(cache->layer(0), c, qc, group, page, k);
+          if (mode == AttentionMode::kExactTopK) want = ExactRef(cache->layer(0), c, qc, group, k);
+          ExpectSameSelection(got, want, std::string(AttentionModeName(mode)) + " trial " +
+                                             std::to_string(trial));
+          exact += got == want;
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_GE(exact, cases * 9 / 10) << "near-ties explain a few, not many";
+}
+
+// Counts what a selector takes, so the decode node's reservation can be checked against it.
+class CountingAllocator : public KvAllocator {
+ public:
+  absl::StatusOr<KvMemoryPtr> Allocate(size_t bytes) override {
+    total += bytes;
+    return HeapKvAllocator().Allocate(bytes);
+  }
+  size_t total = 0;
+};
+
+// The decode node reserves DecodeSelectorBytes before it admits a request; the selector
+// must take exactly that, in every mode.
+TEST(SparseAttention, SelectorBytesAreWhatTheSelectorTakes) {
+  const ModelConfig mc = Shape(8, 2, 64);
+  const KvCacheShape shape{2, 64, DType::kBF16, {300}};
+  for (AttentionMode mode : {AttentionMode::kDense, AttentionMode::kHybrid, AttentionMode::kQuest,
+                             AttentionMode::kExactTopK}) {
+    DecodeAttentionConfig a;
+    a.mode = mode;
+    if (mode != AttentionMode::kDense) a.token_budget = 64;
+    CountingAllocator alloc;
+    auto sel = MakeDecodeSelector(a, mc, shape, alloc);
+    ASSERT_TRUE(sel.ok()) << AttentionModeName(mode) << ": " << sel.status();
+    auto bytes = DecodeSelectorBytes(a, mc, shape);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    EXPECT_EQ(*bytes, alloc.total) << AttentionModeName(mode);
+    const bool summaries = mode == AttentionMode::kHybrid || mode == AttentionMode::kQuest;
+    EXPECT_EQ(*bytes > 0, summaries) << AttentionModeName(mode);
+  }
+}
+
+TEST(SparseAttention, HybridWithAllDimensionsAndUnitPagesIsExactTopK) {
+  std::mt19937 rng(4);
+  const ModelConfig mc = Shape(8, 2, 32);
+  auto cache = RandomCache(2, 32, 150, 160, DType::kF32, rng);
+  std::vector<float> q(8 * 32);
+  std::normal_distribution<float> n(0.f, 1.f);
+  for (float& x : q) x = n(rng);
+  auto select = [&](AttentionMode mode) {
+    DecodeAttentionConfig a;
+    a.mode = mode;
+    a.top_k = 40;
+    a.top_r = 32;
+    a.page_size = 1;
+    auto sel = *MakeDecodeSelector(a, mc, cache->shape(), HeapKvAllocator());
+    std::vector<int32_t> idx;
+    int num = 0;
+    EXPECT_TRUE(*sel->Select(0, q.data(), cache->layer(0), &idx, &num));
+    std::set<int32_t> s0 = Selected(idx, 0, 40), s1 = Selected(idx, 1, 40);
+    return std::make_pair(s0, s1);
+  };
+  EXPECT_EQ(select(AttentionMode::kHybrid), select(AttentionMode::kExactTopK));
+}
+
+TEST(SparseAttention, PageSummariesStayExactAcrossPageBoundaries) {
+  std::mt19937 rng(3);
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int page : {1, 3, 4}) {
+      auto cache = RandomCache(2, 16, 5, 40, dtype, rng);
+      const KvCacheShape shape = cache->shape();
+      PageSummaries sums(shape, page, *HeapKvAllocator().Allocate(PageSummaries::Bytes(shape, page)));
+      LayerCache& lc = cache->layer(0);
+      for (int len = 5; len <= 40; ++len) {  // one token appended at a time
+        lc.len = len;
+        sums.Update(0, lc);
+        for (int h = 0; h < 2; ++h) {
+          for (int p = 0; p < sums.pages(len); ++p) {
+            for (int i = 0; i < 16; ++i) {
+              float lo = 1e30f, hi = -1e30f;
+              for (int t = p * page; t < std::min(len, (p + 1) * page); ++t) {
+                lo = std::min(lo, RowOf(lc, h, t)[i]);
+                hi = std::max(hi, RowOf(lc, h, t)[i]);
+              }
+              ASSERT_EQ(sums.Value(0, h, false, i, p), lo) << "len " << len << " page " << p;
+              ASSERT_EQ(sums.Value(0, h, true, i, p), hi) << "len " << len << " page " << p;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(SparseAttention, QuestBoundsEveryTokenOfItsPage) {
+  std::mt19937 rng(5);
+  auto cache = RandomCache(1, 16, 64, 64, DType::kF32, rng);
+  PageSummaries sums(cache->shape(), 8, *HeapKvAllocator().Allocate(PageSummaries::Bytes(cache->shape(), 8)));
+  sums.Update(0, cache->layer(0));
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::vector<float> q(16);
+  for (float& x : q) x = n(rng);
+  for (int p = 0; p < 8; ++p) {
+    float bound = 0;
+    for (int i = 0; i < 16; ++i) {
+      bound += std::max(q[i] * sums.Value(0, 0, true, i, p), q[i] * sums.Value(0, 0, false, i, p));
+    }
+    for (int t = p * 8; t < p * 8 + 8; ++t) {
+      const auto row = RowOf(cache->layer(0), 0, t);
+      float dot = 0;
+      for (int i = 0; i < 16; ++i) dot += q[i] * row[i];
+      EXPECT_LE(dot, bound + 1e-5f);
+    }
+  }
+}
+
+TEST(SparseAttention, BudgetCoveringTheCacheIsDense) {
+  auto model = LlamaModel::Load("synthetic:tiny");
+  ASSERT_TRUE(model.ok());
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 60; ++i) prompt.push_back(3 + (i * 11) % 300);
+  GenerationRequest dense;
+  dense.prompt_ids = prompt;
+  dense.max_tokens = 12;
+  dense.sampling.temperature = 0;
+  auto want = Generate(**model, dense);
+  ASSERT_TRUE(want.ok());
+  for (AttentionMode mode : {AttentionMode::kHybrid, AttentionMode::kQuest, AttentionMode::kExactTopK}) {
+    GenerationRequest r = dense;
+    r.attention.mode = mode;
+    r.attention.top_k = 200;  // more than the cache ever holds
+    r.attention.top_r = (*model)->config().head_dim;
+    auto got = Generate(**model, r);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->ids, want->ids) << AttentionModeName(mode);
+    EXPECT_EQ(got->logprobs, want->logprobs) << AttentionModeName(mode);
+  }
+}
+
+TEST(SparseAttention, SparseDecodeRunsInsideTheModel) {
+  auto model = LlamaModel::Load("synthetic:tiny");
+  ASSERT_TRUE(model.ok());
+  GenerationRequest r;
+  for (int i = 0; i < 200; ++i) r.prompt_ids.push_back(3 + (i * 11) % 300);
+  r.max_tokens = 10;
+  r.attention.mode = AttentionMode::kHybrid;
+  r.attention.token_budget = 48;
+  auto got = Generate(**model, r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->ids.size(), 10u);
+  EXPECT_NE(got->attention.Describe().find("hybrid(t=48"), std::string::npos);
+}
+
+TEST(SparseAttention, RocketKVSplitsTheBudgetAsTheAuthorsCode) {
+  // docs/algorithms.md §3.5: S = 32000 + 768, t = 512, d = 128.
+  auto big = ResolveRocketKV(512, 32000, 768, 128, CompressionConfig{});
+  ASSERT_TRUE(big.ok());
+  EXPECT_EQ(big->stage1.policy, Policy::kSnapKVpp);
+  EXPECT_EQ(big->stage1.budget, 2423);
+  EXPECT_EQ(big->stage2.page_size, 3);
+  EXPECT_EQ(big->stage2.top_r, 62);
+  EXPECT_EQ(big->stage2.top_k, 256);
+  // The stories scale: S = 400 + 64, t = 64, d = 8.
+  auto small = ResolveRocketKV(64, 400, 64, 8, CompressionConfig{});
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(small->stage1.budget, 158);
+  EXPECT_EQ(small->stage2.page_size, 2);
+  EXPECT_EQ(small->stage2.top_r, 5);
+  EXPECT_EQ(small->stage2.top_k, 32);
+  EXPECT_FALSE(ResolveRocketKV(1, 100, 10, 8, CompressionConfig{}).ok());
+}
+
+TEST(SparseAttention, BytesReadCountSummaries) {
+  SparseParams dense;
+  EXPECT_EQ(BytesReadPerStep(dense, 1000, 128, DType::kBF16), 1000 * 2 * 128 * 2);
+  SparseParams h{AttentionMode::kHybrid, 100, 32, 4};
+  // 100 tokens of K and V, plus 250 pages x 32 dims of one summary each.
+  EXPECT_EQ(BytesReadPerStep(h, 1000, 128, DType::kBF16), 100 * 2 * 128 * 2 + 250 * 32 * 2);
+  SparseParams q{AttentionMode::kQuest, 100, 128, 16};
+  EXPECT_EQ(BytesReadPerStep(q, 1000, 128, DType::kBF16), 100 * 2 * 128 * 2 + 63 * 2 * 128 * 2);
+  // The budget t counts those reads: hybrid's parameters keep them near t tokens.
+  DecodeAttentionConfig a;
+  a.mode = AttentionMode::kHybrid;
+  a.token_budget = 256;
+  auto p = ResolveSparseParams(a, 8192, 128);
+  ASSERT_TRUE(p.ok());
+  const double tokens = BytesReadPerStep(*p, 8192, 128, DType::kBF16) / (2.0 * 128 * 2);
+  EXPECT_NEAR(tokens, 256, 256 * 0.15);
+}
+
+TEST(SparseAttention, BadConfigsSayWhy) {
+  DecodeAttentionConfig a;
+  a.mode = AttentionMode::kHybrid;
+  EXPECT_NE(std::string(a.Validate().message()).find("needs a token_budget"), std::string::npos);
+  a.top_k = -1;
+  EXPECT_EQ(a.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(ParseAttentionMode("sparse").ok());
+  EXPECT_EQ(*ParseAttentionMode("exact_topk"), AttentionMode::kExactTopK);
+}
+
+}  // namespace
+}  // namespace kvwire
