@@ -60,16 +60,19 @@ double TimePrefill(LlamaModel& m, const std::vector<int32_t>& ids, const Compres
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void BM_Overhead(benchmark::State& state, const std::string& setup, Policy policy, int budget) {
+void BM_Overhead(benchmark::State& state, const std::string& setup, const std::string& policy,
+                 int budget) {
   Setup* s = GetSetup(setup);
   if (s == nullptr) {
     state.SkipWithError("model or data not available");
     return;
   }
   CompressionConfig c;
-  c.policy = policy;
-  c.budget = budget;
-  c.window = setup == "stories" ? 16 : 32;
+  c.policy = *MakePolicy(policy);
+  if (c.policy->evicts()) {
+    c.budget = budget;
+    c.window = setup == "stories" ? 16 : 32;
+  }
   double full = 0, pol = 0, selecting = 0;
   size_t i = 0;
   for (auto _ : state) {
@@ -87,10 +90,11 @@ void BM_Overhead(benchmark::State& state, const std::string& setup, Policy polic
 }
 
 void Register(const std::string& setup, int budget, int iterations) {
-  for (Policy p : {Policy::kFull, Policy::kStreaming, Policy::kRandom, Policy::kSnapKV,
-                   Policy::kSnapKVpp, Policy::kChunkKV, Policy::kHBW}) {
+  for (const PolicyInfo* info : Policies()) {
+    if (!MakePolicy(info->name).value()->selects()) continue;  // rocketkv: a two-stage split
+    const std::string p = info->name;
     benchmark::RegisterBenchmark(
-        ("Overhead/" + setup + "/" + std::string(PolicyName(p))).c_str(),
+        ("Overhead/" + setup + "/" + p).c_str(),
         [=](benchmark::State& st) { BM_Overhead(st, setup, p, budget); })
         ->Iterations(iterations)
         ->Unit(benchmark::kMillisecond);

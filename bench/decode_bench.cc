@@ -22,7 +22,8 @@
 #include "common/base/flags.h"
 #include "common/model/kv_cache.h"
 #include "common/model/llama_model.h"
-#include "common/sparse/sparse_attention.h"
+#include "common/sparse/attention.h"
+#include "common/sparse/rocketkv.h"
 
 namespace kvwire {
 namespace {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/server/grpc_stream.h"
+#include "decode_service/grpc_kv_source.h"
 #include "common/server/trace_metadata.h"
 #include "common/base/status.h"
 #include "common/telemetry/telemetry.h"
@@ -46,8 +47,8 @@ class GrpcSink final : public ResponseSink {
       v1::GenerateResponse r;
       r.set_request_id(request_id_);
       v1::Final* fin = r.mutable_final();
-      fin->set_finish_reason(f->finish == Finish::kStop ? v1::FINISH_REASON_STOP
-                                                        : v1::FINISH_REASON_LENGTH);
+      fin->set_finish_reason(f->finish == FinishReason::kStop ? v1::FINISH_REASON_STOP
+                                                              : v1::FINISH_REASON_LENGTH);
       fin->mutable_usage()->set_prompt_tokens(f->prompt_tokens);
       fin->mutable_usage()->set_completion_tokens(f->completion_tokens);
       v1::RequestStats* s = fin->mutable_stats();
@@ -87,7 +88,9 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
   LlamaModel* model;
   DecodeServerOptions options;
   std::unique_ptr<KvPool> pool;
-  std::unique_ptr<PrefillClient> prefill;
+  std::unique_ptr<GrpcKvSource> remote;  // the prefill nodes, when --prefill names them
+  std::unique_ptr<PrefillEngine> local_prefill;
+  std::unique_ptr<LocalKvSource> local;
   std::unique_ptr<DecodeEngine> engine;
   // Stream and pool callbacks can fire while Shutdown destroys the engine; they wake it
   // only under this lock, and Shutdown clears `live_engine` under it first.
@@ -197,15 +200,13 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
     if (!ap.mode().empty()) {
       auto mode = ParseAttentionMode(ap.mode());
       if (!mode.ok()) return Bad("attention.mode", mode.status().message());
-      j.attention.mode = *mode;
+      if (*mode != j.attention.mode) j.attention = DecodeAttentionConfig{*mode};  // its own defaults
     }
     if (ap.has_token_budget()) j.attention.token_budget = ap.token_budget();
     if (ap.has_top_k()) j.attention.top_k = ap.top_k();
     if (ap.has_top_r()) j.attention.top_r = ap.top_r();
     if (ap.has_page_size()) j.attention.page_size = ap.page_size();
-    if (absl::Status st = j.attention.Validate(); !st.ok()) {
-      return absl::Status(st.code(), absl::StrCat("attention: ", st.message()));
-    }
+    RETURN_IF_ERROR(j.attention.Validate());  // "attention: top_r does not apply to quest ..."
     j.logprobs = req.return_logprobs();
     return j;
   }
@@ -219,7 +220,7 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
       stream->Finish(ToGrpcStatus(job.status()));
       return reactor;
     }
-    job->deadline = ctx->deadline();
+    job->deadline = FromWallDeadline(Clock::Real(), ctx->deadline());
     job->trace = TraceFromMetadata(ctx->client_metadata());
     auto sink = std::make_shared<GrpcSink>(stream, job->request_id);
     if (absl::Status st = engine->Submit(std::move(*job), sink); !st.ok()) {
@@ -252,10 +253,20 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   impl->pool = std::make_unique<KvPool>(o.kv_pool_bytes, o.kv_page_bytes,
                                         [raw] { raw->WakeEngine(); });
   if (!o.prefill_target.empty()) {
-    ASSIGN_OR_RETURN(impl->prefill, PrefillClient::Create(o.prefill_target, o.prefill_tls));
+    ASSIGN_OR_RETURN(impl->remote, GrpcKvSource::Create(o.prefill_target, o.prefill_tls));
   }
+  // Short prompts (all of them without prefill nodes) prefill on this node's own model,
+  // one at a time beside the decode batch.
+  PrefillEngineOptions local;
+  local.node_name = "local";
+  local.workers = 1;
+  local.max_queue = o.engine.max_batch;
+  impl->local_prefill = std::make_unique<PrefillEngine>(model, local);
+  impl->local = std::make_unique<LocalKvSource>(impl->local_prefill.get());
   if (o.telemetry) o.telemetry->SetPool(0, static_cast<double>(o.kv_pool_bytes));
-  impl->engine = std::make_unique<DecodeEngine>(model, impl->pool.get(), impl->prefill.get(), o.engine);
+  o.engine.remote = impl->remote.get();
+  o.engine.local = impl->local.get();
+  impl->engine = std::make_unique<DecodeEngine>(model, impl->pool.get(), o.engine);
   {
     absl::MutexLock lock(&impl->wake_mu);
     impl->live_engine = impl->engine.get();
@@ -292,6 +303,7 @@ void DecodeServer::Shutdown(int grace_ms) {
     impl_->live_engine = nullptr;
   }
   impl_->engine.reset();
+  impl_->local_prefill->Shutdown();
   impl_->server.reset();
 }
 

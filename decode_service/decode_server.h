@@ -1,5 +1,7 @@
-// The decode node: serves kvwire.v1.Generation (the client API), pulls compressed KV
-// caches from prefill nodes and generates with a continuous batch (decode_engine.h).
+// The decode node: serves kvwire.v1.Generation (the client API). It composes the domain
+// parts (the KV pool, the KV sources: prefill nodes over gRPC and a local prefill engine
+// for short prompts, and the decode engine, common/engine/decode_engine.h) and translates
+// requests and responses; the engine does the work.
 #pragma once
 
 #include <memory>
@@ -7,10 +9,10 @@
 
 #include "absl/status/statusor.h"
 #include "common/compression/compression.h"
+#include "common/engine/decode_engine.h"
 #include "common/server/grpc_util.h"
 #include "common/model/llama_model.h"
-#include "common/sparse/sparse_attention.h"
-#include "decode_service/decode_engine.h"
+#include "common/sparse/attention.h"
 
 namespace kvwire {
 

@@ -2,7 +2,9 @@
 #include <cstdio>
 
 #include "common/server/server_main.h"
-#include "common/engine/standard_flags.h"
+#include "common/compression/compression_flags.h"
+#include "common/model/model_flags.h"
+#include "common/sparse/attention.h"
 #include "common/base/status.h"
 #include "decode_service/decode_server.h"
 

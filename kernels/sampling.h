@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <random>
 
 namespace kvwire::kernels {
 
@@ -28,3 +29,20 @@ SampledToken SampleReference(const float* logits, int vocab, const SamplingParam
 SampledToken Sample(const float* logits, int vocab, const SamplingParams& params, double uniform);
 
 }  // namespace kvwire::kernels
+
+namespace kvwire {
+
+// A seeded source of the one uniform number each sampled token uses; identical on every
+// platform (mt19937_64 is fully specified, and the conversion to [0, 1) is ours). The first
+// token of a request takes the first draw wherever it is sampled (the prefill node), and
+// the decode node's generator skips that draw to stay in step.
+class SamplingRng {
+ public:
+  explicit SamplingRng(uint64_t seed) : engine_(seed) {}
+  double Uniform() { return static_cast<double>(engine_() >> 11) * 0x1.0p-53; }
+
+ private:
+  std::mt19937_64 engine_;
+};
+
+}  // namespace kvwire

@@ -2,7 +2,7 @@
 #include <cstdio>
 
 #include "common/server/server_main.h"
-#include "common/engine/standard_flags.h"
+#include "common/model/model_flags.h"
 #include "prefill_service/prefill_server.h"
 
 int main(int argc, char** argv) {
@@ -25,16 +25,17 @@ int main(int argc, char** argv) {
   }
   auto fail = [](const absl::Status& st) { return FailExit("kvwire-prefill", st); };
   PrefillServerOptions o;
+  PrefillEngineOptions engine_options;
   o.listen = flags.GetString("listen");
-  o.node_name = flags.GetString("node-name");
+  engine_options.node_name = flags.GetString("node-name");
   auto workers = flags.GetInt("workers", 1, 256);
   auto queue = flags.GetInt("max-queue", 1, 1 << 20);
   auto grace = flags.GetInt("grace-ms", 0, 3600000);
   for (const absl::Status& st : {workers.status(), queue.status(), grace.status()}) {
     if (!st.ok()) return fail(st);
   }
-  o.workers = static_cast<int>(*workers);
-  o.max_queue = static_cast<int>(*queue);
+  engine_options.workers = static_cast<int>(*workers);
+  engine_options.max_queue = static_cast<int>(*queue);
   o.tls = {flags.GetString("tls-cert"), flags.GetString("tls-key"), flags.GetString("tls-client-ca")};
   auto load_options = LoadOptionsFromFlags(flags);
   if (!load_options.ok()) return fail(load_options.status());
@@ -46,13 +47,18 @@ int main(int argc, char** argv) {
   auto telemetry = TelemetryFromFlags(flags, "prefill");
   if (!telemetry.ok()) return fail(telemetry.status());
   o.telemetry = telemetry->get();
+  engine_options.telemetry = telemetry->get();
   auto model = LlamaModel::Load(flags.GetString("model"), *load_options);
   if (!model.ok()) return fail(model.status());
-  auto server = PrefillServer::Start(model->get(), o);
+  PrefillEngine engine(model->get(), engine_options);
+  auto server = PrefillServer::Start(&engine, o);
   if (!server.ok()) return fail(server.status());
   std::fprintf(stderr, "kvwire-prefill %s: serving %s on port %d, metrics on port %d\n",
-               o.node_name.c_str(), (*model)->description().c_str(), (*server)->port(),
-               (*telemetry)->metrics_port());
-  WaitForTermination([&] { (*server)->Shutdown(static_cast<int>(*grace)); });
+               engine_options.node_name.c_str(), (*model)->description().c_str(),
+               (*server)->port(), (*telemetry)->metrics_port());
+  WaitForTermination([&] {
+    (*server)->Shutdown(static_cast<int>(*grace));
+    engine.Shutdown();
+  });
   return 0;
 }

@@ -1,18 +1,15 @@
-// The prefill node: serves kvwire.v1.Prefill. Each request runs on an engine-owned worker
-// thread (never inside a gRPC reaction): the forward pass goes layer by layer, each
-// layer's K/V is compressed by the request's policy and its chunks are queued on the
-// stream while the next layer computes. Cancellation and deadlines are honoured between
-// layers; a full queue is RESOURCE_EXHAUSTED.
+// The prefill node's gRPC front: serves kvwire.v1.Prefill by translating each request into
+// a PrefillJob for a PrefillExecutor (the node's PrefillEngine, common/engine/
+// prefill_engine.h) and the KV stream it writes back into PrefillResponse messages, with
+// backpressure. It computes nothing itself.
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/engine/prefill_engine.h"
 #include "common/server/grpc_util.h"
-#include "common/server/trace_metadata.h"
-#include "common/model/llama_model.h"
 
 namespace kvwire {
 
@@ -20,28 +17,21 @@ class Telemetry;
 
 struct PrefillServerOptions {
   std::string listen = "0.0.0.0:0";  // port 0 picks a free port (see PrefillServer::port)
-  std::string node_name = "prefill";
-  int workers = 1;                   // prefills that run at once
-  int max_queue = 16;                // prefills that may wait; more is RESOURCE_EXHAUSTED
   size_t max_message_bytes = 64 << 20;
   ServerTls tls;
-  Telemetry* telemetry = nullptr;    // metrics and traces (null: none)
-
-  // Fault injection for tests: called before each chunk is queued, with its index.
-  std::function<void(int chunk_index)> testing_before_chunk;
-  // Fault injection for tests: flips one payload byte of this chunk after checksumming.
-  int testing_corrupt_chunk = -1;
+  Telemetry* telemetry = nullptr;    // counts requests refused before they reach the engine
 };
 
 class PrefillServer {
  public:
-  // Starts serving `model` (which must outlive the server).
-  static absl::StatusOr<std::unique_ptr<PrefillServer>> Start(LlamaModel* model,
+  // Starts serving prefills on `prefills` (which must outlive the server).
+  static absl::StatusOr<std::unique_ptr<PrefillServer>> Start(PrefillExecutor* prefills,
                                                               PrefillServerOptions options);
   ~PrefillServer();
 
   int port() const;
-  // Stops accepting, cancels in-flight streams after `grace_ms`, and stops the workers.
+  // Stops accepting and cancels in-flight streams after `grace_ms` (their prefills stop at
+  // the next layer).
   void Shutdown(int grace_ms = 0);
   void Wait();
 

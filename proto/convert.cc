@@ -1,6 +1,9 @@
 #include "proto/convert.h"
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/base/status.h"
 
 namespace kvwire {
@@ -17,69 +20,92 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-absl::Status ApplyCompressionParams(const v1::CompressionParams& p, CompressionConfig* c) {
-  auto field = [](const char* name, const absl::Status& st) {
-    return absl::InvalidArgumentError(absl::StrCat("compression.", name, ": ", st.message()));
+namespace {
+
+// The typed fields of CompressionParams by parameter name; `params` carries any other.
+struct TypedField {
+  const char* name;
+  bool (v1::CompressionParams::*has)() const;
+  std::string (*get)(const v1::CompressionParams&);
+  void (*set)(const std::string&, v1::CompressionParams*);
+};
+
+#define KVWIRE_INT_FIELD(field)                                                          \
+  TypedField {                                                                           \
+    #field, &v1::CompressionParams::has_##field,                                         \
+        [](const v1::CompressionParams& p) { return absl::StrCat(p.field()); },          \
+        [](const std::string& v, v1::CompressionParams* p) {                             \
+          int64_t x = 0;                                                                 \
+          if (absl::SimpleAtoi(v, &x)) p->set_##field(static_cast<decltype(p->field())>(x)); \
+        }                                                                                \
+  }
+
+const std::vector<TypedField>& TypedFields() {
+  static const auto* const kFields = new std::vector<TypedField>{
+      KVWIRE_INT_FIELD(budget),       KVWIRE_INT_FIELD(window),       KVWIRE_INT_FIELD(kernel),
+      KVWIRE_INT_FIELD(kernel_small), KVWIRE_INT_FIELD(kernel_large), KVWIRE_INT_FIELD(kernel_threshold),
+      KVWIRE_INT_FIELD(chunk),        KVWIRE_INT_FIELD(reuse_layers), KVWIRE_INT_FIELD(block),
+      KVWIRE_INT_FIELD(sinks),        KVWIRE_INT_FIELD(seed),         KVWIRE_INT_FIELD(skip_layers),
   };
-  if (!p.policy().empty()) {
-    auto policy = ParsePolicy(p.policy());
-    if (!policy.ok()) return field("policy", policy.status());
-    if (*policy != c->policy) {
-      // A different policy than the server default: its budget does not carry over.
-      c->budget = 0;
-      c->ratio = 0;
-    }
-    c->policy = *policy;
+  return *kFields;
+}
+
+#undef KVWIRE_INT_FIELD
+
+}  // namespace
+
+ParamValues CompressionValuesFromProto(const v1::CompressionParams& p) {
+  ParamValues v;
+  if (!p.policy().empty()) v["policy"] = p.policy();
+  for (const TypedField& f : TypedFields()) {
+    if ((p.*f.has)()) v[f.name] = f.get(p);
   }
-  if (p.has_budget()) c->budget = p.budget();
-  if (p.has_ratio()) {
-    c->ratio = p.ratio();
-    if (!p.has_budget()) c->budget = 0;
-  }
-  if (p.has_window()) c->window = p.window();
-  if (!p.pool().empty()) {
-    auto pool = ParsePool(p.pool());
-    if (!pool.ok()) return field("pool", pool.status());
-    c->pool = *pool;
-  }
-  if (p.has_kernel()) c->kernel = p.kernel();
-  if (!p.gqa().empty()) {
-    auto gqa = ParseGqa(p.gqa());
-    if (!gqa.ok()) return field("gqa", gqa.status());
-    c->gqa = *gqa;
-  }
-  if (p.has_kernel_small()) c->kernel_small = p.kernel_small();
-  if (p.has_kernel_large()) c->kernel_large = p.kernel_large();
-  if (p.has_kernel_threshold()) c->kernel_threshold = p.kernel_threshold();
-  if (p.has_chunk()) c->chunk = p.chunk();
-  if (p.has_reuse_layers()) c->reuse_layers = p.reuse_layers();
-  if (p.has_block()) c->block = p.block();
-  if (p.groups_size() > 0) c->groups.assign(p.groups().begin(), p.groups().end());
-  if (p.has_sinks()) c->sinks = p.sinks();
-  if (p.has_seed()) c->seed = p.seed();
-  if (p.has_skip_layers()) c->skip_layers = p.skip_layers();
-  return c->Validate();
+  if (p.has_ratio()) v["ratio"] = absl::StrCat(p.ratio());
+  if (!p.pool().empty()) v["pool"] = p.pool();
+  if (!p.gqa().empty()) v["gqa"] = p.gqa();
+  if (p.groups_size() > 0) v["groups"] = absl::StrJoin(p.groups(), ",");
+  for (const auto& [name, value] : p.params()) v[name] = value;
+  return v;
+}
+
+absl::Status ApplyCompressionParams(const v1::CompressionParams& p, CompressionConfig* c) {
+  const absl::Status st = ApplyCompressionValues(CompressionValuesFromProto(p), c);
+  if (st.ok()) return st;
+  // Messages start with the parameter's name: make it the field's.
+  std::string message(st.message());
+  const std::string prefix = "compression: ";
+  if (message.rfind(prefix, 0) == 0) return st;
+  return absl::Status(st.code(), absl::StrCat("compression.", message));
 }
 
 v1::CompressionParams ToProto(const CompressionConfig& c) {
   v1::CompressionParams p;
-  p.set_policy(std::string(PolicyName(c.policy)));
-  p.set_budget(c.budget);
-  p.set_ratio(c.ratio);
-  p.set_window(c.window);
-  p.set_pool(std::string(PoolName(c.pool)));
-  p.set_kernel(c.kernel);
-  p.set_gqa(std::string(GqaName(c.gqa)));
-  p.set_kernel_small(c.kernel_small);
-  p.set_kernel_large(c.kernel_large);
-  p.set_kernel_threshold(c.kernel_threshold);
-  p.set_chunk(c.chunk);
-  p.set_reuse_layers(c.reuse_layers);
-  p.set_block(c.block);
-  for (int g : c.groups) p.add_groups(g);
-  p.set_sinks(c.sinks);
-  p.set_seed(c.seed);
-  p.set_skip_layers(c.skip_layers);
+  for (const auto& [name, value] : CompressionValues(c)) {
+    if (name == "policy") {
+      p.set_policy(value);
+    } else if (name == "ratio") {
+      double r = 0;
+      if (absl::SimpleAtod(value, &r)) p.set_ratio(r);
+    } else if (name == "pool") {
+      p.set_pool(value);
+    } else if (name == "gqa") {
+      p.set_gqa(value);
+    } else if (name == "groups") {
+      for (absl::string_view g : absl::StrSplit(value, ',')) {
+        int x = 0;
+        if (absl::SimpleAtoi(g, &x)) p.add_groups(x);
+      }
+    } else {
+      bool typed = false;
+      for (const TypedField& f : TypedFields()) {
+        if (name == f.name) {
+          f.set(value, &p);
+          typed = true;
+        }
+      }
+      if (!typed) (*p.mutable_params())[name] = value;
+    }
+  }
   return p;
 }
 

@@ -17,11 +17,15 @@ namespace kvwire {
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
-// Overlays the fields set in `params` on `config` (the server's defaults). Names that
-// are not policies, pooling kinds or GQA modes are InvalidArgument naming the field;
-// the result is validated.
+// The fields set in `params` by parameter name (ApplyCompressionValues's names).
+ParamValues CompressionValuesFromProto(const v1::CompressionParams& params);
+// Overlays the fields set in `params` on `config` (the server's defaults): a policy other
+// than the config's starts from its own defaults, and a field that does not apply to the
+// resulting policy is InvalidArgument naming it ("compression.kernel does not apply to
+// snapkv_pp ..."). The result is validated.
 absl::Status ApplyCompressionParams(const v1::CompressionParams& params, CompressionConfig* config);
-// Every field set: what the decode node sends the prefill node.
+// What the decode node sends the prefill node: the policy and every parameter it takes
+// (and only those), so that the receiving node rebuilds exactly `config`.
 v1::CompressionParams ToProto(const CompressionConfig& config);
 
 v1::KvDType ToProto(DType dtype);

@@ -11,6 +11,7 @@ PACKAGES=(
   libopenblas-dev zlib1g-dev
   nginx prometheus curl openssl
   python3 python3-grpcio python3-protobuf python3-numpy python3-yaml python3-venv
+  python3-matplotlib
 )
 # Installed when the package sources have them (kubectl is not in Debian's own archive);
 # the tests that need them skip with a message otherwise.

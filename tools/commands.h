@@ -10,7 +10,9 @@
 #include "common/base/flags.h"
 #include "common/compression/compression.h"
 #include "common/model/llama_model.h"
-#include "common/engine/standard_flags.h"
+#include "common/compression/compression_flags.h"
+#include "common/model/model_flags.h"
+#include "common/sparse/attention.h"
 
 namespace kvwire::tools {
 
@@ -26,6 +28,7 @@ int RunGenerate(int argc, char** argv);
 int RunTokenize(int argc, char** argv);
 int RunSelect(int argc, char** argv);
 int RunEval(int argc, char** argv);
+int RunPolicies(int argc, char** argv);
 
 // Prints "kvwire COMMAND: message" and returns 1 (or 2 for InvalidArgument).
 int Fail(const char* command, const absl::Status& status);

@@ -8,7 +8,9 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/ranking.h"
 #include "common/base/status.h"
+#include "common/sparse/rocketkv.h"
 
 namespace kvwire::tools {
 namespace {
@@ -238,127 +240,151 @@ absl::StatusOr<std::vector<EvalPrompt>> ReadPrompts(const std::string& path, con
   return out;
 }
 
+namespace {
+
+// What one prompt's full-cache decode saw: the greedy tokens (the first from the prefill),
+// each step's next-token log-probabilities and attention over the prompt.
+struct Reference {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<double>> logp;
+  std::vector<std::vector<float>> attention;  // per step: [layer, head, prompt position]
+};
+
+absl::StatusOr<Reference> DecodeFull(LlamaModel& model, const CapturedPrefill& cap,
+                                     const std::vector<float>& prefill_logits, int len, int gen) {
+  const ModelConfig& mc = model.config();
+  ASSIGN_OR_RETURN(auto full, ReplayInto(model, cap, CompressionConfig{}, len, gen));
+  Reference ref;
+  ref.tokens = {Argmax(prefill_logits.data(), mc.vocab_size)};
+  std::vector<float> logits(mc.vocab_size);
+  AttentionRecorder recorder(mc.num_layers, mc.num_heads, len);
+  for (int t = 0; t < gen; ++t) {
+    DecodeInput in{ref.tokens[t], len + t, full.get(), nullptr};
+    RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data(), &recorder));
+    ref.logp.push_back(LogSoftmax(logits.data(), mc.vocab_size));
+    ref.attention.push_back(recorder.step());
+    ref.tokens.push_back(Argmax(logits.data(), mc.vocab_size));
+  }
+  return ref;
+}
+
+// Replays the prompt's prefill through one method at one budget, then the reference's
+// tokens teacher-forced over the compressed cache, adding agreement, KL, recall and hit
+// rate to `acc`.
+absl::Status ScoreMethod(LlamaModel& model, const CapturedPrefill& cap, const Reference& ref,
+                         const EvalMethod& method, int budget, int len, int window,
+                         const FidelityOptions& options, Accumulator* acc) {
+  const ModelConfig& mc = model.config();
+  const int gen = options.gen, vocab = mc.vocab_size;
+  CompressionConfig config = method.compression(budget);
+  DecodeAttentionConfig attention = method.attention ? method.attention(budget) : DecodeAttentionConfig{};
+  if (config.NeedsScores()) config.window = window;
+  RETURN_IF_ERROR(Annotate(config.Validate(), method.name));
+  RETURN_IF_ERROR(
+      Annotate(ResolveTwoStage(&config, &attention, len, gen + 1, mc.head_dim), method.name));
+  ASSIGN_OR_RETURN(auto cache, ReplayInto(model, cap, config, len, gen));
+  ASSIGN_OR_RETURN(auto selector,
+                   MakeDecodeSelector(attention, mc, cache->shape(), HeapKvAllocator()));
+  RecordingSelector recorder(selector.get(), mc.num_layers, len);
+  const int cache_group = mc.num_heads / cache->shape().n_heads;
+  std::vector<float> logits(vocab);
+  for (int t = 0; t < gen; ++t) {
+    DecodeInput in{ref.tokens[t], len + t, cache.get(), &recorder};
+    RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
+    const std::vector<double> lp = LogSoftmax(logits.data(), vocab);
+    acc->agree += Argmax(logits.data(), vocab) == ref.tokens[t + 1];
+    double kl = 0;
+    for (int v = 0; v < vocab; ++v) kl += std::exp(ref.logp[t][v]) * (ref.logp[t][v] - lp[v]);
+    acc->kl += kl;
+    ++acc->predictions;
+    AddAttention(ref.attention[t], mc.num_layers, mc.num_heads, len, len - window, options.theta,
+                 [&](int l, int h) -> const std::vector<char>& {
+                   return recorder.mask(l, h / cache_group);
+                 },
+                 acc);
+  }
+  ++acc->prompts;
+  return absl::OkStatus();
+}
+
+// The exact top-k oracle: per step, layer and KV head, the `budget` prompt positions
+// holding the most attention of the group.
+void ScoreOracle(const ModelConfig& mc, const Reference& ref, int budget, int len, int window,
+                 const FidelityOptions& options, Accumulator* acc) {
+  const int layers = mc.num_layers, heads = mc.num_heads, group = mc.num_heads / mc.num_kv_heads;
+  const int k = std::min(budget, len);
+  for (int t = 0; t < options.gen; ++t) {
+    std::vector<std::vector<std::vector<char>>> masks(
+        layers, std::vector<std::vector<char>>(mc.num_kv_heads, std::vector<char>(len, 0)));
+    for (int l = 0; l < layers; ++l) {
+      for (int g = 0; g < mc.num_kv_heads; ++g) {
+        std::vector<float> s(len, 0.f);
+        for (int x = 0; x < group; ++x) {
+          const float* row =
+              ref.attention[t].data() + (static_cast<size_t>(l) * heads + g * group + x) * len;
+          for (int j = 0; j < len; ++j) s[j] += row[j];
+        }
+        for (int32_t j : TopKAscending(s, k)) masks[l][g][j] = 1;
+      }
+    }
+    AddAttention(ref.attention[t], layers, heads, len, len - window, options.theta,
+                 [&](int l, int h) -> const std::vector<char>& { return masks[l][h / group]; },
+                 acc);
+  }
+  ++acc->prompts;
+}
+
+FidelityRecord Record(const std::string& name, int budget, const Accumulator& a, bool decoded) {
+  FidelityRecord r;
+  r.policy = name;
+  r.budget = budget;
+  r.agreement = decoded && a.predictions ? static_cast<double>(a.agree) / a.predictions : Nan();
+  r.kl = decoded && a.predictions ? a.kl / a.predictions : Nan();
+  r.recall = a.recall_n ? a.recall / a.recall_n : Nan();
+  r.hit_rate = a.important ? static_cast<double>(a.hit) / a.important : Nan();
+  r.n = a.prompts;
+  r.predictions = a.predictions;
+  return r;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
     LlamaModel& model, const std::vector<EvalPrompt>& prompts,
     const std::vector<EvalMethod>& methods, const std::vector<int>& budgets,
     const FidelityOptions& options, const std::function<void(int, int)>& progress) {
   const ModelConfig& mc = model.config();
-  const int layers = mc.num_layers, heads = mc.num_heads, group = mc.num_heads / mc.num_kv_heads;
-  const int vocab = mc.vocab_size, gen = options.gen;
   std::vector<Accumulator> acc(methods.size() * budgets.size()), oracle(budgets.size());
   int done = 0;
   for (const EvalPrompt& prompt : prompts) {
     const int len = static_cast<int>(prompt.ids.size());
-    if (len + gen + 1 > mc.context_limit()) {
+    if (len + options.gen + 1 > mc.context_limit()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "prompt ", prompt.id, " (", len, " tokens) + ", gen + 1,
+          "prompt ", prompt.id, " (", len, " tokens) + ", options.gen + 1,
           " generated exceeds the model's context of ", mc.context_limit()));
     }
     const int window = std::min(options.window, len);
-    const int prefix = len - window;
-    CapturedPrefill cap(window, heads);
+    CapturedPrefill cap(window, mc.num_heads);
     ASSIGN_OR_RETURN(PrefillResult pre, model.Prefill(prompt.ids, &cap));
-
-    // The full-cache reference: tokens, next-token log-probs, attention over the prompt.
-    ASSIGN_OR_RETURN(auto full, ReplayInto(model, cap, CompressionConfig{}, len, gen));
-    std::vector<int32_t> tokens = {Argmax(pre.logits.data(), vocab)};
-    std::vector<std::vector<double>> full_logp;
-    std::vector<std::vector<float>> attention;
-    std::vector<float> logits(vocab);
-    AttentionRecorder recorder(layers, heads, len);
-    for (int t = 0; t < gen; ++t) {
-      DecodeInput in{tokens[t], len + t, full.get(), nullptr};
-      RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data(), &recorder));
-      full_logp.push_back(LogSoftmax(logits.data(), vocab));
-      attention.push_back(recorder.step());
-      tokens.push_back(Argmax(logits.data(), vocab));
-    }
-
+    ASSIGN_OR_RETURN(Reference ref, DecodeFull(model, cap, pre.logits, len, options.gen));
     for (size_t m = 0; m < methods.size(); ++m) {
       for (size_t b = 0; b < budgets.size(); ++b) {
-        CompressionConfig config = methods[m].compression(budgets[b]);
-        DecodeAttentionConfig decode_attention =
-            methods[m].attention ? methods[m].attention(budgets[b]) : DecodeAttentionConfig{};
-        if (config.NeedsScores()) config.window = window;
-        RETURN_IF_ERROR(Annotate(config.Validate(), methods[m].name));
-        RETURN_IF_ERROR(Annotate(
-            ResolveTwoStage(&config, &decode_attention, len, gen + 1, model.config().head_dim),
-            methods[m].name));
-        ASSIGN_OR_RETURN(auto cache, ReplayInto(model, cap, config, len, gen));
-        ASSIGN_OR_RETURN(auto selector, MakeDecodeSelector(decode_attention, model.config(),
-                                                           cache->shape(), HeapKvAllocator()));
-        RecordingSelector recorder(selector.get(), layers, len);
-        const int cache_group = heads / cache->shape().n_heads;
-        Accumulator& a = acc[m * budgets.size() + b];
-        for (int t = 0; t < gen; ++t) {
-          DecodeInput in{tokens[t], len + t, cache.get(), &recorder};
-          RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
-          const std::vector<double> lp = LogSoftmax(logits.data(), vocab);
-          a.agree += Argmax(logits.data(), vocab) == tokens[t + 1];
-          double kl = 0;
-          for (int v = 0; v < vocab; ++v) kl += std::exp(full_logp[t][v]) * (full_logp[t][v] - lp[v]);
-          a.kl += kl;
-          ++a.predictions;
-          AddAttention(attention[t], layers, heads, len, prefix, options.theta,
-                       [&](int l, int h) -> const std::vector<char>& {
-                         return recorder.mask(l, h / cache_group);
-                       },
-                       &a);
-        }
-        ++a.prompts;
+        RETURN_IF_ERROR(ScoreMethod(model, cap, ref, methods[m], budgets[b], len, window, options,
+                                    &acc[m * budgets.size() + b]));
       }
     }
-    // The exact top-k oracle: per step, layer and KV head, the `budget` prompt positions
-    // holding the most attention of the group.
     for (size_t b = 0; b < budgets.size(); ++b) {
-      const int k = std::min(budgets[b], len);
-      Accumulator& a = oracle[b];
-      for (int t = 0; t < gen; ++t) {
-        std::vector<std::vector<std::vector<char>>> masks(
-            layers, std::vector<std::vector<char>>(mc.num_kv_heads, std::vector<char>(len, 0)));
-        for (int l = 0; l < layers; ++l) {
-          for (int g = 0; g < mc.num_kv_heads; ++g) {
-            std::vector<float> s(len, 0.f);
-            for (int x = 0; x < group; ++x) {
-              const float* row =
-                  attention[t].data() + (static_cast<size_t>(l) * heads + g * group + x) * len;
-              for (int j = 0; j < len; ++j) s[j] += row[j];
-            }
-            std::vector<int32_t> idx(len);
-            std::iota(idx.begin(), idx.end(), 0);
-            std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(),
-                             [&](int32_t x, int32_t y) { return s[x] > s[y] || (s[x] == s[y] && x < y); });
-            for (int i = 0; i < k; ++i) masks[l][g][idx[i]] = 1;
-          }
-        }
-        AddAttention(attention[t], layers, heads, len, prefix, options.theta,
-                     [&](int l, int h) -> const std::vector<char>& { return masks[l][h / group]; },
-                     &a);
-      }
-      ++a.prompts;
+      ScoreOracle(mc, ref, budgets[b], len, window, options, &oracle[b]);
     }
     if (progress) progress(++done, static_cast<int>(prompts.size()));
   }
-
   std::vector<FidelityRecord> out;
-  auto finish = [&](const std::string& name, int budget, const Accumulator& a, bool decoded) {
-    FidelityRecord r;
-    r.policy = name;
-    r.budget = budget;
-    r.agreement = decoded && a.predictions ? static_cast<double>(a.agree) / a.predictions : Nan();
-    r.kl = decoded && a.predictions ? a.kl / a.predictions : Nan();
-    r.recall = a.recall_n ? a.recall / a.recall_n : Nan();
-    r.hit_rate = a.important ? static_cast<double>(a.hit) / a.important : Nan();
-    r.n = a.prompts;
-    r.predictions = a.predictions;
-    out.push_back(r);
-  };
   for (size_t m = 0; m < methods.size(); ++m) {
     for (size_t b = 0; b < budgets.size(); ++b) {
-      finish(methods[m].name, budgets[b], acc[m * budgets.size() + b], true);
+      out.push_back(Record(methods[m].name, budgets[b], acc[m * budgets.size() + b], true));
     }
   }
-  for (size_t b = 0; b < budgets.size(); ++b) finish("oracle", budgets[b], oracle[b], false);
+  for (size_t b = 0; b < budgets.size(); ++b) out.push_back(Record("oracle", budgets[b], oracle[b], false));
   return out;
 }
 

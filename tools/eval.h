@@ -22,7 +22,7 @@
 #include "absl/status/statusor.h"
 #include "common/compression/compression.h"
 #include "common/model/llama_model.h"
-#include "common/sparse/sparse_attention.h"
+#include "common/sparse/attention.h"
 
 namespace kvwire::tools {
 

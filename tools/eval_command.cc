@@ -1,51 +1,55 @@
 // kvwire eval fidelity|passkey: compare compression policies on a dataset, with a
-// progress bar, a table on stdout, --json records and a --plot PNG.
+// progress bar, a table on stdout, --json records and a --plot PNG (drawn by matplotlib:
+// tools/plot_eval.py, which the build puts beside the kvwire executable).
 //
 // Methods are policy names (rocketkv: both stages from one token budget) or decode
 // attention modes over the full cache (hybrid, quest, exact_topk), optionally with
 // parameter overrides after colons, e.g.
 //   --policies snapkv,snapkv:gqa=per_query_head,hbw:groups=1,streaming,rocketkv,quest
 // Overrides use the compression flags' names (see --help); the rest come from the flags.
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/base/status.h"
 #include "tools/commands.h"
 #include "tools/eval.h"
-#include "tools/plot.h"
 
 namespace kvwire::tools {
 namespace {
 
-// Each method re-parses the command line's compression flags with its own overrides.
-absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& names,
-                                                const std::vector<std::string>& args) {
+// One method per spec: a policy name with its own parameter overrides after colons
+// ("snapkv:gqa=per_query_head", which must apply to it), plus the command line's compression
+// values that apply to it (a --kernel given on the command line reaches snapkv and not
+// snapkv_pp). A command-line value no method takes is an error. A decode attention mode
+// (hybrid, quest, exact_topk) as the method: the full prompt cache, sparse reads of
+// `budget` tokens per step (RocketKV's comparison points).
+absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& specs,
+                                                const ParamValues& shared) {
   std::vector<EvalMethod> methods;
-  for (const std::string& spec : names) {
+  std::set<std::string> used;
+  for (const std::string& spec : specs) {
     std::vector<std::string> parts = absl::StrSplit(spec, ':');
-    std::vector<std::string> margs = args;
-    const bool is_mode = ParseAttentionMode(parts[0]).ok();
-    margs.push_back("--policy=" + (is_mode ? std::string("full") : parts[0]));
-    for (size_t i = 1; i < parts.size(); ++i) margs.push_back("--" + parts[i]);
-    Flags f;
-    DefineCompressionFlags(f);
-    absl::Status st = f.Parse(margs);
-    if (!st.ok()) return Annotate(st, absl::StrCat("method '", spec, "'"));
-    // Validate once with a budget the checks accept, so errors surface before the run.
-    f.Parse({"--budget=1000000"}).IgnoreError();
-    auto probe = CompressionFromFlags(f);
-    if (!probe.ok()) return Annotate(probe.status(), absl::StrCat("method '", spec, "'"));
-    const CompressionConfig base = *probe;
-    // A decode attention mode as the method: the full prompt cache, sparse reads of
-    // `budget` tokens per step (RocketKV's comparison points).
     auto mode = ParseAttentionMode(parts[0]);
     if (mode.ok() && *mode != AttentionMode::kDense) {
+      if (parts.size() > 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "method '", spec, "': a decode attention mode takes no overrides (its budget is --budgets)"));
+      }
       const AttentionMode m = *mode;
       methods.push_back({spec, [](int) { return CompressionConfig{}; }, [m](int budget) {
                            DecodeAttentionConfig a;
@@ -55,14 +59,47 @@ absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& 
                          }});
       continue;
     }
+    const std::string policy = mode.ok() ? "full" : parts[0];  // dense: the full cache
+    const PolicyInfo* info = FindPolicy(policy);
+    if (info == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("method '", spec, "': unknown policy '",
+                                                     policy, "'; expected one of ", PolicyNames(),
+                                                     " or a decode attention mode"));
+    }
+    ASSIGN_OR_RETURN(PolicyPtr probe, MakePolicy(policy));
+    ParamValues values = {{"policy", policy}};
+    for (const auto& [name, value] : shared) {
+      bool takes = probe->evicts() && (name == "window" || name == "skip_layers");
+      for (const ParamInfo& q : info->params) takes |= name == q.name;
+      if (!takes) continue;
+      values[name] = value;
+      used.insert(name);
+    }
+    for (size_t i = 1; i < parts.size(); ++i) {
+      std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
+      values[absl::StrReplaceAll(kv.first, {{"-", "_"}})] = kv.second;
+    }
+    // Checked once with a budget every policy accepts, so errors surface before the run.
+    if (probe->evicts()) values["budget"] = "1000000";
+    CompressionConfig base;
+    if (absl::Status st = ApplyCompressionValues(values, &base); !st.ok()) {
+      return Annotate(AsFlagError(st), absl::StrCat("method '", spec, "'"));
+    }
     methods.push_back({spec,
                        [base](int budget) {
                          CompressionConfig c = base;
-                         c.budget = budget;
-                         c.ratio = 0;
+                         if (c.policy->evicts()) c.budget = budget;
                          return c;
                        },
                        nullptr});
+  }
+  for (const auto& [name, value] : shared) {
+    if (used.count(name) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", ParamFlagName(name), " applies to none of the methods (--policies); it applies to ",
+          name == "window" || name == "skip_layers" ? std::string("every policy but full")
+                                                     : PoliciesTaking(name)));
+    }
   }
   return methods;
 }
@@ -100,13 +137,113 @@ absl::Status WriteJson(const std::string& path, const nlohmann::json& j) {
   return out ? absl::OkStatus() : absl::DataLossError(absl::StrCat("write failed: ", path));
 }
 
+// The directory of the running executable, where the build copies plot_eval.py.
+absl::StatusOr<std::string> ExecutableDir() {
+  std::string buf(4096, '\0');
+  const ssize_t n = readlink("/proc/self/exe", buf.data(), buf.size());
+  if (n <= 0 || static_cast<size_t>(n) >= buf.size()) {
+    return absl::InternalError(
+        absl::StrCat("cannot read /proc/self/exe: ", n <= 0 ? std::strerror(errno) : "too long"));
+  }
+  buf.resize(n);
+  return buf.substr(0, buf.rfind('/'));
+}
+
+// Runs argv[0] (a path, or a name looked up in PATH) without a shell and returns its exit
+// code; Unavailable when it could not be started.
+absl::StatusOr<int> RunProgram(const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::fflush(stdout);  // the child shares our stdout and stderr; keep their order
+  std::fflush(stderr);
+  pid_t pid = 0;
+  const bool in_path = args[0].find('/') == std::string::npos;
+  const int err = in_path ? posix_spawnp(&pid, argv[0], nullptr, nullptr, argv.data(), environ)
+                          : posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ);
+  if (err != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot run ", args[0], ": ", std::strerror(err)));
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) return absl::InternalError(absl::StrCat("waitpid: ", std::strerror(errno)));
+  }
+  if (WIFSIGNALED(status)) {
+    return absl::AbortedError(absl::StrCat(args[0], " was killed by signal ", WTERMSIG(status)));
+  }
+  return WEXITSTATUS(status);
+}
+
+// Draws `records` into `png` with plot_eval.py. The script reads the records from a file:
+// --json's when given, else a temporary one, removed after a successful plot and kept (and
+// named in the error) otherwise. $KVWIRE_PYTHON picks the interpreter; without it Debian's
+// /usr/bin/python3 (where python3-matplotlib installs), else python3 from PATH.
+absl::Status Plot(const nlohmann::json& records, const std::string& json_path,
+                  const std::string& png, const std::string& title) {
+  std::string path = json_path;
+  if (path.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string name = absl::StrCat(tmp && *tmp ? tmp : "/tmp", "/kvwire-eval-XXXXXX.jsonl");
+    const int fd = mkstemps(name.data(), 6);
+    if (fd < 0) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("cannot create a temporary file for the plot's records (", name,
+                       "): ", std::strerror(errno)));
+    }
+    close(fd);
+    path = name;
+    if (absl::Status st = WriteJson(path, records); !st.ok()) {
+      std::remove(path.c_str());
+      return st;
+    }
+  }
+  const std::string where = absl::StrCat("; the JSON records are in ", path);
+  absl::StatusOr<std::string> dir = ExecutableDir();
+  if (!dir.ok()) return absl::InternalError(absl::StrCat(dir.status().message(), where));
+  const std::string script = *dir + "/plot_eval.py";
+  if (access(script.c_str(), R_OK) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot plot: ", script,
+                     " is missing (the build copies tools/plot_eval.py beside the kvwire "
+                     "executable)",
+                     where));
+  }
+  std::string python = "python3";
+  if (const char* env = std::getenv("KVWIRE_PYTHON"); env && *env) {
+    python = env;
+  } else if (access("/usr/bin/python3", X_OK) == 0) {
+    python = "/usr/bin/python3";
+  }
+  absl::StatusOr<int> rc = RunProgram({python, script, "--title", title, "--", path, png});
+  if (!rc.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot plot: ", rc.status().message(),
+                     " (the plot needs python3 with matplotlib; Debian: apt-get install "
+                     "python3-matplotlib)",
+                     where));
+  }
+  if (*rc == 3) {  // plot_eval.py's code for "no matplotlib"
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot plot: matplotlib is not installed for ", python,
+                     " (Debian: apt-get install python3-matplotlib; or set KVWIRE_PYTHON to a "
+                     "python3 that has it)",
+                     where));
+  }
+  if (*rc != 0) {
+    return absl::InternalError(absl::StrCat("cannot plot: ", python, " ", script, " failed (exit ",
+                                            *rc, ", its message is above)", where));
+  }
+  if (json_path.empty()) std::remove(path.c_str());
+  return absl::OkStatus();
+}
+
 // NaN is not JSON: null instead.
 nlohmann::json Num(double x) { return std::isnan(x) ? nlohmann::json(nullptr) : nlohmann::json(x); }
 
-int Fidelity(const Flags& flags, const std::vector<std::string>& compression_args) {
+int Fidelity(const Flags& flags, const ParamValues& compression) {
   auto budgets = Budgets(flags);
   if (!budgets.ok()) return Fail("eval fidelity", budgets.status());
-  auto methods = Methods(flags.GetList("policies"), compression_args);
+  auto methods = Methods(flags.GetList("policies"), compression);
   if (!methods.ok()) return Fail("eval fidelity", methods.status());
   auto gen = flags.GetInt("gen", 1, 4096);
   auto limit = flags.GetInt("limit", 0, 1 << 30);
@@ -152,38 +289,17 @@ int Fidelity(const Flags& flags, const std::vector<std::string>& compression_arg
     }
   }
   if (!flags.GetString("plot").empty()) {
-    Figure fig;
-    fig.title = absl::StrCat("KV compression fidelity: ", (*model)->description());
-    Panel agree{"top-1 agreement with full KV", "budget (tokens per KV head)", "agreement", true, {}};
-    Panel kl{"KL(full || compressed)", "budget (tokens per KV head)", "nats", true, {}};
-    Panel recall{"attention-mass recall", "budget (tokens per KV head)", "recall", true, {}};
-    auto series = [&](Panel& p, const std::string& name, auto field) {
-      Series s{name, {}, {}};
-      for (const auto& r : *records) {
-        if (r.policy != name) continue;
-        s.x.push_back(r.budget);
-        s.y.push_back(field(r));
-      }
-      p.series.push_back(std::move(s));
-    };
-    for (const auto& m : *methods) {
-      series(agree, m.name, [](const FidelityRecord& r) { return r.agreement; });
-      series(kl, m.name, [](const FidelityRecord& r) { return r.kl; });
-      series(recall, m.name, [](const FidelityRecord& r) { return r.recall; });
-    }
-    series(recall, "oracle", [](const FidelityRecord& r) { return r.recall; });
-    fig.panels = {agree, kl, recall};
-    if (absl::Status st = WritePng(fig, flags.GetString("plot")); !st.ok()) {
-      return Fail("eval fidelity", st);
-    }
+    absl::Status st = Plot(out, flags.GetString("json"), flags.GetString("plot"),
+                           absl::StrCat("KV compression fidelity: ", (*model)->description()));
+    if (!st.ok()) return Fail("eval fidelity", st);
   }
   return 0;
 }
 
-int Passkey(const Flags& flags, const std::vector<std::string>& compression_args) {
+int Passkey(const Flags& flags, const ParamValues& compression) {
   auto budgets = Budgets(flags);
   if (!budgets.ok()) return Fail("eval passkey", budgets.status());
-  auto methods = Methods(flags.GetList("policies"), compression_args);
+  auto methods = Methods(flags.GetList("policies"), compression);
   if (!methods.ok()) return Fail("eval passkey", methods.status());
   auto limit = flags.GetInt("limit", 0, 1 << 30);
   auto window = flags.GetInt("window", 1, 1 << 20);
@@ -220,23 +336,9 @@ int Passkey(const Flags& flags, const std::vector<std::string>& compression_args
     }
   }
   if (!flags.GetString("plot").empty()) {
-    Figure fig;
-    fig.title = absl::StrCat("passkey retrieval: ", (*model)->description());
-    Panel acc{"exact-match accuracy", "budget (tokens per KV head)", "accuracy", true, {}};
-    for (const auto& m : *methods) {
-      Series s{m.name, {}, {}};
-      for (const auto& r : *records) {
-        if (r.policy == m.name) {
-          s.x.push_back(r.budget);
-          s.y.push_back(r.accuracy);
-        }
-      }
-      acc.series.push_back(std::move(s));
-    }
-    fig.panels = {acc};
-    if (absl::Status st = WritePng(fig, flags.GetString("plot")); !st.ok()) {
-      return Fail("eval passkey", st);
-    }
+    absl::Status st = Plot(out, flags.GetString("json"), flags.GetString("plot"),
+                           absl::StrCat("passkey retrieval: ", (*model)->description()));
+    if (!st.ok()) return Fail("eval passkey", st);
   }
   return 0;
 }
@@ -253,14 +355,14 @@ int RunEval(int argc, char** argv) {
   }
   Flags flags;
   DefineModelFlags(flags);
-  DefineCompressionFlags(flags);
+  DefineCompressionParamFlags(flags);  // no --policy, --budget, --ratio: see --policies, --budgets
   flags.Define("data", "", "JSONL prompts (../shared/data/stories/dev.jsonl, .../passkey/dev.jsonl)");
   flags.Define("policies", "snapkv,snapkv_pp,chunkkv,hbw,streaming,random",
                "methods: policy names, optionally with :flag=value overrides");
   flags.Define("budgets", "32,64,128", "budgets to evaluate (tokens per KV head)");
   flags.Define("limit", "0", "evaluate only the first N prompts (0: all)");
   flags.Define("json", "", "write one JSON record per policy and budget to this file");
-  flags.Define("plot", "", "write a PNG plot to this file");
+  flags.Define("plot", "", "write a PNG plot to this file (needs python3 with matplotlib)");
   if (sub == "fidelity") {
     flags.Define("gen", "32", "greedy tokens generated (and compared) per prompt");
     flags.Define("theta", "0.05", "attention threshold of SnapKV's hit rate");
@@ -271,20 +373,9 @@ int RunEval(int argc, char** argv) {
   if (int rc = ParseFlagsOrExit(flags, "kvwire eval", usage, argc - 1, argv + 1, 0); rc >= 0) {
     return rc;
   }
-  // The compression flags given on the command line, for the per-method re-parse.
-  std::vector<std::string> compression_args;
-  Flags probe;
-  DefineCompressionFlags(probe);
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--", 0) != 0) continue;
-    const std::string name = a.substr(2, a.find('=') == std::string::npos ? std::string::npos
-                                                                          : a.find('=') - 2);
-    if (!probe.IsDefined(name) || name == "policy" || name == "budget" || name == "ratio") continue;
-    compression_args.push_back(a);
-    if (a.find('=') == std::string::npos && i + 1 < argc) compression_args.push_back(argv[++i]);
-  }
-  return sub == "fidelity" ? Fidelity(flags, compression_args) : Passkey(flags, compression_args);
+  // The compression values given on the command line; each method takes those that apply.
+  const ParamValues compression = CompressionValuesFromFlags(flags);
+  return sub == "fidelity" ? Fidelity(flags, compression) : Passkey(flags, compression);
 }
 
 }  // namespace kvwire::tools

@@ -45,7 +45,8 @@ int RunGenerate(int argc, char** argv) {
 
   GenerationRequest req;
   if (absl::Status st = SamplingFromFlags(flags, &req); !st.ok()) return Fail("generate", st);
-  auto compression = CompressionFromFlags(flags);
+  // --seed is the sampler's; the random policy takes it too.
+  auto compression = CompressionFromFlags(flags, {"seed"});
   if (!compression.ok()) return Fail("generate", compression.status());
   req.compression = *compression;
   auto attention = AttentionFromFlags(flags);

@@ -5,20 +5,17 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
+#include "common/engine/prefill_engine.h"
+#include "common/sparse/rocketkv.h"
 
 namespace kvwire {
-namespace {
-
-double Seconds(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
-}
-
-}  // namespace
 
 absl::StatusOr<PrefilledSequence> PrefillSequence(LlamaModel& model,
                                                   absl::Span<const int32_t> prompt,
                                                   const CompressionConfig& compression,
-                                                  int extra_tokens, KvAllocator& allocator) {
+                                                  int extra_tokens, KvAllocator& allocator,
+                                                  const kernels::SamplingParams& sampling,
+                                                  uint64_t seed) {
   RETURN_IF_ERROR(compression.Validate());
   const int len = static_cast<int>(prompt.size());
   const KvCacheShape shape =
@@ -26,13 +23,24 @@ absl::StatusOr<PrefilledSequence> PrefillSequence(LlamaModel& model,
   PrefilledSequence seq;
   ASSIGN_OR_RETURN(seq.cache, KvCache::Create(shape, allocator));
   seq.cache->set_prompt_len(len);
-  CacheSink sink(seq.cache.get());
-  Compressor compressor(compression, model.config(), model.kv_dtype(), &sink);
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(PrefillResult prefill, model.Prefill(prompt, &compressor));
-  seq.prefill_seconds = Seconds(t0);
-  seq.compress_seconds = compressor.seconds();
-  seq.logits = std::move(prefill.logits);
+
+  PrefillEngineOptions options;
+  options.node_name = "local";
+  options.workers = 0;  // on this thread
+  PrefillEngine engine(&model, options);
+  PrefillJob job;
+  job.prompt_ids.assign(prompt.begin(), prompt.end());
+  job.compression = compression;
+  job.sampling = sampling;
+  job.seed = seed;
+  CacheStreamSink sink(StreamExpectation(model, compression, len, job.max_chunk_bytes),
+                       seq.cache.get(), model.config().vocab_size);
+  ASSIGN_OR_RETURN(PrefillOutcome out, engine.Run(job, sink));
+  seq.logits = std::move(out.logits);
+  seq.first_token = out.trailer.first_token;
+  seq.first_logprob = out.trailer.first_logprob;
+  seq.prefill_seconds = out.trailer.forward_ms / 1e3;
+  seq.compress_seconds = out.trailer.compress_ms / 1e3;
   return seq;
 }
 
@@ -53,7 +61,8 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
   DecodeAttentionConfig attention = request.attention;
   RETURN_IF_ERROR(ResolveTwoStage(&compression, &attention, len, request.max_tokens, c.head_dim));
   ASSIGN_OR_RETURN(PrefilledSequence seq,
-                   PrefillSequence(model, request.prompt_ids, compression, request.max_tokens));
+                   PrefillSequence(model, request.prompt_ids, compression, request.max_tokens,
+                                   HeapKvAllocator(), request.sampling, request.seed));
   KvCache* cache = seq.cache.get();
   ASSIGN_OR_RETURN(std::unique_ptr<DecodeSelector> selector,
                    MakeDecodeSelector(attention, c, cache->shape(), HeapKvAllocator()));
@@ -67,9 +76,11 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
   result.kept_cache_bytes = cache->StoredBytes();
 
   SamplingRng rng(request.seed);
-  std::vector<float> logits = std::move(seq.logits);
+  rng.Uniform();  // the first token's draw, taken by the prefill
+  std::vector<float> logits(c.vocab_size);
   const auto t1 = std::chrono::steady_clock::now();
   for (int i = 0; i < request.max_tokens; ++i) {
+    kernels::SampledToken tok{seq.first_token, seq.first_logprob};
     if (i > 0) {
       DecodeInput in;
       in.token = result.ids.back();
@@ -77,9 +88,8 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
       in.cache = cache;
       in.selector = selector.get();
       RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
+      tok = kernels::Sample(logits.data(), c.vocab_size, request.sampling, rng.Uniform());
     }
-    const kernels::SampledToken tok =
-        kernels::Sample(logits.data(), c.vocab_size, request.sampling, rng.Uniform());
     result.ids.push_back(tok.id);
     result.logprobs.push_back(tok.logprob);
     if (on_token) on_token(tok.id);
@@ -89,7 +99,8 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
       break;
     }
   }
-  result.decode_seconds = Seconds(t1);
+  result.decode_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
   return result;
 }
 

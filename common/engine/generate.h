@@ -1,51 +1,48 @@
-// Single-process generation: prefill, build the sequence's KV cache, decode token by
-// token. This is what `kvwire generate` runs, and the reference the service pair is
-// tested against (same model, policy, budget and seed give the same tokens).
+// Single-process generation: prefill (through the PrefillEngine, into the sequence's own
+// compressed KV cache), then decode token by token. This is what `kvwire generate` and the
+// eval harness run, and the reference the service pair is tested against (same model,
+// policy, budget and seed give the same tokens).
 #pragma once
 
 #include <cstdint>
 #include <functional>
-#include <random>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "common/compression/compression.h"
 #include "common/model/kv_cache.h"
-#include "common/sparse/sparse_attention.h"
 #include "common/model/llama_model.h"
+#include "common/sparse/attention.h"
 #include "kernels/sampling.h"
 
 namespace kvwire {
 
-// A seeded source of the one uniform number each sampled token uses; identical on every
-// platform (mt19937_64 is fully specified, and the conversion to [0, 1) is ours).
-class SamplingRng {
- public:
-  explicit SamplingRng(uint64_t seed) : engine_(seed) {}
-  double Uniform() { return static_cast<double>(engine_() >> 11) * 0x1.0p-53; }
-
- private:
-  std::mt19937_64 engine_;
-};
+// Why generation ended: max_tokens reached, or a stop token / stop string.
+enum class FinishReason { kLength, kStop };
 
 // A prompt prefilled into its own (compressed) KV cache, ready to decode.
 struct PrefilledSequence {
   std::unique_ptr<KvCache> cache;
   std::vector<float> logits;  // of the last prompt position
+  int32_t first_token = 0;    // sampled from them by the request's sampling (greedy here)
+  float first_logprob = 0;
   double prefill_seconds = 0;
   double compress_seconds = 0;  // part of prefill_seconds spent selecting and gathering
 };
 
 // Runs the prompt through the model, compressing each layer by `compression` into a new
-// cache from `allocator` with room for `extra_tokens` generated tokens.
+// cache from `allocator` with room for `extra_tokens` generated tokens; the first token is
+// sampled with `sampling` and the first draw of `seed`.
 absl::StatusOr<PrefilledSequence> PrefillSequence(LlamaModel& model,
                                                   absl::Span<const int32_t> prompt,
                                                   const CompressionConfig& compression,
                                                   int extra_tokens,
-                                                  KvAllocator& allocator = HeapKvAllocator());
-
-enum class FinishReason { kLength, kStop };
+                                                  KvAllocator& allocator = HeapKvAllocator(),
+                                                  const kernels::SamplingParams& sampling = {0.f},
+                                                  uint64_t seed = 0);
 
 struct GenerationRequest {
   std::vector<int32_t> prompt_ids;

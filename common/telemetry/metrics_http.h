@@ -1,7 +1,14 @@
 // A minimal HTTP/1.1 server for Prometheus scrapes: GET /metrics returns the text
 // exposition format, anything else 404. One connection at a time, closed after each
-// response; a scrape every few seconds needs nothing more. (prometheus-cpp's own civetweb
-// exposer fails to start inside the node binaries, so the registry is served here.)
+// response; a scrape every few seconds needs nothing more.
+//
+// Why not prometheus-cpp's own exposer (prometheus::Exposer): Debian builds civetweb, which
+// it runs on, with a fixed 100 KiB stack for its worker threads (USE_STACK_SIZE=0x19000),
+// and glibc carves a process's static TLS out of every thread's stack. The node binaries
+// link OpenBLAS (60 KiB of static TLS) and, in CUDA builds, cuBLAS/cuBLASLt (another 100 KiB),
+// so pthread_create fails with EINVAL and the exposer cannot start ("Cannot create threads:
+// error 0"). tests/common/telemetry/exposer_test.cc reproduces this with the nodes'
+// libraries and fails the day the exposer can serve there, when this file can go.
 #pragma once
 
 #include <atomic>

@@ -1,5 +1,5 @@
 // Observability of a node: Prometheus metrics (prometheus-cpp, served on --metrics-listen)
-// and traces (W3C traceparent propagated in gRPC metadata; spans exported as OTLP-JSON
+// and traces (W3C traceparent, carried in gRPC metadata by common/server; spans exported as OTLP-JSON
 // lines, one ExportTraceServiceRequest per line, which an OpenTelemetry collector's
 // otlpjsonfile receiver ingests).
 //

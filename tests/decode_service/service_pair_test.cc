@@ -16,12 +16,14 @@
 #include "decode_service/decode_server.h"
 #include "kvwire/v1/generation.grpc.pb.h"
 #include "prefill_service/prefill_server.h"
+#include "tests/engine_fakes.h"
 #include "tests/test_util.h"
 
 namespace kvwire {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using SteadyClock = std::chrono::steady_clock;
+using Faults = testing::FaultyPrefills::Plan;
 
 std::string ModelSpec() {
   return testing::SharedDir().empty() ? "synthetic:stories" : testing::StoriesModelDir();
@@ -66,6 +68,7 @@ class ServicePairTest : public ::testing::Test {
   void TearDown() override {
     for (auto& t : helpers_) t.join();
     decode_.reset();
+    for (auto& p : prefills_) p->Release();
     prefills_.clear();
   }
 
@@ -77,11 +80,30 @@ class ServicePairTest : public ::testing::Test {
     return m.ok() ? std::move(*m) : nullptr;
   }
 
-  PrefillServer* AddPrefill(PrefillServerOptions o = {}) {
-    o.listen = o.listen == "0.0.0.0:0" ? "127.0.0.1:0" : o.listen;
-    auto s = PrefillServer::Start(prefill_model_.get(), std::move(o));
+  // A prefill node as the binary builds one (an engine and its gRPC server), with a fault
+  // injector between them.
+  struct PrefillNode {
+    std::unique_ptr<PrefillEngine> engine;
+    std::unique_ptr<testing::FaultyPrefills> faults;
+    std::unique_ptr<PrefillServer> server;
+    int port() const { return server->port(); }
+    void Shutdown() { server->Shutdown(0); }
+    void Release() { faults->Release(); }
+  };
+
+  PrefillNode* AddPrefill(const std::string& name = "prefill", Faults faults = {},
+                          const std::string& listen = "127.0.0.1:0") {
+    auto node = std::make_unique<PrefillNode>();
+    PrefillEngineOptions e;
+    e.node_name = name;
+    node->engine = std::make_unique<PrefillEngine>(prefill_model_.get(), e);
+    node->faults = std::make_unique<testing::FaultyPrefills>(node->engine.get(), faults);
+    PrefillServerOptions o;
+    o.listen = listen;
+    auto s = PrefillServer::Start(node->faults.get(), std::move(o));
     EXPECT_TRUE(s.ok()) << s.status();
-    prefills_.push_back(std::move(*s));
+    node->server = std::move(*s);
+    prefills_.push_back(std::move(node));
     return prefills_.back().get();
   }
 
@@ -104,8 +126,8 @@ class ServicePairTest : public ::testing::Test {
 
   // The pool is empty again (waits a little: pages return when the engine notices).
   void ExpectPoolEmpty() {
-    const auto until = Clock::now() + std::chrono::seconds(5);
-    while (decode_->pool().used() != 0 && Clock::now() < until) {
+    const auto until = SteadyClock::now() + std::chrono::seconds(5);
+    while (decode_->pool().used() != 0 && SteadyClock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     EXPECT_EQ(decode_->pool().used(), 0u);
@@ -137,7 +159,7 @@ class ServicePairTest : public ::testing::Test {
   }
 
   std::unique_ptr<LlamaModel> prefill_model_, decode_model_;
-  std::vector<std::unique_ptr<PrefillServer>> prefills_;
+  std::vector<std::unique_ptr<PrefillNode>> prefills_;
   std::unique_ptr<DecodeServer> decode_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Generation::Stub> stub_;
@@ -158,17 +180,17 @@ TEST_F(ServicePairTest, TokensEqualSingleProcessGeneration) {
   struct Case {
     std::string name;
     std::function<void(v1::CompressionParams*)> compression;
-    Policy policy;
+    std::string policy;
     int budget;
-    GqaMode gqa = GqaMode::kSum;
+    ParamValues params = {};
   };
   const std::vector<Case> cases = {
-      {"full", [](auto* c) { c->set_policy("full"); }, Policy::kFull, 0},
-      {"snapkv", [](auto* c) { c->set_policy("snapkv"); c->set_budget(64); }, Policy::kSnapKV, 64},
+      {"full", [](auto* c) { c->set_policy("full"); }, "full", 0},
+      {"snapkv", [](auto* c) { c->set_policy("snapkv"); c->set_budget(64); }, "snapkv", 64},
       {"snapkv per query head",
        [](auto* c) { c->set_policy("snapkv"); c->set_budget(48); c->set_gqa("per_query_head"); },
-       Policy::kSnapKV, 48, GqaMode::kPerQueryHead},
-      {"chunkkv", [](auto* c) { c->set_policy("chunkkv"); c->set_budget(80); }, Policy::kChunkKV, 80},
+       "snapkv", 48, {{"gqa", "per_query_head"}}},
+      {"chunkkv", [](auto* c) { c->set_policy("chunkkv"); c->set_budget(80); }, "chunkkv", 80},
   };
   for (const Case& c : cases) {
     for (bool sampled : {false, true}) {
@@ -179,9 +201,8 @@ TEST_F(ServicePairTest, TokensEqualSingleProcessGeneration) {
       GenerationRequest local;
       local.prompt_ids = prompt;
       local.max_tokens = 24;
-      local.compression.policy = c.policy;
+      local.compression.policy = *MakePolicy(c.policy, c.params);
       local.compression.budget = c.budget;
-      local.compression.gqa = c.gqa;
       local.stop_ids = decode_model_->config().eos_token_ids;
       if (sampled) {
         req.mutable_sampling()->set_temperature(0.8f);
@@ -214,7 +235,7 @@ TEST_F(ServicePairTest, TokensEqualSingleProcessGeneration) {
       EXPECT_EQ(st.full_cache_bytes(), 300 * per_token);
       EXPECT_EQ(st.kept_tokens(), c.budget ? c.budget : 300);
       EXPECT_GT(st.wire_bytes(), 0);
-      if (c.policy != Policy::kFull) {
+      if (c.policy != "full") {
         EXPECT_LT(st.wire_bytes(), st.full_cache_bytes());
       }
       EXPECT_EQ(st.prefill_node(), "prefill");
@@ -229,7 +250,7 @@ TEST_F(ServicePairTest, TokensEqualSingleProcessGeneration) {
 TEST_F(ServicePairTest, ConcurrentRequestsShareTheBatch) {
   AddPrefill();
   DecodeServerOptions o;
-  o.default_compression.policy = Policy::kSnapKV;
+  o.default_compression.policy = *MakePolicy("snapkv");
   o.default_compression.budget = 40;
   StartDecode(o);
   constexpr int kRequests = 8;
@@ -248,7 +269,7 @@ TEST_F(ServicePairTest, ConcurrentRequestsShareTheBatch) {
     local.prompt_ids = LongPrompt(60 + 17 * i);
     local.max_tokens = 12 + i;
     local.sampling.temperature = 0;
-    local.compression.policy = Policy::kSnapKV;
+    local.compression.policy = *MakePolicy("snapkv");
     local.compression.budget = 40;
     local.stop_ids = decode_model_->config().eos_token_ids;
     auto want = Generate(*decode_model_, local);
@@ -364,36 +385,15 @@ TEST_F(ServicePairTest, EveryBadFieldIsInvalidArgumentNamingIt) {
 }
 
 TEST_F(ServicePairTest, PrefillKilledMidStreamRetriesOnAnotherNode) {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool reached = false, release = false;
-  PrefillServerOptions doomed;
-  doomed.node_name = "doomed";
-  doomed.testing_before_chunk = [&](int chunk) {
-    if (chunk != 2) return;
-    std::unique_lock<std::mutex> lock(mu);
-    reached = true;
-    cv.notify_all();
-    cv.wait(lock, [&] { return release; });
-  };
-  PrefillServer* a = AddPrefill(doomed);
-  PrefillServerOptions healthy;
-  healthy.node_name = "healthy";
-  AddPrefill(healthy);
+  Faults hold;
+  hold.hold_chunk = 2;
+  PrefillNode* doomed = AddPrefill("doomed", hold);
+  AddPrefill("healthy");
   StartDecode();
-  // When a stream reaches its third chunk on the doomed node, the node is shut down
-  // (which cancels the stream) while that chunk is held back.
-  helpers_.emplace_back([&] {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return reached; });
-    lock.unlock();
-    std::thread kill([a] { a->Shutdown(0); });
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    lock.lock();
-    release = true;
-    cv.notify_all();
-    lock.unlock();
-    kill.join();
+  // When a stream reaches its third chunk on the doomed node, the node is shut down, which
+  // cancels the stream while that chunk is held back.
+  helpers_.emplace_back([doomed] {
+    if (doomed->faults->WaitHeld()) doomed->Shutdown();
   });
   // Round robin spreads requests over both nodes, so one meets the doomed node.
   v1::GenerateRequest req = Request(LongPrompt(200), 8);
@@ -407,29 +407,22 @@ TEST_F(ServicePairTest, PrefillKilledMidStreamRetriesOnAnotherNode) {
     EXPECT_EQ(r.final.stats().prefill_node(), "healthy");
     retried += r.final.stats().prefill_attempts() > 1;
   }
-  EXPECT_TRUE(reached);
+  helpers_.back().join();
+  helpers_.pop_back();
+  EXPECT_TRUE(doomed->faults->WaitHeld()) << "a stream reached the doomed node";
   EXPECT_GE(retried, 1) << "the request that met the dying node was retried";
   ExpectPoolEmpty();
   ExpectStillServing();
 }
 
 TEST_F(ServicePairTest, PrefillKilledWithNoOtherNodeFailsCleanly) {
-  std::atomic<PrefillServer*> victim{nullptr};
-  std::mutex helpers_mu;
-  PrefillServerOptions o;
-  o.testing_before_chunk = [&](int chunk) {
-    if (chunk == 1 && victim.load()) {
-      PrefillServer* v = victim.exchange(nullptr);
-      {
-        std::lock_guard<std::mutex> lock(helpers_mu);
-        helpers_.emplace_back([v] { v->Shutdown(0); });
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  };
-  PrefillServer* p = AddPrefill(o);
-  const int port = p->port();
-  victim = p;
+  Faults hold;
+  hold.hold_chunk = 1;
+  PrefillNode* victim = AddPrefill("prefill", hold);
+  const int port = victim->port();
+  helpers_.emplace_back([victim] {
+    if (victim->faults->WaitHeld()) victim->Shutdown();
+  });
   DecodeServerOptions d;
   d.engine.prefill_attempts = 2;
   StartDecode(d);
@@ -441,14 +434,12 @@ TEST_F(ServicePairTest, PrefillKilledWithNoOtherNodeFailsCleanly) {
   EXPECT_NE(r.status.error_message().find("prefill"), std::string::npos) << r.status.error_message();
   ExpectPoolEmpty();
   // A replacement prefill node on the same port: the decode node serves again.
-  PrefillServerOptions again;
-  again.listen = "127.0.0.1:" + std::to_string(port);
-  AddPrefill(again);
-  const auto until = Clock::now() + std::chrono::seconds(10);
+  AddPrefill("prefill", {}, "127.0.0.1:" + std::to_string(port));
+  const auto until = SteadyClock::now() + std::chrono::seconds(10);
   Result ok;
   do {
     ok = Call(*stub_, Request(LongPrompt(120), 4));
-  } while (!ok.status.ok() && Clock::now() < until);
+  } while (!ok.status.ok() && SteadyClock::now() < until);
   EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
 }
 
@@ -467,20 +458,13 @@ TEST_F(ServicePairTest, ClientCancellationFreesEverything) {
 }
 
 TEST_F(ServicePairTest, CancellationDuringPrefillCancelsThePrefill) {
-  std::atomic<int> started{0};
-  PrefillServerOptions o;
-  o.testing_before_chunk = [&](int chunk) {
-    if (chunk == 0) {
-      ++started;
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    }
-  };
-  AddPrefill(o);
+  Faults hold;
+  hold.hold_chunk = 0;
+  PrefillNode* node = AddPrefill("prefill", hold);
   StartDecode();
   grpc::ClientContext ctx;
   std::thread canceller([&] {
-    while (started.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    ctx.TryCancel();
+    if (node->faults->WaitHeld()) ctx.TryCancel();  // the prefill is under way
   });
   auto reader = stub_->Generate(&ctx, Request(LongPrompt(100), 8));
   v1::GenerateResponse msg;
@@ -489,19 +473,19 @@ TEST_F(ServicePairTest, CancellationDuringPrefillCancelsThePrefill) {
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
   canceller.join();
   ExpectPoolEmpty();
+  node->Release();
   ExpectStillServing();
 }
 
 TEST_F(ServicePairTest, DeadlineExpiry) {
-  PrefillServerOptions o;
-  o.testing_before_chunk = [](int chunk) {
-    if (chunk == 0) std::this_thread::sleep_for(std::chrono::milliseconds(400));
-  };
-  AddPrefill(o);
+  Faults hold;
+  hold.hold_chunk = 0;  // held until the decode node gives up on it
+  PrefillNode* node = AddPrefill("prefill", hold);
   StartDecode();
   const Result r = Call(*stub_, Request(LongPrompt(100), 8), /*deadline_ms=*/150);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << r.status.error_message();
   ExpectPoolEmpty();
+  node->Release();
   ExpectStillServing();
 }
 
@@ -538,11 +522,9 @@ TEST_F(ServicePairTest, FullPoolWaitsForRoom) {
 }
 
 TEST_F(ServicePairTest, FullPoolRefusesAfterTheQueueTimeout) {
-  PrefillServerOptions slow;
-  slow.testing_before_chunk = [](int chunk) {
-    if (chunk == 0) std::this_thread::sleep_for(std::chrono::milliseconds(600));
-  };
-  AddPrefill(slow);
+  Faults hold;
+  hold.hold_chunk = 0;  // the first request keeps its memory until released
+  PrefillNode* node = AddPrefill("prefill", hold);
   DecodeServerOptions o;
   o.kv_pool_bytes = CacheBytes(*decode_model_, 100, 100) * 3 / 2;
   o.kv_page_bytes = 4096;
@@ -551,10 +533,11 @@ TEST_F(ServicePairTest, FullPoolRefusesAfterTheQueueTimeout) {
   v1::GenerateRequest req = Request(LongPrompt(100), 100);
   std::vector<Result> both(2);
   std::thread t1([&] { both[0] = Call(*stub_, req); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(node->faults->WaitHeld());  // admitted, its memory reserved
   std::thread t2([&] { both[1] = Call(*stub_, req); });
-  t1.join();
   t2.join();
+  node->Release();
+  t1.join();
   EXPECT_TRUE(both[0].status.ok()) << both[0].status.error_message();
   EXPECT_EQ(both[1].status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(both[1].status.error_message().find("waited 150 ms"), std::string::npos)
@@ -564,10 +547,9 @@ TEST_F(ServicePairTest, FullPoolRefusesAfterTheQueueTimeout) {
 }
 
 TEST_F(ServicePairTest, CorruptedChunkIsRejectedByChecksum) {
-  PrefillServerOptions bad;
-  bad.node_name = "corrupting";
-  bad.testing_corrupt_chunk = 1;
-  AddPrefill(bad);
+  Faults corrupt;
+  corrupt.corrupt_chunk = 1;
+  AddPrefill("corrupting", corrupt);
   DecodeServerOptions o;
   o.engine.prefill_attempts = 1;
   StartDecode(o);
@@ -577,9 +559,7 @@ TEST_F(ServicePairTest, CorruptedChunkIsRejectedByChecksum) {
       << r.status.error_message();
   ExpectPoolEmpty();
   // With a healthy node beside it, the retry lands there and the request succeeds.
-  PrefillServerOptions good;
-  good.node_name = "good";
-  AddPrefill(good);
+  AddPrefill("good");
   decode_.reset();
   StartDecode();
   for (int i = 0; i < 3; ++i) {

@@ -86,7 +86,8 @@ TEST_F(TlsTest, MutualTlsBetweenNodesAndTlsForClients) {
   PrefillServerOptions p;
   p.listen = "127.0.0.1:0";
   p.tls = {F("server.pem"), F("server.key"), F("ca.pem")};  // clients must present a cert
-  auto prefill = PrefillServer::Start(model_.get(), p);
+  PrefillEngine engine(model_.get(), {});
+  auto prefill = PrefillServer::Start(&engine, p);
   ASSERT_TRUE(prefill.ok()) << prefill.status();
 
   auto decode = StartDecode((*prefill)->port(), /*client_cert=*/true);

@@ -64,10 +64,13 @@ class TracingTest : public ::testing::Test {
     ASSERT_TRUE(pt.ok() && dt.ok());
     prefill_telemetry_ = std::move(*pt);
     decode_telemetry_ = std::move(*dt);
+    PrefillEngineOptions pe;
+    pe.telemetry = prefill_telemetry_.get();
+    prefill_engine_ = std::make_unique<PrefillEngine>(model_.get(), pe);
     PrefillServerOptions po;
     po.listen = "127.0.0.1:0";
     po.telemetry = prefill_telemetry_.get();
-    prefill_ = *PrefillServer::Start(model_.get(), po);
+    prefill_ = *PrefillServer::Start(prefill_engine_.get(), po);
     DecodeServerOptions dopt;
     dopt.listen = "127.0.0.1:0";
     dopt.prefill_target = "127.0.0.1:" + std::to_string(prefill_->port());
@@ -80,6 +83,7 @@ class TracingTest : public ::testing::Test {
   std::string dir_;
   std::unique_ptr<LlamaModel> model_;
   std::unique_ptr<Telemetry> prefill_telemetry_, decode_telemetry_;
+  std::unique_ptr<PrefillEngine> prefill_engine_;
   std::unique_ptr<PrefillServer> prefill_;
   std::unique_ptr<DecodeServer> decode_;
   std::unique_ptr<v1::Generation::Stub> stub_;
@@ -104,6 +108,7 @@ TEST_F(TracingTest, OneTraceFromClientToPrefillNode) {
   ASSERT_TRUE(reader->Finish().ok());
   decode_.reset();  // flush and close the trace files
   prefill_.reset();
+  prefill_engine_.reset();
   decode_telemetry_.reset();
   prefill_telemetry_.reset();
 
@@ -157,6 +162,7 @@ TEST_F(TracingTest, NoTraceparentStartsANewTrace) {
   ASSERT_TRUE(reader->Finish().ok());
   decode_.reset();
   prefill_.reset();
+  prefill_engine_.reset();
   decode_telemetry_.reset();
   prefill_telemetry_.reset();
   const auto spans = ReadSpans(dir_ + "/decode.jsonl");

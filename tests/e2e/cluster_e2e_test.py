@@ -132,8 +132,9 @@ class ClusterE2ETest(LocalClusterCase):
   def single_process(self, prompt, *flags):
     """`kvwire generate` in one process, with the decode nodes' compression defaults from
     node-flags.env (the request sets policy and budget itself) and their thread count."""
+    policy = flags[flags.index("--policy") + 1] if "--policy" in flags else "full"
     cmd = [self.kvwire, "generate", "--model", self.model, "--prompt", prompt,
-           "--max-tokens", str(MAX_TOKENS), "--threads", "1"] + self.cli_node_flags() + list(flags)
+           "--max-tokens", str(MAX_TOKENS), "--threads", "1"] + self.cli_node_flags(policy) + list(flags)
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
     err = r.stderr.decode(errors="replace")
     self.assertEqual(r.returncode, 0, err)
@@ -144,21 +145,34 @@ class ClusterE2ETest(LocalClusterCase):
             "prompt_tokens": int(counts.group(1)), "completion_tokens": int(counts.group(2)),
             "full_bytes": int(cache.group(1)), "kept_bytes": int(cache.group(2))}
 
-  def cli_node_flags(self):
-    if not hasattr(self, "_cli_flags"):
+  def cli_node_flags(self, policy):
+    """The node defaults that apply to a request for `policy`, as a decode node applies
+    them: its default policy's parameters only when the request keeps that policy (another
+    policy starts from its own defaults), and the shared ones (window) for any that takes
+    them; the rest of node-flags.env's flags that `kvwire generate` has too."""
+    if not hasattr(self, "_registry"):
+      out = subprocess.run([self.kvwire, "policies", "--json"], stdout=subprocess.PIPE,
+                           check=True, text=True).stdout
+      type(self)._registry = {p["name"]: p for p in json.loads(out)["policies"]}
       help_text = subprocess.run([self.kvwire, "generate", "--help"], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True).stdout
-      flags = []
+      node = {}
       with open(os.path.join(REPO, "deploy", "local", "node-flags.env")) as f:
         for line in f:
           m = re.match(r"^DECODE_([A-Z0-9_]+)=(\S*)$", line.strip())
-          if not m:
-            continue
-          name = m.group(1).lower().replace("_", "-")
-          if name not in ("policy", "budget", "ratio") and ("--%s " % name) in help_text:
-            flags.append("--%s=%s" % (name, m.group(2)))
-      type(self)._cli_flags = flags
-    return self._cli_flags
+          if m and ("--%s " % m.group(1).lower().replace("_", "-")) in help_text:
+            node[m.group(1).lower()] = m.group(2)
+      type(self)._node = node
+    registry, node = self._registry, self._node
+    compression = {q["name"] for p in registry.values() for q in p["params"]}
+    compression |= {"policy", "budget", "ratio", "window", "skip_layers"}
+    flags = ["--%s=%s" % (k.replace("_", "-"), v) for k, v in node.items() if k not in compression]
+    takes = set(registry[policy]["shared"]) - {"budget", "ratio"}
+    if policy == node.get("policy"):
+      takes |= {q["name"] for q in registry[policy]["params"]}
+    flags += ["--%s=%s" % (k.replace("_", "-"), v) for k, v in node.items() if k in takes]
+    return flags
+
 
   def decode_counters(self):
     wire = full = 0.0

@@ -13,6 +13,7 @@
 #include "common/wire/kv_wire.h"
 #include "kvwire/v1/prefill.grpc.pb.h"
 #include "proto/convert.h"
+#include "tests/engine_fakes.h"
 #include "tests/test_util.h"
 
 namespace kvwire {
@@ -31,9 +32,13 @@ class PrefillServerTest : public ::testing::Test {
     ASSERT_TRUE(m.ok()) << m.status();
     model_ = std::move(*m);
   }
-  void Start(PrefillServerOptions o = {}) {
+  // A prefill node: its engine, optionally behind a fault injector, and its gRPC server.
+  void Start(PrefillEngineOptions e = {}, testing::FaultyPrefills::Plan faults = {}) {
+    engine_ = std::make_unique<PrefillEngine>(model_.get(), e);
+    faults_ = std::make_unique<testing::FaultyPrefills>(engine_.get(), faults);
+    PrefillServerOptions o;
     o.listen = "127.0.0.1:0";
-    auto s = PrefillServer::Start(model_.get(), std::move(o));
+    auto s = PrefillServer::Start(faults_.get(), std::move(o));
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = std::move(*s);
     stub_ = v1::Prefill::NewStub(grpc::CreateChannel(
@@ -64,6 +69,8 @@ class PrefillServerTest : public ::testing::Test {
   }
 
   std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<PrefillEngine> engine_;
+  std::unique_ptr<testing::FaultyPrefills> faults_;
   std::unique_ptr<PrefillServer> server_;
   std::unique_ptr<v1::Prefill::Stub> stub_;
 };
@@ -71,7 +78,7 @@ class PrefillServerTest : public ::testing::Test {
 TEST_F(PrefillServerTest, StreamCarriesWhatALocalPrefillKeeps) {
   Start();
   CompressionConfig c;
-  c.policy = Policy::kHBW;
+  c.policy = *MakePolicy("hbw");
   c.budget = 64;
   const v1::PrefillRequest req = Request(300, c);
   const Reply r = Call(req);
@@ -180,43 +187,41 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
 }
 
 TEST_F(PrefillServerTest, FullQueueIsResourceExhausted) {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool release = false;
-  int blocked = 0;
-  PrefillServerOptions o;
-  o.workers = 1;
-  o.max_queue = 1;
-  o.node_name = "busy";
-  o.testing_before_chunk = [&](int chunk) {
-    if (chunk != 0) return;
-    std::unique_lock<std::mutex> lock(mu);
-    ++blocked;
-    cv.notify_all();
-    cv.wait(lock, [&] { return release; });
-  };
-  Start(o);
+  PrefillEngineOptions e;
+  e.workers = 1;
+  e.max_queue = 1;
+  e.node_name = "busy";
+  testing::FaultyPrefills::Plan hold;
+  hold.hold_chunk = 0;  // every stream waits before its first chunk until released
+  Start(e, hold);
   std::vector<Reply> replies(2);
   std::thread first([&] { replies[0] = Call(Request(30, CompressionConfig{})); });
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return blocked == 1; });  // the worker is busy
-  }
+  ASSERT_TRUE(faults_->WaitHeld(1));  // the worker is busy
   std::thread second([&] { replies[1] = Call(Request(30, CompressionConfig{})); });  // queued
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(faults_->WaitSubmitted(2));
   const Reply third = Call(Request(30, CompressionConfig{}));  // no room
   EXPECT_EQ(third.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(third.status.error_message().find("prefill node busy is full"), std::string::npos)
       << third.status.error_message();
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    release = true;
-  }
-  cv.notify_all();
+  faults_->Release();
   first.join();
   second.join();
   EXPECT_TRUE(replies[0].status.ok());
   EXPECT_TRUE(replies[1].status.ok());
+}
+
+// Fields a policy does not take are refused by name, not silently dropped.
+TEST_F(PrefillServerTest, RefusesParametersOfAnotherPolicy) {
+  Start();
+  v1::PrefillRequest req = Request(40, CompressionConfig{});
+  req.mutable_compression()->set_policy("snapkv_pp");
+  req.mutable_compression()->set_budget(24);
+  req.mutable_compression()->set_kernel(7);
+  const Reply r = Call(req);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(r.status.error_message().find("compression.kernel does not apply to snapkv_pp"),
+            std::string::npos)
+      << r.status.error_message();
 }
 
 }  // namespace

@@ -16,12 +16,16 @@
 namespace kvwire::tools {
 namespace {
 
-EvalMethod Method(const std::string& name, Policy p, int window = 8) {
+// The method `name` is the policy of that name.
+EvalMethod Method(const std::string& name, int window = 8) {
+  const PolicyPtr p = *MakePolicy(name);
   return {name, [p, window](int budget) {
             CompressionConfig c;
             c.policy = p;
-            c.budget = budget;
-            c.window = window;
+            if (p->evicts()) {
+              c.budget = budget;
+              c.window = window;
+            }
             return c;
           }};
 }
@@ -48,8 +52,8 @@ TEST(EvalFidelity, FullAgreesPerfectlyAndOracleBoundsRecall) {
   int calls = 0;
   auto records = EvalFidelity(
       **model, prompts,
-      {Method("full", Policy::kFull), Method("snapkv", Policy::kSnapKV),
-       Method("random", Policy::kRandom)},
+      {Method("full"), Method("snapkv"),
+       Method("random")},
       {16, 64, 500}, opts, [&](int done, int total) {
         EXPECT_EQ(total, 3);
         EXPECT_EQ(done, ++calls);
@@ -89,7 +93,7 @@ TEST(EvalFidelity, PromptBeyondContextIsAnError) {
   ASSERT_TRUE(model.ok());
   FidelityOptions opts;
   opts.gen = 16;
-  auto r = EvalFidelity(**model, SyntheticPrompts(1, 120), {Method("full", Policy::kFull)}, {32},
+  auto r = EvalFidelity(**model, SyntheticPrompts(1, 120), {Method("full")}, {32},
                         opts, nullptr);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(r.status().message()).find("context"), std::string::npos);
@@ -115,7 +119,7 @@ TEST(EvalPasskey, CountsExactMatchesAndSkipsLongPrompts) {
   too_long.answer = {5, 6, 7};
   prompts.push_back(too_long);
   auto records = EvalPasskey(model, prompts,
-                             {Method("full", Policy::kFull), Method("streaming", Policy::kStreaming)},
+                             {Method("full"), Method("streaming")},
                              {20, 300}, 8, nullptr);
   ASSERT_TRUE(records.ok()) << records.status();
   ASSERT_EQ(records->size(), 4u);

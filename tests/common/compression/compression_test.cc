@@ -41,9 +41,17 @@ Kept Select(const CompressionConfig& c, int n_heads, int n_kv, const Scores& s, 
   return r.ok() ? *r : Kept{};
 }
 
-CompressionConfig Config(Policy p, int budget, int window) {
+// A policy by name with parameters by name, as flags and requests give them.
+PolicyPtr Make(const std::string& name, const ParamValues& params = {}) {
+  auto p = MakePolicy(name, params);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *p : FullPolicy();
+}
+
+CompressionConfig Config(const std::string& policy, int budget, int window,
+                         const ParamValues& params = {}) {
   CompressionConfig c;
-  c.policy = p;
+  c.policy = Make(policy, params);
   c.budget = budget;
   c.window = window;
   return c;
@@ -53,8 +61,7 @@ CompressionConfig Config(Policy p, int budget, int window) {
 
 TEST(SnapKV, TopVotesPlusWindowWithoutPooling) {
   // L = 10, w = 2 → prefix 0..7; budget 5 → 3 prefix positions.
-  CompressionConfig c = Config(Policy::kSnapKV, 5, 2);
-  c.kernel = 1;
+  CompressionConfig c = Config("snapkv", 5, 2, {{"kernel", "1"}});
   Scores s({{0.1f, 0.9f, 0.2f, 0.8f, 0.0f, 0.3f, 0.7f, 0.05f}}, 2, 10);
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{1, 3, 6, 8, 9}}));
 }
@@ -62,8 +69,7 @@ TEST(SnapKV, TopVotesPlusWindowWithoutPooling) {
 TEST(SnapKV, MaxPoolingSpreadsPeaksAndTiesGoToLowerPositions) {
   // Kernel 3 max-pool of [0,0,5,0,0,0,0,4] = [0,5,5,5,0,0,4,4]; top 3 with ties to the
   // lower position: 1, 2, 3.
-  CompressionConfig c = Config(Policy::kSnapKV, 5, 2);
-  c.kernel = 3;
+  CompressionConfig c = Config("snapkv", 5, 2, {{"kernel", "3"}});
   Scores s({{0, 0, 5, 0, 0, 0, 0, 4}}, 2, 10);
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{1, 2, 3, 8, 9}}));
   // Top 4 adds the first 4 (position 6).
@@ -75,9 +81,7 @@ TEST(SnapKV, AvgPoolingCountsThePadding) {
   // avg_pool1d(kernel 3, pad 1) divides by 3 even at the edge: [3, 0, 0, 1.5, 0, 0]
   // pools to [1, 1, 0.5, 0.5, 0.5, 0] (dividing by the 2 real neighbours would give 1.5
   // at position 0).
-  CompressionConfig c = Config(Policy::kSnapKV, 4, 2);
-  c.kernel = 3;
-  c.pool = PoolKind::kAvg;
+  CompressionConfig c = Config("snapkv", 4, 2, {{"kernel", "3"}, {"pool", "avg"}});
   Scores s({{3, 0, 0, 1.5f, 0, 0}}, 2, 8);
   // pooled = [1, 1, 0.5, 0.5, 0.5, 0] → top 2 = 0, 1
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 6, 7}}));
@@ -88,22 +92,21 @@ TEST(SnapKV, GqaModes) {
   const std::vector<std::vector<float>> votes = {{0, 0.6f, 0, 0, 0, 0.1f},
                                                  {0, 0.1f, 0, 0, 0, 0.8f}};
   Scores s(votes, 2, 8);
-  CompressionConfig c = Config(Policy::kSnapKV, 3, 2);  // one prefix slot
-  c.kernel = 1;
-  c.gqa = GqaMode::kPerQueryHead;
+  // One prefix slot.
+  CompressionConfig c = Config("snapkv", 3, 2, {{"kernel", "1"}, {"gqa", "per_query_head"}});
   EXPECT_EQ(Select(c, 2, 1, s), (Kept{{1, 6, 7}, {5, 6, 7}}));
   EXPECT_EQ(c.CacheHeads(2, 1), 2);
-  c.gqa = GqaMode::kSum;  // 0.7 vs 0.9
+  c.policy = Make("snapkv", {{"kernel", "1"}, {"gqa", "sum"}});  // 0.7 vs 0.9
   EXPECT_EQ(Select(c, 2, 1, s), (Kept{{5, 6, 7}}));
-  c.gqa = GqaMode::kMean;
+  c.policy = Make("snapkv", {{"kernel", "1"}, {"gqa", "mean"}});
   EXPECT_EQ(Select(c, 2, 1, s), (Kept{{5, 6, 7}}));
-  c.gqa = GqaMode::kMax;  // 0.6 vs 0.8
+  c.policy = Make("snapkv", {{"kernel", "1"}, {"gqa", "max"}});  // 0.6 vs 0.8
   EXPECT_EQ(Select(c, 2, 1, s), (Kept{{5, 6, 7}}));
   // Max differs from sum when one head is strong and the other spread: 0.7 at 1 from a
   // single head beats 0.4 + 0.4 at 3.
   Scores t({{0, 0.7f, 0, 0.4f, 0, 0}, {0, 0, 0, 0.4f, 0, 0}}, 2, 8);
   EXPECT_EQ(Select(c, 2, 1, t), (Kept{{1, 6, 7}}));
-  c.gqa = GqaMode::kSum;
+  c.policy = Make("snapkv", {{"kernel", "1"}, {"gqa", "sum"}});
   EXPECT_EQ(Select(c, 2, 1, t), (Kept{{3, 6, 7}}));
 }
 
@@ -112,15 +115,14 @@ TEST(SnapKVpp, GroupSumAndKernelByPromptLength) {
   const std::vector<std::vector<float>> votes = {{0, 0, 0.5f, 0, 0, 0, 0, 0},
                                                  {0, 0, 0, 0, 0, 0, 0.9f, 0}};
   Scores s(votes, 2, 10);
-  CompressionConfig c = Config(Policy::kSnapKVpp, 3, 2);
-  c.kernel_small = 1;
-  c.kernel_large = 5;
-  c.kernel_threshold = 100;  // L = 10 < 100: kernel_small
+  // L = 10 < 100: kernel_small.
+  CompressionConfig c = Config("snapkv_pp", 3, 2,
+                               {{"kernel_small", "1"}, {"kernel_large", "5"}, {"kernel_threshold", "100"}});
   EXPECT_EQ(Select(c, 2, 1, s), (Kept{{6, 8, 9}}));
   c.budget = 5;  // .9 at 6, .5 at 2, then a tie of zeros goes to position 0
   EXPECT_EQ(Select(c, 2, 1, s), (Kept{{0, 2, 6, 8, 9}}));
   // L ≥ threshold: kernel 5 spreads 0.9 over 4..7 (clipped at the prefix end): top 3 = 4, 5, 6.
-  c.kernel_threshold = 10;
+  c.policy = Make("snapkv_pp", {{"kernel_small", "1"}, {"kernel_large", "5"}, {"kernel_threshold", "10"}});
   EXPECT_EQ(Select(c, 2, 1, s), (Kept{{4, 5, 6, 8, 9}}));
 }
 
@@ -132,8 +134,7 @@ TEST(ChunkKV, WholeChunksByMeanScoreCutToBudget) {
                                                  {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f},
                                                  {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};
   Scores s(votes, 2, 11);
-  CompressionConfig c = Config(Policy::kChunkKV, 5, 2);  // 3 prefix tokens: one chunk
-  c.chunk = 3;
+  CompressionConfig c = Config("chunkkv", 5, 2, {{"chunk", "3"}});  // 3 prefix tokens: one chunk
   EXPECT_EQ(Select(c, 4, 2, s), (Kept{{3, 4, 5, 9, 10}, {3, 4, 5, 9, 10}}));
   // 5 prefix tokens: chunks [3-5] and [6-8], sorted, cut to 5 → drops position 8.
   c.budget = 7;
@@ -141,9 +142,7 @@ TEST(ChunkKV, WholeChunksByMeanScoreCutToBudget) {
 }
 
 TEST(ChunkKV, LayerReuseSharesTheFirstLayersIndices) {
-  CompressionConfig c = Config(Policy::kChunkKV, 5, 2);
-  c.chunk = 3;
-  c.reuse_layers = 2;
+  CompressionConfig c = Config("chunkkv", 5, 2, {{"chunk", "3"}, {"reuse_layers", "2"}});
   LayerSelector sel(c, 1, 1);
   Scores a({{0, 0, 0, 1, 1, 1, 0, 0, 0}}, 2, 11);
   Scores b({{1, 1, 1, 0, 0, 0, 0, 0, 0}}, 2, 11);
@@ -166,40 +165,36 @@ TEST(HBW, BlockMeansAndHierarchicalGroups) {
   std::vector<float> tok = {.9f, .9f, .8f, .8f, .7f, .7f, .3f, .3f,
                             .05f, .05f, .04f, .04f, .2f, .2f, .03f, .03f};
   Scores s({tok}, 2, 18);
-  CompressionConfig c = Config(Policy::kHBW, 10, 2);
-  c.block = 2;
-  c.groups = {1, 2};
+  CompressionConfig c = Config("hbw", 10, 2, {{"block", "2"}, {"groups", "1,2"}});
   // Round M=1 (4 tokens): b0, b1. Round M=2 (2 tokens per half): first half b0..b3 →
   // best unselected b2; second half b4..b7 → b6.
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 2, 3, 4, 5, 12, 13, 16, 17}}));
   // M={1} alone (block-wise SnapKV) piles everything at the front: b0..b3.
-  c.groups = {1};
+  c.policy = Make("hbw", {{"block", "2"}, {"groups", "1"}});
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 2, 3, 4, 5, 6, 7, 16, 17}}));
-  c.groups = {4};  // 2 tokens per quarter: b0 | b2 | b4 | b6
+  c.policy = Make("hbw", {{"block", "2"}, {"groups", "4"}});  // 2 tokens per quarter: b0 | b2 | b4 | b6
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 4, 5, 8, 9, 12, 13, 16, 17}}));
   // Odd capacity: 7 prefix tokens with blocks of 2 → 3 whole blocks then the first
   // token of the next best block (b3).
-  c.groups = {1};
+  c.policy = Make("hbw", {{"block", "2"}, {"groups", "1"}});
   c.budget = 9;
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 2, 3, 4, 5, 6, 16, 17}}));
 }
 
 TEST(Streaming, SinksPlusRecent) {
-  CompressionConfig c = Config(Policy::kStreaming, 6, 2);
-  c.sinks = 2;
+  CompressionConfig c = Config("streaming", 6, 2, {{"sinks", "2"}});
   LayerSelector sel(c, 2, 2);
   EXPECT_EQ(*sel.Select(0, 10, nullptr), (Kept{{0, 1, 6, 7, 8, 9}, {0, 1, 6, 7, 8, 9}}));
 }
 
 TEST(Random, SeededDistinctAndDifferentPerHeadAndLayer) {
-  CompressionConfig c = Config(Policy::kRandom, 20, 4);
-  c.seed = 9;
+  CompressionConfig c = Config("random", 20, 4, {{"seed", "9"}});
   LayerSelector a(c, 4, 2), b(c, 4, 2);
   const auto ka = *a.Select(0, 100, nullptr);
   EXPECT_EQ(ka, *b.Select(0, 100, nullptr));  // deterministic
   EXPECT_NE(ka[0], ka[1]);                     // heads differ
   EXPECT_NE(ka, *a.Select(1, 100, nullptr));   // layers differ
-  c.seed = 10;
+  c.policy = Make("random", {{"seed", "10"}});
   LayerSelector d(c, 4, 2);
   EXPECT_NE(ka, *d.Select(0, 100, nullptr));
 }
@@ -224,26 +219,31 @@ std::vector<float> RandomSoftmaxScores(int heads, int window, int len, std::mt19
 TEST(CompressionInvariants, BudgetWindowSortedUnique) {
   std::mt19937 rng(17);
   int checked = 0;
-  for (Policy p : {Policy::kStreaming, Policy::kRandom, Policy::kSnapKV, Policy::kSnapKVpp,
-                   Policy::kChunkKV, Policy::kHBW}) {
+  for (const std::string p : {"streaming", "random", "snapkv", "snapkv_pp", "chunkkv", "hbw"}) {
     for (int trial = 0; trial < 40; ++trial) {
       const int n_kv = 1 + static_cast<int>(rng() % 3), group = 1 + static_cast<int>(rng() % 3);
       const int heads = n_kv * group;
       const int window = 1 + static_cast<int>(rng() % 8);
       const int len = window + 2 + static_cast<int>(rng() % 300);
       const int budget = window + 1 + static_cast<int>(rng() % (len + 20));
-      CompressionConfig c = Config(p, budget, window);
-      c.kernel = 1 + 2 * static_cast<int>(rng() % 4);
-      c.pool = rng() % 2 ? PoolKind::kMax : PoolKind::kAvg;
-      c.chunk = 1 + static_cast<int>(rng() % 12);
-      c.block = static_cast<int>(rng() % 9);
-      c.groups = rng() % 2 ? std::vector<int>{1, 8} : std::vector<int>{3};
-      c.sinks = static_cast<int>(rng() % 5);
-      c.kernel_small = 3;
-      c.kernel_large = 9;
-      c.kernel_threshold = 150;
-      if (p == Policy::kSnapKV && rng() % 3 == 0) c.gqa = GqaMode::kPerQueryHead;
-      if (p == Policy::kStreaming && c.budget < c.sinks + window) c.budget = c.sinks + window;
+      // Every parameter drawn; each policy gets the ones it takes.
+      ParamValues all = {{"kernel", std::to_string(1 + 2 * (rng() % 4))},
+                         {"pool", rng() % 2 ? "max" : "avg"},
+                         {"chunk", std::to_string(1 + rng() % 12)},
+                         {"block", std::to_string(rng() % 9)},
+                         {"groups", rng() % 2 ? "1,8" : "3"},
+                         {"sinks", std::to_string(rng() % 5)},
+                         {"kernel_small", "3"},
+                         {"kernel_large", "9"},
+                         {"kernel_threshold", "150"}};
+      if (p == "snapkv" && rng() % 3 == 0) all["gqa"] = "per_query_head";
+      ParamValues params;
+      for (const ParamInfo& q : FindPolicy(p)->params) {
+        if (all.count(q.name)) params[q.name] = all[q.name];
+      }
+      CompressionConfig c = Config(p, budget, window, params);
+      const int sinks = std::stoi(all["sinks"]);
+      if (p == "streaming" && c.budget < sinks + window) c.budget = sinks + window;
       ASSERT_TRUE(c.Validate().ok()) << c.Describe() << ": " << c.Validate();
       const auto data = RandomSoftmaxScores(heads, window, len, rng);
       const WindowScores ws{data.data(), heads, window, len};
@@ -269,7 +269,7 @@ TEST(CompressionInvariants, BudgetWindowSortedUnique) {
 }
 
 TEST(CompressionInvariants, RatioBudget) {
-  CompressionConfig c = Config(Policy::kSnapKV, 0, 8);
+  CompressionConfig c = Config("snapkv", 0, 8);
   c.ratio = 0.25;
   EXPECT_EQ(c.EffectiveBudget(400), 100);
   EXPECT_EQ(c.EffectiveBudget(20), 9);  // never below window + 1
@@ -280,44 +280,74 @@ TEST(CompressionInvariants, RatioBudget) {
 // ------------------------------------------------------------------ validation
 
 TEST(CompressionConfig, BadParametersSayWhich) {
+  // Each case overlays named values on snapkv(budget=32, window=16), as a request does.
+  std::string many_groups = "1";
+  for (int i = 1; i < 65; ++i) many_groups += ",1";
   struct Case {
-    std::function<void(CompressionConfig&)> edit;
+    ParamValues edit;
     std::string expect;
   };
   const std::vector<Case> cases = {
-      {[](auto& c) { c.budget = 0; }, "needs a budget"},
-      {[](auto& c) { c.budget = 16; }, "must exceed the observation window"},
-      {[](auto& c) { c.kernel = 4; }, "kernel must be odd"},
-      {[](auto& c) { c.window = 0; }, "window must be >= 1"},
-      {[](auto& c) { c.ratio = 1.5; }, "ratio must be in (0, 1]"},
-      {[](auto& c) { c.budget = -1; }, "budget must be >= 0"},
-      {[](auto& c) { c.policy = Policy::kChunkKV; c.chunk = 0; }, "chunk must be >= 1"},
-      {[](auto& c) { c.policy = Policy::kChunkKV; c.reuse_layers = 0; }, "reuse_layers"},
-      {[](auto& c) { c.policy = Policy::kChunkKV; c.gqa = GqaMode::kMax; }, "gqa applies to"},
-      {[](auto& c) { c.policy = Policy::kHBW; c.groups = {}; }, "groups"},
-      {[](auto& c) { c.policy = Policy::kHBW; c.groups = {1, 0}; }, "groups must be >= 1"},
-      {[](auto& c) { c.policy = Policy::kHBW; c.block = -2; }, "block"},
-      {[](auto& c) { c.policy = Policy::kSnapKVpp; c.kernel_large = 510; }, "kernel_large"},
-      {[](auto& c) { c.policy = Policy::kStreaming; c.sinks = 20; }, "hold the sinks"},
-      {[](auto& c) { c.skip_layers = -1; }, "skip_layers"},
-      {[](auto& c) { c.budget = (1 << 30) + 1; }, "budget must be <= 2^30"},
-      {[](auto& c) { c.window = kMaxWindow + 1; }, "window must be <= 1024"},
-      {[](auto& c) { c.kernel = (1 << 20) + 3; }, "kernel must be <= 2^20"},
-      {[](auto& c) { c.policy = Policy::kHBW; c.groups.assign(65, 1); }, "at most 64 groups"},
+      {{{"budget", "0"}}, "needs a budget"},
+      {{{"budget", "16"}}, "must exceed the observation window"},
+      {{{"kernel", "4"}}, "kernel must be odd"},
+      {{{"window", "0"}}, "window must be >= 1"},
+      {{{"ratio", "1.5"}}, "ratio must be in (0, 1]"},
+      {{{"budget", "-1"}}, "budget must be >= 0"},
+      {{{"policy", "chunkkv"}, {"chunk", "0"}}, "chunk must be >= 1"},
+      {{{"policy", "chunkkv"}, {"reuse_layers", "0"}}, "reuse_layers"},
+      {{{"policy", "chunkkv"}, {"gqa", "max"}}, "gqa applies to"},
+      {{{"policy", "hbw"}, {"groups", ""}}, "groups"},
+      {{{"policy", "hbw"}, {"groups", "1,0"}}, "groups must be >= 1"},
+      {{{"policy", "hbw"}, {"block", "-2"}}, "block"},
+      {{{"policy", "snapkv_pp"}, {"kernel_large", "510"}}, "kernel_large"},
+      {{{"policy", "streaming"}, {"budget", "32"}, {"sinks", "20"}}, "hold the sinks"},
+      {{{"skip_layers", "-1"}}, "skip_layers"},
+      {{{"budget", std::to_string((1 << 30) + 1)}}, "budget must be <= 2^30"},
+      {{{"window", std::to_string(kMaxWindow + 1)}}, "window must be <= 1024"},
+      {{{"kernel", std::to_string((1 << 20) + 3)}}, "kernel must be <= 2^20"},
+      {{{"policy", "hbw"}, {"groups", many_groups}}, "at most 64 groups"},
+      // A parameter of another policy is refused, naming it.
+      {{{"policy", "snapkv_pp"}, {"kernel", "7"}}, "kernel does not apply to snapkv_pp"},
+      {{{"sinks", "2"}}, "sinks does not apply to snapkv"},
+      {{{"policy", "full"}, {"budget", "64"}}, "budget does not apply to full"},
   };
   for (const Case& k : cases) {
-    CompressionConfig c = Config(Policy::kSnapKV, 32, 16);
-    k.edit(c);
-    const absl::Status st = c.Validate();
+    CompressionConfig c = Config("snapkv", 32, 16);
+    const absl::Status st = ApplyCompressionValues(k.edit, &c);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << k.expect;
     EXPECT_NE(std::string(st.message()).find(k.expect), std::string::npos)
         << "'" << k.expect << "' not in: " << st.message();
+    EXPECT_EQ(c.Describe(), Config("snapkv", 32, 16).Describe()) << "a refused edit changes nothing";
   }
-  EXPECT_EQ(ParsePolicy("h2o").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(std::string(ParsePolicy("h2o").status().message()).find("snapkv_pp"), std::string::npos);
-  EXPECT_EQ(*ParsePolicy("snapkv_pp"), Policy::kSnapKVpp);
-  EXPECT_EQ(*ParseGqa("per_query_head"), GqaMode::kPerQueryHead);
-  EXPECT_FALSE(ParsePool("min").ok());
+  EXPECT_EQ(MakePolicy("h2o").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(MakePolicy("h2o").status().message()).find("snapkv_pp"), std::string::npos);
+  EXPECT_EQ((*MakePolicy("snapkv_pp"))->name(), "snapkv_pp");
+  EXPECT_EQ((*MakePolicy("snapkv", {{"gqa", "per_query_head"}}))->CacheHeads(8, 2), 8);
+  EXPECT_FALSE(MakePolicy("snapkv", {{"pool", "min"}}).ok());
+}
+
+// Every registered policy rebuilds from its own parameters, and the wire form of a config
+// (CompressionValues) rebuilds the same config.
+TEST(CompressionConfig, RegistryRoundTrips) {
+  for (const PolicyInfo* info : Policies()) {
+    SCOPED_TRACE(info->name);
+    auto p = MakePolicy(info->name);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ((*p)->name(), info->name);
+    std::set<std::string> names;
+    for (const ParamInfo& q : info->params) names.insert(q.name);
+    for (const auto& [name, value] : (*p)->params()) EXPECT_TRUE(names.count(name)) << name;
+    auto again = MakePolicy(info->name, (*p)->params());
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ((*again)->params(), (*p)->params());
+  }
+  CompressionConfig c = Config("hbw", 96, 8, {{"block", "4"}, {"groups", "1,2,4"}, {"gqa", "max"}});
+  c.skip_layers = 1;
+  CompressionConfig rebuilt;
+  ASSERT_TRUE(ApplyCompressionValues(CompressionValues(c), &rebuilt).ok());
+  EXPECT_EQ(rebuilt.Describe(), c.Describe());
+  EXPECT_EQ(rebuilt.policy->params(), c.policy->params());
 }
 
 // ------------------------------------------------------------------ inside generation
@@ -332,14 +362,13 @@ TEST(CompressedGeneration, BudgetAbovePromptIsBitIdenticalToFull) {
   full.seed = 5;
   auto want = Generate(**model, full);
   ASSERT_TRUE(want.ok());
-  for (Policy p : {Policy::kStreaming, Policy::kRandom, Policy::kSnapKV, Policy::kSnapKVpp,
-                   Policy::kChunkKV, Policy::kHBW}) {
+  for (const std::string p : {"streaming", "random", "snapkv", "snapkv_pp", "chunkkv", "hbw"}) {
     GenerationRequest r = full;
     r.compression = Config(p, 50, 8);
     auto got = Generate(**model, r);
     ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(got->ids, want->ids) << PolicyName(p);
-    EXPECT_EQ(got->logprobs, want->logprobs) << PolicyName(p);
+    EXPECT_EQ(got->ids, want->ids) << p;
+    EXPECT_EQ(got->logprobs, want->logprobs) << p;
     EXPECT_EQ(got->kept_cache_bytes, want->kept_cache_bytes);
   }
 }
@@ -351,7 +380,7 @@ TEST(CompressedGeneration, KeepsTheBudgetAndContinuesOriginalPositions) {
   LlamaModel& m = **model;
   std::vector<int32_t> prompt;
   for (int i = 0; i < 200; ++i) prompt.push_back(3 + (i * 7) % 500);
-  CompressionConfig c = Config(Policy::kSnapKV, 64, 16);
+  CompressionConfig c = Config("snapkv", 64, 16);
   auto seq = PrefillSequence(m, prompt, c, 8);
   ASSERT_TRUE(seq.ok()) << seq.status();
   KvCache& cache = *seq->cache;
@@ -372,7 +401,7 @@ TEST(CompressedGeneration, KeepsTheBudgetAndContinuesOriginalPositions) {
     }
   }
   // A per-query-head cache is n_rep times larger.
-  c.gqa = GqaMode::kPerQueryHead;
+  c.policy = Make("snapkv", {{"gqa", "per_query_head"}});
   auto wide = PrefillSequence(m, prompt, c, 8);
   ASSERT_TRUE(wide.ok());
   const ModelConfig& mc = m.config();

@@ -1,5 +1,5 @@
-// Metrics and traces: W3C traceparent parsing, the exposition served over HTTP, and
-// OTLP-JSON span lines with their parent/child links.
+// Metrics and traces: W3C traceparent parsing, the exposition served over HTTP (bound port,
+// address forms, bind failures), and OTLP-JSON span lines with their parent/child links.
 #include "common/telemetry/telemetry.h"
 
 #include <gtest/gtest.h>
@@ -66,7 +66,14 @@ TEST(Telemetry, ServesPrometheusText) {
   (*t)->ObserveTtft(0.02);
   ASSERT_GT((*t)->metrics_port(), 0);
   const std::string r = HttpGet((*t)->metrics_port(), "/metrics");
-  EXPECT_NE(r.find("200 OK"), std::string::npos);
+  EXPECT_EQ(r.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << r;
+  // The text exposition format Prometheus parses (it reads any text/plain page as such).
+  EXPECT_NE(r.find("\r\nContent-Type: text/plain"), std::string::npos) << r;
+  // Everything Scrape() renders is on the page.
+  std::istringstream scraped((*t)->Scrape());
+  for (std::string line; std::getline(scraped, line);) {
+    EXPECT_NE(r.find(line), std::string::npos) << line;
+  }
   EXPECT_NE(r.find("kvwire_kv_wire_bytes_total{node=\"d1\",role=\"decode\",policy=\"snapkv\","
                    "transport=\"grpc\"} 1000"),
             std::string::npos)
@@ -80,13 +87,60 @@ TEST(Telemetry, ServesPrometheusText) {
   EXPECT_NE(HttpGet((*t)->metrics_port(), "/other").find("404"), std::string::npos);
 }
 
+// Port 0 in every address form ("127.0.0.1:0" is above): metrics_port() is the port the
+// kernel picked.
+TEST(Telemetry, ReportsTheBoundPortForPortZero) {
+  for (const char* listen : {":0", "*:0", "localhost:0"}) {
+    TelemetryOptions o;
+    o.role = "prefill";
+    o.metrics_listen = listen;
+    auto t = Telemetry::Create(o);
+    ASSERT_TRUE(t.ok()) << listen << ": " << t.status();
+    ASSERT_GT((*t)->metrics_port(), 0) << listen;
+    EXPECT_NE(HttpGet((*t)->metrics_port(), "/metrics").find("\nkvwire_queued_requests{"),
+              std::string::npos)
+        << listen;
+  }
+}
+
+// A port another socket listens on is an Unavailable status that says why.
+TEST(Telemetry, PortInUseIsUnavailable) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const int port = ntohs(a.sin_port);
+  TelemetryOptions o;
+  o.role = "decode";
+  o.metrics_listen = "127.0.0.1:" + std::to_string(port);
+  auto t = Telemetry::Create(o);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kUnavailable) << t.status();
+  EXPECT_NE(t.status().message().find("127.0.0.1:" + std::to_string(port)), std::string::npos)
+      << t.status();
+  EXPECT_NE(t.status().message().find("Address already in use"), std::string::npos) << t.status();
+  ::close(fd);
+  // Free again: served there, and released when the Telemetry goes.
+  for (int i = 0; i < 2; ++i) {
+    auto again = Telemetry::Create(o);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ((*again)->metrics_port(), port);
+  }
+}
+
 TEST(Telemetry, BadOptionsAreErrors) {
   TelemetryOptions o;
   o.role = "router";
   EXPECT_EQ(Telemetry::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
   o.role = "prefill";
-  o.metrics_listen = "nonsense";
-  EXPECT_EQ(Telemetry::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  for (const char* bad :
+       {"nonsense", "127.0.0.1", "127.0.0.1:65536", "127.0.0.1:-1", "127.0.0.1:http"}) {
+    o.metrics_listen = bad;
+    EXPECT_EQ(Telemetry::Create(o).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
   o.metrics_listen = "";
   o.trace_file = "/nonexistent/dir/spans.jsonl";
   EXPECT_FALSE(Telemetry::Create(o).ok());

@@ -1,7 +1,10 @@
-#include "decode_service/prefill_client.h"
+#include "decode_service/grpc_kv_source.h"
+
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
+#include "common/server/trace_metadata.h"
 #include "proto/convert.h"
 
 namespace kvwire {
@@ -10,7 +13,7 @@ namespace {
 // Owns itself from StartCall until OnDone; the handle given to the engine outlives it.
 class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
  public:
-  struct Handle final : public PrefillCall {
+  struct Handle final : public KvTransfer {
     std::mutex mu;
     CallReactor* reactor = nullptr;  // null once done
     void Cancel() override {
@@ -19,12 +22,12 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
     }
   };
 
-  CallReactor(PrefillCallbacks callbacks, std::shared_ptr<Handle> handle)
-      : callbacks_(std::move(callbacks)), handle_(std::move(handle)) {}
+  CallReactor(std::shared_ptr<KvReceiver> receiver, std::shared_ptr<Handle> handle)
+      : receiver_(std::move(receiver)), handle_(std::move(handle)) {}
 
-  void Begin(v1::Prefill::Stub* stub, const v1::PrefillRequest& request,
+  void Begin(v1::Prefill::Stub* stub, v1::PrefillRequest request,
              std::chrono::system_clock::time_point deadline, const TraceContext& trace) {
-    request_ = request;
+    request_ = std::move(request);
     context_.set_deadline(deadline);
     InjectTrace(trace, &context_);
     stub->async()->Prefill(&context_, &request_, this);
@@ -39,14 +42,14 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
     switch (msg_.message_case()) {
       case v1::PrefillResponse::kHeader: {
         auto header = FromProto(msg_.header());
-        st = header.ok() ? callbacks_.on_header(*header) : header.status();
+        st = header.ok() ? receiver_->OnHeader(*header) : header.status();
         break;
       }
       case v1::PrefillResponse::kChunk:
-        st = callbacks_.on_chunk(FromProto(msg_.mutable_chunk()));
+        st = receiver_->OnChunk(FromProto(msg_.mutable_chunk()));
         break;
       case v1::PrefillResponse::kTrailer:
-        st = callbacks_.on_trailer(FromProto(msg_.trailer()));
+        st = receiver_->OnTrailer(FromProto(msg_.trailer()));
         break;
       default:
         st = absl::InvalidArgumentError("malformed KV stream: an empty PrefillResponse");
@@ -64,13 +67,12 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
       std::lock_guard<std::mutex> lock(handle_->mu);
       handle_->reactor = nullptr;
     }
-    absl::Status st = error_.ok() ? FromGrpcStatus(status) : error_;
-    callbacks_.on_done(st, wire_bytes_);
+    receiver_->OnDone(error_.ok() ? FromGrpcStatus(status) : error_, wire_bytes_);
     delete this;
   }
 
  private:
-  PrefillCallbacks callbacks_;
+  std::shared_ptr<KvReceiver> receiver_;
   std::shared_ptr<Handle> handle_;
   grpc::ClientContext context_;
   v1::PrefillRequest request_;
@@ -79,10 +81,25 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
   int64_t wire_bytes_ = 0;
 };
 
+v1::PrefillRequest ToProto(const PrefillJob& job) {
+  v1::PrefillRequest req;
+  req.set_request_id(job.request_id);
+  for (int32_t id : job.prompt_ids) req.add_prompt_ids(id);
+  *req.mutable_compression() = ToProto(job.compression);
+  req.set_model_fingerprint(job.model_fingerprint.value_or(""));
+  req.set_max_chunk_bytes(static_cast<uint32_t>(job.max_chunk_bytes));
+  req.set_temperature(job.sampling.temperature);
+  req.set_top_p(job.sampling.top_p);
+  req.set_top_k(job.sampling.top_k);
+  req.set_seed(job.seed);
+  return req;
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<PrefillClient>> PrefillClient::Create(const std::string& target,
-                                                                     const ClientTls& tls) {
+absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(const std::string& target,
+                                                                   const ClientTls& tls,
+                                                                   const Clock& clock) {
   if (target.empty()) return absl::InvalidArgumentError("no prefill target (--prefill)");
   ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
@@ -91,24 +108,22 @@ absl::StatusOr<std::unique_ptr<PrefillClient>> PrefillClient::Create(const std::
   if (!tls.server_name.empty()) args.SetSslTargetNameOverride(tls.server_name);
   // Reconnect quickly after a prefill node restarts.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  auto client = std::unique_ptr<PrefillClient>(new PrefillClient());
-  client->channel_ = grpc::CreateCustomChannel(target, creds, args);
-  client->stub_ = v1::Prefill::NewStub(client->channel_);
-  return client;
+  auto source = std::unique_ptr<GrpcKvSource>(new GrpcKvSource(clock));
+  source->channel_ = grpc::CreateCustomChannel(target, creds, args);
+  source->stub_ = v1::Prefill::NewStub(source->channel_);
+  return source;
 }
 
-std::shared_ptr<PrefillCall> PrefillClient::Start(const v1::PrefillRequest& request,
-                                                  std::chrono::system_clock::time_point deadline,
-                                                  const TraceContext& trace,
-                                                  PrefillCallbacks callbacks) {
+absl::StatusOr<std::shared_ptr<KvTransfer>> GrpcKvSource::Start(
+    PrefillJob job, std::shared_ptr<KvReceiver> receiver) {
   auto handle = std::make_shared<CallReactor::Handle>();
-  auto* reactor = new CallReactor(std::move(callbacks), handle);
+  auto* reactor = new CallReactor(std::move(receiver), handle);
   {
     std::lock_guard<std::mutex> lock(handle->mu);
     handle->reactor = reactor;
   }
-  reactor->Begin(stub_.get(), request, deadline, trace);
-  return handle;
+  reactor->Begin(stub_.get(), ToProto(job), ToWallDeadline(clock_, job.deadline), job.trace);
+  return std::shared_ptr<KvTransfer>(handle);
 }
 
 }  // namespace kvwire

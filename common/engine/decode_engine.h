@@ -1,16 +1,16 @@
 // The decode node's engine: admission against the KV pool, pulling each prompt's
-// compressed cache from a prefill node (or prefilling short prompts locally), and a
-// continuous batch in which every active sequence advances one token per step, new ones
-// joining and finished ones leaving between steps. Everything here is in domain terms;
-// decode_service/generation_service.cc translates the gRPC API.
+// compressed cache from a KvSource (a prefill node, or this node's own model for short
+// prompts), and a continuous batch in which every active sequence advances one token per
+// step, new ones joining and finished ones leaving between steps. Everything here is in
+// domain terms; decode_service/decode_server.cc translates the gRPC API and
+// decode_service/grpc_kv_source.cc the Prefill RPC.
 //
-// Threads: one engine thread owns the batch and runs the decode steps; one local-prefill
-// thread; gRPC threads deliver prefill streams (writing only into the cache that the
-// sequence was given at admission) and cancellations.
+// Threads: one engine thread owns the batch and runs the decode steps; the sources'
+// threads deliver KV streams (writing only into the cache that the sequence was given at
+// admission); clients' threads submit and cancel. Time comes from an injectable Clock.
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -20,17 +20,17 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/base/clock.h"
 #include "common/compression/compression.h"
+#include "common/engine/generate.h"
+#include "common/engine/kv_pool.h"
+#include "common/engine/kv_source.h"
 #include "common/model/llama_model.h"
+#include "common/sparse/attention.h"
 #include "common/telemetry/telemetry.h"
-#include "common/sparse/sparse_attention.h"
-#include "decode_service/kv_pool.h"
-#include "decode_service/prefill_client.h"
 #include "kernels/sampling.h"
 
 namespace kvwire {
-
-using Clock = std::chrono::steady_clock;
 
 struct GenerationJob {
   std::string request_id;
@@ -44,9 +44,8 @@ struct GenerationJob {
   CompressionConfig compression;
   DecodeAttentionConfig attention;
   bool logprobs = false;
-  std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max();
+  Clock::TimePoint deadline = Clock::TimePoint::max();  // on the engine's clock
   TraceContext trace;
-  Clock::time_point arrival = Clock::now();
 };
 
 struct TokenDelta {
@@ -55,15 +54,13 @@ struct TokenDelta {
   std::vector<float> logprobs;
 };
 
-enum class Finish { kLength, kStop };
-
 struct RequestFigures {
   int prompt_tokens = 0, completion_tokens = 0, kept_tokens = 0;
   int64_t full_cache_bytes = 0, wire_bytes = 0;
   double transfer_ms = 0, prefill_ms = 0, queue_ms = 0, ttft_ms = 0, mean_itl_ms = 0;
   std::string policy, prefill_node, decode_node, attention;
   int prefill_attempts = 0;
-  Finish finish = Finish::kLength;
+  FinishReason finish = FinishReason::kLength;
 };
 
 // Where a request's output goes: the client stream. Thread-safe; Finish exactly once.
@@ -80,22 +77,26 @@ struct DecodeEngineOptions {
   int max_batch = 32;             // sequences being prefilled or decoded at once
   int max_queue = 64;             // requests waiting for admission; more is refused
   int queue_timeout_ms = 30000;   // longest wait for KV pool room
-  int prefill_attempts = 3;       // tries of a failed prefill (on other nodes) per request
-  int local_prefill_below = 0;    // prompts shorter than this prefill on this node
+  int prefill_attempts = 3;       // tries of a failed remote prefill (on other nodes)
+  int local_prefill_below = 0;    // prompts shorter than this prefill on `local`
   size_t max_chunk_bytes = kDefaultMaxChunkBytes;
+  // Where prompts' KV comes from: `remote` (prefill nodes) unless the prompt is short or
+  // there is none, else `local`. At least one must be set.
+  KvSource* remote = nullptr;
+  KvSource* local = nullptr;
   Telemetry* telemetry = nullptr;
+  const Clock* clock = &Clock::Real();
 };
 
 class DecodeEngine {
  public:
-  // `prefill` may be null when every request prefills locally.
-  DecodeEngine(LlamaModel* model, KvPool* pool, PrefillClient* prefill, DecodeEngineOptions options);
+  DecodeEngine(LlamaModel* model, KvPool* pool, DecodeEngineOptions options);
   ~DecodeEngine();
 
   // Queues a request. ResourceExhausted when the queue is full; everything else (a bad
   // prompt, no room) arrives through the sink.
   absl::Status Submit(GenerationJob job, std::shared_ptr<ResponseSink> sink);
-  // Wakes the engine (a client cancelled, memory came back).
+  // Wakes the engine (a client cancelled, memory came back, time moved on).
   void Wake();
   // Stops admitting; finishes queued requests with UNAVAILABLE; waits up to `grace` for the
   // running ones (the destructor, not this, ends any still running).
@@ -106,34 +107,35 @@ class DecodeEngine {
 
  private:
   struct Seq;
+  class Receiver;
   void Loop();
-  void LocalPrefillLoop();
-  void Admit(std::vector<std::shared_ptr<Seq>>* finished);
+  void Admit();
   absl::Status Prepare(Seq& s);
-  void StartRemotePrefill(const std::shared_ptr<Seq>& s);
-  void RunLocalPrefill(const std::shared_ptr<Seq>& s);
+  void StartPrefill(const std::shared_ptr<Seq>& s);
   void OnPrefillDone(std::shared_ptr<Seq> s, absl::Status status);
+  void HandlePrefillsDone();
+  void ExpireInFlight();
   // Emits a token to the client; true when the sequence is now finished.
   bool Emit(Seq& s, int32_t token, float logprob);
-  void Step(std::vector<std::shared_ptr<Seq>>* finished);
+  // One decode step of the batch; the sequences it ended, with how.
+  std::vector<std::pair<std::shared_ptr<Seq>, absl::Status>> Step();
+  // Figures, telemetry, the memory back to the pool, then the client's Finish.
   void Complete(const std::shared_ptr<Seq>& s, const absl::Status& status);
 
   LlamaModel* model_;
   KvPool* pool_;
-  PrefillClient* prefill_;
   DecodeEngineOptions options_;
+  const Clock& clock_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Seq>> waiting_;       // not yet admitted
   std::vector<std::shared_ptr<Seq>> prefilling_;   // admitted, KV arriving
   std::vector<std::shared_ptr<Seq>> running_;      // decoding
-  std::deque<std::shared_ptr<Seq>> local_queue_;   // for the local-prefill thread
   std::vector<std::pair<std::shared_ptr<Seq>, absl::Status>> prefill_done_;
   bool stopping_ = false, draining_ = false;
   std::atomic<bool> wake_{false};
-  std::condition_variable local_cv_;
-  std::thread loop_, local_;
+  std::thread loop_;
 };
 
 }  // namespace kvwire

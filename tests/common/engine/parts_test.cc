@@ -5,8 +5,8 @@
 #include <atomic>
 #include <cstring>
 
-#include "decode_service/kv_pool.h"
-#include "decode_service/stop_matcher.h"
+#include "common/engine/kv_pool.h"
+#include "common/engine/stop_matcher.h"
 
 namespace kvwire {
 namespace {

@@ -1,4 +1,4 @@
-#include "decode_service/kv_pool.h"
+#include "common/engine/kv_pool.h"
 
 #include <cstdlib>
 

@@ -2,7 +2,7 @@
 // (docs/algorithms.md §3-4): page summaries stay exact as tokens append; hybrid, quest and
 // exact top-k select what brute force selects; hybrid with every dimension and one-token
 // pages is exact top-k; and a budget covering the cache is dense attention.
-#include "common/sparse/sparse_attention.h"
+#include "common/sparse/attention.h"
 
 #include <gtest/gtest.h>
 
@@ -13,6 +13,7 @@
 #include <set>
 
 #include "common/engine/generate.h"
+#include "common/sparse/rocketkv.h"
 #include "tests/test_util.h"
 
 namespace kvwire {
@@ -180,8 +181,8 @@ TEST(SparseAttention, ModesMatchNaiveReferences) {
         DecodeAttentionConfig a;
         a.mode = mode;
         a.top_k = k;
-        a.top_r = r;
-        a.page_size = page;
+        if (mode == AttentionMode::kHybrid) a.top_r = r;  // each mode takes its own
+        if (mode != AttentionMode::kExactTopK) a.page_size = page;
         auto sel = MakeDecodeSelector(a, mc, cache->shape(), HeapKvAllocator());
         ASSERT_TRUE(sel.ok()) << sel.status();
         std::vector<int32_t> idx;
@@ -251,8 +252,10 @@ TEST(SparseAttention, HybridWithAllDimensionsAndUnitPagesIsExactTopK) {
     DecodeAttentionConfig a;
     a.mode = mode;
     a.top_k = 40;
-    a.top_r = 32;
-    a.page_size = 1;
+    if (mode == AttentionMode::kHybrid) {
+      a.top_r = 32;
+      a.page_size = 1;
+    }
     auto sel = *MakeDecodeSelector(a, mc, cache->shape(), HeapKvAllocator());
     std::vector<int32_t> idx;
     int num = 0;
@@ -329,7 +332,7 @@ TEST(SparseAttention, BudgetCoveringTheCacheIsDense) {
     GenerationRequest r = dense;
     r.attention.mode = mode;
     r.attention.top_k = 200;  // more than the cache ever holds
-    r.attention.top_r = (*model)->config().head_dim;
+    if (mode == AttentionMode::kHybrid) r.attention.top_r = (*model)->config().head_dim;
     auto got = Generate(**model, r);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_EQ(got->ids, want->ids) << AttentionModeName(mode);
@@ -355,7 +358,7 @@ TEST(SparseAttention, RocketKVSplitsTheBudgetAsTheAuthorsCode) {
   // docs/algorithms.md §3.5: S = 32000 + 768, t = 512, d = 128.
   auto big = ResolveRocketKV(512, 32000, 768, 128, CompressionConfig{});
   ASSERT_TRUE(big.ok());
-  EXPECT_EQ(big->stage1.policy, Policy::kSnapKVpp);
+  EXPECT_EQ(big->stage1.policy_name(), "snapkv_pp");
   EXPECT_EQ(big->stage1.budget, 2423);
   EXPECT_EQ(big->stage2.page_size, 3);
   EXPECT_EQ(big->stage2.top_r, 62);
@@ -396,6 +399,19 @@ TEST(SparseAttention, BadConfigsSayWhy) {
   EXPECT_EQ(a.Validate().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(ParseAttentionMode("sparse").ok());
   EXPECT_EQ(*ParseAttentionMode("exact_topk"), AttentionMode::kExactTopK);
+  // A parameter the mode does not take is refused, naming it.
+  DecodeAttentionConfig q;
+  q.mode = AttentionMode::kQuest;
+  q.token_budget = 64;
+  q.top_r = 4;
+  EXPECT_NE(std::string(q.Validate().message()).find("top_r does not apply to quest"),
+            std::string::npos)
+      << q.Validate();
+  DecodeAttentionConfig d;
+  d.token_budget = 64;
+  EXPECT_NE(std::string(d.Validate().message()).find("token_budget does not apply to dense"),
+            std::string::npos)
+      << d.Validate();
 }
 
 }  // namespace

@@ -1,13 +1,13 @@
-#include "decode_service/decode_engine.h"
+#include "common/engine/decode_engine.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "common/engine/generate.h"
-#include "common/wire/kv_wire.h"
 #include "common/base/status.h"
-#include "decode_service/stop_matcher.h"
-#include "proto/convert.h"
+#include "common/engine/prefill_engine.h"
+#include "common/engine/stop_matcher.h"
+#include "common/sparse/rocketkv.h"
+#include "common/wire/kv_wire.h"
 
 namespace kvwire {
 namespace {
@@ -18,8 +18,6 @@ absl::Status StreamFault(const absl::Status& st) {
   if (st.code() != absl::StatusCode::kInvalidArgument) return st;
   return absl::InternalError(absl::StrCat("from the prefill node: ", st.message()));
 }
-
-double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 // Worth retrying on another prefill node: the node or the path failed, not the request.
 bool Retryable(const absl::Status& st) {
@@ -45,24 +43,23 @@ struct DecodeEngine::Seq {
   GenerationJob job;
   std::shared_ptr<ResponseSink> sink;
   State state = State::kWaiting;
+  Clock::TimePoint arrival;
   Span span, queue_span, prefill_span, transfer_span, generate_span;
 
   // Set at admission.
   std::unique_ptr<KvCache> cache;
   std::unique_ptr<DecodeSelector> selector;
-  std::vector<int> kept_per_layer;
-
-  // Prefill: touched by the gRPC thread of the current call until it is done.
-  std::unique_ptr<KvAssembler> assembler;
-  std::shared_ptr<PrefillCall> call;
-  bool prefill_inflight = false;
-  bool local = false;        // prefilled on this node
   size_t reserve_bytes = 0;  // KV pool bytes the request needs (cache + page summaries)
+
+  // Prefill: touched by the source's thread of the current attempt until it is done.
+  KvSource* source = nullptr;
+  bool local = false;  // prefilled on this node
+  std::unique_ptr<KvAssembler> assembler;
+  std::shared_ptr<KvTransfer> transfer;
   int attempts = 0;
-  Clock::time_point admitted, first_kv, trailer_at;
+  Clock::TimePoint admitted, first_kv, trailer_at;
   WireTrailer trailer;
   int64_t wire_bytes = 0;
-  bool header_seen = false;
 
   // Generation state: the first token is emitted by whoever completes the prefill, then
   // only by the engine thread.
@@ -71,17 +68,64 @@ struct DecodeEngine::Seq {
   std::unique_ptr<StopMatcher> stop;
   std::vector<int32_t> generated;
   bool finished = false;
-  Finish finish = Finish::kLength;
-  Clock::time_point first_token_at, last_token_at;
+  FinishReason finish = FinishReason::kLength;
+  Clock::TimePoint first_token_at, last_token_at;
   double itl_sum_ms = 0;
   int itl_count = 0;
 };
 
-DecodeEngine::DecodeEngine(LlamaModel* model, KvPool* pool, PrefillClient* prefill,
-                           DecodeEngineOptions options)
-    : model_(model), pool_(pool), prefill_(prefill), options_(std::move(options)) {
+// One attempt's stream, into the sequence's cache: the assembler checks every message, the
+// trailer's first token goes to the client at once, and the end goes back to the engine.
+class DecodeEngine::Receiver final : public KvReceiver {
+ public:
+  Receiver(DecodeEngine* engine, std::shared_ptr<Seq> seq) : engine_(engine), seq_(std::move(seq)) {}
+
+  absl::Status OnHeader(const WireHeader& h) override {
+    Seq& s = *seq_;
+    s.first_kv = engine_->clock_.Now();
+    if (Telemetry* t = engine_->options_.telemetry) {
+      s.transfer_span = t->StartSpan("decode.kv_transfer", s.prefill_span.context());
+      s.transfer_span.SetAttribute("policy", h.policy);
+      s.transfer_span.SetAttribute("kv.kept_tokens",
+                                   h.kept_per_layer.empty() ? 0 : h.kept_per_layer.back());
+    }
+    return StreamFault(s.assembler->OnHeader(h));
+  }
+  absl::Status OnChunk(WireChunk chunk) override {
+    return StreamFault(seq_->assembler->OnChunk(chunk));
+  }
+  absl::Status OnTrailer(const WireTrailer& t) override {
+    Seq& s = *seq_;
+    RETURN_IF_ERROR(StreamFault(s.assembler->OnTrailer(t, engine_->model_->config().vocab_size)));
+    s.trailer = t;
+    s.trailer_at = engine_->clock_.Now();
+    // The first token goes to the client now, not at the next decode step. Its random
+    // draw was the prefill's; this keeps the local generator in step.
+    s.rng->Uniform();
+    engine_->Emit(s, t.first_token, t.first_logprob);
+    return absl::OkStatus();
+  }
+  void OnDone(const absl::Status& status, int64_t transport_bytes) override {
+    std::shared_ptr<Seq> s = std::move(seq_);
+    s->wire_bytes += transport_bytes;
+    // The transfer: first KV byte to the end of the stream, with what it carried.
+    s->transfer_span.SetAttribute("kv.wire_bytes", transport_bytes);
+    s->transfer_span.SetAttribute("kv.full_bytes", s->trailer.full_cache_bytes);
+    s->transfer_span.SetAttribute("kv.chunks", s->trailer.chunks);
+    s->transfer_span.SetError(s->assembler->complete() ? absl::OkStatus() : status);
+    s->transfer_span.End();
+    engine_->OnPrefillDone(std::move(s), status);  // no reference kept past the hand-over
+  }
+
+ private:
+  DecodeEngine* engine_;
+  std::shared_ptr<Seq> seq_;
+};
+
+DecodeEngine::DecodeEngine(LlamaModel* model, KvPool* pool, DecodeEngineOptions options)
+    : model_(model), pool_(pool), options_(std::move(options)), clock_(*options_.clock) {
+  KVWIRE_CHECK(options_.remote != nullptr || options_.local != nullptr);
   loop_ = std::thread([this] { Loop(); });
-  local_ = std::thread([this] { LocalPrefillLoop(); });
 }
 
 DecodeEngine::~DecodeEngine() {
@@ -89,11 +133,10 @@ DecodeEngine::~DecodeEngine() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    wake_ = true;
   }
   cv_.notify_all();
-  local_cv_.notify_all();
   loop_.join();
-  local_.join();
 }
 
 int DecodeEngine::active() const {
@@ -118,6 +161,7 @@ absl::Status DecodeEngine::Submit(GenerationJob job, std::shared_ptr<ResponseSin
   auto s = std::make_shared<Seq>();
   s->job = std::move(job);
   s->sink = std::move(sink);
+  s->arrival = clock_.Now();
   if (options_.telemetry) {
     s->span = options_.telemetry->StartSpan("decode.request", s->job.trace);
     s->span.SetAttribute("request_id", s->job.request_id);
@@ -148,9 +192,8 @@ void DecodeEngine::Drain(std::chrono::milliseconds grace) {
   for (auto& s : refused) {
     s->sink->Finish(absl::UnavailableError("decode node is shutting down"), nullptr);
   }
-  const auto until = Clock::now() + grace;
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_until(lock, until, [&] { return prefilling_.empty() && running_.empty(); });
+  cv_.wait_for(lock, grace, [&] { return prefilling_.empty() && running_.empty(); });
 }
 
 // Tokenizes and checks what needs the model, sizes the cache and reserves it.
@@ -185,8 +228,6 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   s.cache = std::move(cache);
   s.selector = std::move(selector);
   s.cache->set_prompt_len(len);
-  s.kept_per_layer.clear();
-  for (int l = 0; l < mc.num_layers; ++l) s.kept_per_layer.push_back(j.compression.KeptTokens(l, len));
   s.rng = std::make_unique<SamplingRng>(j.seed);
   s.decoder = std::make_unique<StreamingDecoder>(model_->tokenizer());
   RETURN_IF_ERROR(s.decoder->Prime(j.prompt_ids));
@@ -194,10 +235,10 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   return absl::OkStatus();
 }
 
-void DecodeEngine::Admit(std::vector<std::shared_ptr<Seq>>* finished) {
+void DecodeEngine::Admit() {
   // Requests that were cancelled or ran out of time while waiting leave the queue now, not
   // when they reach its head, so they do not hold queue slots.
-  const auto now = std::chrono::system_clock::now();
+  const auto now = clock_.Now();
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     const bool cancelled = (*it)->sink->cancelled();
     if (!cancelled && now <= (*it)->job.deadline) {
@@ -207,7 +248,6 @@ void DecodeEngine::Admit(std::vector<std::shared_ptr<Seq>>* finished) {
     (*it)->sink->Finish(cancelled ? absl::CancelledError("cancelled while queued")
                                   : absl::DeadlineExceededError("deadline passed while queued"),
                         nullptr);
-    finished->push_back(*it);
     it = waiting_.erase(it);
   }
   // FIFO: the head waits for room rather than letting later, smaller requests starve it.
@@ -216,180 +256,79 @@ void DecodeEngine::Admit(std::vector<std::shared_ptr<Seq>>* finished) {
     if (static_cast<int>(prefilling_.size() + running_.size()) >= options_.max_batch) return;
     absl::Status st = Prepare(*s);
     if (st.code() == absl::StatusCode::kResourceExhausted && pool_->CanEverFit(s->reserve_bytes)) {
-      if (Ms(Clock::now() - s->job.arrival) <= options_.queue_timeout_ms) return;  // wait
+      if (Milliseconds(clock_.Now() - s->arrival) <= options_.queue_timeout_ms) return;  // wait
       st = absl::ResourceExhaustedError(absl::StrCat(
           "waited ", options_.queue_timeout_ms, " ms for ", s->reserve_bytes,
           " bytes of KV pool; ", pool_->used(), " of ", pool_->capacity(), " are in use"));
     }
     waiting_.pop_front();
     if (!st.ok()) {
-      finished->push_back(s);
+      s->selector.reset();
+      s->cache.reset();
       s->sink->Finish(st, nullptr);
       continue;
     }
     s->queue_span.End();
-    s->admitted = Clock::now();
+    s->admitted = clock_.Now();
     s->state = Seq::State::kPrefilling;
     prefilling_.push_back(s);
-    s->local = prefill_ == nullptr ||
+    s->local = options_.remote == nullptr ||
                static_cast<int>(s->job.prompt_ids.size()) < options_.local_prefill_below;
-    if (s->local) {
-      local_queue_.push_back(s);
-      local_cv_.notify_one();
-    } else {
-      StartRemotePrefill(s);
-    }
+    s->source = s->local ? options_.local : options_.remote;
+    StartPrefill(s);
   }
 }
 
-void DecodeEngine::StartRemotePrefill(const std::shared_ptr<Seq>& s) {
-  const ModelConfig& mc = model_->config();
+// Starts one prefill attempt; a source that refuses at once is an attempt that failed.
+void DecodeEngine::StartPrefill(const std::shared_ptr<Seq>& s) {
   ++s->attempts;
-  s->header_seen = false;
   for (int l = 0; l < s->cache->num_layers(); ++l) s->cache->layer(l).len = 0;
-  WireExpectation expect;
-  expect.model_fingerprint = model_->fingerprint();
-  expect.num_layers = mc.num_layers;
-  expect.num_cache_heads = s->cache->shape().n_heads;
-  expect.head_dim = mc.head_dim;
-  expect.dtype = model_->kv_dtype();
-  expect.prompt_len = static_cast<int>(s->job.prompt_ids.size());
-  expect.kept_per_layer = s->kept_per_layer;
-  expect.max_chunk_bytes = options_.max_chunk_bytes;
-  s->assembler = std::make_unique<KvAssembler>(expect, s->cache.get());
+  const int len = static_cast<int>(s->job.prompt_ids.size());
+  s->assembler = std::make_unique<KvAssembler>(
+      StreamExpectation(*model_, s->job.compression, len, options_.max_chunk_bytes),
+      s->cache.get());
 
-  v1::PrefillRequest req;
-  req.set_request_id(s->job.request_id);
-  for (int32_t id : s->job.prompt_ids) req.add_prompt_ids(id);
-  *req.mutable_compression() = ToProto(s->job.compression);
-  req.set_model_fingerprint(model_->fingerprint());
-  req.set_max_chunk_bytes(static_cast<uint32_t>(options_.max_chunk_bytes));
-  req.set_temperature(s->job.sampling.temperature);
-  req.set_top_p(s->job.sampling.top_p);
-  req.set_top_k(s->job.sampling.top_k);
-  req.set_seed(s->job.seed);
-
+  PrefillJob job;
+  job.request_id = s->job.request_id;
+  job.prompt_ids = s->job.prompt_ids;
+  job.compression = s->job.compression;
+  job.model_fingerprint = model_->fingerprint();
+  job.max_chunk_bytes = options_.max_chunk_bytes;
+  job.sampling = s->job.sampling;
+  job.seed = s->job.seed;
+  job.deadline = s->job.deadline;
   if (options_.telemetry) {
-    s->prefill_span = options_.telemetry->StartSpan("decode.prefill_rpc", s->span.context());
+    s->prefill_span = options_.telemetry->StartSpan(
+        s->local ? "decode.prefill_local" : "decode.prefill_rpc", s->span.context());
     s->prefill_span.SetAttribute("attempt", s->attempts);
   }
-  std::weak_ptr<Seq> weak = s;
-  PrefillCallbacks cb;
-  Seq* raw = s.get();  // valid while the call runs: the engine keeps `s` until on_done
-  Telemetry* telemetry = options_.telemetry;
-  cb.on_header = [raw, telemetry](const WireHeader& h) {
-    raw->first_kv = Clock::now();
-    raw->header_seen = true;
-    if (telemetry) {
-      raw->transfer_span = telemetry->StartSpan("decode.kv_transfer", raw->prefill_span.context());
-      raw->transfer_span.SetAttribute("policy", h.policy);
-      raw->transfer_span.SetAttribute("kv.kept_tokens",
-                                      h.kept_per_layer.empty() ? 0 : h.kept_per_layer.back());
-    }
-    return StreamFault(raw->assembler->OnHeader(h));
-  };
-  cb.on_chunk = [raw](const WireChunk& c) { return StreamFault(raw->assembler->OnChunk(c)); };
-  cb.on_trailer = [this, raw](const WireTrailer& t) {
-    RETURN_IF_ERROR(StreamFault(raw->assembler->OnTrailer(t, model_->config().vocab_size)));
-    raw->trailer = t;
-    raw->trailer_at = Clock::now();
-    // The first token goes to the client now, not at the next decode step. Its random
-    // draw was the prefill node's; this keeps the local generator in step.
-    raw->rng->Uniform();
-    Emit(*raw, t.first_token, t.first_logprob);
-    return absl::OkStatus();
-  };
-  cb.on_done = [this, weak](const absl::Status& st, int64_t wire_bytes) {
-    std::shared_ptr<Seq> seq = weak.lock();
-    if (!seq) return;
-    seq->wire_bytes += wire_bytes;
-    // The transfer: first KV byte to the end of the stream, with what it carried.
-    seq->transfer_span.SetAttribute("kv.wire_bytes", wire_bytes);
-    seq->transfer_span.SetAttribute("kv.full_bytes", seq->trailer.full_cache_bytes);
-    seq->transfer_span.SetAttribute("kv.chunks", seq->trailer.chunks);
-    seq->transfer_span.SetError(seq->assembler->complete() ? absl::OkStatus() : st);
-    seq->transfer_span.End();
-    OnPrefillDone(std::move(seq), st);  // this thread keeps no reference past the hand-over
-  };
-  s->prefill_inflight = true;
-  TraceContext ctx = s->prefill_span.context().valid() ? s->prefill_span.context() : s->job.trace;
-  s->call = prefill_->Start(req, s->job.deadline, ctx, std::move(cb));
+  job.trace = s->prefill_span.context().valid() ? s->prefill_span.context() : s->job.trace;
+  auto transfer = s->source->Start(std::move(job), std::make_shared<Receiver>(this, s));
+  if (transfer.ok()) {
+    s->transfer = std::move(*transfer);
+  } else {
+    prefill_done_.emplace_back(s, transfer.status());  // handled by the loop's next turn
+    wake_ = true;
+  }
 }
 
 void DecodeEngine::OnPrefillDone(std::shared_ptr<Seq> s, absl::Status status) {
   // A complete stream counts even if the call then failed: the cache is whole.
   if (s->assembler && s->assembler->complete()) status = absl::OkStatus();
   // Notified under the lock: once it is released the engine may finish and be destroyed,
-  // and this (gRPC) thread must not touch it after that.
+  // and this (source) thread must not touch it after that.
   std::lock_guard<std::mutex> lock(mu_);
   prefill_done_.emplace_back(std::move(s), status);
   wake_ = true;
   cv_.notify_all();
 }
 
-void DecodeEngine::LocalPrefillLoop() {
-  for (;;) {
-    std::shared_ptr<Seq> s;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      local_cv_.wait(lock, [&] { return stopping_ || !local_queue_.empty(); });
-      if (stopping_ && local_queue_.empty()) return;
-      s = std::move(local_queue_.front());
-      local_queue_.pop_front();
-      s->prefill_inflight = true;
-    }
-    RunLocalPrefill(s);
-  }
-}
-
-// A prefill on this node's own model, for short prompts (or no prefill nodes).
-void DecodeEngine::RunLocalPrefill(const std::shared_ptr<Seq>& s) {
-  class Guard : public PrefillObserver {
-   public:
-    Guard(PrefillObserver* inner, Seq* s) : inner_(inner), s_(s) {}
-    int window(int len) const override { return inner_->window(len); }
-    absl::Status OnLayer(const PrefillLayer& l) override {
-      if (s_->sink->cancelled()) return absl::CancelledError("cancelled by the client");
-      if (std::chrono::system_clock::now() > s_->job.deadline) {
-        return absl::DeadlineExceededError("deadline passed during prefill");
-      }
-      return inner_->OnLayer(l);
-    }
-
-   private:
-    PrefillObserver* inner_;
-    Seq* s_;
-  };
-  ++s->attempts;
-  const auto t0 = Clock::now();
-  s->first_kv = t0;
-  CacheSink sink(s->cache.get());
-  Compressor compressor(s->job.compression, model_->config(), model_->kv_dtype(), &sink);
-  Guard guard(&compressor, s.get());
-  auto result = model_->Prefill(s->job.prompt_ids, &guard);
-  absl::Status st = result.status();
-  if (st.ok()) {
-    s->trailer.forward_ms = Ms(Clock::now() - t0);
-    s->trailer.compress_ms = compressor.seconds() * 1e3;
-    s->trailer.node = "local";
-    s->trailer.full_cache_bytes =
-        int64_t{static_cast<int>(s->job.prompt_ids.size())} *
-        model_->config().KvBytesPerToken(model_->kv_dtype());
-    s->trailer_at = Clock::now();
-    const kernels::SampledToken tok = kernels::Sample(
-        result->logits.data(), model_->config().vocab_size, s->job.sampling, s->rng->Uniform());
-    s->trailer.first_token = tok.id;
-    Emit(*s, tok.id, tok.logprob);
-  }
-  OnPrefillDone(s, st);
-}
-
 bool DecodeEngine::Emit(Seq& s, int32_t token, float logprob) {
-  const auto now = Clock::now();
+  const auto now = clock_.Now();
   if (s.generated.empty()) {
     s.first_token_at = now;
   } else {
-    const double itl = Ms(now - s.last_token_at);
+    const double itl = Milliseconds(now - s.last_token_at);
     s.itl_sum_ms += itl;
     ++s.itl_count;
     if (options_.telemetry) options_.telemetry->ObserveItl(itl / 1e3);
@@ -405,10 +344,10 @@ bool DecodeEngine::Emit(Seq& s, int32_t token, float logprob) {
       std::find(s.job.stop_ids.begin(), s.job.stop_ids.end(), token) != s.job.stop_ids.end();
   if (s.stop->stopped() || stop_id) {
     s.finished = true;
-    s.finish = Finish::kStop;
+    s.finish = FinishReason::kStop;
   } else if (static_cast<int>(s.generated.size()) >= s.job.max_tokens) {
     s.finished = true;
-    s.finish = Finish::kLength;
+    s.finish = FinishReason::kLength;
   }
   if (s.finished && !s.stop->stopped()) delta.text += s.stop->Push(s.decoder->Flush()) + s.stop->Flush();
   s.sink->Send(std::move(delta));
@@ -424,10 +363,10 @@ void DecodeEngine::Complete(const std::shared_ptr<Seq>& s, const absl::Status& s
   f.kept_tokens = s->job.compression.KeptTokens(s->job.compression.skip_layers, f.prompt_tokens);
   f.full_cache_bytes = int64_t{f.prompt_tokens} * mc.KvBytesPerToken(model_->kv_dtype());
   f.wire_bytes = s->wire_bytes;
-  f.transfer_ms = s->local ? 0 : Ms(s->trailer_at - s->first_kv);
+  f.transfer_ms = s->local ? 0 : Milliseconds(s->trailer_at - s->first_kv);
   f.prefill_ms = s->trailer.forward_ms;
-  f.queue_ms = Ms(s->admitted - s->job.arrival);
-  f.ttft_ms = Ms(s->first_token_at - s->job.arrival);
+  f.queue_ms = Milliseconds(s->admitted - s->arrival);
+  f.ttft_ms = Milliseconds(s->first_token_at - s->arrival);
   f.mean_itl_ms = s->itl_count ? s->itl_sum_ms / s->itl_count : 0;
   f.policy = s->job.compression.Describe();
   f.prefill_node = s->trailer.node;
@@ -437,7 +376,7 @@ void DecodeEngine::Complete(const std::shared_ptr<Seq>& s, const absl::Status& s
   f.finish = s->finish;
   if (Telemetry* t = options_.telemetry) {
     t->CountRequest(status);
-    t->ObserveRequest(Ms(Clock::now() - s->job.arrival) / 1e3);
+    t->ObserveRequest(Milliseconds(clock_.Now() - s->arrival) / 1e3);
     if (!s->generated.empty()) t->ObserveTtft(f.ttft_ms / 1e3);
     t->CountTokens(f.prompt_tokens, f.completion_tokens);
     s->span.SetAttribute("kv.full_bytes", f.full_cache_bytes);
@@ -454,10 +393,14 @@ void DecodeEngine::Complete(const std::shared_ptr<Seq>& s, const absl::Status& s
     s->span.SetError(status);
     s->span.End();
   }
+  // The memory goes back before the client hears the end, so that a client that sends its
+  // next request at once finds the room.
+  s->selector.reset();
+  s->cache.reset();
   s->sink->Finish(status, status.ok() ? &f : nullptr);
 }
 
-void DecodeEngine::Step(std::vector<std::shared_ptr<Seq>>* finished) {
+std::vector<std::pair<std::shared_ptr<DecodeEngine::Seq>, absl::Status>> DecodeEngine::Step() {
   // The batch: every running sequence, oldest first, up to max_batch.
   std::vector<std::shared_ptr<Seq>> batch;
   {
@@ -467,7 +410,8 @@ void DecodeEngine::Step(std::vector<std::shared_ptr<Seq>>* finished) {
       batch.push_back(s);
     }
   }
-  if (batch.empty()) return;
+  std::vector<std::pair<std::shared_ptr<Seq>, absl::Status>> ended;
+  if (batch.empty()) return ended;
   const int vocab = model_->config().vocab_size;
   std::vector<DecodeInput> inputs;
   for (auto& s : batch) {
@@ -484,120 +428,121 @@ void DecodeEngine::Step(std::vector<std::shared_ptr<Seq>>* finished) {
     Seq& s = *batch[b];
     if (!st.ok()) {
       s.finished = true;
-      finished->push_back(batch[b]);
-      Complete(batch[b], st);
+      ended.emplace_back(batch[b], st);
       continue;
     }
     const kernels::SampledToken tok =
         kernels::Sample(logits.data() + b * vocab, vocab, s.job.sampling, s.rng->Uniform());
-    if (Emit(s, tok.id, tok.logprob)) {
-      finished->push_back(batch[b]);
-      Complete(batch[b], absl::OkStatus());
+    if (Emit(s, tok.id, tok.logprob)) ended.emplace_back(batch[b], absl::OkStatus());
+  }
+  return ended;
+}
+
+// Prefills that ended (under the lock): join the batch, retry elsewhere, or fail.
+void DecodeEngine::HandlePrefillsDone() {
+  auto done = std::move(prefill_done_);
+  prefill_done_.clear();
+  for (auto& [s, st] : done) {
+    s->transfer.reset();
+    s->prefill_span.SetError(st);
+    s->prefill_span.End();
+    Telemetry* t = options_.telemetry;
+    if (st.ok() && t) {
+      t->CountTransfer(std::string(s->source->name()),
+                       std::string(s->job.compression.policy_name()),
+                       s->trailer.full_cache_bytes, s->wire_bytes);
+      if (!s->local) t->ObserveTransfer(Milliseconds(s->trailer_at - s->first_kv) / 1e3);
+    }
+    if (st.ok() && s->finished) {  // the first token already ended it
+      std::erase(prefilling_, s);
+      Complete(s, absl::OkStatus());
+    } else if (st.ok()) {
+      std::erase(prefilling_, s);
+      s->state = Seq::State::kRunning;
+      running_.push_back(s);
+      if (t) {
+        s->generate_span = t->StartSpan("decode.generate", s->span.context());
+        s->generate_span.SetAttribute("attention", s->job.attention.Describe());
+      }
+    } else if (Retryable(st) && !s->sink->cancelled() && !draining_ &&
+               s->attempts < options_.prefill_attempts && !s->local &&
+               clock_.Now() < s->job.deadline) {
+      if (t) t->CountTransferFailure(StatusLabel(st));
+      StartPrefill(s);
+    } else {
+      if (t && !s->local) t->CountTransferFailure(StatusLabel(st));
+      std::erase(prefilling_, s);
+      absl::Status final = st;
+      if (s->sink->cancelled()) {
+        final = absl::CancelledError("cancelled by the client");
+      } else if (clock_.Now() > s->job.deadline) {
+        final = absl::DeadlineExceededError("deadline passed during prefill");
+      }
+      Complete(s, Annotate(final, absl::StrCat("prefill (", s->attempts, " attempt",
+                                               s->attempts == 1 ? "" : "s", ")")));
+    }
+  }
+}
+
+// Cancellations and deadlines of sequences in flight (under the lock).
+void DecodeEngine::ExpireInFlight() {
+  const auto now = clock_.Now();
+  for (auto& s : prefilling_) {
+    if ((s->sink->cancelled() || now > s->job.deadline || stopping_) && s->transfer) {
+      s->transfer->Cancel();
+    }
+  }
+  for (auto it = running_.begin(); it != running_.end();) {
+    auto& s = *it;
+    if (s->sink->cancelled() || now > s->job.deadline || stopping_) {
+      std::shared_ptr<Seq> ending = std::move(*it);
+      it = running_.erase(it);
+      Complete(ending, ending->sink->cancelled() ? absl::CancelledError("cancelled by the client")
+                       : stopping_               ? absl::UnavailableError("decode node shut down")
+                                                 : absl::DeadlineExceededError("deadline passed"));
+    } else {
+      ++it;
     }
   }
 }
 
 void DecodeEngine::Loop() {
   for (;;) {
-    std::vector<std::shared_ptr<Seq>> finished;
     {
       std::unique_lock<std::mutex> lock(mu_);
       // Idle: wait for work, waking now and then for queue timeouts and deadlines.
       if (running_.empty()) {
-        cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return stopping_ || wake_.load(); });
+        cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return wake_.load(); });
       }
       wake_.store(false);
-      if (stopping_ && waiting_.empty() && prefilling_.empty() && running_.empty()) break;
-
-      // Prefills that ended: join the batch, retry elsewhere, or fail.
-      auto done = std::move(prefill_done_);
-      prefill_done_.clear();
-      for (auto& [s, st] : done) {
-        s->prefill_inflight = false;
-        s->call.reset();
-        s->prefill_span.SetError(st);
-        s->prefill_span.End();
-        if (st.ok() && options_.telemetry) {
-          options_.telemetry->CountTransfer(s->local ? "local" : "grpc",
-                                            std::string(PolicyName(s->job.compression.policy)),
-                                            s->trailer.full_cache_bytes, s->wire_bytes);
-          if (!s->local) options_.telemetry->ObserveTransfer(Ms(s->trailer_at - s->first_kv) / 1e3);
-        }
-        if (st.ok() && s->finished) {  // the first token already ended it
-          std::erase(prefilling_, s);
-          finished.push_back(s);
-          Complete(s, absl::OkStatus());
-        } else if (st.ok()) {
-          std::erase(prefilling_, s);
-          s->state = Seq::State::kRunning;
-          running_.push_back(s);
-          if (options_.telemetry) {
-            s->generate_span = options_.telemetry->StartSpan("decode.generate", s->span.context());
-            s->generate_span.SetAttribute("attention", s->job.attention.Describe());
-          }
-        } else if (Retryable(st) && !s->sink->cancelled() && !draining_ &&
-                   s->attempts < options_.prefill_attempts && !s->local &&
-                   std::chrono::system_clock::now() < s->job.deadline) {
-          if (options_.telemetry) options_.telemetry->CountTransferFailure(StatusLabel(st));
-          StartRemotePrefill(s);
-        } else {
-          if (options_.telemetry && !s->local) {
-            options_.telemetry->CountTransferFailure(StatusLabel(st));
-          }
-          std::erase(prefilling_, s);
-          finished.push_back(s);
-          absl::Status final = st;
-          if (s->sink->cancelled()) {
-            final = absl::CancelledError("cancelled by the client");
-          } else if (std::chrono::system_clock::now() > s->job.deadline) {
-            final = absl::DeadlineExceededError("deadline passed during prefill");
-          }
-          Complete(s, Annotate(final, absl::StrCat("prefill (", s->attempts, " attempt",
-                                                   s->attempts == 1 ? "" : "s", ")")));
-        }
+      if (stopping_ && waiting_.empty() && prefilling_.empty() && running_.empty() &&
+          prefill_done_.empty()) {
+        break;
       }
-      // Cancellations and deadlines of sequences in flight.
-      const auto now = std::chrono::system_clock::now();
-      for (auto& s : prefilling_) {
-        if ((s->sink->cancelled() || now > s->job.deadline || stopping_) && s->call) {
-          s->call->Cancel();
-        }
-      }
-      for (auto it = running_.begin(); it != running_.end();) {
-        auto& s = *it;
-        if (s->sink->cancelled() || now > s->job.deadline || stopping_) {
-          finished.push_back(s);
-          Complete(s, s->sink->cancelled() ? absl::CancelledError("cancelled by the client")
-                       : stopping_         ? absl::UnavailableError("decode node shut down")
-                                           : absl::DeadlineExceededError("deadline passed"));
-          it = running_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      if (!draining_) Admit(&finished);
+      HandlePrefillsDone();
+      ExpireInFlight();
+      if (!draining_) Admit();
       if (options_.telemetry) {
         options_.telemetry->SetQueued(static_cast<double>(waiting_.size()));
         options_.telemetry->SetActive(static_cast<double>(prefilling_.size() + running_.size()));
       }
     }
-    // Decode one token for the batch, without the lock.
-    std::vector<std::shared_ptr<Seq>> stepped;
-    Step(&stepped);
+    // Decode one token for the batch, without the lock; the sequences it ended leave the
+    // batch before their clients hear the end.
+    auto ended = Step();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& s : stepped) std::erase(running_, s);
+      for (auto& [s, st] : ended) std::erase(running_, s);
+    }
+    for (auto& [s, st] : ended) Complete(s, st);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
       cv_.notify_all();  // Drain waits for the batch to empty
     }
-    finished.insert(finished.end(), stepped.begin(), stepped.end());
-    // Caches go back to the pool here, outside the lock (the pool wakes the engine).
-    for (auto& s : finished) s->cache.reset();
-    finished.clear();
     if (options_.telemetry) {
       options_.telemetry->SetPool(static_cast<double>(pool_->used()),
                                   static_cast<double>(pool_->capacity()));
     }
   }
 }
-
 }  // namespace kvwire

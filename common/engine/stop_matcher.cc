@@ -1,4 +1,4 @@
-#include "decode_service/stop_matcher.h"
+#include "common/engine/stop_matcher.h"
 
 #include <algorithm>
 

@@ -1,0 +1,103 @@
+// `chunkkv`: ChunkKV (Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for
+// Efficient Long-Context LLM Inference", 2025). Algorithm 1: the prefix is cut into
+// chunks of `chunk` consecutive tokens, a chunk's score is the mean of its tokens' window
+// votes (summed over every query head), and whole chunks are kept best first, so kept
+// tokens keep their context; one index set serves every KV head of the layer. Algorithm
+// 2, layer-wise index reuse: layers in groups of `reuse_layers` share the first one's
+// indices, and the later layers of a group need no scores at all.
+//
+// Choices the paper leaves open (docs/algorithms.md §5.3): chunks tile the prefix only
+// (the window is appended whole, never chosen twice); chunks are taken in rank order
+// until they cover the prefix budget, and the position-sorted tokens are cut to exactly
+// that budget.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/ranking.h"
+#include "common/base/status.h"
+#include "common/compression/scoring.h"
+
+namespace kvwire {
+namespace {
+
+absl::StatusOr<PolicyPtr> MakeChunkKV(const ParamValues& values);
+
+const PolicyInfo kInfo = {
+    "chunkkv",
+    "whole chunks of `chunk` tokens, one index set per layer, shared by `reuse_layers` layers",
+    "ChunkKV, Algorithms 1-2",
+    {{"chunk", "10", "chunkkv chunk size"},
+     {"reuse_layers", "1", "chunkkv layer-wise index reuse group size (1: none)"}},
+    &MakeChunkKV};
+
+struct ChunkKVParams {
+  int chunk = 10;         // tokens per chunk (ChunkKV §4)
+  int reuse_layers = 1;   // N_reuse
+};
+
+std::vector<int32_t> ChunkSelect(const std::vector<float>& tok, int chunk, int prefix_budget) {
+  const int prefix = static_cast<int>(tok.size());
+  std::vector<int32_t> chosen;
+  int covered = 0;
+  for (int32_t m : RankBestFirst(RunMeans(tok, chunk))) {
+    if (covered >= prefix_budget) break;
+    chosen.push_back(m);
+    covered += std::min(prefix, (m + 1) * chunk) - m * chunk;
+  }
+  std::sort(chosen.begin(), chosen.end());
+  std::vector<int32_t> kept;
+  for (int32_t m : chosen) {
+    for (int j = m * chunk; j < std::min(prefix, (m + 1) * chunk); ++j) kept.push_back(j);
+  }
+  kept.resize(std::min<size_t>(kept.size(), prefix_budget));
+  return kept;
+}
+
+class ChunkKV final : public CompressionPolicy {
+ public:
+  explicit ChunkKV(ChunkKVParams p) : p_(p) {}
+  const PolicyInfo& info() const override { return kInfo; }
+  ParamValues params() const override {
+    return {{"chunk", absl::StrCat(p_.chunk)}, {"reuse_layers", absl::StrCat(p_.reuse_layers)}};
+  }
+  // Only the first layer of each reuse group scores (Algorithm 2).
+  bool NeedsScores(int index) const override { return index % p_.reuse_layers == 0; }
+
+  absl::StatusOr<KeptRows> SelectPrefix(const LayerInput& in, PromptState* state) const override {
+    if (!NeedsScores(in.index)) {
+      if (state->carried.empty()) {
+        return absl::FailedPreconditionError("chunkkv: reused layer before its anchor");
+      }
+      return state->carried;
+    }
+    std::vector<float> tok(in.prefix, 0.f);
+    for (const auto& row : HeadVotes(*in.scores, in.prefix)) {
+      for (int j = 0; j < in.prefix; ++j) tok[j] += row[j];
+    }
+    state->carried = KeptRows(in.cache_heads, ChunkSelect(tok, p_.chunk, in.prefix_budget));
+    return state->carried;
+  }
+
+ private:
+  ChunkKVParams p_;
+};
+
+absl::StatusOr<PolicyPtr> MakeChunkKV(const ParamValues& values) {
+  ChunkKVParams p;
+  ParamReader reader(kInfo, values);
+  RETURN_IF_ERROR(reader.Int("chunk", INT32_MIN, 1 << 20, &p.chunk));
+  RETURN_IF_ERROR(reader.Int("reuse_layers", INT32_MIN, 1 << 20, &p.reuse_layers));
+  RETURN_IF_ERROR(reader.Finish());
+  if (p.chunk < 1) return absl::InvalidArgumentError(absl::StrCat("chunk must be >= 1, got ", p.chunk));
+  if (p.reuse_layers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reuse_layers must be >= 1 (1: no reuse), got ", p.reuse_layers));
+  }
+  return std::make_shared<ChunkKV>(p);
+}
+
+}  // namespace
+
+const PolicyInfo& ChunkKVPolicyInfo() { return kInfo; }
+
+}  // namespace kvwire

@@ -1,0 +1,136 @@
+// `snapkv_pp`: SnapKV++, stage 1 of RocketKV (Behnam et al., "RocketKV: Accelerating Long-
+// Context LLM Inference via Two-Stage KV Cache Compression", 2025), Algorithm 1. SnapKV
+// with two changes: the votes of a GQA group's query heads are summed after the softmax
+// and before pooling, so selection is per KV head and the cache is not duplicated; and the
+// max-pooling kernel grows with the prompt (Appendix A.3: 63 below 48K tokens, 511 above).
+//
+// `rocketkv` is the two-stage method (§3.5): one per-step token budget split between this
+// prompt compression and hybrid sparse attention at decode. Its split needs max_tokens,
+// which only the decode side knows, so a `rocketkv` request is resolved into `snapkv_pp`
+// with a derived budget plus a hybrid attention config by common/sparse/rocketkv.cc before
+// any prompt is compressed; here it is registered with SnapKV++'s parameters.
+#include "absl/strings/str_cat.h"
+#include "common/base/ranking.h"
+#include "common/base/status.h"
+#include "common/compression/scoring.h"
+
+namespace kvwire {
+namespace {
+
+absl::StatusOr<PolicyPtr> MakeSnapKVpp(const ParamValues& values);
+absl::StatusOr<PolicyPtr> MakeRocketKV(const ParamValues& values);
+
+const std::vector<ParamInfo> kParams = {
+    {"kernel_small", "63", "snapkv_pp kernel below --kernel-threshold prompt tokens"},
+    {"kernel_large", "511", "snapkv_pp kernel from --kernel-threshold prompt tokens on"},
+    {"kernel_threshold", "49152", "snapkv_pp prompt length that switches kernels"},
+};
+
+const PolicyInfo kInfo = {"snapkv_pp",
+                          "group-summed votes, max-pooled with a kernel chosen by prompt length",
+                          "RocketKV, Algorithm 1 (SnapKV++)", kParams, &MakeSnapKVpp};
+
+const PolicyInfo kRocketKVInfo = {
+    "rocketkv",
+    "one per-step token budget t split into SnapKV++ (stage 1) and hybrid attention (stage 2)",
+    "RocketKV, §3.5", kParams, &MakeRocketKV};
+
+struct SnapKVppParams {
+  int kernel_small = 63;
+  int kernel_large = 511;
+  int kernel_threshold = 48 * 1024;
+};
+
+absl::StatusOr<SnapKVppParams> ReadParams(const PolicyInfo& info, const ParamValues& values) {
+  SnapKVppParams p;
+  ParamReader reader(info, values);
+  RETURN_IF_ERROR(reader.Int("kernel_small", INT32_MIN, 1 << 20, &p.kernel_small));
+  RETURN_IF_ERROR(reader.Int("kernel_large", INT32_MIN, 1 << 20, &p.kernel_large));
+  RETURN_IF_ERROR(reader.Int("kernel_threshold", INT32_MIN, 1 << 30, &p.kernel_threshold));
+  RETURN_IF_ERROR(reader.Finish());
+  if (p.kernel_small < 1 || p.kernel_small % 2 == 0 || p.kernel_large < 1 ||
+      p.kernel_large % 2 == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kernel_small and kernel_large must be odd and >= 1, got ", p.kernel_small, " and ",
+        p.kernel_large));
+  }
+  if (p.kernel_threshold < 1) return absl::InvalidArgumentError("kernel_threshold must be >= 1");
+  return p;
+}
+
+ParamValues ToValues(const SnapKVppParams& p) {
+  return {{"kernel_small", absl::StrCat(p.kernel_small)},
+          {"kernel_large", absl::StrCat(p.kernel_large)},
+          {"kernel_threshold", absl::StrCat(p.kernel_threshold)}};
+}
+
+class SnapKVpp final : public CompressionPolicy {
+ public:
+  explicit SnapKVpp(SnapKVppParams p) : p_(p) {}
+  const PolicyInfo& info() const override { return kInfo; }
+  ParamValues params() const override { return ToValues(p_); }
+  std::string DescribeParams(int window) const override {
+    return absl::StrCat(", window=", window, ", kernel=", p_.kernel_small, "/", p_.kernel_large,
+                        "@", p_.kernel_threshold);
+  }
+
+  absl::StatusOr<KeptRows> SelectPrefix(const LayerInput& in, PromptState*) const override {
+    const int kernel = in.len >= p_.kernel_threshold ? p_.kernel_large : p_.kernel_small;
+    KeptRows kept;
+    for (const auto& row : GroupVotes(HeadVotes(*in.scores, in.prefix), GqaMode::kSum,
+                                      in.n_kv_heads)) {
+      kept.push_back(TopKAscending(Pool1d(row, kernel, PoolKind::kMax), in.prefix_budget));
+    }
+    return kept;
+  }
+
+ private:
+  SnapKVppParams p_;
+};
+
+// Not a selection on its own: the decode side resolves it (see the file comment).
+class RocketKV final : public CompressionPolicy {
+ public:
+  explicit RocketKV(SnapKVppParams p) : p_(p) {}
+  const PolicyInfo& info() const override { return kRocketKVInfo; }
+  ParamValues params() const override { return ToValues(p_); }
+  bool selects() const override { return false; }
+  std::string DescribeBudget(int budget, double) const override {
+    return absl::StrCat("t=", budget);
+  }
+  std::string DescribeParams(int window) const override {
+    return absl::StrCat(", window=", window);
+  }
+  absl::Status CheckBudget(int budget, int window) const override {
+    if (budget < 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rocketkv needs budget = the per-step token budget t (>= 2), got ", budget));
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<KeptRows> SelectPrefix(const LayerInput&, PromptState*) const override {
+    return absl::FailedPreconditionError(
+        "rocketkv must be resolved into its two stages (snapkv_pp + hybrid) before a prompt is "
+        "compressed");
+  }
+
+ private:
+  SnapKVppParams p_;
+};
+
+absl::StatusOr<PolicyPtr> MakeSnapKVpp(const ParamValues& values) {
+  ASSIGN_OR_RETURN(SnapKVppParams p, ReadParams(kInfo, values));
+  return std::make_shared<SnapKVpp>(p);
+}
+
+absl::StatusOr<PolicyPtr> MakeRocketKV(const ParamValues& values) {
+  ASSIGN_OR_RETURN(SnapKVppParams p, ReadParams(kRocketKVInfo, values));
+  return std::make_shared<RocketKV>(p);
+}
+
+}  // namespace
+
+const PolicyInfo& SnapKVppPolicyInfo() { return kInfo; }
+const PolicyInfo& RocketKVPolicyInfo() { return kRocketKVInfo; }
+
+}  // namespace kvwire

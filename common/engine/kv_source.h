@@ -1,0 +1,63 @@
+// Where a decode node gets a prompt's compressed KV cache. The decode engine asks a
+// KvSource to start a prefill and hears the resulting stream through its KvReceiver:
+//
+//   GrpcKvSource   (decode_service/grpc_kv_source.h) a prefill node over the Prefill RPC
+//   LocalKvSource  (here) this node's own model, for short prompts or no prefill nodes
+//   fakes          (tests/) streams a test scripts, with no network
+//
+// GPU transports (NCCL, CUDA IPC) plug in here: the stream's metadata as now, the K/V
+// payload moved device to device.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/engine/prefill_engine.h"
+#include "common/wire/kv_stream.h"
+
+namespace kvwire {
+
+// The receiving end of one stream: its calls in order (on the source's threads; they must
+// not block for long), then OnDone exactly once, last.
+class KvReceiver : public KvStreamSink {
+ public:
+  // How the stream ended, and the bytes its transport moved.
+  virtual void OnDone(const absl::Status& status, int64_t transport_bytes) = 0;
+};
+
+// A stream in flight. Cancel may be called from any thread, any number of times, also
+// after the stream ended; the receiver still hears OnDone.
+class KvTransfer {
+ public:
+  virtual ~KvTransfer() = default;
+  virtual void Cancel() = 0;
+};
+
+class KvSource {
+ public:
+  virtual ~KvSource() = default;
+  // "grpc", "local", ...: the transport label of metrics.
+  virtual absl::string_view name() const = 0;
+  // Starts pulling `job`'s KV into `receiver`. An error here means nothing started and the
+  // receiver hears nothing; otherwise it hears the stream and then OnDone. Never calls the
+  // receiver on the caller's thread before returning.
+  virtual absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
+                                                            std::shared_ptr<KvReceiver> receiver) = 0;
+};
+
+// Prefills on a PrefillExecutor of this process (the decode node's own model) and hands
+// the stream straight to the receiver: no serialization, no copies beyond the chunks.
+class LocalKvSource final : public KvSource {
+ public:
+  explicit LocalKvSource(PrefillExecutor* prefills) : prefills_(prefills) {}
+  absl::string_view name() const override { return "local"; }
+  absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
+                                                    std::shared_ptr<KvReceiver> receiver) override;
+
+ private:
+  PrefillExecutor* prefills_;
+};
+
+}  // namespace kvwire

@@ -1,0 +1,277 @@
+#include "common/engine/prefill_engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status.h"
+
+namespace kvwire {
+namespace {
+
+// Cuts each compressed layer into bounded chunks for the stream.
+class ChunkingSink final : public CompressedLayerSink {
+ public:
+  ChunkingSink(KvStreamSink* out, size_t max_chunk_bytes)
+      : out_(out), max_chunk_bytes_(max_chunk_bytes) {}
+
+  absl::Status Accept(CompressedLayer layer) override {
+    for (WireChunk& chunk : ChunkLayer(layer, max_chunk_bytes_)) {
+      payload_bytes_ += static_cast<int64_t>(chunk.payload_bytes());
+      RETURN_IF_ERROR(out_->OnChunk(std::move(chunk)));
+      ++chunks_;
+    }
+    return absl::OkStatus();
+  }
+  int chunks() const { return chunks_; }
+  int64_t payload_bytes() const { return payload_bytes_; }
+
+ private:
+  KvStreamSink* out_;
+  size_t max_chunk_bytes_;
+  int chunks_ = 0;
+  int64_t payload_bytes_ = 0;
+};
+
+// Stops the forward pass between layers when the reader is gone or the deadline passed,
+// and traces each layer's compression (cheap next to the layer's forward pass).
+class Guarded final : public PrefillObserver {
+ public:
+  Guarded(Compressor* inner, const KvStreamSink* sink, const PrefillJob& job, const Clock& clock,
+          Telemetry* telemetry, const Span* forward)
+      : inner_(inner), sink_(sink), job_(job), clock_(clock), telemetry_(telemetry),
+        forward_(forward) {}
+  int window(int len) const override { return inner_->window(len); }
+  absl::Status OnLayer(const PrefillLayer& layer) override {
+    if (sink_->cancelled()) return absl::CancelledError("prefill cancelled by its reader");
+    if (clock_.Now() > job_.deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("deadline passed during prefill, at layer ", layer.layer));
+    }
+    if (telemetry_ == nullptr) return inner_->OnLayer(layer);
+    Span span = telemetry_->StartSpan("prefill.compress", forward_->context());
+    span.SetAttribute("layer", layer.layer);
+    const absl::Status st = inner_->OnLayer(layer);
+    span.SetError(st);
+    return st;
+  }
+
+ private:
+  Compressor* inner_;
+  const KvStreamSink* sink_;
+  const PrefillJob& job_;
+  const Clock& clock_;
+  Telemetry* telemetry_;
+  const Span* forward_;
+};
+
+}  // namespace
+
+struct PrefillEngine::Queued {
+  PrefillJob job;
+  std::shared_ptr<KvStreamSink> sink;
+  Done done;
+  Clock::TimePoint received;
+};
+
+WireHeader StreamHeader(const LlamaModel& model, const CompressionConfig& config, int len) {
+  const ModelConfig& mc = model.config();
+  WireHeader h;
+  h.model_fingerprint = model.fingerprint();
+  h.num_layers = mc.num_layers;
+  h.num_cache_heads = config.CacheHeads(mc.num_heads, mc.num_kv_heads);
+  h.head_dim = mc.head_dim;
+  h.dtype = model.kv_dtype();
+  h.policy = config.Describe();
+  h.prompt_len = len;
+  for (int l = 0; l < mc.num_layers; ++l) h.kept_per_layer.push_back(config.KeptTokens(l, len));
+  return h;
+}
+
+WireExpectation StreamExpectation(const LlamaModel& model, const CompressionConfig& config, int len,
+                                  size_t max_chunk_bytes) {
+  const WireHeader h = StreamHeader(model, config, len);
+  WireExpectation e;
+  e.model_fingerprint = h.model_fingerprint;
+  e.num_layers = h.num_layers;
+  e.num_cache_heads = h.num_cache_heads;
+  e.head_dim = h.head_dim;
+  e.dtype = h.dtype;
+  e.prompt_len = len;
+  e.kept_per_layer = h.kept_per_layer;
+  e.max_chunk_bytes = max_chunk_bytes;
+  return e;
+}
+
+PrefillEngine::PrefillEngine(LlamaModel* model, PrefillEngineOptions options)
+    : model_(model), options_(std::move(options)) {
+  KVWIRE_CHECK(options_.workers >= 0 && options_.max_queue >= 1 && options_.clock != nullptr);
+  for (int i = 0; i < options_.workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+PrefillEngine::~PrefillEngine() { Shutdown(); }
+
+absl::Status PrefillEngine::Check(const PrefillJob& job) const {
+  const ModelConfig& mc = model_->config();
+  if (job.model_fingerprint && *job.model_fingerprint != model_->fingerprint()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("request is for model '", *job.model_fingerprint, "' but node ",
+                     options_.node_name, " serves '", model_->fingerprint(), "'"));
+  }
+  const int len = static_cast<int>(job.prompt_ids.size());
+  if (len == 0) return absl::InvalidArgumentError("prompt_ids is empty");
+  if (len > mc.context_limit()) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt of ", len,
+                                                   " tokens exceeds the model's context of ",
+                                                   mc.context_limit()));
+  }
+  for (int i = 0; i < len; ++i) {
+    if (job.prompt_ids[i] < 0 || job.prompt_ids[i] >= mc.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_ids[", i, "] = ", job.prompt_ids[i],
+                                                     " is outside the vocabulary [0, ",
+                                                     mc.vocab_size, ")"));
+    }
+  }
+  RETURN_IF_ERROR(job.compression.Validate());
+  if (!job.compression.policy->selects()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "compression.policy: ", job.compression.policy_name(),
+        " must be resolved into its two stages by the decode node"));
+  }
+  if (job.max_chunk_bytes < 1024 || job.max_chunk_bytes > kMaxChunkBytesLimit) {
+    return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes must be in [1024, ",
+                                                   kMaxChunkBytesLimit, "], got ",
+                                                   job.max_chunk_bytes));
+  }
+  const kernels::SamplingParams& s = job.sampling;
+  if (!(s.temperature >= 0) || !(s.top_p > 0 && s.top_p <= 1) || s.top_k < 0) {
+    return absl::InvalidArgumentError(
+        "sampling: need temperature >= 0, top_p in (0, 1], top_k >= 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PrefillOutcome> PrefillEngine::Run(const PrefillJob& job, KvStreamSink& sink) {
+  const ModelConfig& mc = model_->config();
+  Telemetry* telemetry = options_.telemetry;
+  const Clock& clock = *options_.clock;
+  Span span = telemetry ? telemetry->StartSpan("prefill.serve", job.trace) : Span();
+  span.SetAttribute("request_id", job.request_id);
+  if (sink.cancelled()) return absl::CancelledError("cancelled while queued");
+  if (clock.Now() > job.deadline) {
+    return absl::DeadlineExceededError("deadline passed while queued for prefill");
+  }
+  RETURN_IF_ERROR(Check(job));
+  const int len = static_cast<int>(job.prompt_ids.size());
+  const CompressionConfig& config = job.compression;
+
+  const WireHeader header = StreamHeader(*model_, config, len);
+  RETURN_IF_ERROR(sink.OnHeader(header));
+  const auto t0 = clock.Now();
+  ChunkingSink chunks(&sink, job.max_chunk_bytes);
+  Compressor compressor(config, mc, model_->kv_dtype(), &chunks);
+  Span forward = telemetry ? telemetry->StartSpan("prefill.forward", span.context()) : Span();
+  Guarded observer(&compressor, &sink, job, clock, telemetry, &forward);
+  auto result = model_->Prefill(job.prompt_ids, &observer);
+  forward.SetAttribute("prompt_tokens", len);
+  forward.End();
+  RETURN_IF_ERROR(result.status());
+
+  PrefillOutcome out;
+  out.logits = std::move(result->logits);
+  SamplingRng rng(job.seed);
+  const kernels::SampledToken tok =
+      kernels::Sample(out.logits.data(), mc.vocab_size, job.sampling, rng.Uniform());
+  WireTrailer& trailer = out.trailer;
+  trailer.first_token = tok.id;
+  trailer.first_logprob = tok.logprob;
+  trailer.forward_ms = Milliseconds(clock.Now() - t0);
+  trailer.compress_ms = compressor.seconds() * 1e3;
+  trailer.full_cache_bytes = int64_t{len} * mc.KvBytesPerToken(model_->kv_dtype());
+  trailer.kv_payload_bytes = chunks.payload_bytes();
+  trailer.chunks = chunks.chunks();
+  trailer.node = options_.node_name;
+  RETURN_IF_ERROR(sink.OnTrailer(trailer));
+
+  span.SetAttribute("policy", header.policy);
+  span.SetAttribute("budget", config.EffectiveBudget(len));
+  span.SetAttribute("kv.kept_tokens", header.kept_per_layer.back());
+  span.SetAttribute("kv.full_bytes", trailer.full_cache_bytes);
+  span.SetAttribute("kv.wire_bytes", sink.transport_bytes());
+  if (telemetry) {
+    telemetry->ObservePrefill(trailer.forward_ms / 1e3, trailer.compress_ms / 1e3);
+    telemetry->CountTransfer(std::string(sink.transport()), std::string(config.policy_name()),
+                             trailer.full_cache_bytes, sink.transport_bytes());
+  }
+  return out;
+}
+
+absl::Status PrefillEngine::Submit(PrefillJob job, std::shared_ptr<KvStreamSink> sink, Done done) {
+  auto q = std::make_unique<Queued>();
+  q->job = std::move(job);
+  q->sink = std::move(sink);
+  q->done = std::move(done);
+  q->received = options_.clock->Now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || workers_.empty()) {
+      return absl::UnavailableError(
+          absl::StrCat("prefill node ", options_.node_name, " is shutting down"));
+    }
+    if (static_cast<int>(queue_.size()) >= options_.max_queue) {
+      const absl::Status full = absl::ResourceExhaustedError(
+          absl::StrCat("prefill node ", options_.node_name, " is full: ", queue_.size(),
+                       " prefills queued (--max-queue ", options_.max_queue, ")"));
+      if (options_.telemetry) options_.telemetry->CountRequest(full);
+      return full;
+    }
+    queue_.push_back(std::move(q));
+    if (options_.telemetry) options_.telemetry->SetQueued(static_cast<double>(queue_.size()));
+  }
+  cv_.notify_one();
+  return absl::OkStatus();
+}
+
+void PrefillEngine::WorkerLoop() {
+  for (;;) {
+    std::unique_ptr<Queued> q;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping
+      q = std::move(queue_.front());
+      queue_.pop_front();
+      ++running_;
+      if (options_.telemetry) {
+        options_.telemetry->SetQueued(static_cast<double>(queue_.size()));
+        options_.telemetry->SetActive(running_);
+      }
+    }
+    if (options_.telemetry) {
+      options_.telemetry->ObserveQueue(Milliseconds(options_.clock->Now() - q->received) / 1e3);
+    }
+    const absl::Status st = Run(q->job, *q->sink).status();
+    if (options_.telemetry) options_.telemetry->CountRequest(st);
+    q->done(st);
+    std::lock_guard<std::mutex> lock(mu_);
+    --running_;
+    if (options_.telemetry) options_.telemetry->SetActive(running_);
+  }
+}
+
+void PrefillEngine::Shutdown() {
+  std::deque<std::unique_ptr<Queued>> refused;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && workers_.empty()) return;
+    stopping_ = true;
+    refused.swap(queue_);
+  }
+  cv_.notify_all();
+  for (auto& q : refused) {
+    q->done(absl::UnavailableError(absl::StrCat("prefill node ", options_.node_name, " shut down")));
+  }
+  for (auto& t : workers_) t.join();
+  workers_.clear();
+}
+
+}  // namespace kvwire

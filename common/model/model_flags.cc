@@ -1,0 +1,40 @@
+#include "common/model/model_flags.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status.h"
+
+namespace kvwire {
+
+void DefineModelFlags(Flags& flags) {
+  flags.Define("model", "",
+               "Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or "
+               "synthetic:NAME (synthetic:tiny, synthetic:stories, synthetic:llama-1b, "
+               "synthetic:attn-8kv)");
+  flags.Define("dtype", "", "convert weights to f32, bf16 or f16 at load (default: as stored)");
+  flags.Define("threads", "0", "CPU threads (0: all cores)");
+  flags.Define("backend", "cpu", "kernel backend of the engine: cpu or reference");
+}
+
+absl::StatusOr<LoadOptions> LoadOptionsFromFlags(const Flags& flags) {
+  if (flags.GetString("model").empty()) return absl::InvalidArgumentError("--model is required");
+  LoadOptions options;
+  if (!flags.GetString("dtype").empty()) {
+    ASSIGN_OR_RETURN(options.weight_dtype, ParseDType(flags.GetString("dtype")));
+  }
+  ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0, 1024));
+  options.threads = static_cast<int>(threads);
+  ASSIGN_OR_RETURN(options.backend, kernels::ParseBackendKind(flags.GetString("backend")));
+  if (options.backend == kernels::BackendKind::kCuda) {
+    return absl::UnimplementedError(
+        "--backend=cuda: the Llama engine runs on the cpu (or reference) backend in this "
+        "version; the CUDA backend provides the kernels, not yet a device-resident model");
+  }
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LoadModelFromFlags(const Flags& flags) {
+  ASSIGN_OR_RETURN(LoadOptions options, LoadOptionsFromFlags(flags));
+  return LlamaModel::Load(flags.GetString("model"), options);
+}
+
+}  // namespace kvwire

@@ -1,0 +1,241 @@
+#include "common/sparse/attention.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/base/ranking.h"
+#include "common/base/status.h"
+
+namespace kvwire {
+
+const AttentionModeInfo& HybridModeInfo();     // rocketkv.cc
+const AttentionModeInfo& QuestModeInfo();      // quest.cc
+const AttentionModeInfo& ExactTopKModeInfo();  // exact_topk.cc
+
+namespace {
+
+const AttentionModeInfo kDense = {AttentionMode::kDense, "dense", "exact attention", {}, false,
+                                  nullptr, nullptr, nullptr};
+
+// The sparse selector of one sequence: brings its page summaries up to date, then lets
+// the mode choose each KV head's tokens.
+class SparseSelector final : public DecodeSelector {
+ public:
+  SparseSelector(SparseParams params, const ModelConfig& model,
+                 std::unique_ptr<PageSummaries> summaries)
+      : p_(params),
+        info_(ModeInfo(params.mode)),
+        n_heads_(model.num_heads),
+        head_dim_(model.head_dim),
+        summaries_(std::move(summaries)) {}
+
+  absl::StatusOr<bool> Select(int layer, const float* q, LayerCache& lc,
+                              std::vector<int32_t>* indices, int* num) override {
+    if (summaries_) summaries_->Update(layer, lc);
+    if (p_.top_k >= lc.len) return false;  // the budget covers the cache: dense
+    const int k = p_.top_k;
+    const int group = n_heads_ / lc.n_heads;
+    indices->resize(static_cast<size_t>(lc.n_heads) * k);
+    *num = k;
+    for (int c = 0; c < lc.n_heads; ++c) {
+      HeadQuery hq;
+      hq.layer = layer;
+      hq.head = c;
+      hq.q = q + static_cast<int64_t>(c) * group * head_dim_;
+      hq.group = group;
+      hq.cache = &lc;
+      hq.summaries = summaries_.get();
+      hq.params = &p_;
+      hq.out = indices->data() + static_cast<size_t>(c) * k;
+      info_.select(hq);
+    }
+    return true;
+  }
+
+ private:
+  SparseParams p_;
+  const AttentionModeInfo& info_;
+  int n_heads_, head_dim_;
+  std::unique_ptr<PageSummaries> summaries_;
+};
+
+// The parameters a sequence's selector will run with.
+absl::StatusOr<SparseParams> SelectorParams(const DecodeAttentionConfig& config,
+                                            const ModelConfig& model, const KvCacheShape& cache) {
+  int capacity = 0;
+  for (int c : cache.capacity) capacity = std::max(capacity, c);
+  return ResolveSparseParams(config, capacity, model.head_dim);
+}
+
+}  // namespace
+
+const std::vector<const AttentionModeInfo*>& AttentionModes() {
+  static const auto* const kModes = new std::vector<const AttentionModeInfo*>{
+      &kDense, &HybridModeInfo(), &QuestModeInfo(), &ExactTopKModeInfo()};
+  return *kModes;
+}
+
+const AttentionModeInfo& ModeInfo(AttentionMode mode) {
+  for (const AttentionModeInfo* m : AttentionModes()) {
+    if (m->mode == mode) return *m;
+  }
+  KVWIRE_CHECK(false);  // every enumerator is registered
+  return kDense;
+}
+
+absl::string_view AttentionModeName(AttentionMode m) { return ModeInfo(m).name; }
+
+absl::StatusOr<AttentionMode> ParseAttentionMode(absl::string_view name) {
+  std::vector<std::string> names;
+  for (const AttentionModeInfo* m : AttentionModes()) {
+    if (name == m->name) return m->mode;
+    names.push_back(m->name);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown decode attention mode '", name,
+                                                 "'; expected one of ", absl::StrJoin(names, ", ")));
+}
+
+absl::Status DecodeAttentionConfig::Validate() const {
+  if (token_budget < 0 || top_k < 0 || top_r < 0 || page_size < 0) {
+    return absl::InvalidArgumentError(
+        "attention: token_budget, top_k, top_r and page_size must be >= 0");
+  }
+  if (token_budget > (1 << 26) || top_k > (1 << 26) || top_r > (1 << 16) || page_size > (1 << 16)) {
+    return absl::InvalidArgumentError(
+        "attention: token_budget and top_k must be <= 2^26, top_r and page_size <= 2^16");
+  }
+  const AttentionModeInfo& info = ModeInfo(mode);
+  for (const auto& [name, value] : {std::pair<const char*, int>{"token_budget", token_budget},
+                                    {"top_k", top_k}, {"top_r", top_r}, {"page_size", page_size}}) {
+    if (value == 0) continue;
+    if (std::find_if(info.params.begin(), info.params.end(), [&](const char* p) {
+          return absl::string_view(p) == name;
+        }) == info.params.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention: ", name, " does not apply to ", info.name, " (",
+          info.params.empty() ? std::string("it takes no parameters")
+                              : absl::StrCat("it takes ", absl::StrJoin(info.params, ", ")),
+          ")"));
+    }
+  }
+  if (mode != AttentionMode::kDense && token_budget == 0 && top_k == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention: ", info.name, " needs a token_budget (or an explicit top_k)"));
+  }
+  if (mode != AttentionMode::kDense && token_budget == 1 && top_k == 0) {
+    return absl::InvalidArgumentError("attention: token_budget must be at least 2 (k = t/2)");
+  }
+  return absl::OkStatus();
+}
+
+std::string DecodeAttentionConfig::Describe() const {
+  if (mode == AttentionMode::kDense) return "dense";
+  std::vector<std::string> parts;
+  if (token_budget) parts.push_back(absl::StrCat("t=", token_budget));
+  if (top_k) parts.push_back(absl::StrCat("k=", top_k));
+  if (top_r) parts.push_back(absl::StrCat("r=", top_r));
+  if (page_size) parts.push_back(absl::StrCat("page=", page_size));
+  return absl::StrCat(AttentionModeName(mode), "(", absl::StrJoin(parts, ", "), ")");
+}
+
+absl::StatusOr<SparseParams> ResolveSparseParams(const DecodeAttentionConfig& c, int capacity,
+                                                 int head_dim) {
+  RETURN_IF_ERROR(c.Validate());
+  SparseParams p;
+  p.mode = c.mode;
+  if (c.mode == AttentionMode::kDense) return p;
+  ASSIGN_OR_RETURN(p, ModeInfo(c.mode).resolve(c, std::max(1, capacity), head_dim));
+  // Explicit parameters override what the budget derives.
+  if (c.top_k > 0) p.top_k = c.top_k;
+  if (c.top_r > 0) p.top_r = std::min(head_dim, c.top_r);
+  if (c.page_size > 0) p.page_size = c.page_size;
+  if (p.top_k < 1) return absl::InvalidArgumentError("attention: top_k resolved to 0");
+  return p;
+}
+
+int64_t BytesReadPerStep(const SparseParams& p, int len, int head_dim, DType dtype) {
+  const int64_t es = static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t row = int64_t{head_dim} * es;
+  if (p.mode == AttentionMode::kDense || p.top_k >= len) return 2 * row * len;
+  return ModeInfo(p.mode).bytes_read(p, len, row, es);
+}
+
+absl::StatusOr<size_t> DecodeSelectorBytes(const DecodeAttentionConfig& config,
+                                           const ModelConfig& model, const KvCacheShape& cache) {
+  if (config.mode == AttentionMode::kDense) return size_t{0};
+  ASSIGN_OR_RETURN(SparseParams p, SelectorParams(config, model, cache));
+  return ModeInfo(p.mode).summaries ? PageSummaries::Bytes(cache, p.page_size) : size_t{0};
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(const DecodeAttentionConfig& config,
+                                                                   const ModelConfig& model,
+                                                                   const KvCacheShape& cache,
+                                                                   KvAllocator& allocator) {
+  if (config.mode == AttentionMode::kDense) return std::unique_ptr<DecodeSelector>();
+  ASSIGN_OR_RETURN(SparseParams p, SelectorParams(config, model, cache));
+  std::unique_ptr<PageSummaries> summaries;
+  if (ModeInfo(p.mode).summaries) {
+    ASSIGN_OR_RETURN(KvMemoryPtr mem, allocator.Allocate(PageSummaries::Bytes(cache, p.page_size)));
+    summaries = std::make_unique<PageSummaries>(cache, p.page_size, std::move(mem));
+  }
+  return std::unique_ptr<DecodeSelector>(new SparseSelector(p, model, std::move(summaries)));
+}
+
+void TakePages(const std::vector<float>& score, int page, int len, int k, int32_t* out) {
+  const int n_pages = static_cast<int>(score.size());
+  const BestFirst<float> better{score.data()};
+  std::vector<int32_t> order(n_pages);
+  std::iota(order.begin(), order.end(), 0);
+  // Only the best pages are needed: ceil(k/page) of them, one more for a short last page.
+  int sorted = std::min(n_pages, (k + page - 1) / page + 1);
+  std::partial_sort(order.begin(), order.begin() + sorted, order.end(), better);
+  int n = 0;
+  for (int i = 0; i < n_pages && n < k; ++i) {
+    if (i == sorted) {  // more short pages than expected: rank the rest too
+      std::sort(order.begin() + sorted, order.end(), better);
+      sorted = n_pages;
+    }
+    const int p = order[i];
+    for (int t = p * page; t < std::min(len, (p + 1) * page) && n < k; ++t) out[n++] = t;
+  }
+}
+
+void DefineAttentionFlags(Flags& flags) {
+  std::vector<std::string> names;
+  for (const AttentionModeInfo* m : AttentionModes()) names.push_back(m->name);
+  flags.Define("attention", "dense", "decode attention: " + absl::StrJoin(names, ", "));
+  flags.Define("attention-budget", "0",
+               "per-step token budget of sparse attention, per KV head, auxiliary reads included");
+  flags.Define("attention-k", "0", "tokens attended per KV head (overrides the budget's)");
+  flags.Define("attention-r", "0", "hybrid: head dimensions approximated (overrides)");
+  flags.Define("attention-page", "0", "hybrid, quest: tokens per page summary (overrides)");
+}
+
+absl::StatusOr<DecodeAttentionConfig> AttentionFromFlags(const Flags& flags) {
+  DecodeAttentionConfig a;
+  ASSIGN_OR_RETURN(a.mode, ParseAttentionMode(flags.GetString("attention")));
+  ASSIGN_OR_RETURN(int64_t t, flags.GetInt("attention-budget", 0, 1 << 30));
+  ASSIGN_OR_RETURN(int64_t k, flags.GetInt("attention-k", 0, 1 << 30));
+  ASSIGN_OR_RETURN(int64_t r, flags.GetInt("attention-r", 0, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t p, flags.GetInt("attention-page", 0, 1 << 20));
+  a.token_budget = static_cast<int>(t);
+  a.top_k = static_cast<int>(k);
+  a.top_r = static_cast<int>(r);
+  a.page_size = static_cast<int>(p);
+  if (absl::Status st = a.Validate(); !st.ok()) {
+    // Name the flags, not the fields.
+    std::string m(st.message());
+    for (const auto& [field, flag] : {std::pair<const char*, const char*>{"token_budget", "--attention-budget"},
+                                      {"top_k", "--attention-k"}, {"top_r", "--attention-r"},
+                                      {"page_size", "--attention-page"}}) {
+      const std::string from = absl::StrCat("attention: ", field, " does not apply");
+      if (m.rfind(from, 0) == 0) m = absl::StrCat(flag, " does not apply", m.substr(from.size()));
+    }
+    return absl::Status(st.code(), m);
+  }
+  return a;
+}
+
+}  // namespace kvwire

@@ -1,0 +1,69 @@
+#include "common/sparse/page_summaries.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace kvwire {
+
+PageSummaries::PageSummaries(const KvCacheShape& shape, int page, KvMemoryPtr memory)
+    : shape_(shape), page_(page), memory_(std::move(memory)), built_(shape.capacity.size(), 0) {
+  for (int c : shape.capacity) max_pages_.push_back((c + page - 1) / page);
+  size_t off = 0;
+  for (size_t l = 0; l < shape.capacity.size(); ++l) {
+    offsets_.push_back(off);
+    off += static_cast<size_t>(shape_.n_heads) * 2 * shape_.head_dim * max_pages_[l] *
+           DTypeSize(shape_.dtype);
+  }
+}
+
+size_t PageSummaries::Bytes(const KvCacheShape& shape, int page) {
+  size_t total = 0;
+  for (int c : shape.capacity) {
+    total += static_cast<size_t>(shape.n_heads) * 2 * shape.head_dim * ((c + page - 1) / page) *
+             DTypeSize(shape.dtype);
+  }
+  return total;
+}
+
+uint8_t* PageSummaries::Row(int layer, int head, bool max, int dim) {
+  const size_t row = static_cast<size_t>(max_pages_[layer]) * DTypeSize(shape_.dtype);
+  return memory_->data() + offsets_[layer] +
+         ((static_cast<size_t>(head) * 2 + (max ? 1 : 0)) * shape_.head_dim + dim) * row;
+}
+
+float PageSummaries::Value(int layer, int head, bool max, int dim, int page) {
+  float v;
+  ToFloat(shape_.dtype, Row(layer, head, max, dim) + page * DTypeSize(shape_.dtype), &v, 1);
+  return v;
+}
+
+// The page holding the first token not yet summarized is recomputed from its slots, and
+// so is every later one: appending touches only the last page.
+void PageSummaries::Update(int layer, const LayerCache& lc) {
+  const int d = shape_.head_dim;
+  const int first = built_[layer] / page_;
+  const int last = pages(lc.len);
+  std::vector<float> lo(d), hi(d), row(d);
+  const size_t es = DTypeSize(shape_.dtype);
+  for (int h = 0; h < lc.n_heads; ++h) {
+    for (int p = first; p < last; ++p) {
+      std::fill(lo.begin(), lo.end(), std::numeric_limits<float>::infinity());
+      std::fill(hi.begin(), hi.end(), -std::numeric_limits<float>::infinity());
+      for (int t = p * page_; t < std::min(lc.len, (p + 1) * page_); ++t) {
+        ToFloat(lc.dtype, lc.k_row(h, t), row.data(), d);
+        for (int i = 0; i < d; ++i) {
+          lo[i] = std::min(lo[i], row[i]);
+          hi[i] = std::max(hi[i], row[i]);
+        }
+      }
+      // Min and max of values in the cache dtype are exact in it: they are stored so.
+      for (int i = 0; i < d; ++i) {
+        FromFloat(lc.dtype, &lo[i], Row(layer, h, false, i) + p * es, 1);
+        FromFloat(lc.dtype, &hi[i], Row(layer, h, true, i) + p * es, 1);
+      }
+    }
+  }
+  built_[layer] = lc.len;
+}
+
+}  // namespace kvwire

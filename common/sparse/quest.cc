@@ -1,0 +1,62 @@
+// `quest`: Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
+// Inference", ICML 2024), as RocketKV compares against it: per page of P keys the upper
+// bound Σ_i max(q_i·K_max,i, q_i·K_min,i) over every head dimension, summed over the
+// group's query heads; the best pages are attended exactly. Reading both summaries of a
+// page costs one token-equivalent, so a budget t buys t/2 tokens and t/2 pages (P = 2n/t).
+#include <algorithm>
+#include <cmath>
+
+#include "common/sparse/attention.h"
+#include "kernels/simd.h"
+
+namespace kvwire {
+namespace {
+
+void QuestSelect(const HeadQuery& hq) {
+  const LayerCache& lc = *hq.cache;
+  PageSummaries& sums = *hq.summaries;
+  const int d = lc.head_dim;
+  const int n_pages = sums.pages(lc.len);
+  std::vector<float> bound(n_pages, 0.f);
+  for (int i = 0; i < d; ++i) {
+    const uint8_t* hi = sums.Row(hq.layer, hq.head, true, i);
+    const uint8_t* lo = sums.Row(hq.layer, hq.head, false, i);
+    for (int g = 0; g < hq.group; ++g) {
+      const float qi = hq.q[g * d + i];
+      kernels::simd::Axpy(qi, qi >= 0.f ? hi : lo, lc.dtype, bound.data(), n_pages);
+    }
+  }
+  TakePages(bound, sums.page(), lc.len, hq.params->top_k, hq.out);
+}
+
+absl::StatusOr<SparseParams> ResolveQuest(const DecodeAttentionConfig& c, int capacity,
+                                          int head_dim) {
+  SparseParams p;
+  p.mode = AttentionMode::kQuest;
+  const int t = c.token_budget;
+  p.page_size = t > 0 ? std::max(1, static_cast<int>(std::ceil(2.0 * capacity / t))) : 16;
+  p.top_r = head_dim;
+  p.top_k = t > 0 ? std::max(1, t / 2) : 0;
+  return p;
+}
+
+// k tokens, and both summaries of every page.
+int64_t QuestBytes(const SparseParams& p, int len, int64_t row, int64_t) {
+  const int64_t pages = (len + p.page_size - 1) / p.page_size;
+  return 2 * row * p.top_k + pages * 2 * row;
+}
+
+const AttentionModeInfo kInfo = {AttentionMode::kQuest,
+                                 "quest",
+                                 "Quest (ICML 2024), as compared in RocketKV",
+                                 {"token_budget", "top_k", "page_size"},
+                                 /*summaries=*/true,
+                                 &ResolveQuest,
+                                 &QuestBytes,
+                                 &QuestSelect};
+
+}  // namespace
+
+const AttentionModeInfo& QuestModeInfo() { return kInfo; }
+
+}  // namespace kvwire

@@ -1,0 +1,152 @@
+// Hybrid sparse attention (RocketKV Algorithm 2), per KV head and its `group` query heads:
+//   1-2  page summaries: element-wise min and max of each page of P keys (page_summaries.h)
+//   3    the r head dimensions with the largest Σ_g |q_g| over the group
+//   4-6  per dimension K_max where Σ_g q ≥ 0, else K_min: approximate page logits per query
+//        head, SparQ-scaled; a softmax per head over slots, summed over the group
+//   7    the top-k tokens (whole pages best first), exact attention over them (the kernel)
+// and the two-stage budget split of Section 3.5. docs/algorithms.md §3 specifies both.
+#include "common/sparse/rocketkv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/ranking.h"
+#include "common/base/status.h"
+#include "kernels/simd.h"
+
+namespace kvwire {
+namespace {
+
+void HybridSelect(const HeadQuery& hq) {
+  const LayerCache& lc = *hq.cache;
+  PageSummaries& sums = *hq.summaries;
+  const float* q = hq.q;
+  const int group = hq.group, d = lc.head_dim, r = std::min(hq.params->top_r, d);
+  const int n_pages = sums.pages(lc.len);
+  // Line 3: the r dimensions with the largest Σ_g |q_g|.
+  std::vector<float> a(d, 0.f), sum(d, 0.f);
+  for (int g = 0; g < group; ++g) {
+    for (int i = 0; i < d; ++i) {
+      a[i] += std::fabs(q[g * d + i]);
+      sum[i] += q[g * d + i];
+    }
+  }
+  std::vector<int32_t> dims(d);
+  std::iota(dims.begin(), dims.end(), 0);
+  std::partial_sort(dims.begin(), dims.begin() + r, dims.end(), BestFirst<float>{a.data()});
+  // Lines 4-6: per dimension K_max where Σ_g q ≥ 0 else K_min; per-head page logits.
+  // Each summary row is read once, in the cache dtype, straight into every head's AXPY.
+  std::vector<float> u(static_cast<size_t>(group) * n_pages, 0.f);
+  for (int x = 0; x < r; ++x) {
+    const int i = dims[x];
+    const uint8_t* row = sums.Row(hq.layer, hq.head, sum[i] >= 0.f, i);
+    for (int g = 0; g < group; ++g) {
+      kernels::simd::Axpy(q[g * d + i], row, lc.dtype, u.data() + static_cast<size_t>(g) * n_pages,
+                          n_pages);
+    }
+  }
+  // SparQ-style temperature: each head's scale sqrt(d · ||q_I||_1 / ||q||_1); a softmax
+  // per head over slots (each slot carries its page's logit), then the group's sum.
+  const int page = sums.page();
+  const int last_page_slots = lc.len - (n_pages - 1) * page;
+  std::vector<float> score(n_pages, 0.f);
+  for (int g = 0; g < group; ++g) {
+    const float* qh = q + g * d;
+    float num = 0.f, den = 0.f;
+    for (int x = 0; x < r; ++x) num += std::fabs(qh[dims[x]]);
+    for (int i = 0; i < d; ++i) den += std::fabs(qh[i]);
+    const float inv_scale = den > 0.f && num > 0.f ? 1.f / std::sqrt(d * num / den) : 1.f;
+    float* ug = u.data() + static_cast<size_t>(g) * n_pages;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int p = 0; p < n_pages; ++p) {
+      ug[p] *= inv_scale;
+      mx = std::max(mx, ug[p]);
+    }
+    // Every page but the last holds `page` slots, each carrying the page's logit.
+    const float total = kernels::simd::ExpShiftSum(ug, n_pages, mx);  // ug now holds exps
+    const float z = total * page - ug[n_pages - 1] * static_cast<float>(page - last_page_slots);
+    kernels::simd::Axpy(1.f / z, ug, DType::kF32, score.data(), n_pages);
+  }
+  TakePages(score, page, lc.len, hq.params->top_k, hq.out);  // line 7
+}
+
+// Half the budget to the sparse attention, half to the approximation; page size and r
+// split the stage-2 ratio c2 = capacity / t (authors' code, docs §3.4).
+absl::StatusOr<SparseParams> ResolveHybrid(const DecodeAttentionConfig& c, int capacity,
+                                           int head_dim) {
+  SparseParams p;
+  p.mode = AttentionMode::kHybrid;
+  const int t = c.token_budget;
+  const double c2 = t > 0 ? std::max(1.0, static_cast<double>(capacity) / t) : 1.0;
+  p.page_size = std::max(1, std::min(static_cast<int>(std::floor(c2)),
+                                     static_cast<int>(std::ceil(std::sqrt(c2)))));
+  p.top_r = std::min(head_dim, std::max(1, static_cast<int>(std::lround(head_dim * p.page_size / c2))));
+  p.top_k = t > 0 ? std::max(1, static_cast<int>(std::lround(t / 2.0))) : 0;
+  return p;
+}
+
+// k tokens, and r of the d dimensions of one summary row per page.
+int64_t HybridBytes(const SparseParams& p, int len, int64_t row, int64_t es) {
+  const int64_t pages = (len + p.page_size - 1) / p.page_size;
+  return 2 * row * p.top_k + pages * p.top_r * es;
+}
+
+const AttentionModeInfo kInfo = {AttentionMode::kHybrid,
+                                 "hybrid",
+                                 "RocketKV, Algorithm 2 (stage 2)",
+                                 {"token_budget", "top_k", "top_r", "page_size"},
+                                 /*summaries=*/true,
+                                 &ResolveHybrid,
+                                 &HybridBytes,
+                                 &HybridSelect};
+
+}  // namespace
+
+const AttentionModeInfo& HybridModeInfo() { return kInfo; }
+
+absl::StatusOr<TwoStage> ResolveRocketKV(int token_budget, int prompt_len, int max_new,
+                                         int head_dim, const CompressionConfig& base) {
+  if (token_budget < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rocketkv needs a token budget of at least 2, got ", token_budget));
+  }
+  const double s = prompt_len + max_new;
+  const double t = std::min<double>(s, token_budget);
+  const double c = std::max(1.0, s / t);
+  const double alpha = std::min(0.2 + 0.06 * std::log2(c), 0.8);
+  const int capacity = static_cast<int>(s / std::pow(c, alpha));
+  TwoStage out;
+  out.stage1 = base;
+  // Stage 1 is SnapKV++ with the two-stage policy's own (SnapKV++) parameters.
+  ASSIGN_OR_RETURN(out.stage1.policy, MakePolicy("snapkv_pp", base.policy->selects()
+                                                                  ? ParamValues{}
+                                                                  : base.policy->params()));
+  out.stage1.ratio = 0;
+  // The code's prompt_budget = min(S - max_new, capacity - max_new); when max_new eats the
+  // whole capacity it would leave nothing, so stage 1 keeps at least the window and one.
+  out.stage1.budget = std::max(base.window + 1, std::min(prompt_len, capacity - max_new));
+  out.stage2.mode = AttentionMode::kHybrid;
+  out.stage2.token_budget = token_budget;
+  const double c2 = std::max(1.0, capacity / t);
+  out.stage2.page_size = std::max(1, std::min(static_cast<int>(std::floor(c2)),
+                                              static_cast<int>(std::ceil(std::sqrt(c2)))));
+  out.stage2.top_r = std::min(head_dim, std::max(1, static_cast<int>(std::lround(
+                                                        head_dim * out.stage2.page_size / c2))));
+  out.stage2.top_k = std::max(1, std::min(static_cast<int>(std::lround(t / 2)), capacity));
+  return out;
+}
+
+absl::Status ResolveTwoStage(CompressionConfig* compression, DecodeAttentionConfig* attention,
+                             int prompt_len, int max_new, int head_dim) {
+  if (compression->policy->selects()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(TwoStage two, ResolveRocketKV(compression->budget, prompt_len, max_new,
+                                                 head_dim, *compression));
+  *compression = two.stage1;
+  *attention = two.stage2;
+  return absl::OkStatus();
+}
+
+}  // namespace kvwire

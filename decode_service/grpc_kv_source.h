@@ -1,0 +1,36 @@
+// The decode node's KvSource over the Prefill RPC: one channel to the prefill nodes with
+// gRPC client-side load balancing (round_robin over a list of addresses or a DNS name such
+// as a Kubernetes headless Service), and asynchronous calls whose messages reach the
+// receiver already translated to the wire's domain types, on gRPC threads.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/base/clock.h"
+#include "common/engine/kv_source.h"
+#include "common/server/grpc_util.h"
+#include "kvwire/v1/prefill.grpc.pb.h"
+
+namespace kvwire {
+
+class GrpcKvSource final : public KvSource {
+ public:
+  // `target`: "ipv4:10.0.0.1:50052,10.0.0.2:50052", "dns:///prefill.ns.svc:50052", or one
+  // "host:port". `clock` is the decode engine's (deadlines are points on it).
+  static absl::StatusOr<std::unique_ptr<GrpcKvSource>> Create(const std::string& target,
+                                                              const ClientTls& tls,
+                                                              const Clock& clock = Clock::Real());
+  absl::string_view name() const override { return "grpc"; }
+  absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
+                                                    std::shared_ptr<KvReceiver> receiver) override;
+
+ private:
+  explicit GrpcKvSource(const Clock& clock) : clock_(clock) {}
+  const Clock& clock_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Prefill::Stub> stub_;
+};
+
+}  // namespace kvwire

@@ -1,0 +1,269 @@
+// Fakes of the engines' interfaces for tests that steer time and streams without a network
+// or sleeps: a clock the test moves, a KvSource whose streams the test serves (from a real
+// PrefillEngine) or breaks, a ResponseSink that records, and a PrefillExecutor wrapper that
+// holds or corrupts a stream at a chosen chunk (for the gRPC nodes' tests).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/base/clock.h"
+#include "common/engine/decode_engine.h"
+#include "common/engine/kv_source.h"
+#include "common/engine/prefill_engine.h"
+
+namespace kvwire::testing {
+
+// Bounded waits of the tests: long enough never to matter on a loaded machine.
+inline constexpr std::chrono::seconds kWait{20};
+
+class FakeClock final : public Clock {
+ public:
+  TimePoint Now() const override { return TimePoint(std::chrono::nanoseconds(ns_.load())); }
+  void Advance(std::chrono::milliseconds d) { ns_ += std::chrono::nanoseconds(d).count(); }
+
+ private:
+  std::atomic<int64_t> ns_{std::chrono::nanoseconds(std::chrono::hours(1)).count()};
+};
+
+// A KvSource whose transfers wait for the test: each Start is recorded, and the test
+// serves it from a PrefillEngine (on its own thread), fails it, or cuts it short.
+class FakeKvSource final : public KvSource {
+ public:
+  class Transfer final : public KvTransfer {
+   public:
+    Transfer(PrefillJob job, std::shared_ptr<KvReceiver> receiver)
+        : job_(std::move(job)), receiver_(std::move(receiver)) {}
+    void Cancel() override {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      cv_.notify_all();
+    }
+    bool WaitCancelled() {
+      std::unique_lock<std::mutex> lock(mu_);
+      return cv_.wait_for(lock, kWait, [&] { return cancelled_; });
+    }
+    const PrefillJob& job() const { return job_; }
+    KvReceiver& receiver() { return *receiver_; }
+
+    // The whole stream, prefilled by `engine`; then OnDone. Stops after `max_chunks`
+    // chunks (and ends with `cut`) when max_chunks >= 0.
+    void Serve(PrefillEngine& engine, int max_chunks = -1,
+               absl::Status cut = absl::UnavailableError("the prefill node died")) {
+      class Cutting final : public KvStreamSink {
+       public:
+        Cutting(KvReceiver& r, int max, absl::Status cut) : r_(r), max_(max), cut_(cut) {}
+        absl::Status OnHeader(const WireHeader& h) override { return r_.OnHeader(h); }
+        absl::Status OnChunk(WireChunk c) override {
+          if (max_ >= 0 && chunks_++ >= max_) return cut_;
+          return r_.OnChunk(std::move(c));
+        }
+        absl::Status OnTrailer(const WireTrailer& t) override { return r_.OnTrailer(t); }
+        int64_t transport_bytes() const override { return 1000; }
+
+       private:
+        KvReceiver& r_;
+        int max_, chunks_ = 0;
+        absl::Status cut_;
+      } sink(*receiver_, max_chunks, cut);
+      const absl::Status st = engine.Run(job_, sink).status();
+      Done(st, sink.transport_bytes());
+    }
+    void Fail(const absl::Status& status) { Done(status, 0); }
+    // Ends a stream the test left open (after a failed assertion), so the engine can stop.
+    void FailIfOpen() {
+      if (!done_.load()) Fail(absl::CancelledError("left open by the test"));
+    }
+
+   private:
+    void Done(const absl::Status& status, int64_t bytes) {
+      if (!done_.exchange(true)) receiver_->OnDone(status, bytes);
+    }
+
+    PrefillJob job_;
+    std::shared_ptr<KvReceiver> receiver_;
+    std::atomic<bool> done_{false};
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool cancelled_ = false;
+  };
+
+  explicit FakeKvSource(std::string name = "fake") : name_(std::move(name)) {}
+  absl::string_view name() const override { return name_; }
+  absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
+                                                    std::shared_ptr<KvReceiver> receiver) override {
+    auto t = std::make_shared<Transfer>(std::move(job), std::move(receiver));
+    std::lock_guard<std::mutex> lock(mu_);
+    started_.push_back(t);
+    all_.push_back(t);
+    ++starts_;
+    cv_.notify_all();
+    return std::shared_ptr<KvTransfer>(t);
+  }
+  // The next transfer the engine started (in order), or null after kWait.
+  std::shared_ptr<Transfer> Next() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, kWait, [&] { return !started_.empty(); })) return nullptr;
+    auto t = started_.front();
+    started_.pop_front();
+    return t;
+  }
+  int starts() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return starts_;
+  }
+  int pending() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int>(started_.size());
+  }
+  void FailOpenTransfers() {
+    std::vector<std::shared_ptr<Transfer>> all;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      all = all_;
+    }
+    for (auto& t : all) t->FailIfOpen();
+  }
+
+ private:
+  std::string name_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Transfer>> started_;
+  std::vector<std::shared_ptr<Transfer>> all_;
+  int starts_ = 0;
+};
+
+// Records what the engine sends a client.
+class RecordingSink final : public ResponseSink {
+ public:
+  bool Send(TokenDelta delta) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ids.insert(ids.end(), delta.ids.begin(), delta.ids.end());
+    text += delta.text;
+    logprobs.insert(logprobs.end(), delta.logprobs.begin(), delta.logprobs.end());
+    cv_.notify_all();
+    return !cancelled_;
+  }
+  void Finish(const absl::Status& st, const RequestFigures* f) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++finishes;
+    status = st;
+    if (f) figures = *f;
+    cv_.notify_all();
+  }
+  bool cancelled() const override { return cancelled_; }
+  void Cancel() { cancelled_ = true; }
+
+  // Blocks until Finish (bounded); false if it never came.
+  bool WaitFinished() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kWait, [&] { return finishes > 0; });
+  }
+  // Blocks until at least n tokens arrived (bounded).
+  bool WaitTokens(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kWait, [&] { return ids.size() >= n || finishes > 0; }) &&
+           ids.size() >= n;
+  }
+
+  std::vector<int32_t> ids;
+  std::string text;
+  std::vector<float> logprobs;
+  absl::Status status;
+  RequestFigures figures;
+  int finishes = 0;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<bool> cancelled_{false};
+};
+
+// Wraps a PrefillExecutor to inject faults into its streams: hold a stream before its
+// chunk `hold_chunk` until released (or until its reader goes away), and flip a payload
+// byte of chunk `corrupt_chunk` after its checksum was computed.
+class FaultyPrefills final : public PrefillExecutor {
+ public:
+  struct Plan {
+    int hold_chunk = -1;     // streams stop before this chunk index
+    int corrupt_chunk = -1;  // this chunk index arrives corrupted
+  };
+  FaultyPrefills(PrefillExecutor* inner, Plan plan) : inner_(inner), plan_(plan) {}
+  ~FaultyPrefills() override { Release(); }
+
+  absl::Status Submit(PrefillJob job, std::shared_ptr<KvStreamSink> sink, Done done) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++submitted_;
+      cv_.notify_all();
+    }
+    return inner_->Submit(std::move(job), std::make_shared<Sink>(this, std::move(sink)),
+                          std::move(done));
+  }
+  // Blocks until `n` streams have reached the hold point, or n prefills were submitted.
+  bool WaitHeld(int n = 1) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kWait, [&] { return held_ >= n; });
+  }
+  bool WaitSubmitted(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, kWait, [&] { return submitted_ >= n; });
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  class Sink final : public KvStreamSink {
+   public:
+    Sink(FaultyPrefills* owner, std::shared_ptr<KvStreamSink> inner)
+        : owner_(owner), inner_(std::move(inner)) {}
+    absl::Status OnHeader(const WireHeader& h) override { return inner_->OnHeader(h); }
+    absl::Status OnChunk(WireChunk chunk) override {
+      const int index = chunks_++;
+      if (index == owner_->plan_.hold_chunk) owner_->Hold(*inner_);
+      if (index == owner_->plan_.corrupt_chunk && !chunk.k.empty()) chunk.k[0] ^= 0x5a;
+      return inner_->OnChunk(std::move(chunk));
+    }
+    absl::Status OnTrailer(const WireTrailer& t) override { return inner_->OnTrailer(t); }
+    bool cancelled() const override { return inner_->cancelled(); }
+    absl::string_view transport() const override { return inner_->transport(); }
+    int64_t transport_bytes() const override { return inner_->transport_bytes(); }
+
+   private:
+    FaultyPrefills* owner_;
+    std::shared_ptr<KvStreamSink> inner_;
+    int chunks_ = 0;
+  };
+
+  // Waits for Release or for the stream's reader to go away (the sink exposes no event for
+  // that, so it is checked every few milliseconds), within kWait.
+  void Hold(const KvStreamSink& sink) {
+    std::unique_lock<std::mutex> lock(mu_);
+    ++held_;
+    cv_.notify_all();
+    const auto until = std::chrono::steady_clock::now() + kWait;
+    while (!released_ && !sink.cancelled() && std::chrono::steady_clock::now() < until) {
+      cv_.wait_for(lock, std::chrono::milliseconds(5));
+    }
+  }
+
+  PrefillExecutor* inner_;
+  const Plan plan_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int held_ = 0, submitted_ = 0;
+  bool released_ = false;
+};
+
+}  // namespace kvwire::testing
