@@ -26,15 +26,6 @@ enum class BackendKind { kReference, kCpu, kCuda };
 absl::string_view BackendName(BackendKind kind);
 absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view name);
 
-enum class Op {
-  kMatMul,
-  kRmsNorm,
-  kRope,
-  kSwiGlu,
-  kPrefillAttention,
-  kDecodeAttention,
-};
-
 // y[m, n] = x[m, k] · Wᵀ (+ bias), W stored row-major [n, k] (the Hugging Face Linear
 // layout: one row per output feature) in float32, bfloat16 or float16.
 struct MatMulParams {
@@ -127,9 +118,10 @@ class KernelBackend {
  public:
   virtual ~KernelBackend() = default;
 
+  // Every backend runs every op in every dtype; a shape one cannot run (the CUDA attention
+  // kernels' head_dim above 256) is an InvalidArgument from the op saying so, as FlashInfer's
+  // dispatch does, rather than a capability query nobody would keep true.
   virtual BackendKind kind() const = 0;
-  // ggml-style capability query: callers and the generic op test ask before running.
-  virtual bool Supports(Op op, DType dtype) const = 0;
 
   // Memory the ops operate on: host memory for the CPU backends, device memory for CUDA.
   virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;

@@ -101,7 +101,6 @@ class CpuBackend final : public HostMemoryBackend {
   }
 
   BackendKind kind() const override { return BackendKind::kCpu; }
-  bool Supports(Op, DType) const override { return true; }
 
   absl::Status MatMul(const MatMulParams& p) override {
     RETURN_IF_ERROR(ValidateMatMul(p));

@@ -31,7 +31,6 @@ float LoadElement(const void* base, DType dtype, int64_t i) {
 class ReferenceBackend final : public HostMemoryBackend {
  public:
   BackendKind kind() const override { return BackendKind::kReference; }
-  bool Supports(Op, DType) const override { return true; }
 
   absl::Status MatMul(const MatMulParams& p) override {
     RETURN_IF_ERROR(ValidateMatMul(p));

@@ -235,7 +235,10 @@ absl::Status LlamaModel::LoadFromFolder(const std::string& dir, const LoadOption
   return absl::OkStatus();
 }
 
-absl::Status LlamaModel::LoadSynthetic(const std::string& spec, const LoadOptions& options) {
+namespace {
+
+// "synthetic:NAME[,key=value...]": a preset's shape with the overrides applied, and the seed.
+absl::StatusOr<std::pair<ModelConfig, uint64_t>> ParseSyntheticSpec(const std::string& spec) {
   const std::string body = spec.substr(std::string("synthetic:").size());
   std::vector<std::string> parts = absl::StrSplit(body, ',');
   const SyntheticPreset* preset = nullptr;
@@ -244,9 +247,9 @@ absl::Status LlamaModel::LoadSynthetic(const std::string& spec, const LoadOption
   }
   if (preset == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("unknown synthetic model '", parts[0], "'; ",
-                                                   SyntheticSpecHelp()));
+                                                   LlamaModel::SyntheticSpecHelp()));
   }
-  ModelConfig& c = config_;
+  ModelConfig c;
   c.architecture = "LlamaForCausalLM";
   c.model_type = "llama";
   c.num_layers = preset->layers;
@@ -260,42 +263,31 @@ absl::Status LlamaModel::LoadSynthetic(const std::string& spec, const LoadOption
   c.rope_theta = preset->theta;
   c.dtype = preset->dtype;
   c.tie_word_embeddings = true;
+  // The overrides: integer shape fields, then theta, dtype and the seed.
+  static constexpr std::pair<const char*, int ModelConfig::*> kIntKeys[] = {
+      {"layers", &ModelConfig::num_layers},   {"hidden", &ModelConfig::hidden_size},
+      {"heads", &ModelConfig::num_heads},     {"kv_heads", &ModelConfig::num_kv_heads},
+      {"head_dim", &ModelConfig::head_dim},   {"ffn", &ModelConfig::intermediate_size},
+      {"vocab", &ModelConfig::vocab_size},    {"context", &ModelConfig::max_position_embeddings}};
   uint64_t seed = 1234;
   for (size_t i = 1; i < parts.size(); ++i) {
-    std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
+    const std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
     const std::string& key = kv.first;
     const std::string& value = kv.second;
     int iv = 0;
-    const bool is_int = absl::SimpleAtoi(value, &iv) && iv > 0;
-    auto need_int = [&](int* field) -> absl::Status {
-      if (!is_int) {
-        return absl::InvalidArgumentError(absl::StrCat("synthetic model: ", key,
-                                                       " must be a positive integer, got '",
-                                                       value, "'"));
+    const bool positive = absl::SimpleAtoi(value, &iv) && iv > 0;
+    const auto field = std::find_if(std::begin(kIntKeys), std::end(kIntKeys),
+                                    [&](const auto& k) { return key == k.first; });
+    if (field != std::end(kIntKeys) || key == "seed") {
+      if (!positive) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "synthetic model: ", key, " must be a positive integer, got '", value, "'"));
       }
-      *field = iv;
-      return absl::OkStatus();
-    };
-    if (key == "layers") {
-      RETURN_IF_ERROR(need_int(&c.num_layers));
-    } else if (key == "hidden") {
-      RETURN_IF_ERROR(need_int(&c.hidden_size));
-    } else if (key == "heads") {
-      RETURN_IF_ERROR(need_int(&c.num_heads));
-    } else if (key == "kv_heads") {
-      RETURN_IF_ERROR(need_int(&c.num_kv_heads));
-    } else if (key == "head_dim") {
-      RETURN_IF_ERROR(need_int(&c.head_dim));
-    } else if (key == "ffn") {
-      RETURN_IF_ERROR(need_int(&c.intermediate_size));
-    } else if (key == "vocab") {
-      RETURN_IF_ERROR(need_int(&c.vocab_size));
-    } else if (key == "context") {
-      RETURN_IF_ERROR(need_int(&c.max_position_embeddings));
-    } else if (key == "seed") {
-      int s = 0;
-      RETURN_IF_ERROR(need_int(&s));
-      seed = static_cast<uint64_t>(s);
+      if (key == "seed") {
+        seed = static_cast<uint64_t>(iv);
+      } else {
+        c.*(field->second) = iv;
+      }
     } else if (key == "theta") {
       double t = 0;
       if (!absl::SimpleAtod(value, &t) || !(t > 0)) {
@@ -307,7 +299,7 @@ absl::Status LlamaModel::LoadSynthetic(const std::string& spec, const LoadOption
       ASSIGN_OR_RETURN(c.dtype, ParseDType(value));
     } else {
       return absl::InvalidArgumentError(absl::StrCat("synthetic model: unknown key '", key, "'; ",
-                                                     SyntheticSpecHelp()));
+                                                     LlamaModel::SyntheticSpecHelp()));
     }
   }
   if (c.vocab_size < 259) {
@@ -317,6 +309,18 @@ absl::Status LlamaModel::LoadSynthetic(const std::string& spec, const LoadOption
   c.bos_token_id = 1;
   c.eos_token_ids = {2};
   RETURN_IF_ERROR(c.Validate("synthetic model"));
+  return std::make_pair(c, seed);
+}
+
+}  // namespace
+
+// Deterministic random weights of the spec's shape: uniform with variance 1/in per linear
+// (activations keep their scale through the layers), norms of ones, tied embeddings.
+absl::Status LlamaModel::LoadSynthetic(const std::string& spec, const LoadOptions& options) {
+  ASSIGN_OR_RETURN(auto parsed, ParseSyntheticSpec(spec));
+  config_ = parsed.first;
+  const uint64_t seed = parsed.second;
+  const ModelConfig& c = config_;
   tokenizer_ = Tokenizer::Bytes(c.vocab_size);
   weight_dtype_ = options.weight_dtype.value_or(c.dtype);
 
@@ -392,6 +396,77 @@ void LlamaModel::EmbedRow(int32_t token, float* out) const {
   ToFloat(embed_.dtype, static_cast<const uint8_t*>(embed_.w) + row, out, config_.hidden_size);
 }
 
+// Scratch of one forward pass over `rows` token rows; the MLP runs `chunk` rows at a time.
+struct LlamaModel::Activations {
+  Activations(const ModelConfig& c, int rows, int chunk)
+      : rows(rows), chunk(chunk), x(int64_t{rows} * c.hidden_size), h(x.size()),
+        qkv(int64_t{rows} * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
+        attn(int64_t{rows} * c.num_heads * c.head_dim), gate_up(int64_t{chunk} * 2 * c.intermediate_size),
+        act(int64_t{chunk} * c.intermediate_size), positions(rows) {}
+  int rows, chunk;
+  std::vector<float> x, h, qkv, attn, gate_up, act;
+  std::vector<int32_t> positions;
+};
+
+absl::Status LlamaModel::CheckTokens(absl::Span<const int32_t> ids) const {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= config_.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", ids[i], " at position ", i,
+                                                     " is outside the vocabulary [0, ",
+                                                     config_.vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Attention's input: RMSNorm, the Q, K and V projections into one [rows, q|k|v] buffer, and
+// RoPE at each row's position.
+absl::Status LlamaModel::AttentionIn(const Layer& L, Activations& a) {
+  const ModelConfig& c = config_;
+  const int d = c.head_dim, qd = c.num_heads * d, kvd = c.num_kv_heads * d;
+  const int64_t stride = qd + 2 * kvd;
+  RETURN_IF_ERROR(backend_->RmsNorm({a.x.data(), L.attn_norm.data(), a.h.data(), a.rows,
+                                     c.hidden_size, c.rms_norm_eps}));
+  RETURN_IF_ERROR(MatMul(L.q, a.h.data(), a.rows, a.qkv.data(), stride));
+  RETURN_IF_ERROR(MatMul(L.k, a.h.data(), a.rows, a.qkv.data() + qd, stride));
+  RETURN_IF_ERROR(MatMul(L.v, a.h.data(), a.rows, a.qkv.data() + qd + kvd, stride));
+  RETURN_IF_ERROR(backend_->Rope({a.qkv.data(), stride, a.positions.data(), inv_freq_.data(),
+                                  a.rows, c.num_heads, d}));
+  return backend_->Rope({a.qkv.data() + qd, stride, a.positions.data(), inv_freq_.data(), a.rows,
+                         c.num_kv_heads, d});
+}
+
+// After attention: the output projection and the residual, then the SwiGLU MLP block and
+// its residual, `chunk` rows at a time (bounds the [rows, 2·ffn] buffer).
+absl::Status LlamaModel::AttentionOutAndMlp(const Layer& L, Activations& a) {
+  const ModelConfig& c = config_;
+  const int hd = c.hidden_size, ffn = c.intermediate_size;
+  RETURN_IF_ERROR(MatMul(L.o, a.attn.data(), a.rows, a.h.data()));
+  AddInPlace(a.x.data(), a.h.data(), int64_t{a.rows} * hd);
+  for (int r0 = 0; r0 < a.rows; r0 += a.chunk) {
+    const int rows = std::min(a.chunk, a.rows - r0);
+    float* xr = a.x.data() + int64_t{r0} * hd;
+    float* hr = a.h.data() + int64_t{r0} * hd;
+    RETURN_IF_ERROR(backend_->RmsNorm({xr, L.mlp_norm.data(), hr, rows, hd, c.rms_norm_eps}));
+    RETURN_IF_ERROR(MatMul(L.gate, hr, rows, a.gate_up.data(), 2 * ffn));
+    RETURN_IF_ERROR(MatMul(L.up, hr, rows, a.gate_up.data() + ffn, 2 * ffn));
+    RETURN_IF_ERROR(backend_->SwiGlu({a.gate_up.data(), a.act.data(), rows, ffn}));
+    RETURN_IF_ERROR(MatMul(L.down, a.act.data(), rows, hr));
+    AddInPlace(xr, hr, int64_t{rows} * hd);
+  }
+  return absl::OkStatus();
+}
+
+// The final norm and the LM head over rows [first, a.rows).
+absl::Status LlamaModel::Logits(Activations& a, int first, float* logits) {
+  const ModelConfig& c = config_;
+  const int rows = a.rows - first;
+  RETURN_IF_ERROR(backend_->RmsNorm({a.x.data() + int64_t{first} * c.hidden_size,
+                                     final_norm_.data(), a.h.data(), rows, c.hidden_size,
+                                     c.rms_norm_eps}));
+  return MatMul(lm_head_, a.h.data(), rows, logits);
+}
+
 absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
                                                   PrefillObserver* observer, bool all_logits) {
   const ModelConfig& c = config_;
@@ -402,42 +477,24 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
                                                    " tokens exceeds the model's context of ",
                                                    c.context_limit()));
   }
-  for (int i = 0; i < len; ++i) {
-    if (ids[i] < 0 || ids[i] >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("token id ", ids[i], " at position ", i,
-                                                     " is outside the vocabulary [0, ",
-                                                     c.vocab_size, ")"));
-    }
-  }
-  const int hd = c.hidden_size, d = c.head_dim, ffn = c.intermediate_size;
-  const int qd = c.num_heads * d, kvd = c.num_kv_heads * d;
+  RETURN_IF_ERROR(CheckTokens(ids));
+  const int d = c.head_dim, qd = c.num_heads * d, kvd = c.num_kv_heads * d;
   const int64_t stride = qd + 2 * kvd;
   const int window = observer ? std::min(observer->window(len), len) : 0;
-
-  std::vector<float> x(int64_t{len} * hd), h(int64_t{len} * hd), qkv(len * stride),
-      attn(int64_t{len} * qd), scores(int64_t{c.num_heads} * window * len);
-  const int chunk = std::min(len, kMlpRowChunk);
-  std::vector<float> gate_up(int64_t{chunk} * 2 * ffn), act(int64_t{chunk} * ffn);
-  std::vector<int32_t> positions(len);
+  Activations a(c, len, std::min(len, kMlpRowChunk));
+  std::vector<float> scores(int64_t{c.num_heads} * window * len);
   for (int i = 0; i < len; ++i) {
-    positions[i] = i;
-    EmbedRow(ids[i], x.data() + int64_t{i} * hd);
+    a.positions[i] = i;
+    EmbedRow(ids[i], a.x.data() + int64_t{i} * c.hidden_size);
   }
   for (int li = 0; li < c.num_layers; ++li) {
     const Layer& L = layers_[li];
-    RETURN_IF_ERROR(backend_->RmsNorm({x.data(), L.attn_norm.data(), h.data(), len, hd, c.rms_norm_eps}));
-    RETURN_IF_ERROR(MatMul(L.q, h.data(), len, qkv.data(), stride));
-    RETURN_IF_ERROR(MatMul(L.k, h.data(), len, qkv.data() + qd, stride));
-    RETURN_IF_ERROR(MatMul(L.v, h.data(), len, qkv.data() + qd + kvd, stride));
-    RETURN_IF_ERROR(backend_->Rope({qkv.data(), stride, positions.data(), inv_freq_.data(), len,
-                                    c.num_heads, d}));
-    RETURN_IF_ERROR(backend_->Rope({qkv.data() + qd, stride, positions.data(), inv_freq_.data(),
-                                    len, c.num_kv_heads, d}));
+    RETURN_IF_ERROR(AttentionIn(L, a));
     PrefillAttentionParams ap;
-    ap.q = qkv.data();
-    ap.k = qkv.data() + qd;
-    ap.v = qkv.data() + qd + kvd;
-    ap.out = attn.data();
+    ap.q = a.qkv.data();
+    ap.k = a.qkv.data() + qd;
+    ap.v = a.qkv.data() + qd + kvd;
+    ap.out = a.attn.data();
     ap.q_stride = ap.kv_stride = stride;
     ap.out_stride = qd;
     ap.len = len;
@@ -459,40 +516,18 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
       pl.window = window;
       RETURN_IF_ERROR(observer->OnLayer(pl));
     }
-    RETURN_IF_ERROR(MatMul(L.o, attn.data(), len, h.data()));
-    AddInPlace(x.data(), h.data(), int64_t{len} * hd);
-    for (int r0 = 0; r0 < len; r0 += chunk) {
-      const int rows = std::min(chunk, len - r0);
-      float* xr = x.data() + int64_t{r0} * hd;
-      float* hr = h.data() + int64_t{r0} * hd;
-      RETURN_IF_ERROR(backend_->RmsNorm({xr, L.mlp_norm.data(), hr, rows, hd, c.rms_norm_eps}));
-      RETURN_IF_ERROR(MatMul(L.gate, hr, rows, gate_up.data(), 2 * ffn));
-      RETURN_IF_ERROR(MatMul(L.up, hr, rows, gate_up.data() + ffn, 2 * ffn));
-      RETURN_IF_ERROR(backend_->SwiGlu({gate_up.data(), act.data(), rows, ffn}));
-      RETURN_IF_ERROR(MatMul(L.down, act.data(), rows, hr));
-      AddInPlace(xr, hr, int64_t{rows} * hd);
-    }
+    RETURN_IF_ERROR(AttentionOutAndMlp(L, a));
   }
   const int first = all_logits ? 0 : len - 1;
-  const int rows = len - first;
-  RETURN_IF_ERROR(backend_->RmsNorm({x.data() + int64_t{first} * hd, final_norm_.data(), h.data(),
-                                     rows, hd, c.rms_norm_eps}));
   PrefillResult result;
-  result.logits.resize(int64_t{rows} * c.vocab_size);
-  RETURN_IF_ERROR(MatMul(lm_head_, h.data(), rows, result.logits.data()));
+  result.logits.resize(int64_t{len - first} * c.vocab_size);
+  RETURN_IF_ERROR(Logits(a, first, result.logits.data()));
   return result;
 }
 
-absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* logits,
-                                    DecodeObserver* observer) {
+absl::Status LlamaModel::CheckDecodeBatch(absl::Span<const DecodeInput> batch) const {
   const ModelConfig& c = config_;
-  const int bsz = static_cast<int>(batch.size());
-  if (bsz == 0) return absl::OkStatus();
-  const int hd = c.hidden_size, d = c.head_dim, ffn = c.intermediate_size;
-  const int qd = c.num_heads * d, kvd = c.num_kv_heads * d;
-  const int64_t stride = qd + 2 * kvd;
-  for (int b = 0; b < bsz; ++b) {
-    const DecodeInput& in = batch[b];
+  for (const DecodeInput& in : batch) {
     if (in.cache == nullptr) return absl::InvalidArgumentError("decode input without a cache");
     if (in.token < 0 || in.token >= c.vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat("token id ", in.token,
@@ -505,7 +540,7 @@ absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* 
                                                      c.context_limit()));
     }
     const KvCacheShape& s = in.cache->shape();
-    if (in.cache->num_layers() != c.num_layers || s.head_dim != d ||
+    if (in.cache->num_layers() != c.num_layers || s.head_dim != c.head_dim ||
         (s.n_heads != c.num_kv_heads && s.n_heads != c.num_heads)) {
       return absl::InvalidArgumentError("KV cache shape does not match the model");
     }
@@ -517,110 +552,107 @@ absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* 
       }
     }
   }
-  std::lock_guard<std::mutex> lock(decode_mu_);
-  std::vector<float> x(int64_t{bsz} * hd), h(int64_t{bsz} * hd), qkv(bsz * stride),
-      attn(int64_t{bsz} * qd), gate_up(int64_t{bsz} * 2 * ffn), act(int64_t{bsz} * ffn);
-  std::vector<int32_t> positions(bsz);
+  return absl::OkStatus();
+}
+
+// One layer's attention for a batch of sequences: each appends its new K/V row to its own
+// cache (at its original position), its selector picks what it attends to, and decode
+// attention runs over every sequence at once.
+absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInput> batch,
+                                              Activations& a, DecodeObserver* observer) {
+  const ModelConfig& c = config_;
+  const int bsz = static_cast<int>(batch.size()), d = c.head_dim;
+  const int qd = c.num_heads * d, kvd = c.num_kv_heads * d;
+  const int64_t stride = qd + 2 * kvd;
   std::vector<DecodeSequence> seqs(bsz);
   std::vector<std::vector<int32_t>> indices(bsz);
   std::vector<std::vector<float>> probs(observer ? bsz : 0);
   for (int b = 0; b < bsz; ++b) {
-    positions[b] = batch[b].position;
-    EmbedRow(batch[b].token, x.data() + int64_t{b} * hd);
-  }
-  for (int li = 0; li < c.num_layers; ++li) {
-    const Layer& L = layers_[li];
-    RETURN_IF_ERROR(backend_->RmsNorm({x.data(), L.attn_norm.data(), h.data(), bsz, hd, c.rms_norm_eps}));
-    RETURN_IF_ERROR(MatMul(L.q, h.data(), bsz, qkv.data(), stride));
-    RETURN_IF_ERROR(MatMul(L.k, h.data(), bsz, qkv.data() + qd, stride));
-    RETURN_IF_ERROR(MatMul(L.v, h.data(), bsz, qkv.data() + qd + kvd, stride));
-    RETURN_IF_ERROR(backend_->Rope({qkv.data(), stride, positions.data(), inv_freq_.data(), bsz,
-                                    c.num_heads, d}));
-    RETURN_IF_ERROR(backend_->Rope({qkv.data() + qd, stride, positions.data(), inv_freq_.data(),
-                                    bsz, c.num_kv_heads, d}));
-    DType kv_dtype = DType::kF32;
-    for (int b = 0; b < bsz; ++b) {
-      LayerCache& lc = batch[b].cache->layer(li);
-      kv_dtype = lc.dtype;
-      const float* kr = qkv.data() + b * stride + qd;
-      const float* vr = kr + kvd;
-      // A cache kept per query head stores its KV head's row once per query head.
-      const int heads_per_kv = lc.n_heads / c.num_kv_heads;
-      const int t = lc.len;
-      for (int ch = 0; ch < lc.n_heads; ++ch) {
-        const int g = ch / heads_per_kv;
-        FromFloat(lc.dtype, kr + int64_t{g} * d, lc.k_row(ch, t), d);
-        FromFloat(lc.dtype, vr + int64_t{g} * d, lc.v_row(ch, t), d);
-        lc.positions[int64_t{ch} * lc.capacity + t] = batch[b].position;
-      }
-      lc.len = t + 1;
-      DecodeSequence& s = seqs[b];
-      s = DecodeSequence{};
-      s.q = qkv.data() + b * stride;
-      s.out = attn.data() + int64_t{b} * qd;
-      s.k = lc.k;
-      s.v = lc.v;
-      s.head_stride = lc.head_stride();
-      s.len = lc.len;
-      if (batch[b].selector) {
-        int n = 0;
-        ASSIGN_OR_RETURN(bool sparse,
-                         batch[b].selector->Select(li, s.q, lc, &indices[b], &n));
-        if (sparse) {
-          if (n <= 0 || n > lc.len ||
-              indices[b].size() < static_cast<size_t>(n) * lc.n_heads) {
-            return absl::InternalError("decode selector returned a malformed selection");
-          }
-          s.indices = indices[b].data();
-          s.num_indices = n;
+    LayerCache& lc = batch[b].cache->layer(li);
+    const float* kr = a.qkv.data() + b * stride + qd;
+    const float* vr = kr + kvd;
+    // A cache kept per query head stores its KV head's row once per query head.
+    const int heads_per_kv = lc.n_heads / c.num_kv_heads;
+    const int t = lc.len;
+    for (int ch = 0; ch < lc.n_heads; ++ch) {
+      const int g = ch / heads_per_kv;
+      FromFloat(lc.dtype, kr + int64_t{g} * d, lc.k_row(ch, t), d);
+      FromFloat(lc.dtype, vr + int64_t{g} * d, lc.v_row(ch, t), d);
+      lc.positions[int64_t{ch} * lc.capacity + t] = batch[b].position;
+    }
+    lc.len = t + 1;
+    DecodeSequence& s = seqs[b];
+    s.q = a.qkv.data() + b * stride;
+    s.out = a.attn.data() + int64_t{b} * qd;
+    s.k = lc.k;
+    s.v = lc.v;
+    s.head_stride = lc.head_stride();
+    s.len = lc.len;
+    if (batch[b].selector) {
+      int n = 0;
+      ASSIGN_OR_RETURN(bool sparse, batch[b].selector->Select(li, s.q, lc, &indices[b], &n));
+      if (sparse) {
+        if (n <= 0 || n > lc.len || indices[b].size() < static_cast<size_t>(n) * lc.n_heads) {
+          return absl::InternalError("decode selector returned a malformed selection");
         }
-      }
-      if (observer) {
-        probs[b].resize(int64_t{c.num_heads} * lc.len);
-        s.probs = probs[b].data();
-      }
-    }
-    // Sequences in one batch may differ in cache dtype only if callers mix models; they
-    // cannot, as the cache dtype comes from the model.
-    DecodeAttentionParams dp;
-    dp.seqs = seqs.data();
-    dp.batch = bsz;
-    dp.n_heads = c.num_heads;
-    dp.n_cache_heads = batch[0].cache->shape().n_heads;
-    dp.head_dim = d;
-    dp.kv_dtype = kv_dtype;
-    dp.scale = 1.f / std::sqrt(static_cast<float>(d));
-    bool uniform_heads = true;
-    for (int b = 1; b < bsz; ++b) {
-      uniform_heads &= batch[b].cache->shape().n_heads == dp.n_cache_heads &&
-                       batch[b].cache->shape().dtype == kv_dtype;
-    }
-    if (uniform_heads) {
-      RETURN_IF_ERROR(backend_->DecodeAttention(dp));
-    } else {
-      // Mixed cache layouts (per-KV-head and per-query-head) in one batch: one call each.
-      for (int b = 0; b < bsz; ++b) {
-        dp.seqs = &seqs[b];
-        dp.batch = 1;
-        dp.n_cache_heads = batch[b].cache->shape().n_heads;
-        dp.kv_dtype = batch[b].cache->shape().dtype;
-        RETURN_IF_ERROR(backend_->DecodeAttention(dp));
+        s.indices = indices[b].data();
+        s.num_indices = n;
       }
     }
     if (observer) {
-      for (int b = 0; b < bsz; ++b) observer->OnAttention(b, li, probs[b].data(), seqs[b].len);
+      probs[b].resize(int64_t{c.num_heads} * lc.len);
+      s.probs = probs[b].data();
     }
-    RETURN_IF_ERROR(MatMul(L.o, attn.data(), bsz, h.data()));
-    AddInPlace(x.data(), h.data(), int64_t{bsz} * hd);
-    RETURN_IF_ERROR(backend_->RmsNorm({x.data(), L.mlp_norm.data(), h.data(), bsz, hd, c.rms_norm_eps}));
-    RETURN_IF_ERROR(MatMul(L.gate, h.data(), bsz, gate_up.data(), 2 * ffn));
-    RETURN_IF_ERROR(MatMul(L.up, h.data(), bsz, gate_up.data() + ffn, 2 * ffn));
-    RETURN_IF_ERROR(backend_->SwiGlu({gate_up.data(), act.data(), bsz, ffn}));
-    RETURN_IF_ERROR(MatMul(L.down, act.data(), bsz, h.data()));
-    AddInPlace(x.data(), h.data(), int64_t{bsz} * hd);
   }
-  RETURN_IF_ERROR(backend_->RmsNorm({x.data(), final_norm_.data(), h.data(), bsz, hd, c.rms_norm_eps}));
-  return MatMul(lm_head_, h.data(), bsz, logits);
+  DecodeAttentionParams dp;
+  dp.seqs = seqs.data();
+  dp.batch = bsz;
+  dp.n_heads = c.num_heads;
+  dp.n_cache_heads = batch[0].cache->shape().n_heads;
+  dp.head_dim = d;
+  dp.kv_dtype = batch[0].cache->shape().dtype;
+  dp.scale = 1.f / std::sqrt(static_cast<float>(d));
+  bool uniform = true;
+  for (int b = 1; b < bsz; ++b) {
+    uniform &= batch[b].cache->shape().n_heads == dp.n_cache_heads &&
+               batch[b].cache->shape().dtype == dp.kv_dtype;
+  }
+  if (uniform) {
+    RETURN_IF_ERROR(backend_->DecodeAttention(dp));
+  } else {
+    // Mixed cache layouts (per-KV-head and per-query-head) in one batch: one call each.
+    for (int b = 0; b < bsz; ++b) {
+      dp.seqs = &seqs[b];
+      dp.batch = 1;
+      dp.n_cache_heads = batch[b].cache->shape().n_heads;
+      dp.kv_dtype = batch[b].cache->shape().dtype;
+      RETURN_IF_ERROR(backend_->DecodeAttention(dp));
+    }
+  }
+  if (observer) {
+    for (int b = 0; b < bsz; ++b) observer->OnAttention(b, li, probs[b].data(), seqs[b].len);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* logits,
+                                    DecodeObserver* observer) {
+  const int bsz = static_cast<int>(batch.size());
+  if (bsz == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(CheckDecodeBatch(batch));
+  std::lock_guard<std::mutex> lock(decode_mu_);
+  Activations a(config_, bsz, bsz);
+  for (int b = 0; b < bsz; ++b) {
+    a.positions[b] = batch[b].position;
+    EmbedRow(batch[b].token, a.x.data() + int64_t{b} * config_.hidden_size);
+  }
+  for (int li = 0; li < config_.num_layers; ++li) {
+    const Layer& L = layers_[li];
+    RETURN_IF_ERROR(AttentionIn(L, a));
+    RETURN_IF_ERROR(DecodeAttentionLayer(li, batch, a, observer));
+    RETURN_IF_ERROR(AttentionOutAndMlp(L, a));
+  }
+  return Logits(a, 0, logits);
 }
 
 }  // namespace kvwire

@@ -147,6 +147,16 @@ class LlamaModel {
   absl::Status MatMul(const Linear& l, const float* x, int m, float* y, int64_t y_stride = 0);
   void EmbedRow(int32_t token, float* out) const;
 
+  // The forward pass, in the pieces Prefill and DecodeStep share (llama_model.cc).
+  struct Activations;
+  absl::Status CheckTokens(absl::Span<const int32_t> ids) const;
+  absl::Status CheckDecodeBatch(absl::Span<const DecodeInput> batch) const;
+  absl::Status AttentionIn(const Layer& layer, Activations& a);
+  absl::Status AttentionOutAndMlp(const Layer& layer, Activations& a);
+  absl::Status DecodeAttentionLayer(int layer, absl::Span<const DecodeInput> batch, Activations& a,
+                                    DecodeObserver* observer);
+  absl::Status Logits(Activations& a, int first_row, float* logits);
+
   void ComputeFingerprint();
 
   ModelConfig config_;

@@ -24,7 +24,6 @@ class CudaBackend final : public KernelBackend {
   }
 
   BackendKind kind() const override { return BackendKind::kCuda; }
-  bool Supports(Op op, DType dtype) const override { return true; }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     void* p = nullptr;
