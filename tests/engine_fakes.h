@@ -7,12 +7,15 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "common/base/clock.h"
 #include "common/engine/decode_engine.h"
@@ -23,6 +26,38 @@ namespace kvwire::testing {
 
 // Bounded waits of the tests: long enough never to matter on a loaded machine.
 inline constexpr std::chrono::seconds kWait{20};
+
+// A model for a test, on one CPU thread; null (and a test failure) when it cannot load.
+inline std::unique_ptr<LlamaModel> LoadModel(const std::string& spec) {
+  LoadOptions o;
+  o.threads = 1;
+  auto m = LlamaModel::Load(spec, o);
+  EXPECT_TRUE(m.ok()) << spec << ": " << m.status();
+  return m.ok() ? std::move(*m) : nullptr;
+}
+
+// "" when two caches hold the same tokens (positions, K and V bytes) in every layer and
+// head, else where they first differ.
+inline std::string CacheDifference(const KvCache& want, const KvCache& got) {
+  if (want.num_layers() != got.num_layers()) return "layer counts differ";
+  for (int l = 0; l < want.num_layers(); ++l) {
+    const LayerCache& a = want.layer(l);
+    const LayerCache& b = got.layer(l);
+    if (a.len != b.len || a.n_heads != b.n_heads || a.row_bytes() != b.row_bytes()) {
+      return "layer " + std::to_string(l) + ": shapes differ";
+    }
+    for (int h = 0; h < a.n_heads; ++h) {
+      for (int t = 0; t < a.len; ++t) {
+        const std::string at = "layer " + std::to_string(l) + " head " + std::to_string(h) +
+                               " slot " + std::to_string(t) + ": ";
+        if (a.position(h, t) != b.position(h, t)) return at + "positions differ";
+        if (std::memcmp(a.k_row(h, t), b.k_row(h, t), a.row_bytes()) != 0) return at + "K differs";
+        if (std::memcmp(a.v_row(h, t), b.v_row(h, t), a.row_bytes()) != 0) return at + "V differs";
+      }
+    }
+  }
+  return "";
+}
 
 class FakeClock final : public Clock {
  public:

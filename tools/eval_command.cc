@@ -240,31 +240,54 @@ absl::Status Plot(const nlohmann::json& records, const std::string& json_path,
 // NaN is not JSON: null instead.
 nlohmann::json Num(double x) { return std::isnan(x) ? nlohmann::json(nullptr) : nlohmann::json(x); }
 
+// What both evaluations start from: budgets, methods, the model and its prompts.
+struct EvalSetup {
+  std::vector<int> budgets;
+  std::vector<EvalMethod> methods;
+  std::unique_ptr<LlamaModel> model;
+  std::vector<EvalPrompt> prompts;
+  int window = 0;
+};
+
+absl::StatusOr<EvalSetup> Setup(const Flags& flags, const ParamValues& compression,
+                                bool passkey) {
+  EvalSetup e;
+  ASSIGN_OR_RETURN(e.budgets, Budgets(flags));
+  ASSIGN_OR_RETURN(e.methods, Methods(flags.GetList("policies"), compression));
+  ASSIGN_OR_RETURN(const int64_t limit, flags.GetInt("limit", 0, 1 << 30));
+  ASSIGN_OR_RETURN(const int64_t window, flags.GetInt("window", 1, 1 << 20));
+  e.window = static_cast<int>(window);
+  ASSIGN_OR_RETURN(e.model, LoadModelFromFlags(flags));
+  ASSIGN_OR_RETURN(e.prompts, ReadPrompts(flags.GetString("data"), e.model->tokenizer(), passkey));
+  if (limit > 0 && e.prompts.size() > static_cast<size_t>(limit)) e.prompts.resize(limit);
+  return e;
+}
+
+// What both evaluations end with: --json records and the --plot PNG.
+absl::Status Outputs(const Flags& flags, const nlohmann::json& records, const std::string& title) {
+  if (!flags.GetString("json").empty()) RETURN_IF_ERROR(WriteJson(flags.GetString("json"), records));
+  if (!flags.GetString("plot").empty()) {
+    RETURN_IF_ERROR(Plot(records, flags.GetString("json"), flags.GetString("plot"), title));
+  }
+  return absl::OkStatus();
+}
+
 int Fidelity(const Flags& flags, const ParamValues& compression) {
-  auto budgets = Budgets(flags);
-  if (!budgets.ok()) return Fail("eval fidelity", budgets.status());
-  auto methods = Methods(flags.GetList("policies"), compression);
-  if (!methods.ok()) return Fail("eval fidelity", methods.status());
   auto gen = flags.GetInt("gen", 1, 4096);
-  auto limit = flags.GetInt("limit", 0, 1 << 30);
-  auto window = flags.GetInt("window", 1, 1 << 20);
   auto theta = flags.GetDouble("theta", 0, 1);
-  for (const absl::Status& st : {gen.status(), limit.status(), window.status(), theta.status()}) {
+  for (const absl::Status& st : {gen.status(), theta.status()}) {
     if (!st.ok()) return Fail("eval fidelity", st);
   }
-  auto model = LoadModelFromFlags(flags);
-  if (!model.ok()) return Fail("eval fidelity", model.status());
-  auto prompts = ReadPrompts(flags.GetString("data"), (*model)->tokenizer(), false);
-  if (!prompts.ok()) return Fail("eval fidelity", prompts.status());
-  if (*limit > 0 && prompts->size() > static_cast<size_t>(*limit)) prompts->resize(*limit);
+  auto setup = Setup(flags, compression, /*passkey=*/false);
+  if (!setup.ok()) return Fail("eval fidelity", setup.status());
+  EvalSetup& e = *setup;
   std::fprintf(stderr, "model: %s\n%zu prompts, %lld generated tokens each\n",
-               (*model)->description().c_str(), prompts->size(), static_cast<long long>(*gen));
-
+               e.model->description().c_str(), e.prompts.size(), static_cast<long long>(*gen));
   FidelityOptions opts;
   opts.gen = static_cast<int>(*gen);
-  opts.window = static_cast<int>(*window);
+  opts.window = e.window;
   opts.theta = *theta;
-  auto records = EvalFidelity(**model, *prompts, *methods, *budgets, opts, Progress);
+  auto records = EvalFidelity(*e.model, e.prompts, e.methods, e.budgets, opts, Progress);
   if (!records.ok()) return Fail("eval fidelity", records.status());
 
   std::printf("%-28s %7s %10s %9s %9s %9s %5s\n", "policy", "budget", "agreement", "KL",
@@ -283,37 +306,18 @@ int Fidelity(const Flags& flags, const ParamValues& compression) {
                    {"n", r.n},
                    {"predictions", r.predictions}});
   }
-  if (!flags.GetString("json").empty()) {
-    if (absl::Status st = WriteJson(flags.GetString("json"), out); !st.ok()) {
-      return Fail("eval fidelity", st);
-    }
-  }
-  if (!flags.GetString("plot").empty()) {
-    absl::Status st = Plot(out, flags.GetString("json"), flags.GetString("plot"),
-                           absl::StrCat("KV compression fidelity: ", (*model)->description()));
-    if (!st.ok()) return Fail("eval fidelity", st);
-  }
-  return 0;
+  const absl::Status st =
+      Outputs(flags, out, absl::StrCat("KV compression fidelity: ", e.model->description()));
+  return st.ok() ? 0 : Fail("eval fidelity", st);
 }
 
 int Passkey(const Flags& flags, const ParamValues& compression) {
-  auto budgets = Budgets(flags);
-  if (!budgets.ok()) return Fail("eval passkey", budgets.status());
-  auto methods = Methods(flags.GetList("policies"), compression);
-  if (!methods.ok()) return Fail("eval passkey", methods.status());
-  auto limit = flags.GetInt("limit", 0, 1 << 30);
-  auto window = flags.GetInt("window", 1, 1 << 20);
-  if (!limit.ok()) return Fail("eval passkey", limit.status());
-  if (!window.ok()) return Fail("eval passkey", window.status());
-  auto model = LoadModelFromFlags(flags);
-  if (!model.ok()) return Fail("eval passkey", model.status());
-  auto prompts = ReadPrompts(flags.GetString("data"), (*model)->tokenizer(), true);
-  if (!prompts.ok()) return Fail("eval passkey", prompts.status());
-  if (*limit > 0 && prompts->size() > static_cast<size_t>(*limit)) prompts->resize(*limit);
-  std::fprintf(stderr, "model: %s\n%zu prompts\n", (*model)->description().c_str(),
-               prompts->size());
-  auto records =
-      EvalPasskey(**model, *prompts, *methods, *budgets, static_cast<int>(*window), Progress);
+  auto setup = Setup(flags, compression, /*passkey=*/true);
+  if (!setup.ok()) return Fail("eval passkey", setup.status());
+  EvalSetup& e = *setup;
+  std::fprintf(stderr, "model: %s\n%zu prompts\n", e.model->description().c_str(),
+               e.prompts.size());
+  auto records = EvalPasskey(*e.model, e.prompts, e.methods, e.budgets, e.window, Progress);
   if (!records.ok()) return Fail("eval passkey", records.status());
   std::printf("%-28s %7s %9s %5s %8s\n", "policy", "budget", "accuracy", "n", "skipped");
   nlohmann::json out = nlohmann::json::array();
@@ -328,19 +332,11 @@ int Passkey(const Flags& flags, const ParamValues& compression) {
   }
   if (!records->empty() && (*records)[0].skipped > 0) {
     std::fprintf(stderr, "%d prompts did not fit the model's context of %d and were skipped\n",
-                 (*records)[0].skipped, (*model)->config().context_limit());
+                 (*records)[0].skipped, e.model->config().context_limit());
   }
-  if (!flags.GetString("json").empty()) {
-    if (absl::Status st = WriteJson(flags.GetString("json"), out); !st.ok()) {
-      return Fail("eval passkey", st);
-    }
-  }
-  if (!flags.GetString("plot").empty()) {
-    absl::Status st = Plot(out, flags.GetString("json"), flags.GetString("plot"),
-                           absl::StrCat("passkey retrieval: ", (*model)->description()));
-    if (!st.ok()) return Fail("eval passkey", st);
-  }
-  return 0;
+  const absl::Status st =
+      Outputs(flags, out, absl::StrCat("passkey retrieval: ", e.model->description()));
+  return st.ok() ? 0 : Fail("eval passkey", st);
 }
 
 }  // namespace

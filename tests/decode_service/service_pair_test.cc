@@ -72,13 +72,7 @@ class ServicePairTest : public ::testing::Test {
     prefills_.clear();
   }
 
-  static std::unique_ptr<LlamaModel> Load() {
-    LoadOptions o;
-    o.threads = 1;
-    auto m = LlamaModel::Load(ModelSpec(), o);
-    EXPECT_TRUE(m.ok()) << m.status();
-    return m.ok() ? std::move(*m) : nullptr;
-  }
+  static std::unique_ptr<LlamaModel> Load() { return testing::LoadModel(ModelSpec()); }
 
   // A prefill node as the binary builds one (an engine and its gRPC server), with a fault
   // injector between them.

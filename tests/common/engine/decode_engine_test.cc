@@ -23,11 +23,8 @@ constexpr size_t kPool = 64 << 20;
 class DecodeEngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    LoadOptions o;
-    o.threads = 1;
-    auto m = LlamaModel::Load("synthetic:tiny", o);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = std::move(*m);
+    model_ = testing::LoadModel("synthetic:tiny");
+    ASSERT_NE(model_, nullptr);
     PrefillEngineOptions p;
     p.node_name = "fake-prefill";
     p.workers = 0;  // the test serves streams on its own thread
