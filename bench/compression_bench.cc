@@ -93,9 +93,8 @@ void Register(const std::string& setup, int budget, int iterations) {
   for (const PolicyInfo* info : Policies()) {
     if (!MakePolicy(info->name).value()->selects()) continue;  // rocketkv: a two-stage split
     const std::string p = info->name;
-    benchmark::RegisterBenchmark(
-        ("Overhead/" + setup + "/" + p).c_str(),
-        [=](benchmark::State& st) { BM_Overhead(st, setup, p, budget); })
+    benchmark::RegisterBenchmark(("Overhead/" + setup + "/" + p).c_str(),
+                                 [=](benchmark::State& st) { BM_Overhead(st, setup, p, budget); })
         ->Iterations(iterations)
         ->Unit(benchmark::kMillisecond);
   }

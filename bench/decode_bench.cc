@@ -30,7 +30,7 @@ namespace {
 
 struct Mode {
   std::string name;
-  int prompt_kept;                 // tokens per KV head in the cache before decoding
+  int prompt_kept;  // tokens per KV head in the cache before decoding
   DecodeAttentionConfig attention;
   std::unique_ptr<KvCache> cache;
   std::unique_ptr<DecodeSelector> selector;
@@ -85,15 +85,18 @@ int main(int argc, char** argv) {
   const int t = static_cast<int>(*t_or), steps = static_cast<int>(*steps_or);
   LoadOptions lo;
   lo.threads = static_cast<int>(*threads_or);
-  auto model_or = LlamaModel::Load(f.GetString("model") + ",context=" + std::to_string(ctx + steps + 8), lo);
+  auto model_or =
+      LlamaModel::Load(f.GetString("model") + ",context=" + std::to_string(ctx + steps + 8), lo);
   if (!model_or.ok()) {
     std::fprintf(stderr, "%s\n", std::string(model_or.status().message()).c_str());
     return 1;
   }
   LlamaModel& m = **model_or;
   const ModelConfig& c = m.config();
-  std::printf("model: %s\ncontext %d tokens, compressed cache %d, token budget t=%d, %d steps, %d threads\n",
-              m.description().c_str(), ctx, kept, t, steps, lo.threads);
+  std::printf(
+      "model: %s\ncontext %d tokens, compressed cache %d, token budget t=%d, %d steps, %d "
+      "threads\n",
+      m.description().c_str(), ctx, kept, t, steps, lo.threads);
 
   std::vector<Mode> modes;
   auto add = [&](std::string name, int prompt_kept, DecodeAttentionConfig a) {
@@ -112,7 +115,8 @@ int main(int argc, char** argv) {
   add("hybrid (full cache)", ctx, hybrid);
   auto two = ResolveRocketKV(t, ctx, steps + 1, c.head_dim, CompressionConfig{});
   if (!two.ok()) {
-    std::fprintf(stderr, "decode_bench: rocketkv: %s\n", std::string(two.status().message()).c_str());
+    std::fprintf(stderr, "decode_bench: rocketkv: %s\n",
+                 std::string(two.status().message()).c_str());
     return 1;
   }
   add("rocketkv (2 stages)", two->stage1.budget, two->stage2);
@@ -130,7 +134,8 @@ int main(int argc, char** argv) {
     Fill(*md.cache, md.prompt_kept, 42 + i);
     auto sel = MakeDecodeSelector(md.attention, c, shape, HeapKvAllocator());
     if (!sel.ok()) {
-      std::fprintf(stderr, "%s: %s\n", md.name.c_str(), std::string(sel.status().message()).c_str());
+      std::fprintf(stderr, "%s: %s\n", md.name.c_str(),
+                   std::string(sel.status().message()).c_str());
       return 1;
     }
     md.selector = std::move(*sel);
@@ -145,7 +150,8 @@ int main(int argc, char** argv) {
       DecodeInput in{7, ctx + 1 + s, md.cache.get(), md.selector.get()};
       const auto t0 = std::chrono::steady_clock::now();
       if (!m.DecodeStep({&in, 1}, logits.data()).ok()) return 1;
-      md.ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      md.ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
   }
   const double weights = static_cast<double>(m.WeightBytes());
@@ -163,8 +169,8 @@ int main(int argc, char** argv) {
       base_ms = med;
       base_kv = kv;
     }
-    std::printf("%-22s %9d %10.2f %12.2f %10.2f %9.2f %9.2f  %s\n", md.name.c_str(), len, med, kv / 1e6,
-                (kv + weights) / (med * 1e6), base_ms / med, base_kv / kv,
+    std::printf("%-22s %9d %10.2f %12.2f %10.2f %9.2f %9.2f  %s\n", md.name.c_str(), len, med,
+                kv / 1e6, (kv + weights) / (med * 1e6), base_ms / med, base_kv / kv,
                 md.attention.mode == AttentionMode::kDense
                     ? "dense"
                     : absl::StrCat(md.attention.Describe(), " -> k=", p->top_k, " r=", p->top_r,

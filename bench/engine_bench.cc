@@ -102,8 +102,8 @@ void BM_Prefill(benchmark::State& state, const std::string& spec) {
     auto r = m->Prefill(ids, nullptr);
     benchmark::DoNotOptimize(r);
   }
-  state.counters["tokens/s"] =
-      benchmark::Counter(static_cast<double>(len) * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(len) * state.iterations(),
+                                                  benchmark::Counter::kIsRate);
 }
 
 void BM_Decode(benchmark::State& state, const std::string& spec) {
@@ -136,19 +136,33 @@ void BM_Decode(benchmark::State& state, const std::string& spec) {
   const double bytes = static_cast<double>(m->WeightBytes() + kv_bytes);
   state.counters["tokens/s"] = benchmark::Counter(state.iterations(), benchmark::Counter::kIsRate);
   state.counters["bytes/token"] = bytes;
-  state.counters["bandwidth"] = benchmark::Counter(bytes * state.iterations(),
-                                                   benchmark::Counter::kIsRate,
-                                                   benchmark::Counter::kIs1024);
+  state.counters["bandwidth"] = benchmark::Counter(
+      bytes * state.iterations(), benchmark::Counter::kIsRate, benchmark::Counter::kIs1024);
 }
 
 BENCHMARK_CAPTURE(BM_Prefill, stories, std::string("stories"))
-    ->Arg(16)->Arg(256)->Arg(512)->Unit(benchmark::kMillisecond)->UseRealTime();
+    ->Arg(16)
+    ->Arg(256)
+    ->Arg(512)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK_CAPTURE(BM_Decode, stories, std::string("stories"))
-    ->Arg(16)->Arg(500)->Unit(benchmark::kMicrosecond)->UseRealTime();
+    ->Arg(16)
+    ->Arg(500)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK_CAPTURE(BM_Prefill, llama_1b, std::string("synthetic:llama-1b"))
-    ->Arg(128)->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
+    ->Arg(128)
+    ->Arg(1024)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(2.0);
 BENCHMARK_CAPTURE(BM_Decode, llama_1b, std::string("synthetic:llama-1b"))
-    ->Arg(16)->Arg(4096)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
+    ->Arg(16)
+    ->Arg(4096)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(2.0);
 
 }  // namespace
 }  // namespace kvwire

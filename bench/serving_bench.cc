@@ -114,7 +114,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "serving_bench: %s\n", what.c_str());
     return 2;
   };
-  auto concurrency_or = f.GetInt("concurrency", 1, 1024), requests_or = f.GetInt("requests", 1, 1 << 20),
+  auto concurrency_or = f.GetInt("concurrency", 1, 1024),
+       requests_or = f.GetInt("requests", 1, 1 << 20),
        max_tokens_or = f.GetInt("max-tokens", 1, 1 << 16), vocab_or = f.GetInt("vocab", 4, 1 << 24),
        ttft_or = f.GetInt("ttft-prompt", 0, 1 << 20);
   for (const auto* v : {&concurrency_or, &requests_or, &max_tokens_or, &vocab_or, &ttft_or}) {

@@ -10,11 +10,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/server/grpc_stream.h"
-#include "decode_service/grpc_kv_source.h"
-#include "common/server/trace_metadata.h"
 #include "common/base/status.h"
+#include "common/server/grpc_stream.h"
+#include "common/server/trace_metadata.h"
 #include "common/telemetry/telemetry.h"
+#include "decode_service/grpc_kv_source.h"
 #include "kvwire/v1/generation.grpc.pb.h"
 #include "proto/convert.h"
 
@@ -114,8 +114,8 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
     j.request_id = req.request_id().empty()
                        ? absl::StrCat(options.engine.node_name, "-", next_id.fetch_add(1))
                        : req.request_id();
-    const int max_prompt = options.max_prompt_tokens > 0 ? options.max_prompt_tokens
-                                                          : mc.context_limit();
+    const int max_prompt =
+        options.max_prompt_tokens > 0 ? options.max_prompt_tokens : mc.context_limit();
     switch (req.input_case()) {
       case v1::GenerateRequest::kPrompt:
         if (req.prompt().empty()) return Bad("prompt", "is empty");
@@ -135,9 +135,9 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
         for (int i = 0; i < req.prompt_ids().ids_size(); ++i) {
           const int32_t id = req.prompt_ids().ids(i);
           if (id < 0 || id >= mc.vocab_size) {
-            return Bad("prompt_ids", absl::StrCat("ids[", i, "] = ", id,
-                                                  " is outside the vocabulary [0, ",
-                                                  mc.vocab_size, ")"));
+            return Bad("prompt_ids",
+                       absl::StrCat("ids[", i, "] = ", id, " is outside the vocabulary [0, ",
+                                    mc.vocab_size, ")"));
           }
           j.prompt_ids.push_back(id);
         }
@@ -156,8 +156,8 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
     j.sampling.temperature = sp.has_temperature() ? sp.temperature() : 0.f;
     if (!std::isfinite(j.sampling.temperature) || j.sampling.temperature < 0 ||
         j.sampling.temperature > 100) {
-      return Bad("sampling.temperature", absl::StrCat("must be in [0, 100], got ",
-                                                      j.sampling.temperature));
+      return Bad("sampling.temperature",
+                 absl::StrCat("must be in [0, 100], got ", j.sampling.temperature));
     }
     j.sampling.top_p = sp.has_top_p() ? sp.top_p() : 1.f;
     if (!(j.sampling.top_p > 0 && j.sampling.top_p <= 1)) {
@@ -165,24 +165,25 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
     }
     j.sampling.top_k = sp.has_top_k() ? sp.top_k() : 0;
     if (j.sampling.top_k < 0) {
-      return Bad("sampling.top_k", absl::StrCat("must be >= 0 (0: no limit), got ", j.sampling.top_k));
+      return Bad("sampling.top_k",
+                 absl::StrCat("must be >= 0 (0: no limit), got ", j.sampling.top_k));
     }
     j.seed = sp.has_seed() ? sp.seed() : 0;
     if (sp.stop_size() > kMaxStopStrings) {
-      return Bad("sampling.stop", absl::StrCat("at most ", kMaxStopStrings, " strings, got ",
-                                               sp.stop_size()));
+      return Bad("sampling.stop",
+                 absl::StrCat("at most ", kMaxStopStrings, " strings, got ", sp.stop_size()));
     }
     for (const std::string& s : sp.stop()) {
       if (s.empty() || s.size() > kMaxStopBytes) {
-        return Bad("sampling.stop", absl::StrCat("each stop string must be 1..", kMaxStopBytes,
-                                                 " bytes"));
+        return Bad("sampling.stop",
+                   absl::StrCat("each stop string must be 1..", kMaxStopBytes, " bytes"));
       }
       j.stop.push_back(s);
     }
     for (int32_t id : sp.stop_token_ids()) {
       if (id < 0 || id >= mc.vocab_size) {
-        return Bad("sampling.stop_token_ids", absl::StrCat(id, " is outside the vocabulary [0, ",
-                                                           mc.vocab_size, ")"));
+        return Bad("sampling.stop_token_ids",
+                   absl::StrCat(id, " is outside the vocabulary [0, ", mc.vocab_size, ")"));
       }
       j.stop_ids.push_back(id);
     }
@@ -200,7 +201,8 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
     if (!ap.mode().empty()) {
       auto mode = ParseAttentionMode(ap.mode());
       if (!mode.ok()) return Bad("attention.mode", mode.status().message());
-      if (*mode != j.attention.mode) j.attention = DecodeAttentionConfig{*mode};  // its own defaults
+      if (*mode != j.attention.mode)
+        j.attention = DecodeAttentionConfig{*mode};  // its own defaults
     }
     if (ap.has_token_budget()) j.attention.token_budget = ap.token_budget();
     if (ap.has_top_k()) j.attention.top_k = ap.top_k();
@@ -239,7 +241,8 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   RETURN_IF_ERROR(options.default_compression.Validate());
   if (options.engine.max_batch < 1 || options.engine.max_queue < 1 ||
       options.engine.prefill_attempts < 1) {
-    return absl::InvalidArgumentError("need --max-batch >= 1, --max-queue >= 1, --prefill-attempts >= 1");
+    return absl::InvalidArgumentError(
+        "need --max-batch >= 1, --max-queue >= 1, --prefill-attempts >= 1");
   }
   if (options.default_max_tokens < 1 || options.max_tokens_limit < options.default_max_tokens) {
     return absl::InvalidArgumentError("need 1 <= --default-max-tokens <= --max-tokens-limit");
@@ -250,8 +253,8 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   DecodeServerOptions& o = impl->options;
   o.engine.telemetry = o.telemetry;
   Impl* raw = impl.get();
-  impl->pool = std::make_unique<KvPool>(o.kv_pool_bytes, o.kv_page_bytes,
-                                        [raw] { raw->WakeEngine(); });
+  impl->pool =
+      std::make_unique<KvPool>(o.kv_pool_bytes, o.kv_page_bytes, [raw] { raw->WakeEngine(); });
   if (!o.prefill_target.empty()) {
     ASSIGN_OR_RETURN(impl->remote, GrpcKvSource::Create(o.prefill_target, o.prefill_tls));
   }

@@ -10,8 +10,8 @@
 #include "absl/status/statusor.h"
 #include "common/compression/compression.h"
 #include "common/engine/decode_engine.h"
-#include "common/server/grpc_util.h"
 #include "common/model/llama_model.h"
+#include "common/server/grpc_util.h"
 #include "common/sparse/attention.h"
 
 namespace kvwire {

@@ -1,11 +1,11 @@
 // kvwire-decode: the decode node. Flags, the server, wait for SIGTERM, drain.
 #include <cstdio>
 
-#include "common/server/server_main.h"
+#include "common/base/status.h"
 #include "common/compression/compression_flags.h"
 #include "common/model/model_flags.h"
+#include "common/server/server_main.h"
 #include "common/sparse/attention.h"
-#include "common/base/status.h"
 #include "decode_service/decode_server.h"
 
 namespace kvwire {

@@ -71,8 +71,8 @@ void GemvRows(const float* x, int64_t xs, const void* w, DType wt, int k, int64_
   }
 }
 
-void Gemv(const float* x, int64_t xs, int m, const void* w, DType wt, int k, int64_t j0,
-          int64_t j1, const float* bias, float* y, int64_t ys) {
+void Gemv(const float* x, int64_t xs, int m, const void* w, DType wt, int k, int64_t j0, int64_t j1,
+          const float* bias, float* y, int64_t ys) {
   for (int r0 = 0; r0 < m; r0 += 4) {
     const float* xr = x + r0 * xs;
     float* yr = y + r0 * ys;
@@ -128,8 +128,7 @@ class CpuBackend final : public HostMemoryBackend {
           wf = wide.data();
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p.m, static_cast<int>(s1 - s0), p.k,
-                    1.f, p.x, static_cast<int>(xs), wf, p.k, 0.f, p.y + s0,
-                    static_cast<int>(ys));
+                    1.f, p.x, static_cast<int>(xs), wf, p.k, 0.f, p.y + s0, static_cast<int>(ys));
         if (p.bias) {
           for (int r = 0; r < p.m; ++r) {
             for (int64_t j = s0; j < s1; ++j) p.y[r * ys + j] += p.bias[j];
@@ -189,7 +188,8 @@ class CpuBackend final : public HostMemoryBackend {
                           const float* g = p.gate_up + r * 2 * p.ffn;
                           const float* u = g + p.ffn;
                           float* o = p.out + r * p.ffn;
-                          for (int i = 0; i < p.ffn; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+                          for (int i = 0; i < p.ffn; ++i)
+                            o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
                         }
                       });
     return absl::OkStatus();
@@ -296,10 +296,12 @@ inline __m256 LoadKv8(const void* row, int i) {
   if constexpr (T == DType::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(row) + i);
   } else if constexpr (T == DType::kBF16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i));
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   } else {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i)));
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i)));
   }
 }
 #endif
@@ -327,8 +329,10 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
       // Prefetch a few rows ahead: the loop is a stream of short rows with work between,
       // which the hardware prefetcher alone does not run far enough ahead of.
       if (x + 8 < count) {
-        const char* ahead = static_cast<const char*>(simd::Offset(kbase, T, (idx ? idx[x + 8] : x + 8) * d));
-        for (int b = 0; b < d * static_cast<int>(sizeof(uint16_t)) * (T == DType::kF32 ? 2 : 1); b += 64) {
+        const char* ahead =
+            static_cast<const char*>(simd::Offset(kbase, T, (idx ? idx[x + 8] : x + 8) * d));
+        for (int b = 0; b < d * static_cast<int>(sizeof(uint16_t)) * (T == DType::kF32 ? 2 : 1);
+             b += 64) {
           _mm_prefetch(ahead + b, _MM_HINT_T0);
         }
       }
@@ -336,12 +340,14 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
       for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
       for (int i = 0; i < d; i += 8) {
         const __m256 kv = LoadKv8<T>(krow, i);
-        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g]);
+        for (int g = 0; g < G; ++g)
+          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g]);
       }
       for (int g = 0; g < G; ++g) s[int64_t{g} * count + x] = simd::HorizontalSum(acc[g]) * scale;
 #endif
     } else {
-      for (int g = 0; g < G; ++g) s[int64_t{g} * count + x] = simd::Dot(q + g * d, krow, T, d) * scale;
+      for (int g = 0; g < G; ++g)
+        s[int64_t{g} * count + x] = simd::Dot(q + g * d, krow, T, d) * scale;
     }
   }
   for (int g = 0; g < G; ++g) {
@@ -367,8 +373,10 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
           const int64_t tok = idx ? idx[x] : x;
           const void* vrow = simd::Offset(vbase, T, tok * d);
           if (i0 == 0 && x + 8 < count) {
-            const char* ahead = static_cast<const char*>(simd::Offset(vbase, T, (idx ? idx[x + 8] : x + 8) * d));
-            for (int b = 0; b < d * static_cast<int>(sizeof(uint16_t)) * (T == DType::kF32 ? 2 : 1); b += 64) {
+            const char* ahead =
+                static_cast<const char*>(simd::Offset(vbase, T, (idx ? idx[x + 8] : x + 8) * d));
+            for (int b = 0; b < d * static_cast<int>(sizeof(uint16_t)) * (T == DType::kF32 ? 2 : 1);
+                 b += 64) {
               _mm_prefetch(ahead + b, _MM_HINT_T0);
             }
           }
@@ -391,7 +399,8 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
       const int64_t tok = idx ? idx[x] : x;
       const void* vrow = simd::Offset(vbase, T, tok * d);
       ToFloat(T, vrow, row.data(), d);
-      for (int g = 0; g < G; ++g) simd::Axpy(s[int64_t{g} * count + x], row.data(), DType::kF32, out + g * d, d);
+      for (int g = 0; g < G; ++g)
+        simd::Axpy(s[int64_t{g} * count + x], row.data(), DType::kF32, out + g * d, d);
     }
   }
   if (seq.probs) {
@@ -404,7 +413,8 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
 }
 
 template <int G>
-void DecodeHeadGroupAnyType(const DecodeSequence& seq, int c, int d, DType t, float scale, float* s) {
+void DecodeHeadGroupAnyType(const DecodeSequence& seq, int c, int d, DType t, float scale,
+                            float* s) {
   switch (t) {
     case DType::kF32:
       return DecodeHeadGroup<G, DType::kF32>(seq, c, d, scale, s);
@@ -428,18 +438,27 @@ absl::Status CpuBackend::DecodeAttention(const DecodeAttentionParams& p) {
       const int c = static_cast<int>(task % p.n_cache_heads);
       s.resize(int64_t{group} * (seq.indices ? seq.num_indices : seq.len));
       switch (group) {
-        case 1: DecodeHeadGroupAnyType<1>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data()); break;
-        case 2: DecodeHeadGroupAnyType<2>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data()); break;
-        case 4: DecodeHeadGroupAnyType<4>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data()); break;
-        case 8: DecodeHeadGroupAnyType<8>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data()); break;
+        case 1:
+          DecodeHeadGroupAnyType<1>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+          break;
+        case 2:
+          DecodeHeadGroupAnyType<2>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+          break;
+        case 4:
+          DecodeHeadGroupAnyType<4>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+          break;
+        case 8:
+          DecodeHeadGroupAnyType<8>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+          break;
         default:
           // Other group sizes: one query head at a time (as a group of one).
           for (int g = 0; g < group; ++g) {
             DecodeSequence one = seq;
             one.q = seq.q + int64_t{c * group + g} * p.head_dim - int64_t{c} * p.head_dim;
             one.out = seq.out + int64_t{c * group + g} * p.head_dim - int64_t{c} * p.head_dim;
-            one.probs = seq.probs ? seq.probs + int64_t{c * group + g} * seq.len - int64_t{c} * seq.len
-                                  : nullptr;
+            one.probs = seq.probs
+                            ? seq.probs + int64_t{c * group + g} * seq.len - int64_t{c} * seq.len
+                            : nullptr;
             DecodeHeadGroupAnyType<1>(one, c, p.head_dim, p.kv_dtype, p.scale, s.data());
           }
       }

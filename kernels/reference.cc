@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/host_memory.h"
 #include "common/base/status.h"
+#include "kernels/host_memory.h"
 #include "kernels/validate.h"
 
 namespace kvwire::kernels {
@@ -141,8 +141,8 @@ class ReferenceBackend final : public HostMemoryBackend {
       for (int h = 0; h < p.n_heads; ++h) {
         const int c = h / group;
         const int count = seq.indices ? seq.num_indices : seq.len;
-        const int32_t* idx = seq.indices ? seq.indices + static_cast<int64_t>(c) * seq.num_indices
-                                         : nullptr;
+        const int32_t* idx =
+            seq.indices ? seq.indices + static_cast<int64_t>(c) * seq.num_indices : nullptr;
         const float* q = seq.q + static_cast<int64_t>(h) * p.head_dim;
         std::vector<float> s(count);
         float mx = -std::numeric_limits<float>::infinity();
@@ -150,7 +150,8 @@ class ReferenceBackend final : public HostMemoryBackend {
           const int64_t tok = idx ? idx[t] : t;
           const int64_t base = c * seq.head_stride + tok * p.head_dim;
           float dot = 0.f;
-          for (int d = 0; d < p.head_dim; ++d) dot += q[d] * LoadElement(seq.k, p.kv_dtype, base + d);
+          for (int d = 0; d < p.head_dim; ++d)
+            dot += q[d] * LoadElement(seq.k, p.kv_dtype, base + d);
           s[t] = dot * p.scale;
           mx = std::max(mx, s[t]);
         }

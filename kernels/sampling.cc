@@ -59,7 +59,8 @@ int32_t DrawFromSorted(const std::vector<Candidate>& sorted, size_t available, d
   return sorted[keep - 1].id;
 }
 
-std::vector<Candidate> Candidates(const float* logits, int vocab, float temperature, double* total) {
+std::vector<Candidate> Candidates(const float* logits, int vocab, float temperature,
+                                  double* total) {
   const float mx = *std::max_element(logits, logits + vocab);
   std::vector<Candidate> c(vocab);
   double sum = 0;
@@ -99,8 +100,8 @@ SampledToken Sample(const float* logits, int vocab, const SamplingParams& params
   std::vector<Candidate> c = Candidates(logits, vocab, params.temperature, &total);
   // Sort only as far as the truncation can reach: top-k bounds it directly; for top-p,
   // grow a sorted prefix until its mass reaches top_p (a few hundred tokens in practice).
-  size_t sorted = std::min(c.size(), params.top_k > 0 ? static_cast<size_t>(params.top_k)
-                                                      : size_t{64});
+  size_t sorted =
+      std::min(c.size(), params.top_k > 0 ? static_cast<size_t>(params.top_k) : size_t{64});
   for (;;) {
     std::partial_sort(c.begin(), c.begin() + sorted, c.end(), Before);
     if (sorted == c.size() || params.top_k > 0) break;

@@ -64,9 +64,7 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
   next_chunk_.store(0, std::memory_order_relaxed);
   pending_workers_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
   generation_.fetch_add(1, std::memory_order_release);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-  }
+  { std::lock_guard<std::mutex> lock(mu_); }
   wake_.notify_all();
 
   RunChunks();
@@ -94,9 +92,8 @@ void ThreadPool::WorkerLoop(int /*index*/) {
     }
     if (!ready) {
       std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] {
-        return stop_ || generation_.load(std::memory_order_acquire) != seen;
-      });
+      wake_.wait(lock,
+                 [&] { return stop_ || generation_.load(std::memory_order_acquire) != seen; });
       if (stop_) return;
     }
     seen = generation_.load(std::memory_order_acquire);

@@ -15,9 +15,9 @@ absl::Status Require(bool ok, absl::string_view op, absl::string_view what) {
 
 absl::Status ValidateMatMul(const MatMulParams& p) {
   RETURN_IF_ERROR(Require(p.x && p.w && p.y, "MatMul", "x, w and y must be set"));
-  RETURN_IF_ERROR(Require(p.m > 0 && p.n > 0 && p.k > 0, "MatMul",
-                          absl::StrCat("sizes must be positive, got m=", p.m, " n=", p.n,
-                                       " k=", p.k)));
+  RETURN_IF_ERROR(
+      Require(p.m > 0 && p.n > 0 && p.k > 0, "MatMul",
+              absl::StrCat("sizes must be positive, got m=", p.m, " n=", p.n, " k=", p.k)));
   RETURN_IF_ERROR(Require(p.x_stride == 0 || p.x_stride >= p.k, "MatMul", "x_stride < k"));
   RETURN_IF_ERROR(Require(p.y_stride == 0 || p.y_stride >= p.n, "MatMul", "y_stride < n"));
   return absl::OkStatus();
@@ -26,17 +26,17 @@ absl::Status ValidateMatMul(const MatMulParams& p) {
 absl::Status ValidateRmsNorm(const RmsNormParams& p) {
   RETURN_IF_ERROR(Require(p.x && p.weight && p.y, "RmsNorm", "x, weight and y must be set"));
   return Require(p.rows > 0 && p.dim > 0 && p.eps >= 0, "RmsNorm",
-                 absl::StrCat("need rows, dim > 0 and eps >= 0, got rows=", p.rows,
-                              " dim=", p.dim, " eps=", p.eps));
+                 absl::StrCat("need rows, dim > 0 and eps >= 0, got rows=", p.rows, " dim=", p.dim,
+                              " eps=", p.eps));
 }
 
 absl::Status ValidateRope(const RopeParams& p) {
-  RETURN_IF_ERROR(Require(p.x && p.positions && p.inv_freq, "Rope",
-                          "x, positions and inv_freq must be set"));
+  RETURN_IF_ERROR(
+      Require(p.x && p.positions && p.inv_freq, "Rope", "x, positions and inv_freq must be set"));
   RETURN_IF_ERROR(Require(p.head_dim > 0 && p.head_dim % 2 == 0, "Rope",
                           absl::StrCat("head_dim must be even, got ", p.head_dim)));
-  return Require(p.rows > 0 && p.heads > 0 && p.row_stride >= int64_t{p.heads} * p.head_dim,
-                 "Rope", "need rows, heads > 0 and row_stride >= heads * head_dim");
+  return Require(p.rows > 0 && p.heads > 0 && p.row_stride >= int64_t{p.heads} * p.head_dim, "Rope",
+                 "need rows, heads > 0 and row_stride >= heads * head_dim");
 }
 
 absl::Status ValidateSwiGlu(const SwiGluParams& p) {
@@ -47,20 +47,19 @@ absl::Status ValidateSwiGlu(const SwiGluParams& p) {
 absl::Status ValidatePrefillAttention(const PrefillAttentionParams& p) {
   constexpr absl::string_view kOp = "PrefillAttention";
   RETURN_IF_ERROR(Require(p.q && p.k && p.v && p.out, kOp, "q, k, v and out must be set"));
-  RETURN_IF_ERROR(Require(p.len > 0 && p.head_dim > 0 && p.n_kv_heads > 0 &&
-                              p.n_heads >= p.n_kv_heads && p.n_heads % p.n_kv_heads == 0,
-                          kOp,
-                          absl::StrCat("need len, head_dim > 0 and n_heads a multiple of "
-                                       "n_kv_heads, got len=",
-                                       p.len, " n_heads=", p.n_heads,
-                                       " n_kv_heads=", p.n_kv_heads)));
+  RETURN_IF_ERROR(
+      Require(p.len > 0 && p.head_dim > 0 && p.n_kv_heads > 0 && p.n_heads >= p.n_kv_heads &&
+                  p.n_heads % p.n_kv_heads == 0,
+              kOp,
+              absl::StrCat("need len, head_dim > 0 and n_heads a multiple of "
+                           "n_kv_heads, got len=",
+                           p.len, " n_heads=", p.n_heads, " n_kv_heads=", p.n_kv_heads)));
   RETURN_IF_ERROR(Require(p.q_stride >= int64_t{p.n_heads} * p.head_dim &&
                               p.kv_stride >= int64_t{p.n_kv_heads} * p.head_dim &&
                               p.out_stride >= int64_t{p.n_heads} * p.head_dim,
                           kOp, "a row stride is smaller than its heads · head_dim"));
   RETURN_IF_ERROR(Require(p.window >= 0 && p.window <= p.len, kOp,
-                          absl::StrCat("window must be in [0, len=", p.len, "], got ",
-                                       p.window)));
+                          absl::StrCat("window must be in [0, len=", p.len, "], got ", p.window)));
   return Require(p.window == 0 || p.window_scores, kOp, "window > 0 needs window_scores");
 }
 
@@ -77,7 +76,8 @@ absl::Status ValidateDecodeAttention(const DecodeAttentionParams& p) {
     RETURN_IF_ERROR(Require(s.q && s.out && s.k && s.v, kOp,
                             absl::StrCat("sequence ", b, ": q, out, k and v must be set")));
     RETURN_IF_ERROR(Require(s.len > 0 && s.head_stride >= int64_t{s.len} * p.head_dim, kOp,
-                            absl::StrCat("sequence ", b, ": need len > 0 and head_stride >= len · "
+                            absl::StrCat("sequence ", b,
+                                         ": need len > 0 and head_stride >= len · "
                                          "head_dim, got len=",
                                          s.len, " head_stride=", s.head_stride)));
     if (s.indices) {

@@ -1,8 +1,8 @@
 // kvwire-prefill: the prefill node. Flags, the server, wait for SIGTERM, drain.
 #include <cstdio>
 
-#include "common/server/server_main.h"
 #include "common/model/model_flags.h"
+#include "common/server/server_main.h"
 #include "prefill_service/prefill_server.h"
 
 int main(int argc, char** argv) {
@@ -18,8 +18,8 @@ int main(int argc, char** argv) {
   flags.Define("tls-cert", "", "server certificate chain (PEM); enables TLS");
   flags.Define("tls-key", "", "server private key (PEM)");
   flags.Define("tls-client-ca", "", "require client certificates signed by this CA (mutual TLS)");
-  if (int rc = ParseFlagsOrExit(flags, "kvwire-prefill", "kvwire-prefill --model DIR [flags]",
-                                argc, argv);
+  if (int rc = ParseFlagsOrExit(flags, "kvwire-prefill", "kvwire-prefill --model DIR [flags]", argc,
+                                argv);
       rc >= 0) {
     return rc;
   }
@@ -36,7 +36,8 @@ int main(int argc, char** argv) {
   }
   engine_options.workers = static_cast<int>(*workers);
   engine_options.max_queue = static_cast<int>(*queue);
-  o.tls = {flags.GetString("tls-cert"), flags.GetString("tls-key"), flags.GetString("tls-client-ca")};
+  o.tls = {flags.GetString("tls-cert"), flags.GetString("tls-key"),
+           flags.GetString("tls-client-ca")};
   auto load_options = LoadOptionsFromFlags(flags);
   if (!load_options.ok()) return fail(load_options.status());
   if (absl::Status st = CheckServerAddresses(flags); !st.ok()) return fail(st);
@@ -54,8 +55,8 @@ int main(int argc, char** argv) {
   auto server = PrefillServer::Start(&engine, o);
   if (!server.ok()) return fail(server.status());
   std::fprintf(stderr, "kvwire-prefill %s: serving %s on port %d, metrics on port %d\n",
-               engine_options.node_name.c_str(), (*model)->description().c_str(),
-               (*server)->port(), (*telemetry)->metrics_port());
+               engine_options.node_name.c_str(), (*model)->description().c_str(), (*server)->port(),
+               (*telemetry)->metrics_port());
   WaitForTermination([&] {
     (*server)->Shutdown(static_cast<int>(*grace));
     engine.Shutdown();

@@ -95,10 +95,9 @@ struct PrefillServer::Impl final : public v1::Prefill::CallbackService {
     auto job = Translate(*request, *ctx);
     absl::Status st = job.status();
     if (st.ok()) {
-      st = prefills->Submit(std::move(*job), std::make_shared<GrpcStreamSink>(stream),
-                            [stream = stream](const absl::Status& done) {
-                              stream->Finish(ToGrpcStatus(done));
-                            });
+      st = prefills->Submit(
+          std::move(*job), std::make_shared<GrpcStreamSink>(stream),
+          [stream = stream](const absl::Status& done) { stream->Finish(ToGrpcStatus(done)); });
     } else if (options.telemetry) {
       options.telemetry->CountRequest(st);
     }

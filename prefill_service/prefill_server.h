@@ -19,7 +19,7 @@ struct PrefillServerOptions {
   std::string listen = "0.0.0.0:0";  // port 0 picks a free port (see PrefillServer::port)
   size_t max_message_bytes = 64 << 20;
   ServerTls tls;
-  Telemetry* telemetry = nullptr;    // counts requests refused before they reach the engine
+  Telemetry* telemetry = nullptr;  // counts requests refused before they reach the engine
 };
 
 class PrefillServer {

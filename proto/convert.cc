@@ -30,22 +30,24 @@ struct TypedField {
   void (*set)(const std::string&, v1::CompressionParams*);
 };
 
-#define KVWIRE_INT_FIELD(field)                                                          \
-  TypedField {                                                                           \
-    #field, &v1::CompressionParams::has_##field,                                         \
+#define KVWIRE_INT_FIELD(field)                                                        \
+  TypedField {                                                                         \
+#field, &v1::CompressionParams::has_##field,                                         \
         [](const v1::CompressionParams& p) { return absl::StrCat(p.field()); },          \
         [](const std::string& v, v1::CompressionParams* p) {                             \
           int64_t x = 0;                                                                 \
           if (absl::SimpleAtoi(v, &x)) p->set_##field(static_cast<decltype(p->field())>(x)); \
-        }                                                                                \
+        } \
   }
 
 const std::vector<TypedField>& TypedFields() {
   static const auto* const kFields = new std::vector<TypedField>{
-      KVWIRE_INT_FIELD(budget),       KVWIRE_INT_FIELD(window),       KVWIRE_INT_FIELD(kernel),
-      KVWIRE_INT_FIELD(kernel_small), KVWIRE_INT_FIELD(kernel_large), KVWIRE_INT_FIELD(kernel_threshold),
-      KVWIRE_INT_FIELD(chunk),        KVWIRE_INT_FIELD(reuse_layers), KVWIRE_INT_FIELD(block),
-      KVWIRE_INT_FIELD(sinks),        KVWIRE_INT_FIELD(seed),         KVWIRE_INT_FIELD(skip_layers),
+      KVWIRE_INT_FIELD(budget),       KVWIRE_INT_FIELD(window),
+      KVWIRE_INT_FIELD(kernel),       KVWIRE_INT_FIELD(kernel_small),
+      KVWIRE_INT_FIELD(kernel_large), KVWIRE_INT_FIELD(kernel_threshold),
+      KVWIRE_INT_FIELD(chunk),        KVWIRE_INT_FIELD(reuse_layers),
+      KVWIRE_INT_FIELD(block),        KVWIRE_INT_FIELD(sinks),
+      KVWIRE_INT_FIELD(seed),         KVWIRE_INT_FIELD(skip_layers),
   };
   return *kFields;
 }

@@ -9,7 +9,7 @@ PACKAGES=(
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev prometheus-cpp-dev nlohmann-json3-dev
   libopenblas-dev zlib1g-dev
-  nginx prometheus curl openssl
+  nginx prometheus curl openssl clang-format
   python3 python3-grpcio python3-protobuf python3-numpy python3-yaml python3-venv
   python3-matplotlib
 )

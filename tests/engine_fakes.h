@@ -4,6 +4,8 @@
 // holds or corrupts a stream at a chosen chunk (for the gRPC nodes' tests).
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -14,8 +16,6 @@
 #include <mutex>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "common/base/clock.h"
 #include "common/engine/decode_engine.h"

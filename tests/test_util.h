@@ -20,9 +20,9 @@ void WriteFile(const std::string& path, const std::string& contents);
 
 }  // namespace kvwire::testing
 
-#define KVWIRE_REQUIRE_SHARED()                                                       \
-  do {                                                                                \
-    if (::kvwire::testing::SharedDir().empty()) {                                     \
-      GTEST_SKIP() << "../shared (models and data) not found beside the checkout";    \
-    }                                                                                 \
+#define KVWIRE_REQUIRE_SHARED()                                                    \
+  do {                                                                             \
+    if (::kvwire::testing::SharedDir().empty()) {                                  \
+      GTEST_SKIP() << "../shared (models and data) not found beside the checkout"; \
+    }                                                                              \
   } while (0)

@@ -13,7 +13,8 @@ const std::vector<Command>& Commands() {
       {"tokenize", "print the token ids of a text (and decode them back)", RunTokenize},
       {"select", "run a compression policy on q/k tensors from a safetensors file", RunSelect},
       {"eval", "fidelity and passkey evaluation of compression policies", RunEval},
-      {"policies", "list the compression policies and decode attention modes, with their parameters",
+      {"policies",
+       "list the compression policies and decode attention modes, with their parameters",
        RunPolicies},
   };
   return *commands;

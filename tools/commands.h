@@ -9,8 +9,8 @@
 #include "absl/status/statusor.h"
 #include "common/base/flags.h"
 #include "common/compression/compression.h"
-#include "common/model/llama_model.h"
 #include "common/compression/compression_flags.h"
+#include "common/model/llama_model.h"
 #include "common/model/model_flags.h"
 #include "common/sparse/attention.h"
 
@@ -32,6 +32,5 @@ int RunPolicies(int argc, char** argv);
 
 // Prints "kvwire COMMAND: message" and returns 1 (or 2 for InvalidArgument).
 int Fail(const char* command, const absl::Status& status);
-
 
 }  // namespace kvwire::tools

@@ -67,7 +67,9 @@ class CapturedPrefill : public PrefillObserver {
 class AttentionRecorder : public DecodeObserver {
  public:
   AttentionRecorder(int layers, int heads, int prompt_len)
-      : heads_(heads), prompt_len_(prompt_len), step_(static_cast<size_t>(layers) * heads * prompt_len) {}
+      : heads_(heads),
+        prompt_len_(prompt_len),
+        step_(static_cast<size_t>(layers) * heads * prompt_len) {}
   void OnAttention(int /*seq*/, int layer, const float* probs, int len) override {
     for (int h = 0; h < heads_; ++h) {
       std::copy(probs + int64_t{h} * len, probs + int64_t{h} * len + prompt_len_,
@@ -225,13 +227,13 @@ absl::StatusOr<std::vector<EvalPrompt>> ReadPrompts(const std::string& path, con
         return absl::InvalidArgumentError(absl::StrCat(where, ": expected \"answer_ids\""));
       }
       RETURN_IF_ERROR(ids_of("answer_ids", &p.answer));
-      if (p.answer.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": empty answer"));
+      if (p.answer.empty())
+        return absl::InvalidArgumentError(absl::StrCat(where, ": empty answer"));
     }
     for (int32_t id : p.ids) {
       if (id >= tok.vocab_size()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": token id ", id,
-                                                       " is outside the model's vocabulary of ",
-                                                       tok.vocab_size()));
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": token id ", id, " is outside the model's vocabulary of ", tok.vocab_size()));
       }
     }
     out.push_back(std::move(p));
@@ -277,7 +279,8 @@ absl::Status ScoreMethod(LlamaModel& model, const CapturedPrefill& cap, const Re
   const ModelConfig& mc = model.config();
   const int gen = options.gen, vocab = mc.vocab_size;
   CompressionConfig config = method.compression(budget);
-  DecodeAttentionConfig attention = method.attention ? method.attention(budget) : DecodeAttentionConfig{};
+  DecodeAttentionConfig attention =
+      method.attention ? method.attention(budget) : DecodeAttentionConfig{};
   if (config.NeedsScores()) config.window = window;
   RETURN_IF_ERROR(Annotate(config.Validate(), method.name));
   RETURN_IF_ERROR(
@@ -297,11 +300,10 @@ absl::Status ScoreMethod(LlamaModel& model, const CapturedPrefill& cap, const Re
     for (int v = 0; v < vocab; ++v) kl += std::exp(ref.logp[t][v]) * (ref.logp[t][v] - lp[v]);
     acc->kl += kl;
     ++acc->predictions;
-    AddAttention(ref.attention[t], mc.num_layers, mc.num_heads, len, len - window, options.theta,
-                 [&](int l, int h) -> const std::vector<char>& {
-                   return recorder.mask(l, h / cache_group);
-                 },
-                 acc);
+    AddAttention(
+        ref.attention[t], mc.num_layers, mc.num_heads, len, len - window, options.theta,
+        [&](int l, int h) -> const std::vector<char>& { return recorder.mask(l, h / cache_group); },
+        acc);
   }
   ++acc->prompts;
   return absl::OkStatus();
@@ -327,9 +329,9 @@ void ScoreOracle(const ModelConfig& mc, const Reference& ref, int budget, int le
         for (int32_t j : TopKAscending(s, k)) masks[l][g][j] = 1;
       }
     }
-    AddAttention(ref.attention[t], layers, heads, len, len - window, options.theta,
-                 [&](int l, int h) -> const std::vector<char>& { return masks[l][h / group]; },
-                 acc);
+    AddAttention(
+        ref.attention[t], layers, heads, len, len - window, options.theta,
+        [&](int l, int h) -> const std::vector<char>& { return masks[l][h / group]; }, acc);
   }
   ++acc->prompts;
 }
@@ -359,9 +361,9 @@ absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
   for (const EvalPrompt& prompt : prompts) {
     const int len = static_cast<int>(prompt.ids.size());
     if (len + options.gen + 1 > mc.context_limit()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "prompt ", prompt.id, " (", len, " tokens) + ", options.gen + 1,
-          " generated exceeds the model's context of ", mc.context_limit()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt ", prompt.id, " (", len, " tokens) + ", options.gen + 1,
+                       " generated exceeds the model's context of ", mc.context_limit()));
     }
     const int window = std::min(options.window, len);
     CapturedPrefill cap(window, mc.num_heads);
@@ -384,7 +386,8 @@ absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
       out.push_back(Record(methods[m].name, budgets[b], acc[m * budgets.size() + b], true));
     }
   }
-  for (size_t b = 0; b < budgets.size(); ++b) out.push_back(Record("oracle", budgets[b], oracle[b], false));
+  for (size_t b = 0; b < budgets.size(); ++b)
+    out.push_back(Record("oracle", budgets[b], oracle[b], false));
   return out;
 }
 

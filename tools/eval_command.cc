@@ -48,10 +48,12 @@ absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& 
     if (mode.ok() && *mode != AttentionMode::kDense) {
       if (parts.size() > 1) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "method '", spec, "': a decode attention mode takes no overrides (its budget is --budgets)"));
+            "method '", spec,
+            "': a decode attention mode takes no overrides (its budget is --budgets)"));
       }
       const AttentionMode m = *mode;
-      methods.push_back({spec, [](int) { return CompressionConfig{}; }, [m](int budget) {
+      methods.push_back({spec, [](int) { return CompressionConfig{}; },
+                         [m](int budget) {
                            DecodeAttentionConfig a;
                            a.mode = m;
                            a.token_budget = budget;
@@ -98,7 +100,7 @@ absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& 
       return absl::InvalidArgumentError(absl::StrCat(
           "--", ParamFlagName(name), " applies to none of the methods (--policies); it applies to ",
           name == "window" || name == "skip_layers" ? std::string("every policy but full")
-                                                     : PoliciesTaking(name)));
+                                                    : PoliciesTaking(name)));
     }
   }
   return methods;
@@ -249,8 +251,7 @@ struct EvalSetup {
   int window = 0;
 };
 
-absl::StatusOr<EvalSetup> Setup(const Flags& flags, const ParamValues& compression,
-                                bool passkey) {
+absl::StatusOr<EvalSetup> Setup(const Flags& flags, const ParamValues& compression, bool passkey) {
   EvalSetup e;
   ASSIGN_OR_RETURN(e.budgets, Budgets(flags));
   ASSIGN_OR_RETURN(e.methods, Methods(flags.GetList("policies"), compression));
@@ -265,7 +266,8 @@ absl::StatusOr<EvalSetup> Setup(const Flags& flags, const ParamValues& compressi
 
 // What both evaluations end with: --json records and the --plot PNG.
 absl::Status Outputs(const Flags& flags, const nlohmann::json& records, const std::string& title) {
-  if (!flags.GetString("json").empty()) RETURN_IF_ERROR(WriteJson(flags.GetString("json"), records));
+  if (!flags.GetString("json").empty())
+    RETURN_IF_ERROR(WriteJson(flags.GetString("json"), records));
   if (!flags.GetString("plot").empty()) {
     RETURN_IF_ERROR(Plot(records, flags.GetString("json"), flags.GetString("plot"), title));
   }
@@ -290,8 +292,8 @@ int Fidelity(const Flags& flags, const ParamValues& compression) {
   auto records = EvalFidelity(*e.model, e.prompts, e.methods, e.budgets, opts, Progress);
   if (!records.ok()) return Fail("eval fidelity", records.status());
 
-  std::printf("%-28s %7s %10s %9s %9s %9s %5s\n", "policy", "budget", "agreement", "KL",
-              "recall", absl::StrFormat("hit@%.2g", *theta).c_str(), "n");
+  std::printf("%-28s %7s %10s %9s %9s %9s %5s\n", "policy", "budget", "agreement", "KL", "recall",
+              absl::StrFormat("hit@%.2g", *theta).c_str(), "n");
   nlohmann::json out = nlohmann::json::array();
   for (const FidelityRecord& r : *records) {
     std::printf("%-28s %7d %10s %9s %9s %9s %5d\n", r.policy.c_str(), r.budget,
@@ -352,7 +354,8 @@ int RunEval(int argc, char** argv) {
   Flags flags;
   DefineModelFlags(flags);
   DefineCompressionParamFlags(flags);  // no --policy, --budget, --ratio: see --policies, --budgets
-  flags.Define("data", "", "JSONL prompts (../shared/data/stories/dev.jsonl, .../passkey/dev.jsonl)");
+  flags.Define("data", "",
+               "JSONL prompts (../shared/data/stories/dev.jsonl, .../passkey/dev.jsonl)");
   flags.Define("policies", "snapkv,snapkv_pp,chunkkv,hbw,streaming,random",
                "methods: policy names, optionally with :flag=value overrides");
   flags.Define("budgets", "32,64,128", "budgets to evaluate (tokens per KV head)");

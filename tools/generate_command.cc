@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "absl/strings/str_format.h"
-#include "common/engine/generate.h"
 #include "common/base/status.h"
+#include "common/engine/generate.h"
 #include "tools/commands.h"
 
 namespace kvwire::tools {
@@ -98,9 +98,9 @@ int RunGenerate(int argc, char** argv) {
                "(%.1f%%), %.2f ms\n"
                "kv cache: full %lld bytes, compressed %lld bytes (%.1fx smaller)\n",
                r.compression.Describe().c_str(), r.attention.Describe().c_str(), kept,
-               r.prompt_tokens,
-               100.0 * kept / std::max(r.prompt_tokens, 1), r.compress_seconds * 1e3,
-               static_cast<long long>(r.full_cache_bytes), static_cast<long long>(r.kept_cache_bytes),
+               r.prompt_tokens, 100.0 * kept / std::max(r.prompt_tokens, 1),
+               r.compress_seconds * 1e3, static_cast<long long>(r.full_cache_bytes),
+               static_cast<long long>(r.kept_cache_bytes),
                static_cast<double>(r.full_cache_bytes) / std::max<int64_t>(r.kept_cache_bytes, 1));
   return 0;
 }

@@ -16,16 +16,19 @@ nlohmann::json Registry() {
   for (const PolicyInfo* p : Policies()) {
     nlohmann::json params = nlohmann::json::array();
     for (const ParamInfo& q : p->params) {
-      params.push_back({{"name", q.name}, {"flag", "--" + ParamFlagName(q.name)},
-                        {"default", q.default_value}, {"help", q.help}});
+      params.push_back({{"name", q.name},
+                        {"flag", "--" + ParamFlagName(q.name)},
+                        {"default", q.default_value},
+                        {"help", q.help}});
     }
     const bool evicts = MakePolicy(p->name).value()->evicts();
-    policies.push_back({{"name", p->name},
-                        {"keeps", p->keeps},
-                        {"paper", p->paper},
-                        {"shared", evicts ? nlohmann::json{"budget", "ratio", "window", "skip_layers"}
-                                          : nlohmann::json::array()},
-                        {"params", params}});
+    policies.push_back(
+        {{"name", p->name},
+         {"keeps", p->keeps},
+         {"paper", p->paper},
+         {"shared", evicts ? nlohmann::json{"budget", "ratio", "window", "skip_layers"}
+                           : nlohmann::json::array()},
+         {"params", params}});
   }
   nlohmann::json modes = nlohmann::json::array();
   for (const AttentionModeInfo* m : AttentionModes()) {
@@ -57,8 +60,8 @@ int RunPolicies(int argc, char** argv) {
   for (const auto& p : r["policies"]) {
     std::vector<std::string> params;
     for (const auto& q : p["params"]) {
-      params.push_back(absl::StrCat(q["flag"].get<std::string>(), "=",
-                                    q["default"].get<std::string>()));
+      params.push_back(
+          absl::StrCat(q["flag"].get<std::string>(), "=", q["default"].get<std::string>()));
     }
     const std::string list = params.empty() ? "-" : absl::StrJoin(params, md ? ", " : " ");
     if (md) {

@@ -8,8 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "common/model/safetensors.h"
 #include "common/base/status.h"
+#include "common/model/safetensors.h"
 #include "kernels/reference.h"
 #include "tools/commands.h"
 
@@ -44,10 +44,11 @@ absl::StatusOr<nlohmann::json> Select(const Flags& flags) {
   const int n_heads = static_cast<int>(qs[0]), len = static_cast<int>(qs[1]);
   const int d = static_cast<int>(qs[2]), n_kv = static_cast<int>(ks[0]);
   if (ks[1] != len || ks[2] != d || n_kv == 0 || n_heads % n_kv != 0 || len == 0 || d == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": q is [", qs[0], ", ", qs[1], ", ", qs[2], "] and k is [", ks[0], ", ", ks[1],
-        ", ", ks[2], "]; expected [n_heads, L, d] and [n_kv_heads, L, d] with n_heads a "
-        "multiple of n_kv_heads"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": q is [", qs[0], ", ", qs[1], ", ", qs[2], "] and k is [", ks[0], ", ",
+                     ks[1], ", ", ks[2],
+                     "]; expected [n_heads, L, d] and [n_kv_heads, L, d] with n_heads a "
+                     "multiple of n_kv_heads"));
   }
   // To the kernels' token-major layout [L, heads, d].
   std::vector<float> qt(q.size()), kt(k.size());

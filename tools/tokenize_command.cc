@@ -1,6 +1,5 @@
 // kvwire tokenize: the model's tokenizer on a text, for checking against other tools.
 #include <cstdio>
-
 #include <nlohmann/json.hpp>
 
 #include "common/base/status.h"

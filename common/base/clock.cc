@@ -15,7 +15,8 @@ const Clock& Clock::Real() {
   return *kClock;
 }
 
-Clock::TimePoint FromWallDeadline(const Clock& clock, std::chrono::system_clock::time_point deadline) {
+Clock::TimePoint FromWallDeadline(const Clock& clock,
+                                  std::chrono::system_clock::time_point deadline) {
   if (deadline == std::chrono::system_clock::time_point::max()) return Clock::TimePoint::max();
   const auto left = deadline - std::chrono::system_clock::now();
   // Far-future deadlines (gRPC's "infinite" is close to the maximum) stay unbounded.
@@ -23,7 +24,8 @@ Clock::TimePoint FromWallDeadline(const Clock& clock, std::chrono::system_clock:
   return clock.Now() + std::chrono::duration_cast<Clock::TimePoint::duration>(left);
 }
 
-std::chrono::system_clock::time_point ToWallDeadline(const Clock& clock, Clock::TimePoint deadline) {
+std::chrono::system_clock::time_point ToWallDeadline(const Clock& clock,
+                                                     Clock::TimePoint deadline) {
   if (deadline == Clock::TimePoint::max()) return std::chrono::system_clock::time_point::max();
   return std::chrono::system_clock::now() +
          std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline - clock.Now());

@@ -18,7 +18,8 @@ class Clock {
 };
 
 // A wall-clock deadline (gRPC's) as a point on `clock`; time_point::max() stays "none".
-Clock::TimePoint FromWallDeadline(const Clock& clock, std::chrono::system_clock::time_point deadline);
+Clock::TimePoint FromWallDeadline(const Clock& clock,
+                                  std::chrono::system_clock::time_point deadline);
 // And back, for an outgoing call.
 std::chrono::system_clock::time_point ToWallDeadline(const Clock& clock, Clock::TimePoint deadline);
 

@@ -16,7 +16,6 @@ enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 
-
 inline float Bf16ToFloat(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -32,7 +31,6 @@ inline uint16_t FloatToBf16(float f) {
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>(bits >> 16);
 }
-
 
 inline absl::string_view DTypeName(DType t) {
   switch (t) {
@@ -90,13 +88,13 @@ inline uint16_t FloatToF16(float f) {
   std::memcpy(&bits, &f, 4);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t abs = bits & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7e00u;                 // NaN
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;                // overflow -> inf
-  if (abs < 0x38800000u) {                                      // subnormal or zero
-    if (abs < 0x33000000u) return sign;                         // underflow
+  if (abs > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // overflow -> inf
+  if (abs < 0x38800000u) {                        // subnormal or zero
+    if (abs < 0x33000000u) return sign;           // underflow
     const uint32_t e = abs >> 23;
     const uint32_t m = (abs & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126 - e;                             // 14 + (113 - e) - 1
+    const uint32_t shift = 126 - e;  // 14 + (113 - e) - 1
     uint32_t half = m >> (shift);
     const uint32_t rem = m & ((1u << shift) - 1);
     const uint32_t halfway = 1u << (shift - 1);

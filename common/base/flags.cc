@@ -111,8 +111,8 @@ std::string Flags::Help() const {
   return out;
 }
 
-int ParseFlagsOrExit(Flags& flags, const std::string& program, const std::string& usage,
-                     int argc, char** argv, int first) {
+int ParseFlagsOrExit(Flags& flags, const std::string& program, const std::string& usage, int argc,
+                     char** argv, int first) {
   if (!flags.IsDefined("help")) flags.DefineBool("help", "print this help");
   if (absl::Status st = flags.Parse(argc, argv, first); !st.ok()) {
     std::fprintf(stderr, "%s: %s\nusage: %s\n", program.c_str(), std::string(st.message()).c_str(),

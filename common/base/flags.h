@@ -51,7 +51,7 @@ class Flags {
 // The start of every main: defines --help, parses argv[first..argc) and returns -1 to go
 // on, 0 after printing the help, or 2 after printing what was wrong ("PROGRAM: error")
 // and the usage line. The caller returns a non-negative result as its exit code.
-int ParseFlagsOrExit(Flags& flags, const std::string& program, const std::string& usage,
-                     int argc, char** argv, int first = 1);
+int ParseFlagsOrExit(Flags& flags, const std::string& program, const std::string& usage, int argc,
+                     char** argv, int first = 1);
 
 }  // namespace kvwire

@@ -16,9 +16,9 @@
 #define KVWIRE_STATUS_CONCAT(a, b) KVWIRE_STATUS_CONCAT_INNER(a, b)
 
 // Returns from the enclosing function if `expr` (a Status) is not OK.
-#define RETURN_IF_ERROR(expr)                   \
-  do {                                          \
-    ::absl::Status kvwire_status_ = (expr);     \
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    ::absl::Status kvwire_status_ = (expr);          \
     if (!kvwire_status_.ok()) return kvwire_status_; \
   } while (0)
 
@@ -26,18 +26,18 @@
 #define ASSIGN_OR_RETURN(lhs, expr) \
   KVWIRE_ASSIGN_OR_RETURN_IMPL(KVWIRE_STATUS_CONCAT(kvwire_statusor_, __LINE__), lhs, expr)
 
-#define KVWIRE_ASSIGN_OR_RETURN_IMPL(statusor, lhs, expr) \
-  auto statusor = (expr);                                 \
+#define KVWIRE_ASSIGN_OR_RETURN_IMPL(statusor, lhs, expr)  \
+  auto statusor = (expr);                                  \
   if (!statusor.ok()) return std::move(statusor).status(); \
   lhs = std::move(statusor).value()
 
 // Aborts with a message: for invariants that only a bug in kvwire can break.
-#define KVWIRE_CHECK(cond)                                                        \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
+#define KVWIRE_CHECK(cond)                                                          \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
       std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::abort();                                                               \
-    }                                                                             \
+      std::abort();                                                                 \
+    }                                                                               \
   } while (0)
 
 namespace kvwire {

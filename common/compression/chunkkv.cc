@@ -31,8 +31,8 @@ const PolicyInfo kInfo = {
     &MakeChunkKV};
 
 struct ChunkKVParams {
-  int chunk = 10;         // tokens per chunk (ChunkKV §4)
-  int reuse_layers = 1;   // N_reuse
+  int chunk = 10;        // tokens per chunk (ChunkKV §4)
+  int reuse_layers = 1;  // N_reuse
 };
 
 std::vector<int32_t> ChunkSelect(const std::vector<float>& tok, int chunk, int prefix_budget) {
@@ -88,7 +88,8 @@ absl::StatusOr<PolicyPtr> MakeChunkKV(const ParamValues& values) {
   RETURN_IF_ERROR(reader.Int("chunk", INT32_MIN, 1 << 20, &p.chunk));
   RETURN_IF_ERROR(reader.Int("reuse_layers", INT32_MIN, 1 << 20, &p.reuse_layers));
   RETURN_IF_ERROR(reader.Finish());
-  if (p.chunk < 1) return absl::InvalidArgumentError(absl::StrCat("chunk must be >= 1, got ", p.chunk));
+  if (p.chunk < 1)
+    return absl::InvalidArgumentError(absl::StrCat("chunk must be >= 1, got ", p.chunk));
   if (p.reuse_layers < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("reuse_layers must be >= 1 (1: no reuse), got ", p.reuse_layers));

@@ -48,10 +48,13 @@ absl::Status CompressionConfig::Validate() const {
   // bounds the score buffer (heads × window × prompt floats per layer).
   if (budget > (1 << 30)) return Bad(absl::StrCat("budget must be <= 2^30, got ", budget));
   if (window > kMaxWindow) {
-    return Bad(absl::StrCat("window must be <= ", kMaxWindow, " (observation windows are 16-128 "
-                            "tokens in the papers), got ", window));
+    return Bad(absl::StrCat("window must be <= ", kMaxWindow,
+                            " (observation windows are 16-128 "
+                            "tokens in the papers), got ",
+                            window));
   }
-  if (skip_layers > (1 << 20)) return Bad(absl::StrCat("skip_layers must be <= 2^20, got ", skip_layers));
+  if (skip_layers > (1 << 20))
+    return Bad(absl::StrCat("skip_layers must be <= 2^20, got ", skip_layers));
   if (!policy->evicts()) return absl::OkStatus();
   if (budget == 0 && ratio == 0) {
     return Bad(absl::StrCat(policy->name(), " needs a budget (tokens kept per head) or a ratio"));
@@ -120,7 +123,8 @@ absl::Status ApplyCompressionValues(const ParamValues& values, CompressionConfig
       if (values.count("ratio") == 0) c.ratio = 0;
     } else if (name == "ratio") {
       if (!absl::SimpleAtod(value, &c.ratio)) {
-        return absl::InvalidArgumentError(absl::StrCat("ratio must be a number, got '", value, "'"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("ratio must be a number, got '", value, "'"));
       }
       if (values.count("budget") == 0) c.budget = 0;
     } else if (name == "window") {
@@ -188,8 +192,8 @@ absl::StatusOr<KeptRows> LayerSelector::Select(int layer, int len, const WindowS
   if (NeedsScoresFor(layer, len)) {
     if (scores == nullptr || scores->data == nullptr || scores->len != len ||
         scores->window != c.window || scores->n_heads != n_heads_) {
-      return absl::InternalError(absl::StrCat(c.policy->name(), " needs window scores [",
-                                              n_heads_, ", ", c.window, ", ", len, "]"));
+      return absl::InternalError(absl::StrCat(c.policy->name(), " needs window scores [", n_heads_,
+                                              ", ", c.window, ", ", len, "]"));
     }
     in.scores = scores;
   }
@@ -271,10 +275,10 @@ absl::Status StoreLayer(const CompressedLayer& layer, KvCache* cache) {
   }
   LayerCache& lc = cache->layer(layer.layer);
   if (layer.n_heads != lc.n_heads || layer.head_dim != lc.head_dim || layer.dtype != lc.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layer ", layer.layer, " has ", layer.n_heads, " heads x ", layer.head_dim, " ",
-        DTypeName(layer.dtype), " but the cache expects ", lc.n_heads, " x ", lc.head_dim, " ",
-        DTypeName(lc.dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer.layer, " has ", layer.n_heads, " heads x ", layer.head_dim,
+                     " ", DTypeName(layer.dtype), " but the cache expects ", lc.n_heads, " x ",
+                     lc.head_dim, " ", DTypeName(lc.dtype)));
   }
   if (layer.count > lc.capacity) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer.layer, " has ", layer.count,
@@ -285,7 +289,8 @@ absl::Status StoreLayer(const CompressedLayer& layer, KvCache* cache) {
   const size_t head_bytes = static_cast<size_t>(layer.count) * row;
   if (layer.k.size() != head_bytes * layer.n_heads || layer.v.size() != layer.k.size() ||
       layer.positions.size() != static_cast<size_t>(layer.count) * layer.n_heads) {
-    return absl::InvalidArgumentError(absl::StrCat("layer ", layer.layer, " payload sizes do not "
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer.layer,
+                                                   " payload sizes do not "
                                                    "match its shape"));
   }
   for (int c = 0; c < lc.n_heads; ++c) {

@@ -31,9 +31,9 @@ inline constexpr int kMaxWindow = 1024;
 
 struct CompressionConfig {
   PolicyPtr policy = FullPolicy();  // never null
-  int budget = 0;    // tokens kept per cache head, window included (0: from ratio)
-  double ratio = 0;  // alternative: kept / prompt tokens, in (0, 1]
-  int window = 16;   // observation window w (SnapKV §4.1)
+  int budget = 0;                   // tokens kept per cache head, window included (0: from ratio)
+  double ratio = 0;                 // alternative: kept / prompt tokens, in (0, 1]
+  int window = 16;                  // observation window w (SnapKV §4.1)
   int skip_layers = 0;
 
   absl::string_view policy_name() const { return policy->name(); }
@@ -53,7 +53,7 @@ struct CompressionConfig {
 
 // The shared parameters by name, as ApplyCompressionValues takes them besides the policy's.
 inline constexpr const char* kSharedCompressionParams[] = {"budget", "ratio", "window",
-                                                          "skip_layers"};
+                                                           "skip_layers"};
 
 // Applies named values to `config`: "policy" switches the policy (whose parameters then start
 // at their defaults, and whose budget does not carry over); "budget", "ratio", "window" and
@@ -85,7 +85,7 @@ struct CompressedLayer {
   int layer = 0;
   int n_heads = 0;  // cache heads
   int head_dim = 0;
-  int count = 0;    // tokens per head
+  int count = 0;  // tokens per head
   DType dtype = DType::kF32;
   std::vector<int32_t> positions;  // [n_heads, count], ascending per head
   std::vector<uint8_t> k, v;       // [n_heads, count, head_dim] in dtype

@@ -57,7 +57,8 @@ void DefineCompressionParamFlags(Flags& flags) {
 
 ParamValues CompressionValuesFromFlags(const Flags& flags) {
   ParamValues values;
-  if (flags.IsDefined("policy") && flags.IsSet("policy")) values["policy"] = flags.GetString("policy");
+  if (flags.IsDefined("policy") && flags.IsSet("policy"))
+    values["policy"] = flags.GetString("policy");
   for (const char* name : kSharedCompressionParams) {
     const std::string flag = ParamFlagName(name);
     if (flags.IsDefined(flag) && flags.IsSet(flag)) values[name] = flags.GetString(flag);

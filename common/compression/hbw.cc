@@ -101,10 +101,12 @@ class Hbw final : public CompressionPolicy {
             {"gqa", std::string(GqaNames()[static_cast<int>(p_.gqa)])}};
   }
   std::string DescribeParams(int window) const override {
-    std::string s = absl::StrCat(", window=", window, ", block=",
-                                 p_.block == 0 ? std::string("budget/32") : absl::StrCat(p_.block),
-                                 ", groups=", absl::StrJoin(p_.groups, ","));
-    if (p_.gqa != GqaMode::kSum) absl::StrAppend(&s, ", gqa=", GqaNames()[static_cast<int>(p_.gqa)]);
+    std::string s =
+        absl::StrCat(", window=", window,
+                     ", block=", p_.block == 0 ? std::string("budget/32") : absl::StrCat(p_.block),
+                     ", groups=", absl::StrJoin(p_.groups, ","));
+    if (p_.gqa != GqaMode::kSum)
+      absl::StrAppend(&s, ", gqa=", GqaNames()[static_cast<int>(p_.gqa)]);
     return s;
   }
   int CacheHeads(int n_heads, int n_kv_heads) const override {
@@ -134,7 +136,8 @@ absl::StatusOr<PolicyPtr> MakeHbw(const ParamValues& values) {
   RETURN_IF_ERROR(reader.Choice("gqa", GqaNames(), &gqa));
   RETURN_IF_ERROR(reader.Finish());
   if (p.block < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("block must be >= 0 (0: budget/32), got ", p.block));
+    return absl::InvalidArgumentError(
+        absl::StrCat("block must be >= 0 (0: budget/32), got ", p.block));
   }
   p.gqa = static_cast<GqaMode>(gqa);
   return std::make_shared<Hbw>(p);

@@ -25,9 +25,9 @@ std::string CompressionPolicy::DescribeParams(int window) const {
 
 absl::Status CompressionPolicy::CheckBudget(int budget, int window) const {
   if (budget > 0 && budget <= window) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("budget (", budget, ") must exceed the observation window (", window,
-                     "), which is always kept"));
+    return absl::InvalidArgumentError(absl::StrCat("budget (", budget,
+                                                   ") must exceed the observation window (", window,
+                                                   "), which is always kept"));
   }
   return absl::OkStatus();
 }
@@ -77,10 +77,11 @@ absl::Status ParamReader::IntList(const char* name, int min, int max, size_t max
   for (absl::string_view item : absl::StrSplit(*v, ',', absl::SkipWhitespace())) {
     int x = 0;
     if (!absl::SimpleAtoi(item, &x)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, " must be a comma-separated list of integers, got '", *v, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must be a comma-separated list of integers, got '", *v, "'"));
     }
-    if (x < min) return absl::InvalidArgumentError(absl::StrCat(name, " must be >= ", min, ", got ", x));
+    if (x < min)
+      return absl::InvalidArgumentError(absl::StrCat(name, " must be >= ", min, ", got ", x));
     if (x > max) {
       return absl::InvalidArgumentError(absl::StrCat(
           name, " must be <= ", max == (1 << 20) ? std::string("2^20") : absl::StrCat(max),
@@ -109,8 +110,8 @@ absl::Status ParamReader::Choice(const char* name, const std::vector<absl::strin
       return absl::OkStatus();
     }
   }
-  return absl::InvalidArgumentError(absl::StrCat(name, " must be one of ",
-                                                 absl::StrJoin(names, ", "), "; got '", *v, "'"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(name, " must be one of ", absl::StrJoin(names, ", "), "; got '", *v, "'"));
 }
 
 absl::Status ParamReader::Finish() const {
@@ -119,12 +120,13 @@ absl::Status ParamReader::Finish() const {
     std::vector<std::string> takes;
     for (const ParamInfo& p : info_.params) takes.push_back(p.name);
     const std::string others = PoliciesTaking(name);
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, " does not apply to ", info_.name, " (",
-        takes.empty() ? std::string("it takes no parameters")
-                      : absl::StrCat("it takes ", absl::StrJoin(takes, ", ")),
-        ")", others.empty() ? std::string("; no policy takes it")
-                            : absl::StrCat("; ", name, " applies to ", others)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " does not apply to ", info_.name, " (",
+                     takes.empty() ? std::string("it takes no parameters")
+                                   : absl::StrCat("it takes ", absl::StrJoin(takes, ", ")),
+                     ")",
+                     others.empty() ? std::string("; no policy takes it")
+                                    : absl::StrCat("; ", name, " applies to ", others)));
   }
   return absl::OkStatus();
 }

@@ -53,14 +53,14 @@ struct WindowScores {
 
 // What a policy sees of one layer when it chooses.
 struct LayerInput {
-  int layer = 0;         // model layer
-  int index = 0;         // among the compressed layers (layer - skip_layers)
-  int len = 0;           // prompt tokens
-  int window = 0;        // the observation window: positions [prefix, len), always kept
-  int prefix = 0;        // len - window: the positions a policy chooses among
-  int prefix_budget = 0; // how many of them each cache head keeps (< prefix)
+  int layer = 0;          // model layer
+  int index = 0;          // among the compressed layers (layer - skip_layers)
+  int len = 0;            // prompt tokens
+  int window = 0;         // the observation window: positions [prefix, len), always kept
+  int prefix = 0;         // len - window: the positions a policy chooses among
+  int prefix_budget = 0;  // how many of them each cache head keeps (< prefix)
   int n_heads = 0, n_kv_heads = 0;
-  int cache_heads = 0;   // rows to return
+  int cache_heads = 0;                   // rows to return
   const WindowScores* scores = nullptr;  // null when NeedsScores(index) is false
 };
 
@@ -79,9 +79,9 @@ struct ParamInfo {
 };
 
 struct PolicyInfo {
-  const char* name;     // as in its paper: snapkv, snapkv_pp, chunkkv, hbw, ...
-  const char* keeps;    // one line: what it keeps
-  const char* paper;    // where it comes from
+  const char* name;   // as in its paper: snapkv, snapkv_pp, chunkkv, hbw, ...
+  const char* keeps;  // one line: what it keeps
+  const char* paper;  // where it comes from
   std::vector<ParamInfo> params;
   // Builds the policy from named parameter values (defaults for the missing ones).
   absl::StatusOr<PolicyPtr> (*make)(const ParamValues& values);

@@ -17,8 +17,8 @@ const PolicyInfo& RocketKVPolicyInfo();   // snapkv_pp.cc: stage 1 of RocketKV
 
 const std::vector<const PolicyInfo*>& Policies() {
   static const auto* const kPolicies = new std::vector<const PolicyInfo*>{
-      &FullPolicyInfo(),    &StreamingPolicyInfo(), &RandomPolicyInfo(), &SnapKVPolicyInfo(),
-      &SnapKVppPolicyInfo(), &ChunkKVPolicyInfo(),  &HbwPolicyInfo(),    &RocketKVPolicyInfo(),
+      &FullPolicyInfo(),     &StreamingPolicyInfo(), &RandomPolicyInfo(), &SnapKVPolicyInfo(),
+      &SnapKVppPolicyInfo(), &ChunkKVPolicyInfo(),   &HbwPolicyInfo(),    &RocketKVPolicyInfo(),
   };
   return *kPolicies;
 }

@@ -50,9 +50,9 @@ absl::StatusOr<SnapKVppParams> ReadParams(const PolicyInfo& info, const ParamVal
   RETURN_IF_ERROR(reader.Finish());
   if (p.kernel_small < 1 || p.kernel_small % 2 == 0 || p.kernel_large < 1 ||
       p.kernel_large % 2 == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kernel_small and kernel_large must be odd and >= 1, got ", p.kernel_small, " and ",
-        p.kernel_large));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kernel_small and kernel_large must be odd and >= 1, got ", p.kernel_small,
+                     " and ", p.kernel_large));
   }
   if (p.kernel_threshold < 1) return absl::InvalidArgumentError("kernel_threshold must be >= 1");
   return p;
@@ -77,8 +77,8 @@ class SnapKVpp final : public CompressionPolicy {
   absl::StatusOr<KeptRows> SelectPrefix(const LayerInput& in, PromptState*) const override {
     const int kernel = in.len >= p_.kernel_threshold ? p_.kernel_large : p_.kernel_small;
     KeptRows kept;
-    for (const auto& row : GroupVotes(HeadVotes(*in.scores, in.prefix), GqaMode::kSum,
-                                      in.n_kv_heads)) {
+    for (const auto& row :
+         GroupVotes(HeadVotes(*in.scores, in.prefix), GqaMode::kSum, in.n_kv_heads)) {
       kept.push_back(TopKAscending(Pool1d(row, kernel, PoolKind::kMax), in.prefix_budget));
     }
     return kept;
@@ -103,8 +103,8 @@ class RocketKV final : public CompressionPolicy {
   }
   absl::Status CheckBudget(int budget, int window) const override {
     if (budget < 2) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rocketkv needs budget = the per-step token budget t (>= 2), got ", budget));
+      return absl::InvalidArgumentError(
+          absl::StrCat("rocketkv needs budget = the per-step token budget t (>= 2), got ", budget));
     }
     return absl::OkStatus();
   }

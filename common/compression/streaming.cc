@@ -44,7 +44,8 @@ class Streaming final : public CompressionPolicy {
   absl::StatusOr<KeptRows> SelectPrefix(const LayerInput& in, PromptState*) const override {
     std::vector<int32_t> kept;
     for (int32_t j = 0; j < p_.sinks; ++j) kept.push_back(j);
-    for (int32_t j = in.prefix - (in.prefix_budget - p_.sinks); j < in.prefix; ++j) kept.push_back(j);
+    for (int32_t j = in.prefix - (in.prefix_budget - p_.sinks); j < in.prefix; ++j)
+      kept.push_back(j);
     return KeptRows(in.cache_heads, kept);
   }
 

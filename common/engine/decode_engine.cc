@@ -78,7 +78,8 @@ struct DecodeEngine::Seq {
 // trailer's first token goes to the client at once, and the end goes back to the engine.
 class DecodeEngine::Receiver final : public KvReceiver {
  public:
-  Receiver(DecodeEngine* engine, std::shared_ptr<Seq> seq) : engine_(engine), seq_(std::move(seq)) {}
+  Receiver(DecodeEngine* engine, std::shared_ptr<Seq> seq)
+      : engine_(engine), seq_(std::move(seq)) {}
 
   absl::Status OnHeader(const WireHeader& h) override {
     Seq& s = *seq_;
@@ -171,9 +172,9 @@ absl::Status DecodeEngine::Submit(GenerationJob job, std::shared_ptr<ResponseSin
     std::lock_guard<std::mutex> lock(mu_);
     if (draining_) return absl::UnavailableError("decode node is shutting down");
     if (static_cast<int>(waiting_.size()) >= options_.max_queue) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "decode node ", options_.node_name, " is full: ", waiting_.size(),
-          " requests waiting for admission (--max-queue ", options_.max_queue, ")"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("decode node ", options_.node_name, " is full: ", waiting_.size(),
+                       " requests waiting for admission (--max-queue ", options_.max_queue, ")"));
     }
     waiting_.push_back(std::move(s));
     wake_ = true;
@@ -207,9 +208,9 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   const int len = static_cast<int>(j.prompt_ids.size());
   RETURN_IF_ERROR(ResolveTwoStage(&j.compression, &j.attention, len, j.max_tokens, mc.head_dim));
   if (len + j.max_tokens > mc.context_limit()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", len, " tokens) + max_tokens (", j.max_tokens,
-        ") exceeds the model's context of ", mc.context_limit()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt (", len, " tokens) + max_tokens (", j.max_tokens,
+                     ") exceeds the model's context of ", mc.context_limit()));
   }
   const KvCacheShape shape =
       CompressedCacheShape(j.compression, mc, model_->kv_dtype(), len, j.max_tokens);
@@ -258,8 +259,8 @@ void DecodeEngine::Admit() {
     if (st.code() == absl::StatusCode::kResourceExhausted && pool_->CanEverFit(s->reserve_bytes)) {
       if (Milliseconds(clock_.Now() - s->arrival) <= options_.queue_timeout_ms) return;  // wait
       st = absl::ResourceExhaustedError(absl::StrCat(
-          "waited ", options_.queue_timeout_ms, " ms for ", s->reserve_bytes,
-          " bytes of KV pool; ", pool_->used(), " of ", pool_->capacity(), " are in use"));
+          "waited ", options_.queue_timeout_ms, " ms for ", s->reserve_bytes, " bytes of KV pool; ",
+          pool_->used(), " of ", pool_->capacity(), " are in use"));
     }
     waiting_.pop_front();
     if (!st.ok()) {
@@ -349,7 +350,8 @@ bool DecodeEngine::Emit(Seq& s, int32_t token, float logprob) {
     s.finished = true;
     s.finish = FinishReason::kLength;
   }
-  if (s.finished && !s.stop->stopped()) delta.text += s.stop->Push(s.decoder->Flush()) + s.stop->Flush();
+  if (s.finished && !s.stop->stopped())
+    delta.text += s.stop->Push(s.decoder->Flush()) + s.stop->Flush();
   s.sink->Send(std::move(delta));
   return s.finished;
 }
@@ -449,8 +451,8 @@ void DecodeEngine::HandlePrefillsDone() {
     Telemetry* t = options_.telemetry;
     if (st.ok() && t) {
       t->CountTransfer(std::string(s->source->name()),
-                       std::string(s->job.compression.policy_name()),
-                       s->trailer.full_cache_bytes, s->wire_bytes);
+                       std::string(s->job.compression.policy_name()), s->trailer.full_cache_bytes,
+                       s->wire_bytes);
       if (!s->local) t->ObserveTransfer(Milliseconds(s->trailer_at - s->first_kv) / 1e3);
     }
     if (st.ok() && s->finished) {  // the first token already ended it

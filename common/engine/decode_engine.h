@@ -34,13 +34,13 @@ namespace kvwire {
 
 struct GenerationJob {
   std::string request_id;
-  std::string prompt_text;            // tokenized by the engine when prompt_ids is empty
+  std::string prompt_text;  // tokenized by the engine when prompt_ids is empty
   std::vector<int32_t> prompt_ids;
   int max_tokens = 16;
   kernels::SamplingParams sampling;
   uint64_t seed = 0;
   std::vector<std::string> stop;
-  std::vector<int32_t> stop_ids;      // also the model's end-of-sequence ids unless ignore_eos
+  std::vector<int32_t> stop_ids;  // also the model's end-of-sequence ids unless ignore_eos
   CompressionConfig compression;
   DecodeAttentionConfig attention;
   bool logprobs = false;
@@ -74,11 +74,11 @@ class ResponseSink {
 
 struct DecodeEngineOptions {
   std::string node_name = "decode";
-  int max_batch = 32;             // sequences being prefilled or decoded at once
-  int max_queue = 64;             // requests waiting for admission; more is refused
-  int queue_timeout_ms = 30000;   // longest wait for KV pool room
-  int prefill_attempts = 3;       // tries of a failed remote prefill (on other nodes)
-  int local_prefill_below = 0;    // prompts shorter than this prefill on `local`
+  int max_batch = 32;            // sequences being prefilled or decoded at once
+  int max_queue = 64;            // requests waiting for admission; more is refused
+  int queue_timeout_ms = 30000;  // longest wait for KV pool room
+  int prefill_attempts = 3;      // tries of a failed remote prefill (on other nodes)
+  int local_prefill_below = 0;   // prompts shorter than this prefill on `local`
   size_t max_chunk_bytes = kDefaultMaxChunkBytes;
   // Where prompts' KV comes from: `remote` (prefill nodes) unless the prompt is short or
   // there is none, else `local`. At least one must be set.
@@ -129,9 +129,9 @@ class DecodeEngine {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::shared_ptr<Seq>> waiting_;       // not yet admitted
-  std::vector<std::shared_ptr<Seq>> prefilling_;   // admitted, KV arriving
-  std::vector<std::shared_ptr<Seq>> running_;      // decoding
+  std::deque<std::shared_ptr<Seq>> waiting_;      // not yet admitted
+  std::vector<std::shared_ptr<Seq>> prefilling_;  // admitted, KV arriving
+  std::vector<std::shared_ptr<Seq>> running_;     // decoding
   std::vector<std::pair<std::shared_ptr<Seq>, absl::Status>> prefill_done_;
   bool stopping_ = false, draining_ = false;
   std::atomic<bool> wake_{false};

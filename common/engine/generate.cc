@@ -49,13 +49,13 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
   const ModelConfig& c = model.config();
   const int len = static_cast<int>(request.prompt_ids.size());
   if (request.max_tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be >= 1, got ",
-                                                   request.max_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens must be >= 1, got ", request.max_tokens));
   }
   if (len + request.max_tokens > c.context_limit()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", len, " tokens) + max_tokens (", request.max_tokens,
-        ") exceeds the model's context of ", c.context_limit()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt (", len, " tokens) + max_tokens (", request.max_tokens,
+                     ") exceeds the model's context of ", c.context_limit()));
   }
   CompressionConfig compression = request.compression;
   DecodeAttentionConfig attention = request.attention;

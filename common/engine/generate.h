@@ -36,22 +36,19 @@ struct PrefilledSequence {
 // Runs the prompt through the model, compressing each layer by `compression` into a new
 // cache from `allocator` with room for `extra_tokens` generated tokens; the first token is
 // sampled with `sampling` and the first draw of `seed`.
-absl::StatusOr<PrefilledSequence> PrefillSequence(LlamaModel& model,
-                                                  absl::Span<const int32_t> prompt,
-                                                  const CompressionConfig& compression,
-                                                  int extra_tokens,
-                                                  KvAllocator& allocator = HeapKvAllocator(),
-                                                  const kernels::SamplingParams& sampling = {0.f},
-                                                  uint64_t seed = 0);
+absl::StatusOr<PrefilledSequence> PrefillSequence(
+    LlamaModel& model, absl::Span<const int32_t> prompt, const CompressionConfig& compression,
+    int extra_tokens, KvAllocator& allocator = HeapKvAllocator(),
+    const kernels::SamplingParams& sampling = {0.f}, uint64_t seed = 0);
 
 struct GenerationRequest {
   std::vector<int32_t> prompt_ids;
   int max_tokens = 16;
   kernels::SamplingParams sampling;
   uint64_t seed = 0;
-  std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
-  CompressionConfig compression;   // how the prompt's cache is compressed (default: full)
-  DecodeAttentionConfig attention; // how decode attends over it (default: dense)
+  std::vector<int32_t> stop_ids;    // generation ends after emitting one of these
+  CompressionConfig compression;    // how the prompt's cache is compressed (default: full)
+  DecodeAttentionConfig attention;  // how decode attends over it (default: dense)
 };
 
 struct GenerationResult {
@@ -64,7 +61,7 @@ struct GenerationResult {
   double prefill_seconds = 0;
   double compress_seconds = 0;
   double decode_seconds = 0;
-  CompressionConfig compression;   // as applied (rocketkv resolved into its stages)
+  CompressionConfig compression;  // as applied (rocketkv resolved into its stages)
   DecodeAttentionConfig attention;
 };
 

@@ -26,7 +26,8 @@ class PooledMemory final : public KvMemory {
 };
 
 KvPool::KvPool(size_t capacity_bytes, size_t page_bytes, std::function<void()> on_release)
-    : capacity_(capacity_bytes), page_bytes_(page_bytes == 0 ? 1 : page_bytes),
+    : capacity_(capacity_bytes),
+      page_bytes_(page_bytes == 0 ? 1 : page_bytes),
       on_release_(std::move(on_release)) {}
 
 size_t KvPool::RoundUp(size_t bytes) const {
@@ -68,11 +69,19 @@ void KvPool::Release(size_t bytes) {
 absl::StatusOr<size_t> ParseBytes(const std::string& text) {
   std::string s = absl::AsciiStrToLower(absl::StripAsciiWhitespace(text));
   size_t mult = 1;
-  for (const auto& [suffix, m] : std::vector<std::pair<std::string, size_t>>{
-           {"kib", 1ull << 10}, {"mib", 1ull << 20}, {"gib", 1ull << 30}, {"tib", 1ull << 40},
-           {"kb", 1ull << 10}, {"mb", 1ull << 20}, {"gb", 1ull << 30}, {"k", 1ull << 10},
-           {"m", 1ull << 20}, {"g", 1ull << 30}, {"b", 1}}) {
-    if (s.size() > suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0) {
+  for (const auto& [suffix, m] : std::vector<std::pair<std::string, size_t>>{{"kib", 1ull << 10},
+                                                                             {"mib", 1ull << 20},
+                                                                             {"gib", 1ull << 30},
+                                                                             {"tib", 1ull << 40},
+                                                                             {"kb", 1ull << 10},
+                                                                             {"mb", 1ull << 20},
+                                                                             {"gb", 1ull << 30},
+                                                                             {"k", 1ull << 10},
+                                                                             {"m", 1ull << 20},
+                                                                             {"g", 1ull << 30},
+                                                                             {"b", 1}}) {
+    if (s.size() > suffix.size() &&
+        s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0) {
       mult = m;
       s.resize(s.size() - suffix.size());
       break;
@@ -80,8 +89,8 @@ absl::StatusOr<size_t> ParseBytes(const std::string& text) {
   }
   double v = 0;
   if (!absl::SimpleAtod(s, &v) || !(v >= 0) || v * mult > 1e18) {
-    return absl::InvalidArgumentError(absl::StrCat("'", text,
-                                                   "' is not a byte size (e.g. 4GiB, 512MiB)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", text, "' is not a byte size (e.g. 4GiB, 512MiB)"));
   }
   return static_cast<size_t>(v * mult);
 }

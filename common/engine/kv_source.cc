@@ -28,8 +28,8 @@ class LocalTransfer final : public KvTransfer, public KvStreamSink {
 absl::StatusOr<std::shared_ptr<KvTransfer>> LocalKvSource::Start(
     PrefillJob job, std::shared_ptr<KvReceiver> receiver) {
   auto transfer = std::make_shared<LocalTransfer>(std::move(receiver));
-  absl::Status st = prefills_->Submit(std::move(job), transfer,
-                                      [transfer](const absl::Status& status) { transfer->Done(status); });
+  absl::Status st = prefills_->Submit(
+      std::move(job), transfer, [transfer](const absl::Status& status) { transfer->Done(status); });
   if (!st.ok()) return st;
   return std::shared_ptr<KvTransfer>(transfer);
 }

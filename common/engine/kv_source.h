@@ -43,8 +43,8 @@ class KvSource {
   // Starts pulling `job`'s KV into `receiver`. An error here means nothing started and the
   // receiver hears nothing; otherwise it hears the stream and then OnDone. Never calls the
   // receiver on the caller's thread before returning.
-  virtual absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
-                                                            std::shared_ptr<KvReceiver> receiver) = 0;
+  virtual absl::StatusOr<std::shared_ptr<KvTransfer>> Start(
+      PrefillJob job, std::shared_ptr<KvReceiver> receiver) = 0;
 };
 
 // Prefills on a PrefillExecutor of this process (the decode node's own model) and hands

@@ -38,7 +38,11 @@ class Guarded final : public PrefillObserver {
  public:
   Guarded(Compressor* inner, const KvStreamSink* sink, const PrefillJob& job, const Clock& clock,
           Telemetry* telemetry, const Span* forward)
-      : inner_(inner), sink_(sink), job_(job), clock_(clock), telemetry_(telemetry),
+      : inner_(inner),
+        sink_(sink),
+        job_(job),
+        clock_(clock),
+        telemetry_(telemetry),
         forward_(forward) {}
   int window(int len) const override { return inner_->window(len); }
   absl::Status OnLayer(const PrefillLayer& layer) override {
@@ -120,9 +124,8 @@ absl::Status PrefillEngine::Check(const PrefillJob& job) const {
   const int len = static_cast<int>(job.prompt_ids.size());
   if (len == 0) return absl::InvalidArgumentError("prompt_ids is empty");
   if (len > mc.context_limit()) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt of ", len,
-                                                   " tokens exceeds the model's context of ",
-                                                   mc.context_limit()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt of ", len, " tokens exceeds the model's context of ", mc.context_limit()));
   }
   for (int i = 0; i < len; ++i) {
     if (job.prompt_ids[i] < 0 || job.prompt_ids[i] >= mc.vocab_size) {
@@ -133,14 +136,13 @@ absl::Status PrefillEngine::Check(const PrefillJob& job) const {
   }
   RETURN_IF_ERROR(job.compression.Validate());
   if (!job.compression.policy->selects()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "compression.policy: ", job.compression.policy_name(),
-        " must be resolved into its two stages by the decode node"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("compression.policy: ", job.compression.policy_name(),
+                     " must be resolved into its two stages by the decode node"));
   }
   if (job.max_chunk_bytes < 1024 || job.max_chunk_bytes > kMaxChunkBytesLimit) {
-    return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes must be in [1024, ",
-                                                   kMaxChunkBytesLimit, "], got ",
-                                                   job.max_chunk_bytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_chunk_bytes must be in [1024, ", kMaxChunkBytesLimit, "], got ", job.max_chunk_bytes));
   }
   const kernels::SamplingParams& s = job.sampling;
   if (!(s.temperature >= 0) || !(s.top_p > 0 && s.top_p <= 1) || s.top_k < 0) {
@@ -268,7 +270,8 @@ void PrefillEngine::Shutdown() {
   }
   cv_.notify_all();
   for (auto& q : refused) {
-    q->done(absl::UnavailableError(absl::StrCat("prefill node ", options_.node_name, " shut down")));
+    q->done(
+        absl::UnavailableError(absl::StrCat("prefill node ", options_.node_name, " shut down")));
   }
   for (auto& t : workers_) t.join();
   workers_.clear();

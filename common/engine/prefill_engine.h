@@ -33,9 +33,9 @@ namespace kvwire {
 struct PrefillJob {
   std::string request_id;
   std::vector<int32_t> prompt_ids;
-  CompressionConfig compression;      // resolved: no two-stage policy left
-  kernels::SamplingParams sampling;   // of the first token, sampled here
-  uint64_t seed = 0;                  // the first token takes the first draw of this seed
+  CompressionConfig compression;     // resolved: no two-stage policy left
+  kernels::SamplingParams sampling;  // of the first token, sampled here
+  uint64_t seed = 0;                 // the first token takes the first draw of this seed
   size_t max_chunk_bytes = kDefaultMaxChunkBytes;
   std::optional<std::string> model_fingerprint;  // checked when set (another node's request)
   Clock::TimePoint deadline = Clock::TimePoint::max();

@@ -41,18 +41,26 @@ struct LayerCache {
   int n_heads = 0;  // cache heads
   int head_dim = 0;
   DType dtype = DType::kF32;
-  int capacity = 0;  // tokens per head the storage holds
-  int len = 0;       // tokens per head stored
+  int capacity = 0;      // tokens per head the storage holds
+  int len = 0;           // tokens per head stored
   uint8_t* k = nullptr;  // [n_heads, capacity, head_dim]
   uint8_t* v = nullptr;
   int32_t* positions = nullptr;  // [n_heads, capacity]: original position of each token
 
   int64_t head_stride() const { return int64_t{capacity} * head_dim; }
   size_t row_bytes() const { return static_cast<size_t>(head_dim) * DTypeSize(dtype); }
-  uint8_t* k_row(int head, int t) { return k + (head * head_stride() + int64_t{t} * head_dim) * DTypeSize(dtype); }
-  uint8_t* v_row(int head, int t) { return v + (head * head_stride() + int64_t{t} * head_dim) * DTypeSize(dtype); }
-  const uint8_t* k_row(int head, int t) const { return const_cast<LayerCache*>(this)->k_row(head, t); }
-  const uint8_t* v_row(int head, int t) const { return const_cast<LayerCache*>(this)->v_row(head, t); }
+  uint8_t* k_row(int head, int t) {
+    return k + (head * head_stride() + int64_t{t} * head_dim) * DTypeSize(dtype);
+  }
+  uint8_t* v_row(int head, int t) {
+    return v + (head * head_stride() + int64_t{t} * head_dim) * DTypeSize(dtype);
+  }
+  const uint8_t* k_row(int head, int t) const {
+    return const_cast<LayerCache*>(this)->k_row(head, t);
+  }
+  const uint8_t* v_row(int head, int t) const {
+    return const_cast<LayerCache*>(this)->v_row(head, t);
+  }
   int32_t position(int head, int t) const { return positions[int64_t{head} * capacity + t]; }
 };
 

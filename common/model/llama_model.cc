@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "common/model/safetensors.h"
 #include "common/base/status.h"
+#include "common/model/safetensors.h"
 
 namespace kvwire {
 namespace {
@@ -44,7 +44,8 @@ uint64_t SplitMix(uint64_t x) {
 }
 
 float UniformAt(uint64_t seed, uint64_t i) {
-  return static_cast<float>(SplitMix(seed ^ (i * 0x2545f4914f6cdd1dull)) >> 40) * 0x1.0p-24f * 2.f - 1.f;
+  return static_cast<float>(SplitMix(seed ^ (i * 0x2545f4914f6cdd1dull)) >> 40) * 0x1.0p-24f * 2.f -
+         1.f;
 }
 
 struct SyntheticPreset {
@@ -60,10 +61,11 @@ constexpr SyntheticPreset kPresets[] = {
     {"tiny", "2 layers, hidden 64: for tests", 2, 64, 4, 2, 16, 128, 320, 4096, DType::kF32, 1e4},
     {"stories", "the shape of stories260K (5 layers, hidden 64)", 5, 64, 8, 4, 8, 172, 512, 512,
      DType::kF32, 1e4},
-    {"llama-1b", "Llama-3.2-1B shape: 16 layers, hidden 2048, 32 heads, 8 KV heads, bf16", 16,
-     2048, 32, 8, 64, 8192, 32000, 131072, DType::kBF16, 5e5},
-    {"attn-8kv", "attention-bound: 2 layers, hidden 1024, 32 heads, 8 KV heads x 128, bf16, 32K context",
-     2, 1024, 32, 8, 128, 1024, 1024, 32768, DType::kBF16, 5e5},
+    {"llama-1b", "Llama-3.2-1B shape: 16 layers, hidden 2048, 32 heads, 8 KV heads, bf16", 16, 2048,
+     32, 8, 64, 8192, 32000, 131072, DType::kBF16, 5e5},
+    {"attn-8kv",
+     "attention-bound: 2 layers, hidden 1024, 32 heads, 8 KV heads x 128, bf16, 32K context", 2,
+     1024, 32, 8, 128, 1024, 1024, 32768, DType::kBF16, 5e5},
 };
 
 }  // namespace
@@ -71,8 +73,7 @@ constexpr SyntheticPreset kPresets[] = {
 LlamaModel::~LlamaModel() = default;
 
 std::string LlamaModel::SyntheticSpecHelp() {
-  std::string s =
-      "synthetic:NAME[,key=value...] with NAME one of:\n";
+  std::string s = "synthetic:NAME[,key=value...] with NAME one of:\n";
   for (const auto& p : kPresets) absl::StrAppend(&s, "  ", p.name, ": ", p.help, "\n");
   absl::StrAppend(&s,
                   "keys: layers, hidden, heads, kv_heads, head_dim, ffn, vocab, context, "
@@ -141,10 +142,11 @@ absl::StatusOr<LlamaModel::Linear> LlamaModel::LoadLinear(const std::string& nam
   ASSIGN_OR_RETURN(const TensorView* t, files_->Get(name + ".weight"));
   if (t->shape != std::vector<int64_t>{out, in}) {
     return absl::InvalidArgumentError(absl::StrCat(
-        name, ".weight: shape ", ShapeString(t->shape), " disagrees with config.json, which implies [",
-        out, ", ", in, "] (hidden_size=", config_.hidden_size, ", num_attention_heads=",
-        config_.num_heads, ", num_key_value_heads=", config_.num_kv_heads, ", head_dim=",
-        config_.head_dim, ", intermediate_size=", config_.intermediate_size, ")"));
+        name, ".weight: shape ", ShapeString(t->shape),
+        " disagrees with config.json, which implies [", out, ", ", in,
+        "] (hidden_size=", config_.hidden_size, ", num_attention_heads=", config_.num_heads,
+        ", num_key_value_heads=", config_.num_kv_heads, ", head_dim=", config_.head_dim,
+        ", intermediate_size=", config_.intermediate_size, ")"));
   }
   auto dt = ParseDType(t->dtype);
   if (!dt.ok()) return Annotate(dt.status(), name + ".weight");
@@ -218,20 +220,20 @@ absl::Status LlamaModel::LoadFromFolder(const std::string& dir, const LoadOption
     ASSIGN_OR_RETURN(l.k, LoadLinear(p + "self_attn.k_proj", kvd, c.hidden_size, c.qkv_bias));
     ASSIGN_OR_RETURN(l.v, LoadLinear(p + "self_attn.v_proj", kvd, c.hidden_size, c.qkv_bias));
     ASSIGN_OR_RETURN(l.o, LoadLinear(p + "self_attn.o_proj", c.hidden_size, qd, c.o_bias));
-    ASSIGN_OR_RETURN(l.gate, LoadLinear(p + "mlp.gate_proj", c.intermediate_size, c.hidden_size,
-                                        c.mlp_bias));
-    ASSIGN_OR_RETURN(l.up, LoadLinear(p + "mlp.up_proj", c.intermediate_size, c.hidden_size,
-                                      c.mlp_bias));
-    ASSIGN_OR_RETURN(l.down, LoadLinear(p + "mlp.down_proj", c.hidden_size, c.intermediate_size,
-                                        c.mlp_bias));
+    ASSIGN_OR_RETURN(
+        l.gate, LoadLinear(p + "mlp.gate_proj", c.intermediate_size, c.hidden_size, c.mlp_bias));
+    ASSIGN_OR_RETURN(l.up,
+                     LoadLinear(p + "mlp.up_proj", c.intermediate_size, c.hidden_size, c.mlp_bias));
+    ASSIGN_OR_RETURN(
+        l.down, LoadLinear(p + "mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias));
     layers_.push_back(std::move(l));
   }
   std::string name = dir;
   while (name.size() > 1 && name.back() == '/') name.pop_back();
   name = name.substr(name.find_last_of('/') + 1);
-  description_ = absl::StrCat(name, " (", c.architecture.empty() ? c.model_type : c.architecture,
-                              ", ", DTypeName(weight_dtype_), " weights from ", files_->Describe(),
-                              ")");
+  description_ =
+      absl::StrCat(name, " (", c.architecture.empty() ? c.model_type : c.architecture, ", ",
+                   DTypeName(weight_dtype_), " weights from ", files_->Describe(), ")");
   return absl::OkStatus();
 }
 
@@ -265,13 +267,14 @@ absl::StatusOr<std::pair<ModelConfig, uint64_t>> ParseSyntheticSpec(const std::s
   c.tie_word_embeddings = true;
   // The overrides: integer shape fields, then theta, dtype and the seed.
   static constexpr std::pair<const char*, int ModelConfig::*> kIntKeys[] = {
-      {"layers", &ModelConfig::num_layers},   {"hidden", &ModelConfig::hidden_size},
-      {"heads", &ModelConfig::num_heads},     {"kv_heads", &ModelConfig::num_kv_heads},
-      {"head_dim", &ModelConfig::head_dim},   {"ffn", &ModelConfig::intermediate_size},
-      {"vocab", &ModelConfig::vocab_size},    {"context", &ModelConfig::max_position_embeddings}};
+      {"layers", &ModelConfig::num_layers}, {"hidden", &ModelConfig::hidden_size},
+      {"heads", &ModelConfig::num_heads},   {"kv_heads", &ModelConfig::num_kv_heads},
+      {"head_dim", &ModelConfig::head_dim}, {"ffn", &ModelConfig::intermediate_size},
+      {"vocab", &ModelConfig::vocab_size},  {"context", &ModelConfig::max_position_embeddings}};
   uint64_t seed = 1234;
   for (size_t i = 1; i < parts.size(); ++i) {
-    const std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
+    const std::pair<std::string, std::string> kv =
+        absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
     const std::string& key = kv.first;
     const std::string& value = kv.second;
     int iv = 0;
@@ -291,8 +294,8 @@ absl::StatusOr<std::pair<ModelConfig, uint64_t>> ParseSyntheticSpec(const std::s
     } else if (key == "theta") {
       double t = 0;
       if (!absl::SimpleAtod(value, &t) || !(t > 0)) {
-        return absl::InvalidArgumentError(absl::StrCat("synthetic model: theta must be > 0, got '",
-                                                       value, "'"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("synthetic model: theta must be > 0, got '", value, "'"));
       }
       c.rope_theta = t;
     } else if (key == "dtype") {
@@ -334,7 +337,8 @@ absl::Status LlamaModel::LoadSynthetic(const std::string& spec, const LoadOption
     std::vector<float> row(in);
     for (int r = 0; r < out; ++r) {
       for (int i = 0; i < in; ++i) row[i] = a * UniformAt(s, static_cast<uint64_t>(r) * in + i);
-      FromFloat(weight_dtype_, row.data(), bytes.data() + static_cast<size_t>(r) * in * DTypeSize(weight_dtype_), in);
+      FromFloat(weight_dtype_, row.data(),
+                bytes.data() + static_cast<size_t>(r) * in * DTypeSize(weight_dtype_), in);
     }
     Linear l;
     l.out = out;
@@ -362,8 +366,8 @@ absl::Status LlamaModel::LoadSynthetic(const std::string& spec, const LoadOption
   }
   description_ = absl::StrCat(spec, " (synthetic ", c.num_layers, " layers, hidden ", c.hidden_size,
                               ", ", c.num_heads, "/", c.num_kv_heads, " heads x ", c.head_dim, ", ",
-                              DTypeName(weight_dtype_), " weights, ",
-                              c.ParameterCount() / 1000000, "M parameters)");
+                              DTypeName(weight_dtype_), " weights, ", c.ParameterCount() / 1000000,
+                              "M parameters)");
   return absl::OkStatus();
 }
 
@@ -377,7 +381,8 @@ int64_t LlamaModel::WeightBytes() const {
   return total;
 }
 
-absl::Status LlamaModel::MatMul(const Linear& l, const float* x, int m, float* y, int64_t y_stride) {
+absl::Status LlamaModel::MatMul(const Linear& l, const float* x, int m, float* y,
+                                int64_t y_stride) {
   MatMulParams p;
   p.x = x;
   p.w = l.w;
@@ -399,10 +404,15 @@ void LlamaModel::EmbedRow(int32_t token, float* out) const {
 // Scratch of one forward pass over `rows` token rows; the MLP runs `chunk` rows at a time.
 struct LlamaModel::Activations {
   Activations(const ModelConfig& c, int rows, int chunk)
-      : rows(rows), chunk(chunk), x(int64_t{rows} * c.hidden_size), h(x.size()),
+      : rows(rows),
+        chunk(chunk),
+        x(int64_t{rows} * c.hidden_size),
+        h(x.size()),
         qkv(int64_t{rows} * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
-        attn(int64_t{rows} * c.num_heads * c.head_dim), gate_up(int64_t{chunk} * 2 * c.intermediate_size),
-        act(int64_t{chunk} * c.intermediate_size), positions(rows) {}
+        attn(int64_t{rows} * c.num_heads * c.head_dim),
+        gate_up(int64_t{chunk} * 2 * c.intermediate_size),
+        act(int64_t{chunk} * c.intermediate_size),
+        positions(rows) {}
   int rows, chunk;
   std::vector<float> x, h, qkv, attn, gate_up, act;
   std::vector<int32_t> positions;
@@ -425,15 +435,15 @@ absl::Status LlamaModel::AttentionIn(const Layer& L, Activations& a) {
   const ModelConfig& c = config_;
   const int d = c.head_dim, qd = c.num_heads * d, kvd = c.num_kv_heads * d;
   const int64_t stride = qd + 2 * kvd;
-  RETURN_IF_ERROR(backend_->RmsNorm({a.x.data(), L.attn_norm.data(), a.h.data(), a.rows,
-                                     c.hidden_size, c.rms_norm_eps}));
+  RETURN_IF_ERROR(backend_->RmsNorm(
+      {a.x.data(), L.attn_norm.data(), a.h.data(), a.rows, c.hidden_size, c.rms_norm_eps}));
   RETURN_IF_ERROR(MatMul(L.q, a.h.data(), a.rows, a.qkv.data(), stride));
   RETURN_IF_ERROR(MatMul(L.k, a.h.data(), a.rows, a.qkv.data() + qd, stride));
   RETURN_IF_ERROR(MatMul(L.v, a.h.data(), a.rows, a.qkv.data() + qd + kvd, stride));
-  RETURN_IF_ERROR(backend_->Rope({a.qkv.data(), stride, a.positions.data(), inv_freq_.data(),
-                                  a.rows, c.num_heads, d}));
-  return backend_->Rope({a.qkv.data() + qd, stride, a.positions.data(), inv_freq_.data(), a.rows,
-                         c.num_kv_heads, d});
+  RETURN_IF_ERROR(backend_->Rope(
+      {a.qkv.data(), stride, a.positions.data(), inv_freq_.data(), a.rows, c.num_heads, d}));
+  return backend_->Rope(
+      {a.qkv.data() + qd, stride, a.positions.data(), inv_freq_.data(), a.rows, c.num_kv_heads, d});
 }
 
 // After attention: the output projection and the residual, then the SwiGLU MLP block and
@@ -461,9 +471,9 @@ absl::Status LlamaModel::AttentionOutAndMlp(const Layer& L, Activations& a) {
 absl::Status LlamaModel::Logits(Activations& a, int first, float* logits) {
   const ModelConfig& c = config_;
   const int rows = a.rows - first;
-  RETURN_IF_ERROR(backend_->RmsNorm({a.x.data() + int64_t{first} * c.hidden_size,
-                                     final_norm_.data(), a.h.data(), rows, c.hidden_size,
-                                     c.rms_norm_eps}));
+  RETURN_IF_ERROR(
+      backend_->RmsNorm({a.x.data() + int64_t{first} * c.hidden_size, final_norm_.data(),
+                         a.h.data(), rows, c.hidden_size, c.rms_norm_eps}));
   return MatMul(lm_head_, a.h.data(), rows, logits);
 }
 
@@ -473,9 +483,8 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
   const int len = static_cast<int>(ids.size());
   if (len == 0) return absl::InvalidArgumentError("prefill needs at least one token");
   if (len > c.context_limit()) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt of ", len,
-                                                   " tokens exceeds the model's context of ",
-                                                   c.context_limit()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt of ", len, " tokens exceeds the model's context of ", c.context_limit()));
   }
   RETURN_IF_ERROR(CheckTokens(ids));
   const int d = c.head_dim, qd = c.num_heads * d, kvd = c.num_kv_heads * d;
@@ -530,14 +539,12 @@ absl::Status LlamaModel::CheckDecodeBatch(absl::Span<const DecodeInput> batch) c
   for (const DecodeInput& in : batch) {
     if (in.cache == nullptr) return absl::InvalidArgumentError("decode input without a cache");
     if (in.token < 0 || in.token >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("token id ", in.token,
-                                                     " is outside the vocabulary [0, ",
-                                                     c.vocab_size, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "token id ", in.token, " is outside the vocabulary [0, ", c.vocab_size, ")"));
     }
     if (in.position < 0 || in.position >= c.context_limit()) {
-      return absl::InvalidArgumentError(absl::StrCat("position ", in.position,
-                                                     " is outside the model's context of ",
-                                                     c.context_limit()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "position ", in.position, " is outside the model's context of ", c.context_limit()));
     }
     const KvCacheShape& s = in.cache->shape();
     if (in.cache->num_layers() != c.num_layers || s.head_dim != c.head_dim ||
@@ -547,8 +554,8 @@ absl::Status LlamaModel::CheckDecodeBatch(absl::Span<const DecodeInput> batch) c
     for (int li = 0; li < c.num_layers; ++li) {
       const LayerCache& lc = in.cache->layer(li);
       if (lc.len >= lc.capacity) {
-        return absl::FailedPreconditionError(absl::StrCat("KV cache of layer ", li, " is full (",
-                                                          lc.capacity, " tokens)"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("KV cache of layer ", li, " is full (", lc.capacity, " tokens)"));
       }
     }
   }

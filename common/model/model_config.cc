@@ -27,8 +27,8 @@ absl::Status ReadInt(const json& j, const char* key, bool required, absl::string
   }
   const json& v = j[key];
   if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > (1ll << 31) - 1) {
-    return ConfigError(source, absl::StrCat("\"", key, "\" must be a non-negative integer, got ",
-                                            v.dump()));
+    return ConfigError(
+        source, absl::StrCat("\"", key, "\" must be a non-negative integer, got ", v.dump()));
   }
   *out = static_cast<int>(v.get<int64_t>());
   return absl::OkStatus();
@@ -46,8 +46,8 @@ absl::Status ReadNumber(const json& j, const char* key, absl::string_view source
 absl::Status ReadBool(const json& j, const char* key, absl::string_view source, bool* out) {
   if (!j.contains(key) || j[key].is_null()) return absl::OkStatus();
   if (!j[key].is_boolean()) {
-    return ConfigError(source, absl::StrCat("\"", key, "\" must be true or false, got ",
-                                            j[key].dump()));
+    return ConfigError(source,
+                       absl::StrCat("\"", key, "\" must be true or false, got ", j[key].dump()));
   }
   *out = j[key].get<bool>();
   return absl::OkStatus();
@@ -57,13 +57,15 @@ absl::Status ReadBool(const json& j, const char* key, absl::string_view source, 
 
 absl::StatusOr<ModelConfig> ModelConfig::FromFile(const std::string& path) {
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open (is --model a model folder?)"));
+  if (!in)
+    return absl::NotFoundError(absl::StrCat(path, ": cannot open (is --model a model folder?)"));
   std::stringstream ss;
   ss << in.rdbuf();
   return FromJson(ss.str(), path);
 }
 
-absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text, absl::string_view source) {
+absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text,
+                                                  absl::string_view source) {
   json j;
   try {
     j = json::parse(text.begin(), text.end());
@@ -73,8 +75,8 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text, absl::
   if (!j.is_object()) return ConfigError(source, "expected a JSON object");
 
   ModelConfig c;
-  if (j.contains("architectures") && j["architectures"].is_array() &&
-      !j["architectures"].empty() && j["architectures"][0].is_string()) {
+  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
+      j["architectures"][0].is_string()) {
     c.architecture = j["architectures"][0].get<std::string>();
   }
   if (j.contains("model_type") && j["model_type"].is_string()) {
@@ -139,8 +141,9 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text, absl::
       }
     }
     if (type != "llama3" && type != "linear" && type != "default") {
-      return absl::UnimplementedError(absl::StrCat(
-          source, ": rope_scaling type \"", type, "\" is not supported; expected llama3 or linear"));
+      return absl::UnimplementedError(
+          absl::StrCat(source, ": rope_scaling type \"", type,
+                       "\" is not supported; expected llama3 or linear"));
     }
     if (type != "default") {
       RopeScaling s;
@@ -151,8 +154,9 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text, absl::
       RETURN_IF_ERROR(ReadInt(rs, "original_max_position_embeddings", false, source,
                               &s.original_max_position_embeddings));
       if (!(s.factor > 0) || (type == "llama3" && !(s.high_freq_factor > s.low_freq_factor))) {
-        return ConfigError(source, "rope_scaling needs factor > 0 and high_freq_factor > "
-                                   "low_freq_factor");
+        return ConfigError(source,
+                           "rope_scaling needs factor > 0 and high_freq_factor > "
+                           "low_freq_factor");
       }
       c.rope_scaling = s;
     }
@@ -167,7 +171,8 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text, absl::
       c.eos_token_ids.push_back(e.get<int32_t>());
     } else if (e.is_array()) {
       for (const json& x : e) {
-        if (!x.is_number_integer()) return ConfigError(source, "eos_token_id entries must be integers");
+        if (!x.is_number_integer())
+          return ConfigError(source, "eos_token_id entries must be integers");
         c.eos_token_ids.push_back(x.get<int32_t>());
       }
     } else if (!e.is_null()) {
@@ -186,26 +191,27 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text, absl::
 absl::Status ModelConfig::Validate(absl::string_view source) const {
   if (hidden_size <= 0 || intermediate_size <= 0 || num_layers <= 0 || num_heads <= 0 ||
       num_kv_heads <= 0 || head_dim <= 0 || vocab_size <= 0 || max_position_embeddings <= 0) {
-    return ConfigError(source, "hidden_size, intermediate_size, num_hidden_layers, "
-                               "num_attention_heads, num_key_value_heads, head_dim, vocab_size and "
-                               "max_position_embeddings must all be positive");
+    return ConfigError(source,
+                       "hidden_size, intermediate_size, num_hidden_layers, "
+                       "num_attention_heads, num_key_value_heads, head_dim, vocab_size and "
+                       "max_position_embeddings must all be positive");
   }
   if (num_heads % num_kv_heads != 0) {
-    return ConfigError(source, absl::StrCat("num_attention_heads (", num_heads,
-                                            ") must be a multiple of num_key_value_heads (",
-                                            num_kv_heads, ")"));
+    return ConfigError(
+        source, absl::StrCat("num_attention_heads (", num_heads,
+                             ") must be a multiple of num_key_value_heads (", num_kv_heads, ")"));
   }
   if (head_dim % 2 != 0) {
-    return ConfigError(source, absl::StrCat("head_dim must be even for rotary embeddings, got ",
-                                            head_dim));
+    return ConfigError(source,
+                       absl::StrCat("head_dim must be even for rotary embeddings, got ", head_dim));
   }
   if (!(rms_norm_eps >= 0) || !(rope_theta > 0)) {
     return ConfigError(source, "rms_norm_eps must be >= 0 and rope_theta > 0");
   }
   for (int32_t e : eos_token_ids) {
     if (e < 0 || e >= vocab_size) {
-      return ConfigError(source, absl::StrCat("eos_token_id ", e, " is outside the vocabulary of ",
-                                              vocab_size));
+      return ConfigError(
+          source, absl::StrCat("eos_token_id ", e, " is outside the vocabulary of ", vocab_size));
     }
   }
   if (bos_token_id && (*bos_token_id < 0 || *bos_token_id >= vocab_size)) {
@@ -221,12 +227,14 @@ int ModelConfig::context_limit() const {
 }
 
 int64_t ModelConfig::KvBytesPerToken(DType kv_dtype) const {
-  return int64_t{2} * num_layers * num_kv_heads * head_dim * static_cast<int64_t>(DTypeSize(kv_dtype));
+  return int64_t{2} * num_layers * num_kv_heads * head_dim *
+         static_cast<int64_t>(DTypeSize(kv_dtype));
 }
 
 int64_t ModelConfig::ParameterCount() const {
   const int64_t h = hidden_size;
-  const int64_t attn = h * (int64_t{num_heads} * head_dim) * 2 + h * (int64_t{num_kv_heads} * head_dim) * 2;
+  const int64_t attn =
+      h * (int64_t{num_heads} * head_dim) * 2 + h * (int64_t{num_kv_heads} * head_dim) * 2;
   const int64_t mlp = 3 * h * intermediate_size;
   const int64_t per_layer = attn + mlp + 2 * h;
   const int64_t emb = int64_t{vocab_size} * h * (tie_word_embeddings ? 1 : 2);
@@ -258,8 +266,8 @@ std::vector<float> ModelConfig::RopeInvFreq() const {
       f = static_cast<float>(f / s.factor);
       continue;
     }
-    const double smooth = (old_ctx / wavelen - s.low_freq_factor) /
-                          (s.high_freq_factor - s.low_freq_factor);
+    const double smooth =
+        (old_ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
     f = static_cast<float>((1 - smooth) * f / s.factor + smooth * f);
   }
   return inv;

@@ -72,7 +72,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   }
   void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
-  if (map == MAP_FAILED) return FileError(path, absl::StrCat("mmap failed: ", std::strerror(errno)));
+  if (map == MAP_FAILED)
+    return FileError(path, absl::StrCat("mmap failed: ", std::strerror(errno)));
 
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->path_ = path;
@@ -113,21 +114,27 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     const json& t = *it;
     if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") ||
         !t.contains("data_offsets")) {
-      return FileError(path, absl::StrCat(where, ": expected an object with dtype, shape and "
-                                                 "data_offsets"));
+      return FileError(path, absl::StrCat(where,
+                                          ": expected an object with dtype, shape and "
+                                          "data_offsets"));
     }
     TensorView view;
     view.name = name;
-    if (!t["dtype"].is_string()) return FileError(path, absl::StrCat(where, ": dtype is not a string"));
+    if (!t["dtype"].is_string())
+      return FileError(path, absl::StrCat(where, ": dtype is not a string"));
     view.dtype = t["dtype"].get<std::string>();
     const size_t elem = SafetensorsDTypeSize(view.dtype);
-    if (elem == 0) return FileError(path, absl::StrCat(where, ": unknown dtype '", view.dtype, "'"));
-    if (!t["shape"].is_array()) return FileError(path, absl::StrCat(where, ": shape is not an array"));
+    if (elem == 0)
+      return FileError(path, absl::StrCat(where, ": unknown dtype '", view.dtype, "'"));
+    if (!t["shape"].is_array())
+      return FileError(path, absl::StrCat(where, ": shape is not an array"));
     uint64_t numel = 1;
     for (const json& d : t["shape"]) {
       if (!d.is_number_unsigned()) {
-        return FileError(path, absl::StrCat(where, ": shape entries must be non-negative integers, "
-                                                   "got ", d.dump()));
+        return FileError(path, absl::StrCat(where,
+                                            ": shape entries must be non-negative integers, "
+                                            "got ",
+                                            d.dump()));
       }
       const uint64_t dim = d.get<uint64_t>();
       if (dim != 0 && numel > std::numeric_limits<uint64_t>::max() / 8 / dim) {
@@ -143,9 +150,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     }
     const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
     if (begin > end || end > data_size) {
-      return FileError(path, absl::StrCat(where, ": data_offsets [", begin, ", ", end,
-                                          "] outside the ", data_size,
-                                          " data bytes (truncated file?)"));
+      return FileError(path,
+                       absl::StrCat(where, ": data_offsets [", begin, ", ", end, "] outside the ",
+                                    data_size, " data bytes (truncated file?)"));
     }
     if (end - begin != numel * elem) {
       return FileError(path, absl::StrCat(where, ": shape ", ShapeString(view.shape), " of ",
@@ -184,8 +191,8 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorT
   for (const TensorToWrite& t : tensors) {
     const size_t elem = SafetensorsDTypeSize(t.dtype);
     if (elem == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': unknown dtype '",
-                                                     t.dtype, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", t.name, "': unknown dtype '", t.dtype, "'"));
     }
     uint64_t numel = 1;
     for (int64_t d : t.shape) {
@@ -195,9 +202,8 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorT
       numel *= static_cast<uint64_t>(d);
     }
     sizes.push_back(numel * elem);
-    header[t.name] = {{"dtype", t.dtype},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, offset + numel * elem}}};
+    header[t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + numel * elem}}};
     offset += numel * elem;
   }
   std::string text = header.dump();
@@ -235,7 +241,8 @@ absl::StatusOr<std::unique_ptr<WeightFiles>> WeightFiles::OpenDirectory(const st
     std::map<std::string, SafetensorsFile*> opened;
     for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
       if (!it->is_string()) {
-        return FileError(index_path, absl::StrCat("weight_map['", it.key(), "'] is not a file name"));
+        return FileError(index_path,
+                         absl::StrCat("weight_map['", it.key(), "'] is not a file name"));
       }
       const std::string shard = it->get<std::string>();
       if (shard.find('/') != std::string::npos || shard.empty() || shard[0] == '.') {

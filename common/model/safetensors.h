@@ -75,7 +75,8 @@ class WeightFiles {
   // NotFound naming the tensor and the files searched when absent.
   absl::StatusOr<const TensorView*> Get(absl::string_view name) const;
   const TensorView* Find(absl::string_view name) const;
-  std::string Describe() const;  // "model.safetensors" or "3 shards of model.safetensors.index.json"
+  std::string Describe()
+      const;  // "model.safetensors" or "3 shards of model.safetensors.index.json"
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

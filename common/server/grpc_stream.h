@@ -24,7 +24,8 @@ class StreamState;
 template <typename Msg>
 class BufferedWriteReactor final : public grpc::ServerWriteReactor<Msg> {
  public:
-  explicit BufferedWriteReactor(std::shared_ptr<StreamState<Msg>> state) : state_(std::move(state)) {}
+  explicit BufferedWriteReactor(std::shared_ptr<StreamState<Msg>> state)
+      : state_(std::move(state)) {}
   void OnWriteDone(bool ok) override { state_->OnWriteDone(ok); }
   void OnCancel() override { state_->OnCancel(); }
   void OnDone() override {
@@ -66,7 +67,8 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
     status_ = status;
     // After a cancel nothing more is sent; the message being written stays until its
     // OnWriteDone (gRPC may still read it).
-    if (cancelled_) queue_.erase(writing_ && !queue_.empty() ? queue_.begin() + 1 : queue_.begin(), queue_.end());
+    if (cancelled_)
+      queue_.erase(writing_ && !queue_.empty() ? queue_.begin() + 1 : queue_.begin(), queue_.end());
     if (!writing_) FinishLocked();
   }
 

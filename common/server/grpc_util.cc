@@ -16,10 +16,12 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
   return ss.str();
 }
 
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const ServerTls& tls) {
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const ServerTls& tls) {
   if (tls.cert_file.empty() && tls.key_file.empty()) {
     if (!tls.client_ca_file.empty()) {
-      return absl::InvalidArgumentError("a client CA needs the server's own --tls-cert and --tls-key");
+      return absl::InvalidArgumentError(
+          "a client CA needs the server's own --tls-cert and --tls-key");
     }
     return grpc::InsecureServerCredentials();
   }
@@ -39,7 +41,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(c
   return grpc::SslServerCredentials(opts);
 }
 
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const ClientTls& tls) {
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const ClientTls& tls) {
   if (tls.ca_file.empty()) {
     if (!tls.cert_file.empty()) {
       return absl::InvalidArgumentError("a client certificate needs the CA to trust (--*-tls-ca)");

@@ -22,8 +22,10 @@ struct ClientTls {
   std::string server_name;          // overrides the name checked against the certificate
 };
 
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const ServerTls& tls);
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const ClientTls& tls);
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const ServerTls& tls);
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const ClientTls& tls);
 
 // Reads a whole file; NotFound naming it when it cannot be read.
 absl::StatusOr<std::string> ReadTextFile(const std::string& path);

@@ -27,10 +27,12 @@ namespace {
 absl::Status CheckListenAddress(const std::string& flag, const std::string& value) {
   const size_t colon = value.rfind(':');
   int port = -1;
-  if (colon == std::string::npos || !absl::SimpleAtoi(value.substr(colon + 1), &port) ||
-      port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be HOST:PORT with a port in "
-                                                   "[0, 65535], got '", value, "'"));
+  if (colon == std::string::npos || !absl::SimpleAtoi(value.substr(colon + 1), &port) || port < 0 ||
+      port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag,
+                                                   " must be HOST:PORT with a port in "
+                                                   "[0, 65535], got '",
+                                                   value, "'"));
   }
   return absl::OkStatus();
 }

@@ -16,8 +16,8 @@ const AttentionModeInfo& ExactTopKModeInfo();  // exact_topk.cc
 
 namespace {
 
-const AttentionModeInfo kDense = {AttentionMode::kDense, "dense", "exact attention", {}, false,
-                                  nullptr, nullptr, nullptr};
+const AttentionModeInfo kDense = {
+    AttentionMode::kDense, "dense", "exact attention", {}, false, nullptr, nullptr, nullptr};
 
 // The sparse selector of one sequence: brings its page summaries up to date, then lets
 // the mode choose each KV head's tokens.
@@ -93,8 +93,8 @@ absl::StatusOr<AttentionMode> ParseAttentionMode(absl::string_view name) {
     if (name == m->name) return m->mode;
     names.push_back(m->name);
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown decode attention mode '", name,
-                                                 "'; expected one of ", absl::StrJoin(names, ", ")));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown decode attention mode '", name, "'; expected one of ", absl::StrJoin(names, ", ")));
 }
 
 absl::Status DecodeAttentionConfig::Validate() const {
@@ -108,7 +108,9 @@ absl::Status DecodeAttentionConfig::Validate() const {
   }
   const AttentionModeInfo& info = ModeInfo(mode);
   for (const auto& [name, value] : {std::pair<const char*, int>{"token_budget", token_budget},
-                                    {"top_k", top_k}, {"top_r", top_r}, {"page_size", page_size}}) {
+                                    {"top_k", top_k},
+                                    {"top_r", top_r},
+                                    {"page_size", page_size}}) {
     if (value == 0) continue;
     if (std::find_if(info.params.begin(), info.params.end(), [&](const char* p) {
           return absl::string_view(p) == name;
@@ -121,8 +123,8 @@ absl::Status DecodeAttentionConfig::Validate() const {
     }
   }
   if (mode != AttentionMode::kDense && token_budget == 0 && top_k == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention: ", info.name, " needs a token_budget (or an explicit top_k)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention: ", info.name, " needs a token_budget (or an explicit top_k)"));
   }
   if (mode != AttentionMode::kDense && token_budget == 1 && top_k == 0) {
     return absl::InvalidArgumentError("attention: token_budget must be at least 2 (k = t/2)");
@@ -169,10 +171,9 @@ absl::StatusOr<size_t> DecodeSelectorBytes(const DecodeAttentionConfig& config,
   return ModeInfo(p.mode).summaries ? PageSummaries::Bytes(cache, p.page_size) : size_t{0};
 }
 
-absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(const DecodeAttentionConfig& config,
-                                                                   const ModelConfig& model,
-                                                                   const KvCacheShape& cache,
-                                                                   KvAllocator& allocator) {
+absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
+    const DecodeAttentionConfig& config, const ModelConfig& model, const KvCacheShape& cache,
+    KvAllocator& allocator) {
   if (config.mode == AttentionMode::kDense) return std::unique_ptr<DecodeSelector>();
   ASSIGN_OR_RETURN(SparseParams p, SelectorParams(config, model, cache));
   std::unique_ptr<PageSummaries> summaries;
@@ -227,9 +228,11 @@ absl::StatusOr<DecodeAttentionConfig> AttentionFromFlags(const Flags& flags) {
   if (absl::Status st = a.Validate(); !st.ok()) {
     // Name the flags, not the fields.
     std::string m(st.message());
-    for (const auto& [field, flag] : {std::pair<const char*, const char*>{"token_budget", "--attention-budget"},
-                                      {"top_k", "--attention-k"}, {"top_r", "--attention-r"},
-                                      {"page_size", "--attention-page"}}) {
+    for (const auto& [field, flag] :
+         {std::pair<const char*, const char*>{"token_budget", "--attention-budget"},
+          {"top_k", "--attention-k"},
+          {"top_r", "--attention-r"},
+          {"page_size", "--attention-page"}}) {
       const std::string from = absl::StrCat("attention: ", field, " does not apply");
       if (m.rfind(from, 0) == 0) m = absl::StrCat(flag, " does not apply", m.substr(from.size()));
     }

@@ -101,10 +101,9 @@ absl::StatusOr<size_t> DecodeSelectorBytes(const DecodeAttentionConfig& config,
 
 // The selector of one sequence, or null for dense attention. Page summaries take their
 // memory from `allocator` (the decode node's KV pool).
-absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(const DecodeAttentionConfig& config,
-                                                                   const ModelConfig& model,
-                                                                   const KvCacheShape& cache,
-                                                                   KvAllocator& allocator);
+absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
+    const DecodeAttentionConfig& config, const ModelConfig& model, const KvCacheShape& cache,
+    KvAllocator& allocator);
 
 // Takes whole pages best first (common/base/ranking.h) until k slots are collected,
 // cutting the last page to its lowest slots: all slots of a page share its score, so

@@ -81,9 +81,10 @@ absl::StatusOr<SparseParams> ResolveHybrid(const DecodeAttentionConfig& c, int c
   p.mode = AttentionMode::kHybrid;
   const int t = c.token_budget;
   const double c2 = t > 0 ? std::max(1.0, static_cast<double>(capacity) / t) : 1.0;
-  p.page_size = std::max(1, std::min(static_cast<int>(std::floor(c2)),
-                                     static_cast<int>(std::ceil(std::sqrt(c2)))));
-  p.top_r = std::min(head_dim, std::max(1, static_cast<int>(std::lround(head_dim * p.page_size / c2))));
+  p.page_size = std::max(
+      1, std::min(static_cast<int>(std::floor(c2)), static_cast<int>(std::ceil(std::sqrt(c2)))));
+  p.top_r =
+      std::min(head_dim, std::max(1, static_cast<int>(std::lround(head_dim * p.page_size / c2))));
   p.top_k = t > 0 ? std::max(1, static_cast<int>(std::lround(t / 2.0))) : 0;
   return p;
 }
@@ -121,9 +122,9 @@ absl::StatusOr<TwoStage> ResolveRocketKV(int token_budget, int prompt_len, int m
   TwoStage out;
   out.stage1 = base;
   // Stage 1 is SnapKV++ with the two-stage policy's own (SnapKV++) parameters.
-  ASSIGN_OR_RETURN(out.stage1.policy, MakePolicy("snapkv_pp", base.policy->selects()
-                                                                  ? ParamValues{}
-                                                                  : base.policy->params()));
+  ASSIGN_OR_RETURN(
+      out.stage1.policy,
+      MakePolicy("snapkv_pp", base.policy->selects() ? ParamValues{} : base.policy->params()));
   out.stage1.ratio = 0;
   // The code's prompt_budget = min(S - max_new, capacity - max_new); when max_new eats the
   // whole capacity it would leave nothing, so stage 1 keeps at least the window and one.
@@ -131,10 +132,10 @@ absl::StatusOr<TwoStage> ResolveRocketKV(int token_budget, int prompt_len, int m
   out.stage2.mode = AttentionMode::kHybrid;
   out.stage2.token_budget = token_budget;
   const double c2 = std::max(1.0, capacity / t);
-  out.stage2.page_size = std::max(1, std::min(static_cast<int>(std::floor(c2)),
-                                              static_cast<int>(std::ceil(std::sqrt(c2)))));
-  out.stage2.top_r = std::min(head_dim, std::max(1, static_cast<int>(std::lround(
-                                                        head_dim * out.stage2.page_size / c2))));
+  out.stage2.page_size = std::max(
+      1, std::min(static_cast<int>(std::floor(c2)), static_cast<int>(std::ceil(std::sqrt(c2)))));
+  out.stage2.top_r = std::min(
+      head_dim, std::max(1, static_cast<int>(std::lround(head_dim * out.stage2.page_size / c2))));
   out.stage2.top_k = std::max(1, std::min(static_cast<int>(std::lround(t / 2)), capacity));
   return out;
 }
@@ -142,8 +143,8 @@ absl::StatusOr<TwoStage> ResolveRocketKV(int token_budget, int prompt_len, int m
 absl::Status ResolveTwoStage(CompressionConfig* compression, DecodeAttentionConfig* attention,
                              int prompt_len, int max_new, int head_dim) {
   if (compression->policy->selects()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(TwoStage two, ResolveRocketKV(compression->budget, prompt_len, max_new,
-                                                 head_dim, *compression));
+  ASSIGN_OR_RETURN(TwoStage two, ResolveRocketKV(compression->budget, prompt_len, max_new, head_dim,
+                                                 *compression));
   *compression = two.stage1;
   *attention = two.stage2;
   return absl::OkStatus();

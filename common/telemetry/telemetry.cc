@@ -14,8 +14,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
-#include "common/telemetry/metrics_http.h"
 #include "common/base/status.h"
+#include "common/telemetry/metrics_http.h"
 
 namespace kvwire {
 namespace {
@@ -45,7 +45,8 @@ const Buckets kRequest = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 const Buckets kQueue = {0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60};
 const Buckets kForward = {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
 const Buckets kCompress = {1e-5, 5e-5, 1e-4, 5e-4, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1};
-const Buckets kTransfer = {0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30};
+const Buckets kTransfer = {0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05,
+                           0.1,    0.25,   0.5,   1,     5,    30};
 // Below 1 too: an uncompressed transfer carries positions and framing beyond the K/V.
 const Buckets kRatio = {0.5, 0.75, 0.9, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128};
 
@@ -60,7 +61,8 @@ TraceContext TraceContext::Parse(absl::string_view tp) {
   const absl::string_view version = tp.substr(0, 2);
   if (version == "ff" || !std::isxdigit(version[0]) || !std::isxdigit(version[1])) return ctx;
   if (version == "00" && tp.size() != 55) return ctx;
-  const absl::string_view trace = tp.substr(3, 32), span = tp.substr(36, 16), flags = tp.substr(53, 2);
+  const absl::string_view trace = tp.substr(3, 32), span = tp.substr(36, 16),
+                          flags = tp.substr(53, 2);
   if (!IsLowerHex(trace, 32) || !IsLowerHex(span, 16)) return ctx;
   if (!std::isxdigit(flags[0]) || !std::isxdigit(flags[1])) return ctx;
   ctx.trace_id = std::string(trace);
@@ -74,8 +76,7 @@ std::string TraceContext::ToTraceparent() const {
 }
 
 std::string RandomHex(int digits) {
-  thread_local std::mt19937_64 rng(std::random_device{}() ^
-                                   static_cast<uint64_t>(NowNs()) ^
+  thread_local std::mt19937_64 rng(std::random_device{}() ^ static_cast<uint64_t>(NowNs()) ^
                                    std::hash<std::thread::id>{}(std::this_thread::get_id()));
   static const char* kHex = "0123456789abcdef";
   std::string s;
@@ -155,15 +156,15 @@ void Tracer::Export(const Span& s, int64_t end_ns) {
     }
     attrs.push_back({{"key", key}, {"value", v}});
   }
-  json span = {{"traceId", s.ctx_.trace_id},
-               {"spanId", s.ctx_.span_id},
-               {"name", s.name_},
-               {"kind", 1},  // SPAN_KIND_INTERNAL
-               {"startTimeUnixNano", std::to_string(s.start_ns_)},
-               {"endTimeUnixNano", std::to_string(end_ns)},
-               {"attributes", attrs},
-               {"status", s.error_.empty() ? json{{"code", 1}}
-                                           : json{{"code", 2}, {"message", s.error_}}}};
+  json span = {
+      {"traceId", s.ctx_.trace_id},
+      {"spanId", s.ctx_.span_id},
+      {"name", s.name_},
+      {"kind", 1},  // SPAN_KIND_INTERNAL
+      {"startTimeUnixNano", std::to_string(s.start_ns_)},
+      {"endTimeUnixNano", std::to_string(end_ns)},
+      {"attributes", attrs},
+      {"status", s.error_.empty() ? json{{"code", 1}} : json{{"code", 2}, {"message", s.error_}}}};
   if (!s.parent_span_id_.empty()) span["parentSpanId"] = s.parent_span_id_;
   json resource = {{"attributes",
                     {{{"key", "service.name"}, {"value", {{"stringValue", service_name_}}}},
@@ -208,18 +209,20 @@ struct Telemetry::Metrics {
 
 absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(const TelemetryOptions& options) {
   if (options.role != "prefill" && options.role != "decode") {
-    return absl::InvalidArgumentError(absl::StrCat("telemetry role must be prefill or decode, got '",
-                                                   options.role, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("telemetry role must be prefill or decode, got '", options.role, "'"));
   }
   std::unique_ptr<Telemetry> t(new Telemetry());
   t->options_ = options;
   t->registry_ = std::make_shared<prometheus::Registry>();
   prometheus::Registry& r = *t->registry_;
   const prometheus::Labels base = {{"role", options.role}, {"node", options.node}};
-  auto counter = [&](const char* name, const char* help) -> prometheus::Family<prometheus::Counter>& {
+  auto counter = [&](const char* name,
+                     const char* help) -> prometheus::Family<prometheus::Counter>& {
     return prometheus::BuildCounter().Name(name).Help(help).Labels(base).Register(r);
   };
-  auto hist = [&](const char* name, const char* help) -> prometheus::Family<prometheus::Histogram>& {
+  auto hist = [&](const char* name,
+                  const char* help) -> prometheus::Family<prometheus::Histogram>& {
     return prometheus::BuildHistogram().Name(name).Help(help).Labels(base).Register(r);
   };
   auto gauge = [&](const char* name, const char* help) -> prometheus::Gauge& {
@@ -231,25 +234,26 @@ absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(const TelemetryOpti
                               "K/V bytes the uncompressed prompt cache would have moved.");
   m->kv_wire_bytes = &counter("kvwire_kv_wire_bytes_total",
                               "KV stream bytes that crossed the wire (serialized messages).");
-  m->transfer_failures = &counter("kvwire_kv_transfer_failures_total",
-                                  "KV transfers that failed, by reason.");
-  m->ratio = &hist("kvwire_kv_compression_ratio",
-                   "Full-cache bytes over wire bytes, per request.");
-  m->transfer_seconds = &hist("kvwire_kv_transfer_seconds",
-                              "First KV byte to trailer, per request.").Add({}, kTransfer);
-  m->ttft = &hist("kvwire_time_to_first_token_seconds",
-                  "Request arrival to the first token sent.").Add({}, kTtft);
-  m->itl = &hist("kvwire_inter_token_latency_seconds", "Time between consecutive tokens.")
-                .Add({}, kItl);
-  m->request_seconds = &hist("kvwire_request_duration_seconds", "Request arrival to its end.")
-                            .Add({}, kRequest);
-  m->queue_seconds = &hist("kvwire_queue_seconds", "Time waiting for admission or a worker.")
-                          .Add({}, kQueue);
-  m->forward_seconds = &hist("kvwire_prefill_forward_seconds",
-                             "Prefill forward pass, compression included.").Add({}, kForward);
-  m->compress_seconds = &hist("kvwire_compression_seconds",
-                              "Selecting and gathering the kept K/V, per request.")
-                             .Add({}, kCompress);
+  m->transfer_failures =
+      &counter("kvwire_kv_transfer_failures_total", "KV transfers that failed, by reason.");
+  m->ratio = &hist("kvwire_kv_compression_ratio", "Full-cache bytes over wire bytes, per request.");
+  m->transfer_seconds =
+      &hist("kvwire_kv_transfer_seconds", "First KV byte to trailer, per request.")
+           .Add({}, kTransfer);
+  m->ttft = &hist("kvwire_time_to_first_token_seconds", "Request arrival to the first token sent.")
+                 .Add({}, kTtft);
+  m->itl =
+      &hist("kvwire_inter_token_latency_seconds", "Time between consecutive tokens.").Add({}, kItl);
+  m->request_seconds =
+      &hist("kvwire_request_duration_seconds", "Request arrival to its end.").Add({}, kRequest);
+  m->queue_seconds =
+      &hist("kvwire_queue_seconds", "Time waiting for admission or a worker.").Add({}, kQueue);
+  m->forward_seconds =
+      &hist("kvwire_prefill_forward_seconds", "Prefill forward pass, compression included.")
+           .Add({}, kForward);
+  m->compress_seconds =
+      &hist("kvwire_compression_seconds", "Selecting and gathering the kept K/V, per request.")
+           .Add({}, kCompress);
   m->queued = &gauge("kvwire_queued_requests", "Requests waiting.");
   m->active = &gauge("kvwire_active_sequences", "Requests being served.");
   m->pool_used = &gauge("kvwire_kv_pool_used_bytes", "KV pool bytes reserved by sequences.");
@@ -261,13 +265,15 @@ absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(const TelemetryOpti
   if (!options.metrics_listen.empty()) {
     Telemetry* raw = t.get();
     ASSIGN_OR_RETURN(t->http_, MetricsHttpServer::Start(options.metrics_listen,
-                                                       [raw] { return raw->Scrape(); }));
+                                                        [raw] { return raw->Scrape(); }));
     t->metrics_port_ = t->http_->port();
   }
   if (!options.trace_file.empty()) {
-    std::FILE* out = options.trace_file == "-" ? stderr : std::fopen(options.trace_file.c_str(), "a");
+    std::FILE* out =
+        options.trace_file == "-" ? stderr : std::fopen(options.trace_file.c_str(), "a");
     if (out == nullptr) {
-      return absl::PermissionDeniedError(absl::StrCat("cannot open trace file ", options.trace_file));
+      return absl::PermissionDeniedError(
+          absl::StrCat("cannot open trace file ", options.trace_file));
     }
     t->tracer_ = std::make_unique<Tracer>(absl::StrCat("kvwire-", options.role), options.node, out,
                                           options.trace_file != "-");

@@ -1,6 +1,6 @@
 // Observability of a node: Prometheus metrics (prometheus-cpp, served on --metrics-listen)
-// and traces (W3C traceparent, carried in gRPC metadata by common/server; spans exported as OTLP-JSON
-// lines, one ExportTraceServiceRequest per line, which an OpenTelemetry collector's
+// and traces (W3C traceparent, carried in gRPC metadata by common/server; spans exported as
+// OTLP-JSON lines, one ExportTraceServiceRequest per line, which an OpenTelemetry collector's
 // otlpjsonfile receiver ingests).
 //
 // Metric names follow Prometheus conventions: kvwire_ prefix, base units in the name
@@ -59,7 +59,9 @@ class Span {
   ~Span() { End(); }
 
   void SetAttribute(const std::string& key, const std::string& value);
-  void SetAttribute(const std::string& key, const char* value) { SetAttribute(key, std::string(value)); }
+  void SetAttribute(const std::string& key, const char* value) {
+    SetAttribute(key, std::string(value));
+  }
   void SetAttribute(const std::string& key, int64_t value);
   void SetAttribute(const std::string& key, int value) { SetAttribute(key, int64_t{value}); }
   void SetAttribute(const std::string& key, double value);

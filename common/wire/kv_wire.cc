@@ -100,7 +100,8 @@ std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, size_t max_bytes
       h += hn;
     } else {
       const int tokens = std::max<int>(1, static_cast<int>(max_bytes / per_token));
-      for (int t = 0; t < layer.count; t += tokens) emit(h, 1, t, std::min(tokens, layer.count - t));
+      for (int t = 0; t < layer.count; t += tokens)
+        emit(h, 1, t, std::min(tokens, layer.count - t));
       ++h;
     }
   }
@@ -164,12 +165,12 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
   if (!header_seen_) return Malformed("a chunk before the header");
   if (layer_ >= header_.num_layers) return Malformed("a chunk after the last layer");
   const int kept = header_.kept_per_layer[layer_];
-  const std::string where = absl::StrCat("chunk of layer ", c.layer, " heads ", c.head_begin, "+",
-                                         c.head_count, " tokens ", c.token_begin, "+",
-                                         c.token_count);
+  const std::string where =
+      absl::StrCat("chunk of layer ", c.layer, " heads ", c.head_begin, "+", c.head_count,
+                   " tokens ", c.token_begin, "+", c.token_count);
   if (c.layer != layer_ || c.head_begin != head_ || c.token_begin != token_) {
-    return Malformed(absl::StrCat(where, ": out of order; expected layer ", layer_, " head ",
-                                  head_, " token ", token_));
+    return Malformed(absl::StrCat(where, ": out of order; expected layer ", layer_, " head ", head_,
+                                  " token ", token_));
   }
   // int64: the counts come from the network and may be anything up to INT_MAX.
   if (c.head_count < 1 || c.token_count < 1 ||
@@ -179,8 +180,8 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
                                   " heads x ", kept, " tokens"));
   }
   if (c.head_count > 1 && (c.token_begin != 0 || c.token_count != kept)) {
-    return Malformed(absl::StrCat(where, ": a chunk of several heads must hold all ", kept,
-                                  " of their tokens"));
+    return Malformed(
+        absl::StrCat(where, ": a chunk of several heads must hold all ", kept, " of their tokens"));
   }
   const size_t cells = static_cast<size_t>(c.head_count) * c.token_count;
   const size_t kv_bytes = cells * header_.head_dim * DTypeSize(header_.dtype);
@@ -255,13 +256,13 @@ absl::Status KvAssembler::OnTrailer(const WireTrailer& t, int vocab_size) {
                                        " token ", token_, ")")));
   }
   if (t.first_token < 0 || t.first_token >= vocab_size) {
-    return Fail(Malformed(absl::StrCat("first token ", t.first_token,
-                                       " is outside the vocabulary of ", vocab_size)));
+    return Fail(Malformed(
+        absl::StrCat("first token ", t.first_token, " is outside the vocabulary of ", vocab_size)));
   }
   if (t.kv_payload_bytes != payload_bytes_ || t.chunks != chunks_) {
-    return Fail(Malformed(absl::StrCat("trailer counts ", t.chunks, " chunks / ",
-                                       t.kv_payload_bytes, " bytes but ", chunks_, " / ",
-                                       payload_bytes_, " arrived")));
+    return Fail(
+        Malformed(absl::StrCat("trailer counts ", t.chunks, " chunks / ", t.kv_payload_bytes,
+                               " bytes but ", chunks_, " / ", payload_bytes_, " arrived")));
   }
   complete_ = true;
   return absl::OkStatus();

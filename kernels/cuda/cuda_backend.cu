@@ -106,8 +106,8 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend() {
     return absl::UnavailableError("this build has CUDA but no GPU is visible (cudaGetDeviceCount)");
   }
   cudaStream_t stream;
-  RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
-                             "cudaStreamCreate"));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
   cublasHandle_t cublas;
   if (cublasCreate(&cublas) != CUBLAS_STATUS_SUCCESS) {
     cudaStreamDestroy(stream);

@@ -28,11 +28,17 @@ inline absl::Status LaunchStatus(const char* kernel) {
 template <typename T>
 __device__ __forceinline__ float ToF32(T v);
 template <>
-__device__ __forceinline__ float ToF32<float>(float v) { return v; }
+__device__ __forceinline__ float ToF32<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ float ToF32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToF32<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 template <>
-__device__ __forceinline__ float ToF32<__half>(__half v) { return __half2float(v); }
+__device__ __forceinline__ float ToF32<__half>(__half v) {
+  return __half2float(v);
+}
 
 __device__ __forceinline__ float WarpSum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);

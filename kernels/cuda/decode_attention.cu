@@ -27,8 +27,8 @@ __global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, i
   const T* kb = static_cast<const T*>(seq.k) + c * seq.head_stride;
   const T* vb = static_cast<const T*>(seq.v) + c * seq.head_stride;
   const int count = seq.indices ? seq.num_indices : seq.len;
-  const int32_t* idx = seq.indices ? seq.indices + static_cast<int64_t>(c) * seq.num_indices
-                                   : nullptr;
+  const int32_t* idx =
+      seq.indices ? seq.indices + static_cast<int64_t>(c) * seq.num_indices : nullptr;
 
   float q[DPL], acc[DPL];
 #pragma unroll

@@ -17,8 +17,8 @@ constexpr int kWarpsPerBlock = 8;
 
 template <typename T, int M>
 __global__ void GemvKernel(const float* __restrict__ x, int64_t xs, const T* __restrict__ w,
-                           const float* __restrict__ bias, float* __restrict__ y, int64_t ys,
-                           int m, int n, int k) {
+                           const float* __restrict__ bias, float* __restrict__ y, int64_t ys, int m,
+                           int n, int k) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (j >= n) return;
@@ -58,7 +58,9 @@ __global__ void AddBiasKernel(float* y, int64_t ys, const float* __restrict__ bi
   }
 }
 
-int GridFor(int64_t total) { return static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535)); }
+int GridFor(int64_t total) {
+  return static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535));
+}
 
 }  // namespace
 
@@ -80,8 +82,8 @@ absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, float* s
     if (scratch == nullptr) return absl::InternalError("MatMul: no scratch for widening W");
     const int64_t total = static_cast<int64_t>(p.n) * p.k;
     RETURN_IF_ERROR(DispatchDType(p.w_dtype, [&]<typename T>() {
-      WidenKernel<T><<<GridFor(total), 256, 0, stream>>>(static_cast<const T*>(p.w), scratch,
-                                                         total);
+      WidenKernel<T>
+          <<<GridFor(total), 256, 0, stream>>>(static_cast<const T*>(p.w), scratch, total);
       return LaunchStatus("WidenKernel");
     }));
     wf = scratch;
@@ -93,11 +95,12 @@ absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, float* s
       cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, p.n, p.m, p.k, &alpha, wf, p.k, p.x,
                   static_cast<int>(xs), &beta, p.y, static_cast<int>(ys));
   if (st != CUBLAS_STATUS_SUCCESS) {
-    return absl::InternalError(absl::StrCat("cublasSgemm failed with status ", static_cast<int>(st)));
+    return absl::InternalError(
+        absl::StrCat("cublasSgemm failed with status ", static_cast<int>(st)));
   }
   if (p.bias) {
     AddBiasKernel<<<GridFor(static_cast<int64_t>(p.m) * p.n), 256, 0, stream>>>(p.y, ys, p.bias,
-                                                                                 p.m, p.n);
+                                                                                p.m, p.n);
     return LaunchStatus("AddBiasKernel");
   }
   return absl::OkStatus();

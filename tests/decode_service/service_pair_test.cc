@@ -3,10 +3,10 @@
 // INVALID_ARGUMENT naming the field; a prefill node killed mid-stream, a client that
 // cancels, a deadline that passes, a full pool and a corrupted KV chunk all end cleanly,
 // after which the KV pool is empty again and the nodes keep serving.
-#include <gtest/gtest.h>
-#include <grpcpp/grpcpp.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <gtest/gtest.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -106,7 +106,8 @@ class ServicePairTest : public ::testing::Test {
     if (o.prefill_target.empty() && !prefills_.empty()) {
       o.prefill_target = "ipv4:";
       for (size_t i = 0; i < prefills_.size(); ++i) {
-        o.prefill_target += (i ? ",127.0.0.1:" : "127.0.0.1:") + std::to_string(prefills_[i]->port());
+        o.prefill_target +=
+            (i ? ",127.0.0.1:" : "127.0.0.1:") + std::to_string(prefills_[i]->port());
       }
     }
     o.engine.node_name = "decode-test";
@@ -180,11 +181,27 @@ TEST_F(ServicePairTest, TokensEqualSingleProcessGeneration) {
   };
   const std::vector<Case> cases = {
       {"full", [](auto* c) { c->set_policy("full"); }, "full", 0},
-      {"snapkv", [](auto* c) { c->set_policy("snapkv"); c->set_budget(64); }, "snapkv", 64},
+      {"snapkv",
+       [](auto* c) {
+         c->set_policy("snapkv");
+         c->set_budget(64);
+       },
+       "snapkv", 64},
       {"snapkv per query head",
-       [](auto* c) { c->set_policy("snapkv"); c->set_budget(48); c->set_gqa("per_query_head"); },
-       "snapkv", 48, {{"gqa", "per_query_head"}}},
-      {"chunkkv", [](auto* c) { c->set_policy("chunkkv"); c->set_budget(80); }, "chunkkv", 80},
+       [](auto* c) {
+         c->set_policy("snapkv");
+         c->set_budget(48);
+         c->set_gqa("per_query_head");
+       },
+       "snapkv",
+       48,
+       {{"gqa", "per_query_head"}}},
+      {"chunkkv",
+       [](auto* c) {
+         c->set_policy("chunkkv");
+         c->set_budget(80);
+       },
+       "chunkkv", 80},
   };
   for (const Case& c : cases) {
     for (bool sampled : {false, true}) {
@@ -213,7 +230,8 @@ TEST_F(ServicePairTest, TokensEqualSingleProcessGeneration) {
       ASSERT_TRUE(want.ok()) << want.status();
       EXPECT_EQ(r.ids, want->ids);
       ASSERT_EQ(r.logprobs.size(), want->logprobs.size());
-      for (size_t i = 0; i < r.logprobs.size(); ++i) EXPECT_NEAR(r.logprobs[i], want->logprobs[i], 1e-4);
+      for (size_t i = 0; i < r.logprobs.size(); ++i)
+        EXPECT_NEAR(r.logprobs[i], want->logprobs[i], 1e-4);
       auto text = decode_model_->tokenizer().Decode(want->ids);
       StreamingDecoder expect_text(decode_model_->tokenizer());
       ASSERT_TRUE(expect_text.Prime(prompt).ok());
@@ -343,11 +361,15 @@ TEST_F(ServicePairTest, EveryBadFieldIsInvalidArgumentNamingIt) {
       {"sampling.top_k", [](auto* r) { r->mutable_sampling()->set_top_k(-1); }},
       {"sampling.stop", [](auto* r) { r->mutable_sampling()->add_stop(""); }},
       {"sampling.stop", [](auto* r) { r->mutable_sampling()->add_stop(std::string(300, 'a')); }},
-      {"sampling.stop_token_ids", [=](auto* r) { r->mutable_sampling()->add_stop_token_ids(vocab + 5); }},
+      {"sampling.stop_token_ids",
+       [=](auto* r) { r->mutable_sampling()->add_stop_token_ids(vocab + 5); }},
       {"compression.policy", [](auto* r) { r->mutable_compression()->set_policy("h2o"); }},
       {"needs a budget", [](auto* r) { r->mutable_compression()->set_policy("snapkv"); }},
       {"must exceed the observation window",
-       [](auto* r) { r->mutable_compression()->set_policy("snapkv"); r->mutable_compression()->set_budget(8); }},
+       [](auto* r) {
+         r->mutable_compression()->set_policy("snapkv");
+         r->mutable_compression()->set_budget(8);
+       }},
       {"kernel must be odd",
        [](auto* r) {
          r->mutable_compression()->set_policy("snapkv");
@@ -356,7 +378,8 @@ TEST_F(ServicePairTest, EveryBadFieldIsInvalidArgumentNamingIt) {
        }},
       {"compression.pool", [](auto* r) { r->mutable_compression()->set_pool("min"); }},
       {"compression.gqa", [](auto* r) { r->mutable_compression()->set_gqa("all"); }},
-      {"ratio must be in", [](auto* r) {
+      {"ratio must be in",
+       [](auto* r) {
          r->mutable_compression()->set_policy("snapkv");
          r->mutable_compression()->set_ratio(2.0);
        }},
@@ -425,7 +448,8 @@ TEST_F(ServicePairTest, PrefillKilledWithNoOtherNodeFailsCleanly) {
   EXPECT_TRUE(r.status.error_code() == grpc::StatusCode::UNAVAILABLE ||
               r.status.error_code() == grpc::StatusCode::CANCELLED)
       << r.status.error_code() << " " << r.status.error_message();
-  EXPECT_NE(r.status.error_message().find("prefill"), std::string::npos) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("prefill"), std::string::npos)
+      << r.status.error_message();
   ExpectPoolEmpty();
   // A replacement prefill node on the same port: the decode node serves again.
   AddPrefill("prefill", {}, "127.0.0.1:" + std::to_string(port));
@@ -568,7 +592,8 @@ TEST_F(ServicePairTest, HealthCheckingIsServing) {
   AddPrefill();
   StartDecode();
   for (int port : {decode_->port(), prefills_[0]->port()}) {
-    auto ch = grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
+    auto ch = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                  grpc::InsecureChannelCredentials());
     grpc::ClientContext ctx;
     grpc::Slice empty("", 0);
     grpc::ByteBuffer request(&empty, 1), response;
@@ -605,7 +630,8 @@ TEST_F(ServicePairTest, OversizedRequestMessageIsRefused) {
   v1::GenerateRequest req;
   req.set_prompt(std::string(8000, 'a'));
   const Result r = Call(*stub_, req);
-  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << r.status.error_message();
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << r.status.error_message();
   ExpectStillServing();
 }
 

@@ -1,8 +1,8 @@
 // TLS for clients and mutual TLS between the nodes, with certificates made by the
 // openssl command for each run: the pair works with the right certificates and refuses a
 // decode node that presents none.
-#include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -22,11 +22,13 @@ bool MakeCertificates(const std::string& dir) {
   const std::string ext = dir + "/san.ext";
   testing::WriteFile(ext, "subjectAltName=DNS:localhost,IP:127.0.0.1\n");
   const std::string script =
-      "set -e; cd '" + dir + "';"
+      "set -e; cd '" + dir +
+      "';"
       "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
       "  -subj /CN=kvwire-test-ca 2>/dev/null;"
       "for n in server client; do "
-      "  openssl req -newkey rsa:2048 -nodes -keyout $n.key -out $n.csr -subj /CN=localhost 2>/dev/null;"
+      "  openssl req -newkey rsa:2048 -nodes -keyout $n.key -out $n.csr -subj /CN=localhost "
+      "2>/dev/null;"
       "  openssl x509 -req -in $n.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out $n.pem "
       "    -days 2 -extfile san.ext 2>/dev/null;"
       "done";

@@ -2,8 +2,8 @@
 // gRPC metadata, the prefill node; both export OTLP-JSON lines; the spans form one tree;
 // the KV transfer span's byte counts equal the figures the response reported. And the
 // nodes' graceful shutdown lets an in-flight request finish.
-#include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <atomic>
 #include <map>
@@ -54,9 +54,8 @@ class TracingTest : public ::testing::Test {
     dir_ = testing::MakeTempDir("traces");
     LoadOptions o;
     o.threads = 1;
-    auto m = LlamaModel::Load(testing::SharedDir().empty() ? "synthetic:stories"
-                                                           : testing::StoriesModelDir(),
-                              o);
+    auto m = LlamaModel::Load(
+        testing::SharedDir().empty() ? "synthetic:stories" : testing::StoriesModelDir(), o);
     ASSERT_TRUE(m.ok());
     model_ = std::move(*m);
     auto pt = Telemetry::Create({"prefill", "p1", "", dir_ + "/prefill.jsonl"});

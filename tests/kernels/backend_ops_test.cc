@@ -32,8 +32,8 @@ struct Tolerance {
   std::string first;
   for (size_t i = 0; i < got.size(); ++i) {
     const float a = got[i], r = want[i];
-    const bool ok = std::fabs(a - r) <= tol.atol + tol.rtol * std::fabs(r) ||
-                    (std::isnan(a) && std::isnan(r));
+    const bool ok =
+        std::fabs(a - r) <= tol.atol + tol.rtol * std::fabs(r) || (std::isnan(a) && std::isnan(r));
     if (!ok) {
       if (bad < 5) absl::StrAppend(&first, "\n  [", i, "] got ", a, " want ", r);
       ++bad;
@@ -136,15 +136,15 @@ TEST_P(BackendOpsTest, MatMul) {
   std::vector<MatMulCase> cases;
   for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (auto [m, n, k] : std::vector<std::tuple<int, int, int>>{{1, 1, 1},
-                                                                  {1, 7, 37},
-                                                                  {2, 37, 733},
-                                                                  {3, 733, 37},
-                                                                  {4, 64, 64},
-                                                                  {7, 33, 100},
-                                                                  {16, 37, 733},
-                                                                  {17, 37, 733},
-                                                                  {37, 64, 128},
-                                                                  {64, 1, 7}}) {
+                                                                 {1, 7, 37},
+                                                                 {2, 37, 733},
+                                                                 {3, 733, 37},
+                                                                 {4, 64, 64},
+                                                                 {7, 33, 100},
+                                                                 {16, 37, 733},
+                                                                 {17, 37, 733},
+                                                                 {37, 64, 128},
+                                                                 {64, 1, 7}}) {
       cases.push_back({m, n, k, t, false});
       cases.push_back({m, n, k, t, true, 3, 5});
     }

@@ -2,11 +2,11 @@
 
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <map>
-#include <set>
 #include <random>
+#include <set>
 #include <vector>
 
 namespace kvwire::kernels {
@@ -43,8 +43,8 @@ TEST(Sampling, FastAgreesWithReference) {
             const double x = u(rng);
             const SampledToken a = Sample(logits.data(), vocab, p, x);
             const SampledToken b = SampleReference(logits.data(), vocab, p, x);
-            ASSERT_EQ(a.id, b.id) << "vocab=" << vocab << " T=" << temperature
-                                  << " top_k=" << top_k << " top_p=" << top_p << " u=" << x;
+            ASSERT_EQ(a.id, b.id) << "vocab=" << vocab << " T=" << temperature << " top_k=" << top_k
+                                  << " top_p=" << top_p << " u=" << x;
             ASSERT_FLOAT_EQ(a.logprob, b.logprob);
             ++checked;
           }

@@ -3,8 +3,8 @@
 // local prefill with the same policy keeps), and its refusals.
 #include "prefill_service/prefill_server.h"
 
-#include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <condition_variable>
 #include <thread>
@@ -38,8 +38,8 @@ class PrefillServerTest : public ::testing::Test {
     auto s = PrefillServer::Start(faults_.get(), std::move(o));
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = std::move(*s);
-    stub_ = v1::Prefill::NewStub(grpc::CreateChannel(
-        "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+    stub_ = v1::Prefill::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
+                                                     grpc::InsecureChannelCredentials()));
   }
   v1::PrefillRequest Request(int len, const CompressionConfig& c) {
     v1::PrefillRequest r;
@@ -115,9 +115,9 @@ TEST_F(PrefillServerTest, StreamCarriesWhatALocalPrefillKeeps) {
   }
   const WireTrailer t = FromProto(r.messages.back().trailer());
   ASSERT_TRUE(a.OnTrailer(t, mc.vocab_size).ok());
-  EXPECT_EQ(t.first_token, static_cast<int32_t>(std::max_element(local->logits.begin(),
-                                                                   local->logits.end()) -
-                                                 local->logits.begin()));
+  EXPECT_EQ(t.first_token,
+            static_cast<int32_t>(std::max_element(local->logits.begin(), local->logits.end()) -
+                                 local->logits.begin()));
   EXPECT_EQ(t.full_cache_bytes, 300 * mc.KvBytesPerToken(model_->kv_dtype()));
   EXPECT_GT(t.forward_ms, 0);
   EXPECT_EQ(testing::CacheDifference(*local->cache, **cache), "");
@@ -147,8 +147,8 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
     std::string expect;
   };
   const std::vector<Case> cases = {
-      {[](auto* r) { r->set_model_fingerprint("llama-other"); }, grpc::StatusCode::FAILED_PRECONDITION,
-       "llama-other"},
+      {[](auto* r) { r->set_model_fingerprint("llama-other"); },
+       grpc::StatusCode::FAILED_PRECONDITION, "llama-other"},
       {[](auto* r) { r->clear_prompt_ids(); }, grpc::StatusCode::INVALID_ARGUMENT, "empty"},
       {[](auto* r) { r->set_prompt_ids(2, 100000); }, grpc::StatusCode::INVALID_ARGUMENT,
        "prompt_ids[2]"},
@@ -159,7 +159,8 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
       {[](auto* r) { r->set_top_p(2); }, grpc::StatusCode::INVALID_ARGUMENT, "top_p"},
       {[](auto* r) {
          for (int i = 0; i < 600; ++i) r->add_prompt_ids(5);
-       }, grpc::StatusCode::INVALID_ARGUMENT, "context"},
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "context"},
   };
   for (const Case& c : cases) {
     v1::PrefillRequest req = Request(20, CompressionConfig{});

@@ -50,14 +50,12 @@ TEST(EvalFidelity, FullAgreesPerfectlyAndOracleBoundsRecall) {
   opts.gen = 8;
   opts.window = 8;
   int calls = 0;
-  auto records = EvalFidelity(
-      **model, prompts,
-      {Method("full"), Method("snapkv"),
-       Method("random")},
-      {16, 64, 500}, opts, [&](int done, int total) {
-        EXPECT_EQ(total, 3);
-        EXPECT_EQ(done, ++calls);
-      });
+  auto records =
+      EvalFidelity(**model, prompts, {Method("full"), Method("snapkv"), Method("random")},
+                   {16, 64, 500}, opts, [&](int done, int total) {
+                     EXPECT_EQ(total, 3);
+                     EXPECT_EQ(done, ++calls);
+                   });
   ASSERT_TRUE(records.ok()) << records.status();
   EXPECT_EQ(calls, 3);
   ASSERT_EQ(records->size(), 4u * 3u);  // three methods and the oracle, three budgets each
@@ -93,8 +91,7 @@ TEST(EvalFidelity, PromptBeyondContextIsAnError) {
   ASSERT_TRUE(model.ok());
   FidelityOptions opts;
   opts.gen = 16;
-  auto r = EvalFidelity(**model, SyntheticPrompts(1, 120), {Method("full")}, {32},
-                        opts, nullptr);
+  auto r = EvalFidelity(**model, SyntheticPrompts(1, 120), {Method("full")}, {32}, opts, nullptr);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(r.status().message()).find("context"), std::string::npos);
 }
@@ -118,9 +115,8 @@ TEST(EvalPasskey, CountsExactMatchesAndSkipsLongPrompts) {
   EvalPrompt too_long = SyntheticPrompts(1, 254)[0];
   too_long.answer = {5, 6, 7};
   prompts.push_back(too_long);
-  auto records = EvalPasskey(model, prompts,
-                             {Method("full"), Method("streaming")},
-                             {20, 300}, 8, nullptr);
+  auto records =
+      EvalPasskey(model, prompts, {Method("full"), Method("streaming")}, {20, 300}, 8, nullptr);
   ASSERT_TRUE(records.ok()) << records.status();
   ASSERT_EQ(records->size(), 4u);
   for (const PasskeyRecord& r : *records) {
@@ -172,12 +168,12 @@ TEST(EvalFidelity, StoriesDevPromptsLoad) {
   KVWIRE_REQUIRE_SHARED();
   auto model = LlamaModel::Load(testing::StoriesModelDir());
   ASSERT_TRUE(model.ok());
-  auto prompts = ReadPrompts(testing::SharedDir() + "/data/stories/dev.jsonl",
-                             (*model)->tokenizer(), false);
+  auto prompts =
+      ReadPrompts(testing::SharedDir() + "/data/stories/dev.jsonl", (*model)->tokenizer(), false);
   ASSERT_TRUE(prompts.ok()) << prompts.status();
   EXPECT_EQ(prompts->size(), 100u);
-  auto passkey = ReadPrompts(testing::SharedDir() + "/data/passkey/dev.jsonl",
-                             (*model)->tokenizer(), true);
+  auto passkey =
+      ReadPrompts(testing::SharedDir() + "/data/passkey/dev.jsonl", (*model)->tokenizer(), true);
   ASSERT_TRUE(passkey.ok()) << passkey.status();
   EXPECT_EQ(passkey->size(), 200u);
 }

@@ -116,23 +116,26 @@ TEST(SnapKVpp, GroupSumAndKernelByPromptLength) {
                                                  {0, 0, 0, 0, 0, 0, 0.9f, 0}};
   Scores s(votes, 2, 10);
   // L = 10 < 100: kernel_small.
-  CompressionConfig c = Config("snapkv_pp", 3, 2,
-                               {{"kernel_small", "1"}, {"kernel_large", "5"}, {"kernel_threshold", "100"}});
+  CompressionConfig c =
+      Config("snapkv_pp", 3, 2,
+             {{"kernel_small", "1"}, {"kernel_large", "5"}, {"kernel_threshold", "100"}});
   EXPECT_EQ(Select(c, 2, 1, s), (Kept{{6, 8, 9}}));
   c.budget = 5;  // .9 at 6, .5 at 2, then a tie of zeros goes to position 0
   EXPECT_EQ(Select(c, 2, 1, s), (Kept{{0, 2, 6, 8, 9}}));
   // L ≥ threshold: kernel 5 spreads 0.9 over 4..7 (clipped at the prefix end): top 3 = 4, 5, 6.
-  c.policy = Make("snapkv_pp", {{"kernel_small", "1"}, {"kernel_large", "5"}, {"kernel_threshold", "10"}});
+  c.policy =
+      Make("snapkv_pp", {{"kernel_small", "1"}, {"kernel_large", "5"}, {"kernel_threshold", "10"}});
   EXPECT_EQ(Select(c, 2, 1, s), (Kept{{4, 5, 6, 8, 9}}));
 }
 
 TEST(ChunkKV, WholeChunksByMeanScoreCutToBudget) {
   // Prefix 0..8 in chunks of 3: [0-2] mean 0.1, [3-5] mean 0.5, [6-8] mean 0.3.
   // One index set for both KV heads, from votes summed over all query heads.
-  const std::vector<std::vector<float>> votes = {{0.1f, 0.1f, 0.1f, 0.4f, 0.5f, 0.6f, 0.2f, 0.2f, 0.2f},
-                                                 {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.1f, 0.1f, 0.1f},
-                                                 {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f},
-                                                 {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};
+  const std::vector<std::vector<float>> votes = {
+      {0.1f, 0.1f, 0.1f, 0.4f, 0.5f, 0.6f, 0.2f, 0.2f, 0.2f},
+      {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.1f, 0.1f, 0.1f},
+      {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f},
+      {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}};
   Scores s(votes, 2, 11);
   CompressionConfig c = Config("chunkkv", 5, 2, {{"chunk", "3"}});  // 3 prefix tokens: one chunk
   EXPECT_EQ(Select(c, 4, 2, s), (Kept{{3, 4, 5, 9, 10}, {3, 4, 5, 9, 10}}));
@@ -162,7 +165,7 @@ TEST(ChunkKV, LayerReuseSharesTheFirstLayersIndices) {
 TEST(HBW, BlockMeansAndHierarchicalGroups) {
   // Prefix 16 in blocks of 2 (8 blocks). Block means: b0 .9, b1 .8, b2 .7, b3 .3,
   // b4 .05, b5 .04, b6 .2, b7 .03. Prefix budget 8 = two rounds of 4 tokens.
-  std::vector<float> tok = {.9f, .9f, .8f, .8f, .7f, .7f, .3f, .3f,
+  std::vector<float> tok = {.9f,  .9f,  .8f,  .8f,  .7f, .7f, .3f,  .3f,
                             .05f, .05f, .04f, .04f, .2f, .2f, .03f, .03f};
   Scores s({tok}, 2, 18);
   CompressionConfig c = Config("hbw", 10, 2, {{"block", "2"}, {"groups", "1,2"}});
@@ -172,7 +175,8 @@ TEST(HBW, BlockMeansAndHierarchicalGroups) {
   // M={1} alone (block-wise SnapKV) piles everything at the front: b0..b3.
   c.policy = Make("hbw", {{"block", "2"}, {"groups", "1"}});
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 2, 3, 4, 5, 6, 7, 16, 17}}));
-  c.policy = Make("hbw", {{"block", "2"}, {"groups", "4"}});  // 2 tokens per quarter: b0 | b2 | b4 | b6
+  c.policy =
+      Make("hbw", {{"block", "2"}, {"groups", "4"}});  // 2 tokens per quarter: b0 | b2 | b4 | b6
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 4, 5, 8, 9, 12, 13, 16, 17}}));
   // Odd capacity: 7 prefix tokens with blocks of 2 → 3 whole blocks then the first
   // token of the next best block (b3).
@@ -192,8 +196,8 @@ TEST(Random, SeededDistinctAndDifferentPerHeadAndLayer) {
   LayerSelector a(c, 4, 2), b(c, 4, 2);
   const auto ka = *a.Select(0, 100, nullptr);
   EXPECT_EQ(ka, *b.Select(0, 100, nullptr));  // deterministic
-  EXPECT_NE(ka[0], ka[1]);                     // heads differ
-  EXPECT_NE(ka, *a.Select(1, 100, nullptr));   // layers differ
+  EXPECT_NE(ka[0], ka[1]);                    // heads differ
+  EXPECT_NE(ka, *a.Select(1, 100, nullptr));  // layers differ
   c.policy = Make("random", {{"seed", "10"}});
   LayerSelector d(c, 4, 2);
   EXPECT_NE(ka, *d.Select(0, 100, nullptr));
@@ -255,7 +259,7 @@ TEST(CompressionInvariants, BudgetWindowSortedUnique) {
       const int want = std::min(len, c.budget);
       EXPECT_EQ(c.KeptTokens(0, len), want);
       for (const auto& row : *kept) {
-        ASSERT_EQ(static_cast<int>(row.size()), want);  // budget exactly
+        ASSERT_EQ(static_cast<int>(row.size()), want);                          // budget exactly
         for (size_t i = 1; i < row.size(); ++i) ASSERT_LT(row[i - 1], row[i]);  // sorted, unique
         ASSERT_GE(row.front(), 0);
         ASSERT_LT(row.back(), len);
@@ -318,7 +322,8 @@ TEST(CompressionConfig, BadParametersSayWhich) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << k.expect;
     EXPECT_NE(std::string(st.message()).find(k.expect), std::string::npos)
         << "'" << k.expect << "' not in: " << st.message();
-    EXPECT_EQ(c.Describe(), Config("snapkv", 32, 16).Describe()) << "a refused edit changes nothing";
+    EXPECT_EQ(c.Describe(), Config("snapkv", 32, 16).Describe())
+        << "a refused edit changes nothing";
   }
   EXPECT_EQ(MakePolicy("h2o").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(MakePolicy("h2o").status().message()).find("snapkv_pp"), std::string::npos);

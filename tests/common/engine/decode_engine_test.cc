@@ -156,7 +156,8 @@ TEST_F(DecodeEngineTest, AdmitsNoMoreThanTheBatchAndRefusesBeyondTheQueue) {
   auto refused = std::make_shared<RecordingSink>();
   const absl::Status st = engine_->Submit(Job(30, 3, 3), refused);
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
-  EXPECT_NE(std::string(st.message()).find("decode node decode-test is full"), std::string::npos) << st;
+  EXPECT_NE(std::string(st.message()).find("decode node decode-test is full"), std::string::npos)
+      << st;
   EXPECT_EQ(remote_.starts(), 1);
   t1->Serve(*prefill_);
   ASSERT_TRUE(first->WaitFinished());
@@ -174,8 +175,8 @@ TEST_F(DecodeEngineTest, FullPoolWaitsForRoomThenTimesOut) {
   DecodeEngineOptions o;
   o.queue_timeout_ms = 500;
   const GenerationJob job = Job(60, 40, 1);
-  const size_t one = KvCache::BytesFor(CompressedCacheShape(
-      job.compression, model_->config(), model_->kv_dtype(), 60, 40));
+  const size_t one = KvCache::BytesFor(
+      CompressedCacheShape(job.compression, model_->config(), model_->kv_dtype(), 60, 40));
   Start(o, one + one / 2);  // room for one request at a time
   auto first = Submit(job);
   auto t1 = remote_.Next();

@@ -92,7 +92,10 @@ TEST_F(PrefillEngineTest, RefusesBadJobsSayingWhy) {
       {[](auto* j) { j->prompt_ids.clear(); }, absl::StatusCode::kInvalidArgument, "empty"},
       {[](auto* j) { j->prompt_ids[2] = 100000; }, absl::StatusCode::kInvalidArgument,
        "prompt_ids[2] = 100000"},
-      {[](auto* j) { j->compression.policy = *MakePolicy("rocketkv"); j->compression.budget = 64; },
+      {[](auto* j) {
+         j->compression.policy = *MakePolicy("rocketkv");
+         j->compression.budget = 64;
+       },
        absl::StatusCode::kInvalidArgument, "must be resolved"},
       {[](auto* j) { j->max_chunk_bytes = 10; }, absl::StatusCode::kInvalidArgument,
        "max_chunk_bytes"},

@@ -265,7 +265,8 @@ TEST_F(BrokenModelTest, MissingTensor) {
   RewriteWeights([](auto& ts) {
     std::erase_if(ts, [](auto& t) { return t.name == "model.layers.2.mlp.up_proj.weight"; });
   });
-  ExpectError(Load(), absl::StatusCode::kNotFound, {"model.layers.2.mlp.up_proj.weight", "model.safetensors"});
+  ExpectError(Load(), absl::StatusCode::kNotFound,
+              {"model.layers.2.mlp.up_proj.weight", "model.safetensors"});
 }
 
 TEST_F(BrokenModelTest, ShapeDisagreesWithConfig) {

@@ -63,7 +63,8 @@ TEST(ModelConfig, Qwen2HasQkvBiasAndNoSlidingWindowWhenDisabled) {
     "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
     "max_position_embeddings": 32768, "sliding_window": 32768, "use_sliding_window": false,
-    "tie_word_embeddings": true, "rope_theta": 1000000.0})", "config.json");
+    "tie_word_embeddings": true, "rope_theta": 1000000.0})",
+                                 "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_TRUE(c->qkv_bias);
   EXPECT_FALSE(c->o_bias);
@@ -72,10 +73,12 @@ TEST(ModelConfig, Qwen2HasQkvBiasAndNoSlidingWindowWhenDisabled) {
 }
 
 TEST(ModelConfig, MistralSlidingWindowLimitsContext) {
-  auto c = ModelConfig::FromJson(R"({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+  auto c =
+      ModelConfig::FromJson(R"({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
-    "max_position_embeddings": 32768, "sliding_window": 4096})", "config.json");
+    "max_position_embeddings": 32768, "sliding_window": 4096})",
+                            "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->context_limit(), 4096);
 }

@@ -65,7 +65,7 @@ TEST(Safetensors, RejectsMalformedFiles) {
   };
   const std::vector<Case> cases = {
       {"abc", "8-byte header length"},
-      {Header("{}").substr(0, 9), "does not fit"},                       // truncated header
+      {Header("{}").substr(0, 9), "does not fit"},  // truncated header
       {std::string("\xff\xff\xff\xff\x00\x00\x00\x00", 8) + "{}", "does not fit"},  // lying length
       {Header("{not json"), "not valid JSON"},
       {Header("[1, 2]"), "not a JSON object"},
@@ -93,7 +93,8 @@ TEST(Safetensors, RejectsMalformedFiles) {
     absl::StatusCode code;
     const std::string msg = OpenError(c.contents, &code);
     EXPECT_EQ(code, absl::StatusCode::kInvalidArgument) << msg;
-    EXPECT_NE(msg.find(c.expect), std::string::npos) << "message: " << msg << "\nexpected: " << c.expect;
+    EXPECT_NE(msg.find(c.expect), std::string::npos)
+        << "message: " << msg << "\nexpected: " << c.expect;
     EXPECT_NE(msg.find("bad.safetensors"), std::string::npos) << "message names the file: " << msg;
   }
 }
@@ -101,8 +102,12 @@ TEST(Safetensors, RejectsMalformedFiles) {
 TEST(WeightFiles, ShardedIndex) {
   const std::string dir = MakeTempDir("sharded");
   const std::vector<float> a = {1.f, 2.f}, b = {3.f};
-  ASSERT_TRUE(WriteSafetensors(dir + "/model-00001-of-00002.safetensors", {{"a", "F32", {2}, a.data()}}).ok());
-  ASSERT_TRUE(WriteSafetensors(dir + "/model-00002-of-00002.safetensors", {{"b", "F32", {1}, b.data()}}).ok());
+  ASSERT_TRUE(
+      WriteSafetensors(dir + "/model-00001-of-00002.safetensors", {{"a", "F32", {2}, a.data()}})
+          .ok());
+  ASSERT_TRUE(
+      WriteSafetensors(dir + "/model-00002-of-00002.safetensors", {{"b", "F32", {1}, b.data()}})
+          .ok());
   WriteFile(dir + "/model.safetensors.index.json",
             R"({"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
                                                 "b": "model-00002-of-00002.safetensors"}})");

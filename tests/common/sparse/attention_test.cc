@@ -107,13 +107,15 @@ std::set<int32_t> HybridRef(const LayerCache& lc, int c, const float* q, int gro
     }
     const double mx = *std::max_element(logit.begin(), logit.end());
     double z = 0;
-    for (int p = 0; p < n_pages; ++p) z += std::exp(logit[p] - mx) * (std::min(lc.len, (p + 1) * page) - p * page);
+    for (int p = 0; p < n_pages; ++p)
+      z += std::exp(logit[p] - mx) * (std::min(lc.len, (p + 1) * page) - p * page);
     for (int p = 0; p < n_pages; ++p) score[p] += std::exp(logit[p] - mx) / z;
   }
   return TakeRef(score, page, lc.len, k);
 }
 
-std::set<int32_t> QuestRef(const LayerCache& lc, int c, const float* q, int group, int page, int k) {
+std::set<int32_t> QuestRef(const LayerCache& lc, int c, const float* q, int group, int page,
+                           int k) {
   const int d = lc.head_dim, n_pages = (lc.len + page - 1) / page;
   std::vector<double> bound(n_pages, 0);
   for (int p = 0; p < n_pages; ++p) {
@@ -149,7 +151,8 @@ std::set<int32_t> ExactRef(const LayerCache& lc, int c, const float* q, int grou
 }
 
 std::set<int32_t> Selected(const std::vector<int32_t>& idx, int c, int k) {
-  return std::set<int32_t>(idx.begin() + static_cast<long>(c) * k, idx.begin() + static_cast<long>(c + 1) * k);
+  return std::set<int32_t>(idx.begin() + static_cast<long>(c) * k,
+                           idx.begin() + static_cast<long>(c + 1) * k);
 }
 
 // Float rounding (float32 here, float64 in the reference) may swap items whose scores
@@ -177,7 +180,8 @@ TEST(SparseAttention, ModesMatchNaiveReferences) {
       std::vector<float> q(static_cast<size_t>(kv) * group * d);
       std::normal_distribution<float> n(0.f, 1.f);
       for (float& x : q) x = n(rng);
-      for (AttentionMode mode : {AttentionMode::kHybrid, AttentionMode::kQuest, AttentionMode::kExactTopK}) {
+      for (AttentionMode mode :
+           {AttentionMode::kHybrid, AttentionMode::kQuest, AttentionMode::kExactTopK}) {
         DecodeAttentionConfig a;
         a.mode = mode;
         a.top_k = k;
@@ -196,11 +200,13 @@ TEST(SparseAttention, ModesMatchNaiveReferences) {
           const std::set<int32_t> got = Selected(idx, c, k);
           ASSERT_EQ(static_cast<int>(got.size()), k) << "distinct tokens";
           std::set<int32_t> want;
-          if (mode == AttentionMode::kHybrid) want = HybridRef(cache->layer(0), c, qc, group, r, page, k);
-          if (mode == AttentionMode::kQuest) want = QuestRef(cache->layer(0), c, qc, group, page, k);
+          if (mode == AttentionMode::kHybrid)
+            want = HybridRef(cache->layer(0), c, qc, group, r, page, k);
+          if (mode == AttentionMode::kQuest)
+            want = QuestRef(cache->layer(0), c, qc, group, page, k);
           if (mode == AttentionMode::kExactTopK) want = ExactRef(cache->layer(0), c, qc, group, k);
-          ExpectSameSelection(got, want, std::string(AttentionModeName(mode)) + " trial " +
-                                             std::to_string(trial));
+          ExpectSameSelection(
+              got, want, std::string(AttentionModeName(mode)) + " trial " + std::to_string(trial));
           exact += got == want;
           ++cases;
         }
@@ -272,7 +278,8 @@ TEST(SparseAttention, PageSummariesStayExactAcrossPageBoundaries) {
     for (int page : {1, 3, 4}) {
       auto cache = RandomCache(2, 16, 5, 40, dtype, rng);
       const KvCacheShape shape = cache->shape();
-      PageSummaries sums(shape, page, *HeapKvAllocator().Allocate(PageSummaries::Bytes(shape, page)));
+      PageSummaries sums(shape, page,
+                         *HeapKvAllocator().Allocate(PageSummaries::Bytes(shape, page)));
       LayerCache& lc = cache->layer(0);
       for (int len = 5; len <= 40; ++len) {  // one token appended at a time
         lc.len = len;
@@ -298,7 +305,8 @@ TEST(SparseAttention, PageSummariesStayExactAcrossPageBoundaries) {
 TEST(SparseAttention, QuestBoundsEveryTokenOfItsPage) {
   std::mt19937 rng(5);
   auto cache = RandomCache(1, 16, 64, 64, DType::kF32, rng);
-  PageSummaries sums(cache->shape(), 8, *HeapKvAllocator().Allocate(PageSummaries::Bytes(cache->shape(), 8)));
+  PageSummaries sums(cache->shape(), 8,
+                     *HeapKvAllocator().Allocate(PageSummaries::Bytes(cache->shape(), 8)));
   sums.Update(0, cache->layer(0));
   std::normal_distribution<float> n(0.f, 1.f);
   std::vector<float> q(16);
@@ -328,7 +336,8 @@ TEST(SparseAttention, BudgetCoveringTheCacheIsDense) {
   dense.sampling.temperature = 0;
   auto want = Generate(**model, dense);
   ASSERT_TRUE(want.ok());
-  for (AttentionMode mode : {AttentionMode::kHybrid, AttentionMode::kQuest, AttentionMode::kExactTopK}) {
+  for (AttentionMode mode :
+       {AttentionMode::kHybrid, AttentionMode::kQuest, AttentionMode::kExactTopK}) {
     GenerationRequest r = dense;
     r.attention.mode = mode;
     r.attention.top_k = 200;  // more than the cache ever holds

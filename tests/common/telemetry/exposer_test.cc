@@ -5,10 +5,9 @@
 // link (the kernels: OpenBLAS, and cuBLAS/cuBLASLt in CUDA builds), measures that static TLS,
 // and checks the exposer fails exactly when it does not fit. If it starts where it should
 // not, civetweb changed: serve /metrics with the exposer and delete metrics_http.
+#include <gtest/gtest.h>
 #include <link.h>
 #include <prometheus/exposer.h>
-
-#include <gtest/gtest.h>
 
 #include <exception>
 #include <string>
@@ -62,9 +61,10 @@ TEST(PrometheusExposer, StartsOnlyWhereTheStaticTlsFitsCivetwebsStack) {
   } else {
     GTEST_SKIP() << tls << " bytes of static TLS: too close to civetweb's stack to tell";
   }
-  std::printf("static TLS %zu bytes (+%zu for glibc) vs civetweb's %zu-byte worker stack: the "
-              "exposer %s\n",
-              tls, kGlibcOverhead, kCivetwebWorkerStack, started ? "starts" : "cannot start");
+  std::printf(
+      "static TLS %zu bytes (+%zu for glibc) vs civetweb's %zu-byte worker stack: the "
+      "exposer %s\n",
+      tls, kGlibcOverhead, kCivetwebWorkerStack, started ? "starts" : "cannot start");
 }
 
 }  // namespace

@@ -2,10 +2,10 @@
 // address forms, bind failures), and OTLP-JSON span lines with their parent/child links.
 #include "common/telemetry/telemetry.h"
 
-#include <gtest/gtest.h>
-#include <sys/socket.h>
-#include <netinet/in.h>
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -23,7 +23,8 @@ TEST(TraceContext, ParsesValidAndRejectsMalformed) {
   EXPECT_EQ(t.span_id, "00f067aa0ba902b7");
   EXPECT_TRUE(t.sampled);
   EXPECT_EQ(t.ToTraceparent(), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
-  EXPECT_FALSE(TraceContext::Parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00").sampled);
+  EXPECT_FALSE(
+      TraceContext::Parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00").sampled);
   for (const char* bad : {"", "garbage", "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
                           "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
                           "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
@@ -78,11 +79,13 @@ TEST(Telemetry, ServesPrometheusText) {
                    "transport=\"grpc\"} 1000"),
             std::string::npos)
       << r;
-  EXPECT_NE(r.find("kvwire_requests_total{node=\"d1\",role=\"decode\",status=\"invalid_argument\"} 1"),
-            std::string::npos);
-  EXPECT_NE(r.find("kvwire_kv_compression_ratio_bucket{node=\"d1\",role=\"decode\",policy=\"snapkv\","
-                   "le=\"8\"} 1"),
-            std::string::npos);
+  EXPECT_NE(
+      r.find("kvwire_requests_total{node=\"d1\",role=\"decode\",status=\"invalid_argument\"} 1"),
+      std::string::npos);
+  EXPECT_NE(
+      r.find("kvwire_kv_compression_ratio_bucket{node=\"d1\",role=\"decode\",policy=\"snapkv\","
+             "le=\"8\"} 1"),
+      std::string::npos);
   EXPECT_NE(r.find("kvwire_time_to_first_token_seconds_count"), std::string::npos);
   EXPECT_NE(HttpGet((*t)->metrics_port(), "/other").find("404"), std::string::npos);
 }

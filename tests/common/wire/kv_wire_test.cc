@@ -5,8 +5,8 @@
 
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <random>
 
@@ -15,7 +15,8 @@ namespace {
 
 constexpr int kPrompt = 100;
 
-CompressedLayer RandomLayer(int layer, int heads, int count, int d, DType dtype, std::mt19937& rng) {
+CompressedLayer RandomLayer(int layer, int heads, int count, int d, DType dtype,
+                            std::mt19937& rng) {
   CompressedLayer l;
   l.layer = layer;
   l.n_heads = heads;
@@ -156,8 +157,8 @@ struct Mutation {
 
 TEST(KvWire, RejectsMalformedStreams) {
   const std::vector<Mutation> cases = {
-      {"version", [](Stream& s) { s.header.format_version = 2; }, absl::StatusCode::kInvalidArgument,
-       "format version 2"},
+      {"version", [](Stream& s) { s.header.format_version = 2; },
+       absl::StatusCode::kInvalidArgument, "format version 2"},
       {"fingerprint", [](Stream& s) { s.header.model_fingerprint = "other"; },
        absl::StatusCode::kFailedPrecondition, "model 'other'"},
       {"heads", [](Stream& s) { s.header.num_cache_heads = 8; }, absl::StatusCode::kInvalidArgument,
@@ -166,8 +167,8 @@ TEST(KvWire, RejectsMalformedStreams) {
        "f16"},
       {"prompt", [](Stream& s) { s.header.prompt_len = 99; }, absl::StatusCode::kInvalidArgument,
        "the request had 100"},
-      {"kept", [](Stream& s) { s.header.kept_per_layer[1] = 3; }, absl::StatusCode::kInvalidArgument,
-       "compression keeps"},
+      {"kept", [](Stream& s) { s.header.kept_per_layer[1] = 3; },
+       absl::StatusCode::kInvalidArgument, "compression keeps"},
       {"kept count", [](Stream& s) { s.header.kept_per_layer.pop_back(); },
        absl::StatusCode::kInvalidArgument, "kept_per_layer has 2 entries"},
       {"payload flip", [](Stream& s) { s.chunks[1].k[5] ^= 1; }, absl::StatusCode::kDataLoss,
@@ -182,38 +183,48 @@ TEST(KvWire, RejectsMalformedStreams) {
        absl::StatusCode::kInvalidArgument, "out of order"},
       {"swapped chunks", [](Stream& s) { std::swap(s.chunks[0], s.chunks[1]); },
        absl::StatusCode::kInvalidArgument, "out of order"},
-      {"truncated k", [](Stream& s) {
+      {"truncated k",
+       [](Stream& s) {
          s.chunks[0].k.pop_back();
          s.chunks[0].crc32c = ChunkChecksum(s.chunks[0]);
-       }, absl::StatusCode::kInvalidArgument, "payload of"},
-      {"descending positions", [](Stream& s) {
+       },
+       absl::StatusCode::kInvalidArgument, "payload of"},
+      {"descending positions",
+       [](Stream& s) {
          int32_t a, b;
          std::memcpy(&a, &s.chunks[0].positions[0], 4);
          std::memcpy(&b, &s.chunks[0].positions[4], 4);
          std::memcpy(&s.chunks[0].positions[0], &b, 4);
          std::memcpy(&s.chunks[0].positions[4], &a, 4);
          s.chunks[0].crc32c = ChunkChecksum(s.chunks[0]);
-       }, absl::StatusCode::kInvalidArgument, "not ascending"},
-      {"position beyond prompt", [](Stream& s) {
+       },
+       absl::StatusCode::kInvalidArgument, "not ascending"},
+      {"position beyond prompt",
+       [](Stream& s) {
          const int32_t big = 1000;
          std::memcpy(&s.chunks[0].positions[s.chunks[0].positions.size() - 4], &big, 4);
          s.chunks[0].crc32c = ChunkChecksum(s.chunks[0]);
-       }, absl::StatusCode::kInvalidArgument, "within [0, 100)"},
-      {"rectangle", [](Stream& s) {
+       },
+       absl::StatusCode::kInvalidArgument, "within [0, 100)"},
+      {"rectangle",
+       [](Stream& s) {
          s.chunks[0].head_count = 99;
          s.chunks[0].crc32c = ChunkChecksum(s.chunks[0]);
-       }, absl::StatusCode::kInvalidArgument, "outside the layer"},
-      {"trailer counts", [](Stream& s) { s.trailer.chunks += 1; }, absl::StatusCode::kInvalidArgument,
-       "trailer counts"},
+       },
+       absl::StatusCode::kInvalidArgument, "outside the layer"},
+      {"trailer counts", [](Stream& s) { s.trailer.chunks += 1; },
+       absl::StatusCode::kInvalidArgument, "trailer counts"},
       {"trailer token", [](Stream& s) { s.trailer.first_token = 512; },
        absl::StatusCode::kInvalidArgument, "outside the vocabulary"},
       {"early trailer", [](Stream& s) { s.chunks.pop_back(); }, absl::StatusCode::kInvalidArgument,
        "incomplete"},
-      {"overflowing rectangle", [](Stream& s) {  // token_begin + count overflows an int
+      {"overflowing rectangle",
+       [](Stream& s) {  // token_begin + count overflows an int
          ASSERT_GT(s.chunks[1].token_begin, 0);
          s.chunks[1].token_count = 0x7fffffff;
          s.chunks[1].crc32c = ChunkChecksum(s.chunks[1]);
-       }, absl::StatusCode::kInvalidArgument, "outside the layer"},
+       },
+       absl::StatusCode::kInvalidArgument, "outside the layer"},
   };
   for (const Mutation& m : cases) {
     Stream s = MakeStream(3, 4, 8, {40, 30, 20}, 700, DType::kF32, 5);
@@ -259,8 +270,10 @@ void ExpectCacheHoldsChunks(const std::vector<WireChunk>& chunks, const KvCache&
         int32_t pos;
         std::memcpy(&pos, &c.positions[i * 4], 4);
         ASSERT_EQ(lc.position(c.head_begin + h, c.token_begin + t), pos);
-        ASSERT_EQ(std::memcmp(lc.k_row(c.head_begin + h, c.token_begin + t), &c.k[i * row], row), 0);
-        ASSERT_EQ(std::memcmp(lc.v_row(c.head_begin + h, c.token_begin + t), &c.v[i * row], row), 0);
+        ASSERT_EQ(std::memcmp(lc.k_row(c.head_begin + h, c.token_begin + t), &c.k[i * row], row),
+                  0);
+        ASSERT_EQ(std::memcmp(lc.v_row(c.head_begin + h, c.token_begin + t), &c.v[i * row], row),
+                  0);
       }
     }
   }
@@ -280,27 +293,43 @@ TEST(KvWire, FuzzedStreamsNeverCorruptTheCache) {
     std::vector<int> kept;
     for (int l = 0; l < layers; ++l) kept.push_back(1 + static_cast<int>(rng() % kPrompt));
     const size_t max_bytes = 1 + rng() % 2000;
-    const Stream original = MakeStream(layers, heads, d, kept, max_bytes, DType::kBF16,
-                                       static_cast<uint32_t>(rng()));
+    const Stream original =
+        MakeStream(layers, heads, d, kept, max_bytes, DType::kBF16, static_cast<uint32_t>(rng()));
     Stream s = original;
     const int n_mut = 1 + static_cast<int>(rng() % 3);
     for (int m = 0; m < n_mut && !s.chunks.empty(); ++m) {
       WireChunk& c = s.chunks[rng() % s.chunks.size()];
       switch (rng() % 10) {
-        case 0: c.layer += static_cast<int>(rng() % 3) - 1; break;
-        case 1: c.head_begin = static_cast<int>(rng()); break;
-        case 2: c.token_count = static_cast<int>(rng() % 200) - 50; break;
-        case 3: if (!c.k.empty()) c.k[rng() % c.k.size()] ^= static_cast<char>(1 + rng() % 255); break;
-        case 4: c.positions.resize(rng() % (c.positions.size() + 8)); break;
-        case 5: c.v.append(static_cast<size_t>(rng() % 9), 'x'); break;
+        case 0:
+          c.layer += static_cast<int>(rng() % 3) - 1;
+          break;
+        case 1:
+          c.head_begin = static_cast<int>(rng());
+          break;
+        case 2:
+          c.token_count = static_cast<int>(rng() % 200) - 50;
+          break;
+        case 3:
+          if (!c.k.empty()) c.k[rng() % c.k.size()] ^= static_cast<char>(1 + rng() % 255);
+          break;
+        case 4:
+          c.positions.resize(rng() % (c.positions.size() + 8));
+          break;
+        case 5:
+          c.v.append(static_cast<size_t>(rng() % 9), 'x');
+          break;
         case 6:  // whole chunks dropped or repeated: `c` may no longer be valid
           s.chunks.erase(s.chunks.begin() + static_cast<long>(rng() % s.chunks.size()));
           continue;
         case 7:
           s.chunks.push_back(s.chunks[rng() % s.chunks.size()]);
           continue;
-        case 8: c.crc32c = static_cast<uint32_t>(rng()); break;
-        default: s.header.kept_per_layer[rng() % layers] += static_cast<int>(rng() % 5) - 2; break;
+        case 8:
+          c.crc32c = static_cast<uint32_t>(rng());
+          break;
+        default:
+          s.header.kept_per_layer[rng() % layers] += static_cast<int>(rng() % 5) - 2;
+          break;
       }
       if (rng() % 2) c.crc32c = ChunkChecksum(c);  // half the time the checksum is made to match
     }
