@@ -1,10 +1,12 @@
 #include "common/compression/compression_flags.h"
 
+#include <cctype>
 #include <map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "common/base/status.h"
 
 namespace kvwire {
@@ -74,12 +76,27 @@ absl::Status AsFlagError(const absl::Status& status) {
   std::string message(status.message());
   const std::string prefix = "compression: ";
   if (message.rfind(prefix, 0) == 0) message = message.substr(prefix.size());
-  const size_t end = message.find(' ');
-  const std::string first = message.substr(0, end);
-  std::map<std::string, FlagParam> params = PolicyParams();
-  bool is_param = first == "policy" || params.count(first) > 0;
-  for (const char* s : kSharedCompressionParams) is_param |= first == s;
-  if (is_param) message = absl::StrCat("--", ParamFlagName(first), message.substr(first.size()));
+  std::set<std::string> names = {"policy"};
+  for (const auto& [name, p] : PolicyParams()) names.insert(name);
+  for (const char* s : kSharedCompressionParams) names.insert(s);
+  auto flag = [&](const std::string& word) {
+    return names.count(word) ? "--" + ParamFlagName(word) : word;
+  };
+  // The parameter the message starts with, the ones a policy takes ("(it takes a, b)") and
+  // the one that "applies to" others are named as flags.
+  const size_t first = message.find_first_of(" :");
+  message =
+      flag(message.substr(0, first)) + (first == std::string::npos ? "" : message.substr(first));
+  if (const size_t takes = message.find("(it takes "); takes != std::string::npos) {
+    const size_t begin = takes + 10, end = message.find(')', begin);
+    std::vector<std::string> list = absl::StrSplit(message.substr(begin, end - begin), ", ");
+    for (std::string& w : list) w = flag(w);
+    message.replace(begin, end - begin, absl::StrJoin(list, ", "));
+  }
+  if (const size_t applies = message.find(" applies to "); applies != std::string::npos) {
+    const size_t begin = message.rfind(' ', applies - 1) + 1;
+    message.replace(begin, applies - begin, flag(message.substr(begin, applies - begin)));
+  }
   return absl::Status(status.code(), message);
 }
 

@@ -51,7 +51,65 @@ size_t SafetensorsDTypeSize(absl::string_view dtype) {
   return 0;
 }
 
-absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+namespace {
+
+// One tensor entry of the header: dtype, shape and data_offsets, checked against each other
+// and against the `data_size` bytes after the header.
+absl::StatusOr<TensorView> ParseTensorEntry(const std::string& path, const std::string& name,
+                                            const json& t, const uint8_t* data,
+                                            uint64_t data_size) {
+  const std::string where = absl::StrCat("tensor '", name, "'");
+  if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") ||
+      !t.contains("data_offsets")) {
+    return FileError(
+        path, absl::StrCat(where, ": expected an object with dtype, shape and data_offsets"));
+  }
+  TensorView view;
+  view.name = name;
+  if (!t["dtype"].is_string())
+    return FileError(path, absl::StrCat(where, ": dtype is not a string"));
+  view.dtype = t["dtype"].get<std::string>();
+  const size_t elem = SafetensorsDTypeSize(view.dtype);
+  if (elem == 0) return FileError(path, absl::StrCat(where, ": unknown dtype '", view.dtype, "'"));
+  if (!t["shape"].is_array())
+    return FileError(path, absl::StrCat(where, ": shape is not an array"));
+  uint64_t numel = 1;
+  for (const json& d : t["shape"]) {
+    if (!d.is_number_unsigned()) {
+      return FileError(
+          path,
+          absl::StrCat(where, ": shape entries must be non-negative integers, got ", d.dump()));
+    }
+    const uint64_t dim = d.get<uint64_t>();
+    if (dim != 0 && numel > std::numeric_limits<uint64_t>::max() / 8 / dim) {
+      return FileError(path, absl::StrCat(where, ": shape overflows"));
+    }
+    numel *= dim;
+    view.shape.push_back(static_cast<int64_t>(dim));
+  }
+  const json& off = t["data_offsets"];
+  if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+      !off[1].is_number_unsigned()) {
+    return FileError(path, absl::StrCat(where, ": data_offsets must be [begin, end]"));
+  }
+  const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+  if (begin > end || end > data_size) {
+    return FileError(
+        path, absl::StrCat(where, ": data_offsets [", begin, ", ", end, "] outside the ", data_size,
+                           " data bytes (truncated file?)"));
+  }
+  if (end - begin != numel * elem) {
+    return FileError(
+        path, absl::StrCat(where, ": shape ", ShapeString(view.shape), " of ", view.dtype,
+                           " needs ", numel * elem, " bytes but data_offsets span ", end - begin));
+  }
+  view.data = data + begin;
+  view.bytes = end - begin;
+  return view;
+}
+
+// The whole file, mapped read-only.
+absl::StatusOr<std::pair<void*, uint64_t>> MapFile(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
@@ -74,12 +132,19 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   ::close(fd);
   if (map == MAP_FAILED)
     return FileError(path, absl::StrCat("mmap failed: ", std::strerror(errno)));
+  return std::make_pair(map, size);
+}
 
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  ASSIGN_OR_RETURN(auto mapped, MapFile(path));
   std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->path_ = path;
-  file->map_ = map;
-  file->map_size_ = size;
-  const auto* bytes = static_cast<const uint8_t*>(map);
+  file->map_ = mapped.first;
+  file->map_size_ = mapped.second;
+  const uint64_t size = mapped.second;
+  const auto* bytes = static_cast<const uint8_t*>(mapped.first);
 
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = header_len << 8 | bytes[i];
@@ -99,8 +164,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   const uint64_t data_size = size - 8 - header_len;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (auto it = header.begin(); it != header.end(); ++it) {
-    const std::string& name = it.key();
-    if (name == "__metadata__") {
+    if (it.key() == "__metadata__") {
       if (!it->is_object()) return FileError(path, "__metadata__ is not an object");
       for (auto m = it->begin(); m != it->end(); ++m) {
         if (!m->is_string()) {
@@ -110,59 +174,10 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       }
       continue;
     }
-    const std::string where = absl::StrCat("tensor '", name, "'");
-    const json& t = *it;
-    if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") ||
-        !t.contains("data_offsets")) {
-      return FileError(path, absl::StrCat(where,
-                                          ": expected an object with dtype, shape and "
-                                          "data_offsets"));
-    }
-    TensorView view;
-    view.name = name;
-    if (!t["dtype"].is_string())
-      return FileError(path, absl::StrCat(where, ": dtype is not a string"));
-    view.dtype = t["dtype"].get<std::string>();
-    const size_t elem = SafetensorsDTypeSize(view.dtype);
-    if (elem == 0)
-      return FileError(path, absl::StrCat(where, ": unknown dtype '", view.dtype, "'"));
-    if (!t["shape"].is_array())
-      return FileError(path, absl::StrCat(where, ": shape is not an array"));
-    uint64_t numel = 1;
-    for (const json& d : t["shape"]) {
-      if (!d.is_number_unsigned()) {
-        return FileError(path, absl::StrCat(where,
-                                            ": shape entries must be non-negative integers, "
-                                            "got ",
-                                            d.dump()));
-      }
-      const uint64_t dim = d.get<uint64_t>();
-      if (dim != 0 && numel > std::numeric_limits<uint64_t>::max() / 8 / dim) {
-        return FileError(path, absl::StrCat(where, ": shape overflows"));
-      }
-      numel *= dim;
-      view.shape.push_back(static_cast<int64_t>(dim));
-    }
-    const json& off = t["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
-        !off[1].is_number_unsigned()) {
-      return FileError(path, absl::StrCat(where, ": data_offsets must be [begin, end]"));
-    }
-    const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
-    if (begin > end || end > data_size) {
-      return FileError(path,
-                       absl::StrCat(where, ": data_offsets [", begin, ", ", end, "] outside the ",
-                                    data_size, " data bytes (truncated file?)"));
-    }
-    if (end - begin != numel * elem) {
-      return FileError(path, absl::StrCat(where, ": shape ", ShapeString(view.shape), " of ",
-                                          view.dtype, " needs ", numel * elem,
-                                          " bytes but data_offsets span ", end - begin));
-    }
-    view.data = data + begin;
-    view.bytes = end - begin;
-    if (view.bytes > 0) ranges.emplace_back(begin, end);
-    file->tensors_.emplace(name, std::move(view));
+    ASSIGN_OR_RETURN(TensorView view, ParseTensorEntry(path, it.key(), *it, data, data_size));
+    const uint64_t begin = static_cast<uint64_t>(view.data - data);
+    if (view.bytes > 0) ranges.emplace_back(begin, begin + view.bytes);
+    file->tensors_.emplace(it.key(), std::move(view));
   }
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i) {

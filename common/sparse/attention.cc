@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "common/base/ranking.h"
 #include "common/base/status.h"
 
@@ -233,8 +234,9 @@ absl::StatusOr<DecodeAttentionConfig> AttentionFromFlags(const Flags& flags) {
           {"top_k", "--attention-k"},
           {"top_r", "--attention-r"},
           {"page_size", "--attention-page"}}) {
-      const std::string from = absl::StrCat("attention: ", field, " does not apply");
-      if (m.rfind(from, 0) == 0) m = absl::StrCat(flag, " does not apply", m.substr(from.size()));
+      m = absl::StrReplaceAll(m, {{absl::StrCat("attention: ", field), flag},
+                                  {absl::StrCat(" ", field, ","), absl::StrCat(" ", flag, ",")},
+                                  {absl::StrCat(" ", field, ")"), absl::StrCat(" ", flag, ")")}});
     }
     return absl::Status(st.code(), m);
   }
