@@ -22,13 +22,16 @@ namespace {
 
 absl::StatusOr<PolicyPtr> MakeChunkKV(const ParamValues& values);
 
-const PolicyInfo kInfo = {
-    "chunkkv",
-    "whole chunks of `chunk` tokens, one index set per layer, shared by `reuse_layers` layers",
-    "ChunkKV, Algorithms 1-2",
-    {{"chunk", "10", "chunkkv chunk size"},
-     {"reuse_layers", "1", "chunkkv layer-wise index reuse group size (1: none)"}},
-    &MakeChunkKV};
+const PolicyInfo& Info() {
+  static const PolicyInfo* const info = new PolicyInfo{
+      "chunkkv",
+      "whole chunks of `chunk` tokens, one index set per layer, shared by `reuse_layers` layers",
+      "ChunkKV, Algorithms 1-2",
+      {{"chunk", "10", "chunkkv chunk size"},
+       {"reuse_layers", "1", "chunkkv layer-wise index reuse group size (1: none)"}},
+      &MakeChunkKV};
+  return *info;
+}
 
 struct ChunkKVParams {
   int chunk = 10;        // tokens per chunk (ChunkKV §4)
@@ -56,7 +59,7 @@ std::vector<int32_t> ChunkSelect(const std::vector<float>& tok, int chunk, int p
 class ChunkKV final : public CompressionPolicy {
  public:
   explicit ChunkKV(ChunkKVParams p) : p_(p) {}
-  const PolicyInfo& info() const override { return kInfo; }
+  const PolicyInfo& info() const override { return Info(); }
   ParamValues params() const override {
     return {{"chunk", absl::StrCat(p_.chunk)}, {"reuse_layers", absl::StrCat(p_.reuse_layers)}};
   }
@@ -84,7 +87,7 @@ class ChunkKV final : public CompressionPolicy {
 
 absl::StatusOr<PolicyPtr> MakeChunkKV(const ParamValues& values) {
   ChunkKVParams p;
-  ParamReader reader(kInfo, values);
+  ParamReader reader(Info(), values);
   RETURN_IF_ERROR(reader.Int("chunk", INT32_MIN, 1 << 20, &p.chunk));
   RETURN_IF_ERROR(reader.Int("reuse_layers", INT32_MIN, 1 << 20, &p.reuse_layers));
   RETURN_IF_ERROR(reader.Finish());
@@ -99,6 +102,6 @@ absl::StatusOr<PolicyPtr> MakeChunkKV(const ParamValues& values) {
 
 }  // namespace
 
-const PolicyInfo& ChunkKVPolicyInfo() { return kInfo; }
+const PolicyInfo& ChunkKVPolicyInfo() { return Info(); }
 
 }  // namespace kvwire

@@ -7,11 +7,15 @@ namespace {
 
 absl::StatusOr<PolicyPtr> MakeFull(const ParamValues& values);
 
-const PolicyInfo kInfo = {"full", "every prompt token", "baseline", {}, &MakeFull};
+const PolicyInfo& Info() {
+  static const PolicyInfo* const info =
+      new PolicyInfo{"full", "every prompt token", "baseline", {}, &MakeFull};
+  return *info;
+}
 
 class Full final : public CompressionPolicy {
  public:
-  const PolicyInfo& info() const override { return kInfo; }
+  const PolicyInfo& info() const override { return Info(); }
   bool evicts() const override { return false; }
   bool uses_scores() const override { return false; }
   absl::StatusOr<KeptRows> SelectPrefix(const LayerInput&, PromptState*) const override {
@@ -20,13 +24,13 @@ class Full final : public CompressionPolicy {
 };
 
 absl::StatusOr<PolicyPtr> MakeFull(const ParamValues& values) {
-  ParamReader reader(kInfo, values);
+  ParamReader reader(Info(), values);
   if (absl::Status st = reader.Finish(); !st.ok()) return st;
   return std::make_shared<Full>();
 }
 
 }  // namespace
 
-const PolicyInfo& FullPolicyInfo() { return kInfo; }
+const PolicyInfo& FullPolicyInfo() { return Info(); }
 
 }  // namespace kvwire

@@ -21,16 +21,19 @@ namespace {
 
 absl::StatusOr<PolicyPtr> MakeHbw(const ParamValues& values);
 
-const PolicyInfo kInfo = {
-    "hbw",
-    "blocks of budget/32 tokens, hierarchical rounds over `groups` (1,8)",
-    "HBW-KV, §3.2",
-    {{"block", "0", "hbw block size (0: budget / 32)"},
-     {"groups", "1,8", "hbw hierarchical rounds: group counts M per round"},
-     {"gqa", "sum",
-      "snapkv/hbw under GQA: per_query_head (original SnapKV), or per KV head with the "
-      "group's votes combined by sum, mean or max"}},
-    &MakeHbw};
+const PolicyInfo& Info() {
+  static const PolicyInfo* const info = new PolicyInfo{
+      "hbw",
+      "blocks of budget/32 tokens, hierarchical rounds over `groups` (1,8)",
+      "HBW-KV, §3.2",
+      {{"block", "0", "hbw block size (0: budget / 32)"},
+       {"groups", "1,8", "hbw hierarchical rounds: group counts M per round"},
+       {"gqa", "sum",
+        "snapkv/hbw under GQA: per_query_head (original SnapKV), or per KV head with the "
+        "group's votes combined by sum, mean or max"}},
+      &MakeHbw};
+  return *info;
+}
 
 struct HbwParams {
   int block = 0;                     // block size T; 0: budget / 32
@@ -94,7 +97,7 @@ std::vector<int32_t> HbwSelect(const std::vector<float>& tok, int block,
 class Hbw final : public CompressionPolicy {
  public:
   explicit Hbw(HbwParams p) : p_(std::move(p)) {}
-  const PolicyInfo& info() const override { return kInfo; }
+  const PolicyInfo& info() const override { return Info(); }
   ParamValues params() const override {
     return {{"block", absl::StrCat(p_.block)},
             {"groups", absl::StrJoin(p_.groups, ",")},
@@ -130,7 +133,7 @@ class Hbw final : public CompressionPolicy {
 absl::StatusOr<PolicyPtr> MakeHbw(const ParamValues& values) {
   HbwParams p;
   int gqa = static_cast<int>(p.gqa);
-  ParamReader reader(kInfo, values);
+  ParamReader reader(Info(), values);
   RETURN_IF_ERROR(reader.Int("block", INT32_MIN, 1 << 20, &p.block));
   RETURN_IF_ERROR(reader.IntList("groups", 1, 1 << 20, 64, &p.groups));
   RETURN_IF_ERROR(reader.Choice("gqa", GqaNames(), &gqa));
@@ -145,6 +148,6 @@ absl::StatusOr<PolicyPtr> MakeHbw(const ParamValues& values) {
 
 }  // namespace
 
-const PolicyInfo& HbwPolicyInfo() { return kInfo; }
+const PolicyInfo& HbwPolicyInfo() { return Info(); }
 
 }  // namespace kvwire

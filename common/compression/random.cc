@@ -12,11 +12,15 @@ namespace {
 
 absl::StatusOr<PolicyPtr> MakeRandom(const ParamValues& values);
 
-const PolicyInfo kInfo = {"random",
-                          "uniformly random prefix positions + the window",
-                          "baseline",
-                          {{"seed", "0", "seed of the random policy"}},
-                          &MakeRandom};
+const PolicyInfo& Info() {
+  static const PolicyInfo* const info =
+      new PolicyInfo{"random",
+                     "uniformly random prefix positions + the window",
+                     "baseline",
+                     {{"seed", "0", "seed of the random policy"}},
+                     &MakeRandom};
+  return *info;
+}
 
 struct RandomParams {
   uint64_t seed = 0;
@@ -47,7 +51,7 @@ std::vector<int32_t> RandomSelect(int prefix, int n, uint64_t seed) {
 class Random final : public CompressionPolicy {
  public:
   explicit Random(RandomParams p) : p_(p) {}
-  const PolicyInfo& info() const override { return kInfo; }
+  const PolicyInfo& info() const override { return Info(); }
   ParamValues params() const override { return {{"seed", absl::StrCat(p_.seed)}}; }
   bool uses_scores() const override { return false; }
 
@@ -66,7 +70,7 @@ class Random final : public CompressionPolicy {
 
 absl::StatusOr<PolicyPtr> MakeRandom(const ParamValues& values) {
   RandomParams p;
-  ParamReader reader(kInfo, values);
+  ParamReader reader(Info(), values);
   RETURN_IF_ERROR(reader.Uint64("seed", &p.seed));
   RETURN_IF_ERROR(reader.Finish());
   return std::make_shared<Random>(p);
@@ -74,6 +78,6 @@ absl::StatusOr<PolicyPtr> MakeRandom(const ParamValues& values) {
 
 }  // namespace
 
-const PolicyInfo& RandomPolicyInfo() { return kInfo; }
+const PolicyInfo& RandomPolicyInfo() { return Info(); }
 
 }  // namespace kvwire

@@ -18,16 +18,19 @@ namespace {
 
 absl::StatusOr<PolicyPtr> MakeSnapKV(const ParamValues& values);
 
-const PolicyInfo kInfo = {
-    "snapkv",
-    "top votes of the observation window after 1-D pooling, per KV head or per query head",
-    "SnapKV (NeurIPS 2024), Listing 1",
-    {{"pool", "max", "snapkv pooling: max or avg"},
-     {"kernel", "7", "snapkv pooling kernel (odd; 1 = no pooling)"},
-     {"gqa", "sum",
-      "snapkv/hbw under GQA: per_query_head (original SnapKV), or per KV head with the "
-      "group's votes combined by sum, mean or max"}},
-    &MakeSnapKV};
+const PolicyInfo& Info() {
+  static const PolicyInfo* const info = new PolicyInfo{
+      "snapkv",
+      "top votes of the observation window after 1-D pooling, per KV head or per query head",
+      "SnapKV (NeurIPS 2024), Listing 1",
+      {{"pool", "max", "snapkv pooling: max or avg"},
+       {"kernel", "7", "snapkv pooling kernel (odd; 1 = no pooling)"},
+       {"gqa", "sum",
+        "snapkv/hbw under GQA: per_query_head (original SnapKV), or per KV head with the "
+        "group's votes combined by sum, mean or max"}},
+      &MakeSnapKV};
+  return *info;
+}
 
 struct SnapKVParams {
   PoolKind pool = PoolKind::kMax;
@@ -38,7 +41,7 @@ struct SnapKVParams {
 class SnapKV final : public CompressionPolicy {
  public:
   explicit SnapKV(SnapKVParams p) : p_(p) {}
-  const PolicyInfo& info() const override { return kInfo; }
+  const PolicyInfo& info() const override { return Info(); }
   ParamValues params() const override {
     return {{"pool", std::string(PoolNames()[static_cast<int>(p_.pool)])},
             {"kernel", absl::StrCat(p_.kernel)},
@@ -63,7 +66,7 @@ class SnapKV final : public CompressionPolicy {
 absl::StatusOr<PolicyPtr> MakeSnapKV(const ParamValues& values) {
   SnapKVParams p;
   int pool = static_cast<int>(p.pool), gqa = static_cast<int>(p.gqa);
-  ParamReader reader(kInfo, values);
+  ParamReader reader(Info(), values);
   RETURN_IF_ERROR(reader.Choice("pool", PoolNames(), &pool));
   RETURN_IF_ERROR(reader.Int("kernel", INT32_MIN, 1 << 20, &p.kernel));
   RETURN_IF_ERROR(reader.Choice("gqa", GqaNames(), &gqa));
@@ -79,6 +82,6 @@ absl::StatusOr<PolicyPtr> MakeSnapKV(const ParamValues& values) {
 
 }  // namespace
 
-const PolicyInfo& SnapKVPolicyInfo() { return kInfo; }
+const PolicyInfo& SnapKVPolicyInfo() { return Info(); }
 
 }  // namespace kvwire

@@ -20,20 +20,28 @@ namespace {
 absl::StatusOr<PolicyPtr> MakeSnapKVpp(const ParamValues& values);
 absl::StatusOr<PolicyPtr> MakeRocketKV(const ParamValues& values);
 
-const std::vector<ParamInfo> kParams = {
-    {"kernel_small", "63", "snapkv_pp kernel below --kernel-threshold prompt tokens"},
-    {"kernel_large", "511", "snapkv_pp kernel from --kernel-threshold prompt tokens on"},
-    {"kernel_threshold", "49152", "snapkv_pp prompt length that switches kernels"},
-};
+std::vector<ParamInfo> ParamInfos() {
+  return {
+      {"kernel_small", "63", "snapkv_pp kernel below --kernel-threshold prompt tokens"},
+      {"kernel_large", "511", "snapkv_pp kernel from --kernel-threshold prompt tokens on"},
+      {"kernel_threshold", "49152", "snapkv_pp prompt length that switches kernels"},
+  };
+}
 
-const PolicyInfo kInfo = {"snapkv_pp",
-                          "group-summed votes, max-pooled with a kernel chosen by prompt length",
-                          "RocketKV, Algorithm 1 (SnapKV++)", kParams, &MakeSnapKVpp};
+const PolicyInfo& Info() {
+  static const PolicyInfo* const info = new PolicyInfo{
+      "snapkv_pp", "group-summed votes, max-pooled with a kernel chosen by prompt length",
+      "RocketKV, Algorithm 1 (SnapKV++)", ParamInfos(), &MakeSnapKVpp};
+  return *info;
+}
 
-const PolicyInfo kRocketKVInfo = {
-    "rocketkv",
-    "one per-step token budget t split into SnapKV++ (stage 1) and hybrid attention (stage 2)",
-    "RocketKV, §3.5", kParams, &MakeRocketKV};
+const PolicyInfo& RocketKVInfo() {
+  static const PolicyInfo* const info = new PolicyInfo{
+      "rocketkv",
+      "one per-step token budget t split into SnapKV++ (stage 1) and hybrid attention (stage 2)",
+      "RocketKV, §3.5", ParamInfos(), &MakeRocketKV};
+  return *info;
+}
 
 struct SnapKVppParams {
   int kernel_small = 63;
@@ -67,7 +75,7 @@ ParamValues ToValues(const SnapKVppParams& p) {
 class SnapKVpp final : public CompressionPolicy {
  public:
   explicit SnapKVpp(SnapKVppParams p) : p_(p) {}
-  const PolicyInfo& info() const override { return kInfo; }
+  const PolicyInfo& info() const override { return Info(); }
   ParamValues params() const override { return ToValues(p_); }
   std::string DescribeParams(int window) const override {
     return absl::StrCat(", window=", window, ", kernel=", p_.kernel_small, "/", p_.kernel_large,
@@ -92,7 +100,7 @@ class SnapKVpp final : public CompressionPolicy {
 class RocketKV final : public CompressionPolicy {
  public:
   explicit RocketKV(SnapKVppParams p) : p_(p) {}
-  const PolicyInfo& info() const override { return kRocketKVInfo; }
+  const PolicyInfo& info() const override { return RocketKVInfo(); }
   ParamValues params() const override { return ToValues(p_); }
   bool selects() const override { return false; }
   std::string DescribeBudget(int budget, double) const override {
@@ -119,18 +127,18 @@ class RocketKV final : public CompressionPolicy {
 };
 
 absl::StatusOr<PolicyPtr> MakeSnapKVpp(const ParamValues& values) {
-  ASSIGN_OR_RETURN(SnapKVppParams p, ReadParams(kInfo, values));
+  ASSIGN_OR_RETURN(SnapKVppParams p, ReadParams(Info(), values));
   return std::make_shared<SnapKVpp>(p);
 }
 
 absl::StatusOr<PolicyPtr> MakeRocketKV(const ParamValues& values) {
-  ASSIGN_OR_RETURN(SnapKVppParams p, ReadParams(kRocketKVInfo, values));
+  ASSIGN_OR_RETURN(SnapKVppParams p, ReadParams(RocketKVInfo(), values));
   return std::make_shared<RocketKV>(p);
 }
 
 }  // namespace
 
-const PolicyInfo& SnapKVppPolicyInfo() { return kInfo; }
-const PolicyInfo& RocketKVPolicyInfo() { return kRocketKVInfo; }
+const PolicyInfo& SnapKVppPolicyInfo() { return Info(); }
+const PolicyInfo& RocketKVPolicyInfo() { return RocketKVInfo(); }
 
 }  // namespace kvwire

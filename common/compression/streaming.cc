@@ -10,11 +10,15 @@ namespace {
 
 absl::StatusOr<PolicyPtr> MakeStreaming(const ParamValues& values);
 
-const PolicyInfo kInfo = {"streaming",
-                          "the first `sinks` tokens + the most recent",
-                          "StreamingLLM (attention sinks)",
-                          {{"sinks", "4", "streaming attention sinks"}},
-                          &MakeStreaming};
+const PolicyInfo& Info() {
+  static const PolicyInfo* const info =
+      new PolicyInfo{"streaming",
+                     "the first `sinks` tokens + the most recent",
+                     "StreamingLLM (attention sinks)",
+                     {{"sinks", "4", "streaming attention sinks"}},
+                     &MakeStreaming};
+  return *info;
+}
 
 struct StreamingParams {
   int sinks = 4;
@@ -23,7 +27,7 @@ struct StreamingParams {
 class Streaming final : public CompressionPolicy {
  public:
   explicit Streaming(StreamingParams p) : p_(p) {}
-  const PolicyInfo& info() const override { return kInfo; }
+  const PolicyInfo& info() const override { return Info(); }
   ParamValues params() const override { return {{"sinks", absl::StrCat(p_.sinks)}}; }
   std::string DescribeParams(int window) const override {
     return absl::StrCat(", sinks=", p_.sinks);
@@ -55,7 +59,7 @@ class Streaming final : public CompressionPolicy {
 
 absl::StatusOr<PolicyPtr> MakeStreaming(const ParamValues& values) {
   StreamingParams p;
-  ParamReader reader(kInfo, values);
+  ParamReader reader(Info(), values);
   RETURN_IF_ERROR(reader.Int("sinks", 0, 1 << 20, &p.sinks));
   RETURN_IF_ERROR(reader.Finish());
   return std::make_shared<Streaming>(p);
@@ -63,6 +67,6 @@ absl::StatusOr<PolicyPtr> MakeStreaming(const ParamValues& values) {
 
 }  // namespace
 
-const PolicyInfo& StreamingPolicyInfo() { return kInfo; }
+const PolicyInfo& StreamingPolicyInfo() { return Info(); }
 
 }  // namespace kvwire

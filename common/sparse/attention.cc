@@ -17,8 +17,11 @@ const AttentionModeInfo& ExactTopKModeInfo();  // exact_topk.cc
 
 namespace {
 
-const AttentionModeInfo kDense = {
-    AttentionMode::kDense, "dense", "exact attention", {}, false, nullptr, nullptr, nullptr};
+const AttentionModeInfo& DenseInfo() {
+  static const AttentionModeInfo* const info = new AttentionModeInfo{
+      AttentionMode::kDense, "dense", "exact attention", {}, false, nullptr, nullptr, nullptr};
+  return *info;
+}
 
 // The sparse selector of one sequence: brings its page summaries up to date, then lets
 // the mode choose each KV head's tokens.
@@ -74,7 +77,7 @@ absl::StatusOr<SparseParams> SelectorParams(const DecodeAttentionConfig& config,
 
 const std::vector<const AttentionModeInfo*>& AttentionModes() {
   static const auto* const kModes = new std::vector<const AttentionModeInfo*>{
-      &kDense, &HybridModeInfo(), &QuestModeInfo(), &ExactTopKModeInfo()};
+      &DenseInfo(), &HybridModeInfo(), &QuestModeInfo(), &ExactTopKModeInfo()};
   return *kModes;
 }
 
@@ -83,7 +86,7 @@ const AttentionModeInfo& ModeInfo(AttentionMode mode) {
     if (m->mode == mode) return *m;
   }
   KVWIRE_CHECK(false);  // every enumerator is registered
-  return kDense;
+  return DenseInfo();
 }
 
 absl::string_view AttentionModeName(AttentionMode m) { return ModeInfo(m).name; }

@@ -44,17 +44,20 @@ int64_t ExactBytes(const SparseParams& p, int len, int64_t row, int64_t) {
   return row * len + row * p.top_k;
 }
 
-const AttentionModeInfo kInfo = {AttentionMode::kExactTopK,
-                                 "exact_topk",
-                                 "oracle: exact top-k tokens",
-                                 {"token_budget", "top_k"},
-                                 /*summaries=*/false,
-                                 &ResolveExact,
-                                 &ExactBytes,
-                                 &ExactSelect};
+const AttentionModeInfo& Info() {
+  static const AttentionModeInfo* const info = new AttentionModeInfo{AttentionMode::kExactTopK,
+                                                                     "exact_topk",
+                                                                     "oracle: exact top-k tokens",
+                                                                     {"token_budget", "top_k"},
+                                                                     /*summaries=*/false,
+                                                                     &ResolveExact,
+                                                                     &ExactBytes,
+                                                                     &ExactSelect};
+  return *info;
+}
 
 }  // namespace
 
-const AttentionModeInfo& ExactTopKModeInfo() { return kInfo; }
+const AttentionModeInfo& ExactTopKModeInfo() { return Info(); }
 
 }  // namespace kvwire

@@ -46,17 +46,21 @@ int64_t QuestBytes(const SparseParams& p, int len, int64_t row, int64_t) {
   return 2 * row * p.top_k + pages * 2 * row;
 }
 
-const AttentionModeInfo kInfo = {AttentionMode::kQuest,
-                                 "quest",
-                                 "Quest (ICML 2024), as compared in RocketKV",
-                                 {"token_budget", "top_k", "page_size"},
-                                 /*summaries=*/true,
-                                 &ResolveQuest,
-                                 &QuestBytes,
-                                 &QuestSelect};
+const AttentionModeInfo& Info() {
+  static const AttentionModeInfo* const info =
+      new AttentionModeInfo{AttentionMode::kQuest,
+                            "quest",
+                            "Quest (ICML 2024), as compared in RocketKV",
+                            {"token_budget", "top_k", "page_size"},
+                            /*summaries=*/true,
+                            &ResolveQuest,
+                            &QuestBytes,
+                            &QuestSelect};
+  return *info;
+}
 
 }  // namespace
 
-const AttentionModeInfo& QuestModeInfo() { return kInfo; }
+const AttentionModeInfo& QuestModeInfo() { return Info(); }
 
 }  // namespace kvwire

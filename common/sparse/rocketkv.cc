@@ -95,18 +95,22 @@ int64_t HybridBytes(const SparseParams& p, int len, int64_t row, int64_t es) {
   return 2 * row * p.top_k + pages * p.top_r * es;
 }
 
-const AttentionModeInfo kInfo = {AttentionMode::kHybrid,
-                                 "hybrid",
-                                 "RocketKV, Algorithm 2 (stage 2)",
-                                 {"token_budget", "top_k", "top_r", "page_size"},
-                                 /*summaries=*/true,
-                                 &ResolveHybrid,
-                                 &HybridBytes,
-                                 &HybridSelect};
+const AttentionModeInfo& Info() {
+  static const AttentionModeInfo* const info =
+      new AttentionModeInfo{AttentionMode::kHybrid,
+                            "hybrid",
+                            "RocketKV, Algorithm 2 (stage 2)",
+                            {"token_budget", "top_k", "top_r", "page_size"},
+                            /*summaries=*/true,
+                            &ResolveHybrid,
+                            &HybridBytes,
+                            &HybridSelect};
+  return *info;
+}
 
 }  // namespace
 
-const AttentionModeInfo& HybridModeInfo() { return kInfo; }
+const AttentionModeInfo& HybridModeInfo() { return Info(); }
 
 absl::StatusOr<TwoStage> ResolveRocketKV(int token_budget, int prompt_len, int max_new,
                                          int head_dim, const CompressionConfig& base) {
