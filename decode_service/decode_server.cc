@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/base/status.h"
+#include "common/engine/local_kv_source.h"
 #include "common/server/grpc_stream.h"
 #include "common/server/trace_metadata.h"
 #include "common/telemetry/telemetry.h"
@@ -196,13 +197,29 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
 
     j.compression = options.default_compression;
     RETURN_IF_ERROR(ApplyCompressionParams(req.compression(), &j.compression));
-    j.attention = options.default_attention;
     const v1::DecodeAttentionParams& ap = req.attention();
+    const bool attention_set = !ap.mode().empty() || ap.has_token_budget() || ap.has_top_k() ||
+                               ap.has_top_r() || ap.has_page_size();
+    if (!j.compression.policy->selects()) {
+      // rocketkv derives its stage-2 attention from its own budget: nothing to set.
+      if (attention_set) {
+        return Bad("attention", absl::StrCat(j.compression.policy_name(),
+                                             " sets its own decode attention (hybrid, from "
+                                             "compression.budget); leave attention unset"));
+      }
+      j.logprobs = req.return_logprobs();
+      return j;
+    }
+    j.attention = options.default_attention;
     if (!ap.mode().empty()) {
       auto mode = ParseAttentionMode(ap.mode());
       if (!mode.ok()) return Bad("attention.mode", mode.status().message());
-      if (*mode != j.attention.mode)
-        j.attention = DecodeAttentionConfig{*mode};  // its own defaults
+      if (*mode != j.attention.mode) {
+        // Another mode starts from its own defaults; a token budget is every sparse mode's.
+        DecodeAttentionConfig other{*mode};
+        if (*mode != AttentionMode::kDense) other.token_budget = j.attention.token_budget;
+        j.attention = other;
+      }
     }
     if (ap.has_token_budget()) j.attention.token_budget = ap.token_budget();
     if (ap.has_top_k()) j.attention.top_k = ap.top_k();
@@ -222,7 +239,7 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
       stream->Finish(ToGrpcStatus(job.status()));
       return reactor;
     }
-    job->deadline = FromWallDeadline(Clock::Real(), ctx->deadline());
+    job->deadline = FromWallDeadline(*options.engine.clock, ctx->deadline());
     job->trace = TraceFromMetadata(ctx->client_metadata());
     auto sink = std::make_shared<GrpcSink>(stream, job->request_id);
     if (absl::Status st = engine->Submit(std::move(*job), sink); !st.ok()) {
@@ -247,6 +264,17 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   if (options.default_max_tokens < 1 || options.max_tokens_limit < options.default_max_tokens) {
     return absl::InvalidArgumentError("need 1 <= --default-max-tokens <= --max-tokens-limit");
   }
+  if (options.engine.max_chunk_bytes < 1024 ||
+      options.engine.max_chunk_bytes > kMaxChunkBytesLimit) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-chunk-bytes must be in [1KiB, ",
+                                                   kMaxChunkBytesLimit >> 20, "MiB], got ",
+                                                   options.engine.max_chunk_bytes));
+  }
+  if (options.engine.remote != nullptr || options.engine.local != nullptr) {
+    return absl::InvalidArgumentError(
+        "engine.remote and engine.local are the server's own (--prefill names the prefill nodes)");
+  }
+  if (options.engine.clock == nullptr) return absl::InvalidArgumentError("engine.clock is null");
   auto impl = std::make_unique<Impl>();
   impl->model = model;
   impl->options = std::move(options);
@@ -256,7 +284,8 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   impl->pool =
       std::make_unique<KvPool>(o.kv_pool_bytes, o.kv_page_bytes, [raw] { raw->WakeEngine(); });
   if (!o.prefill_target.empty()) {
-    ASSIGN_OR_RETURN(impl->remote, GrpcKvSource::Create(o.prefill_target, o.prefill_tls));
+    ASSIGN_OR_RETURN(impl->remote,
+                     GrpcKvSource::Create(o.prefill_target, o.prefill_tls, *o.engine.clock));
   }
   // Short prompts (all of them without prefill nodes) prefill on this node's own model,
   // one at a time beside the decode batch.
@@ -264,6 +293,7 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   local.node_name = "local";
   local.workers = 1;
   local.max_queue = o.engine.max_batch;
+  local.clock = o.engine.clock;
   impl->local_prefill = std::make_unique<PrefillEngine>(model, local);
   impl->local = std::make_unique<LocalKvSource>(impl->local_prefill.get());
   if (o.telemetry) o.telemetry->SetPool(0, static_cast<double>(o.kv_pool_bytes));

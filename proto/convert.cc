@@ -1,5 +1,7 @@
 #include "proto/convert.h"
 
+#include <type_traits>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -35,8 +37,10 @@ struct TypedField {
 #field, &v1::CompressionParams::has_##field,                                         \
         [](const v1::CompressionParams& p) { return absl::StrCat(p.field()); },          \
         [](const std::string& v, v1::CompressionParams* p) {                             \
-          int64_t x = 0;                                                                 \
-          if (absl::SimpleAtoi(v, &x)) p->set_##field(static_cast<decltype(p->field())>(x)); \
+          /* The values come from a valid config (CompressionValues): exact in the type. */ \
+          std::remove_cv_t<decltype(p->field())> x{};                                    \
+          KVWIRE_CHECK(absl::SimpleAtoi(v, &x));                                         \
+          p->set_##field(x);                                                             \
         } \
   }
 
@@ -62,7 +66,7 @@ ParamValues CompressionValuesFromProto(const v1::CompressionParams& p) {
   for (const TypedField& f : TypedFields()) {
     if ((p.*f.has)()) v[f.name] = f.get(p);
   }
-  if (p.has_ratio()) v["ratio"] = absl::StrCat(p.ratio());
+  if (p.has_ratio()) v["ratio"] = ExactDecimal(p.ratio());
   if (!p.pool().empty()) v["pool"] = p.pool();
   if (!p.gqa().empty()) v["gqa"] = p.gqa();
   if (p.groups_size() > 0) v["groups"] = absl::StrJoin(p.groups(), ",");
@@ -71,13 +75,9 @@ ParamValues CompressionValuesFromProto(const v1::CompressionParams& p) {
 }
 
 absl::Status ApplyCompressionParams(const v1::CompressionParams& p, CompressionConfig* c) {
-  const absl::Status st = ApplyCompressionValues(CompressionValuesFromProto(p), c);
-  if (st.ok()) return st;
-  // Messages start with the parameter's name: make it the field's.
-  std::string message(st.message());
-  const std::string prefix = "compression: ";
-  if (message.rfind(prefix, 0) == 0) return st;
-  return absl::Status(st.code(), absl::StrCat("compression.", message));
+  // Parameters named as the request's fields ("compression.kernel_small must ...").
+  return RenameParams(ApplyCompressionValues(CompressionValuesFromProto(p), c),
+                      [](absl::string_view name) { return absl::StrCat("compression.", name); });
 }
 
 v1::CompressionParams ToProto(const CompressionConfig& c) {
@@ -87,7 +87,8 @@ v1::CompressionParams ToProto(const CompressionConfig& c) {
       p.set_policy(value);
     } else if (name == "ratio") {
       double r = 0;
-      if (absl::SimpleAtod(value, &r)) p.set_ratio(r);
+      KVWIRE_CHECK(absl::SimpleAtod(value, &r));
+      p.set_ratio(r);
     } else if (name == "pool") {
       p.set_pool(value);
     } else if (name == "gqa") {
@@ -95,7 +96,8 @@ v1::CompressionParams ToProto(const CompressionConfig& c) {
     } else if (name == "groups") {
       for (absl::string_view g : absl::StrSplit(value, ',')) {
         int x = 0;
-        if (absl::SimpleAtoi(g, &x)) p.add_groups(x);
+        KVWIRE_CHECK(absl::SimpleAtoi(g, &x));
+        p.add_groups(x);
       }
     } else {
       bool typed = false;

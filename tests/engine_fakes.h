@@ -243,11 +243,12 @@ class FaultyPrefills final : public PrefillExecutor {
     return inner_->Submit(std::move(job), std::make_shared<Sink>(this, std::move(sink)),
                           std::move(done));
   }
-  // Blocks until `n` streams have reached the hold point, or n prefills were submitted.
+  // Blocks until `n` streams have reached the hold point (bounded by kWait).
   bool WaitHeld(int n = 1) {
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, kWait, [&] { return held_ >= n; });
   }
+  // Blocks until `n` prefills were submitted (bounded by kWait).
   bool WaitSubmitted(int n) {
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, kWait, [&] { return submitted_ >= n; });

@@ -79,7 +79,15 @@ absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& 
     }
     for (size_t i = 1; i < parts.size(); ++i) {
       std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
-      values[absl::StrReplaceAll(kv.first, {{"-", "_"}})] = kv.second;
+      const std::string name = absl::StrReplaceAll(kv.first, {{"-", "_"}});
+      if (name == "window") {
+        // One prefill per prompt is captured, with --window's scores, for every method.
+        return absl::InvalidArgumentError(
+            absl::StrCat("method '", spec,
+                         "': the observation window is the command's --window, not a "
+                         "method's"));
+      }
+      values[name] = kv.second;
     }
     // Checked once with a budget every policy accepts, so errors surface before the run.
     if (probe->evicts()) values["budget"] = "1000000";

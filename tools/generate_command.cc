@@ -1,6 +1,7 @@
 // kvwire generate: one request in this process, the text streamed as it is sampled.
 #include <cstdio>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/base/status.h"
 #include "common/engine/generate.h"
@@ -49,6 +50,15 @@ int RunGenerate(int argc, char** argv) {
   auto compression = CompressionFromFlags(flags, {"seed"});
   if (!compression.ok()) return Fail("generate", compression.status());
   req.compression = *compression;
+  for (const char* flag :
+       {"attention", "attention-budget", "attention-k", "attention-r", "attention-page"}) {
+    if (!compression->policy->selects() && flags.IsSet(flag)) {
+      return Fail("generate",
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "--", flag, " does not apply to --policy ", compression->policy_name(),
+                      ", which sets its own decode attention (hybrid, from --budget)")));
+    }
+  }
   auto attention = AttentionFromFlags(flags);
   if (!attention.ok()) return Fail("generate", attention.status());
   req.attention = *attention;

@@ -91,11 +91,10 @@ absl::StatusOr<PolicyPtr> MakeChunkKV(const ParamValues& values) {
   RETURN_IF_ERROR(reader.Int("chunk", INT32_MIN, 1 << 20, &p.chunk));
   RETURN_IF_ERROR(reader.Int("reuse_layers", INT32_MIN, 1 << 20, &p.reuse_layers));
   RETURN_IF_ERROR(reader.Finish());
-  if (p.chunk < 1)
-    return absl::InvalidArgumentError(absl::StrCat("chunk must be >= 1, got ", p.chunk));
+  if (p.chunk < 1) return ParamError("chunk", absl::StrCat("must be >= 1, got ", p.chunk));
   if (p.reuse_layers < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reuse_layers must be >= 1 (1: no reuse), got ", p.reuse_layers));
+    return ParamError("reuse_layers",
+                      absl::StrCat("must be >= 1 (1: no reuse), got ", p.reuse_layers));
   }
   return std::make_shared<ChunkKV>(p);
 }

@@ -13,8 +13,10 @@
 namespace kvwire {
 namespace {
 
-absl::Status Bad(absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat("compression: ", what));
+// "compression: <what>", about `param` when one is named (RenameParams renames it).
+absl::Status Bad(absl::string_view what, absl::string_view param = "") {
+  absl::Status st = absl::InvalidArgumentError(absl::StrCat("compression: ", what));
+  return param.empty() ? st : AboutParam(std::move(st), param);
 }
 
 std::vector<int32_t> Range(int32_t begin, int32_t end) {
@@ -32,7 +34,7 @@ bool IsShared(absl::string_view name) {
 
 absl::Status ParseInt(absl::string_view name, const std::string& value, int* out) {
   if (!absl::SimpleAtoi(value, out)) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " must be an integer, got '", value, "'"));
+    return ParamError(name, absl::StrCat("must be an integer, got '", value, "'"));
   }
   return absl::OkStatus();
 }
@@ -40,28 +42,35 @@ absl::Status ParseInt(absl::string_view name, const std::string& value, int* out
 }  // namespace
 
 absl::Status CompressionConfig::Validate() const {
-  if (budget < 0) return Bad(absl::StrCat("budget must be >= 0, got ", budget));
+  if (budget < 0) return Bad(absl::StrCat("budget must be >= 0, got ", budget), "budget");
   if (!(ratio >= 0 && ratio <= 1)) {
-    return Bad(absl::StrCat("ratio must be in (0, 1] (kept / prompt tokens), got ", ratio));
+    return Bad(absl::StrCat("ratio must be in (0, 1] (kept / prompt tokens), got ", ratio),
+               "ratio");
   }
   // Upper bounds keep every sum below int overflow and every buffer sane; the window also
   // bounds the score buffer (heads × window × prompt floats per layer).
-  if (budget > (1 << 30)) return Bad(absl::StrCat("budget must be <= 2^30, got ", budget));
+  if (budget > (1 << 30))
+    return Bad(absl::StrCat("budget must be <= 2^30, got ", budget), "budget");
   if (window > kMaxWindow) {
     return Bad(absl::StrCat("window must be <= ", kMaxWindow,
-                            " (observation windows are 16-128 "
-                            "tokens in the papers), got ",
-                            window));
+                            " (observation windows are 16-128 tokens in the papers), got ", window),
+               "window");
   }
-  if (skip_layers > (1 << 20))
-    return Bad(absl::StrCat("skip_layers must be <= 2^20, got ", skip_layers));
+  if (skip_layers > (1 << 20)) {
+    return Bad(absl::StrCat("skip_layers must be <= 2^20, got ", skip_layers), "skip_layers");
+  }
   if (!policy->evicts()) return absl::OkStatus();
   if (budget == 0 && ratio == 0) {
     return Bad(absl::StrCat(policy->name(), " needs a budget (tokens kept per head) or a ratio"));
   }
-  if (skip_layers < 0) return Bad(absl::StrCat("skip_layers must be >= 0, got ", skip_layers));
-  if (window < 1) return Bad(absl::StrCat("window must be >= 1, got ", window));
-  if (absl::Status st = policy->CheckBudget(budget, window); !st.ok()) return Bad(st.message());
+  if (skip_layers < 0) {
+    return Bad(absl::StrCat("skip_layers must be >= 0, got ", skip_layers), "skip_layers");
+  }
+  if (window < 1) return Bad(absl::StrCat("window must be >= 1, got ", window), "window");
+  // The policy's own budget rules ("budget (8) must exceed the observation window (16) ...").
+  if (absl::Status st = policy->CheckBudget(budget, window); !st.ok()) {
+    return Bad(st.message(), "budget");
+  }
   return absl::OkStatus();
 }
 
@@ -102,9 +111,8 @@ absl::Status ApplyCompressionValues(const ParamValues& values, CompressionConfig
   if (auto it = values.find("policy"); it != values.end()) {
     const PolicyInfo* info = FindPolicy(it->second);
     if (info == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("policy: unknown compression policy '",
-                                                     it->second, "'; expected one of ",
-                                                     PolicyNames()));
+      return ParamError("policy",
+                        absl::StrCat("must be one of ", PolicyNames(), "; got '", it->second, "'"));
     }
     if (info->name != c.policy->name()) {
       // Another policy than the current one: its parameters start at their defaults, and
@@ -123,8 +131,7 @@ absl::Status ApplyCompressionValues(const ParamValues& values, CompressionConfig
       if (values.count("ratio") == 0) c.ratio = 0;
     } else if (name == "ratio") {
       if (!absl::SimpleAtod(value, &c.ratio)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("ratio must be a number, got '", value, "'"));
+        return ParamError("ratio", absl::StrCat("must be a number, got '", value, "'"));
       }
       if (values.count("budget") == 0) c.budget = 0;
     } else if (name == "window") {
@@ -139,8 +146,8 @@ absl::Status ApplyCompressionValues(const ParamValues& values, CompressionConfig
   if (!c.policy->evicts()) {
     for (const auto& [name, value] : values) {
       if (IsShared(name)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            name, " does not apply to ", c.policy->name(), ", which keeps every prompt token"));
+        return ParamError(name, absl::StrCat("does not apply to ", c.policy->name(),
+                                             ", which keeps every prompt token"));
       }
     }
   }
@@ -159,7 +166,7 @@ ParamValues CompressionValues(const CompressionConfig& c) {
   if (c.budget > 0) {
     v["budget"] = absl::StrCat(c.budget);
   } else {
-    v["ratio"] = absl::StrCat(c.ratio);
+    v["ratio"] = ExactDecimal(c.ratio);
   }
   v["window"] = absl::StrCat(c.window);
   if (c.skip_layers > 0) v["skip_layers"] = absl::StrCat(c.skip_layers);

@@ -72,32 +72,7 @@ ParamValues CompressionValuesFromFlags(const Flags& flags) {
 }
 
 absl::Status AsFlagError(const absl::Status& status) {
-  if (status.ok()) return status;
-  std::string message(status.message());
-  const std::string prefix = "compression: ";
-  if (message.rfind(prefix, 0) == 0) message = message.substr(prefix.size());
-  std::set<std::string> names = {"policy"};
-  for (const auto& [name, p] : PolicyParams()) names.insert(name);
-  for (const char* s : kSharedCompressionParams) names.insert(s);
-  auto flag = [&](const std::string& word) {
-    return names.count(word) ? "--" + ParamFlagName(word) : word;
-  };
-  // The parameter the message starts with, the ones a policy takes ("(it takes a, b)") and
-  // the one that "applies to" others are named as flags.
-  const size_t first = message.find_first_of(" :");
-  message =
-      flag(message.substr(0, first)) + (first == std::string::npos ? "" : message.substr(first));
-  if (const size_t takes = message.find("(it takes "); takes != std::string::npos) {
-    const size_t begin = takes + 10, end = message.find(')', begin);
-    std::vector<std::string> list = absl::StrSplit(message.substr(begin, end - begin), ", ");
-    for (std::string& w : list) w = flag(w);
-    message.replace(begin, end - begin, absl::StrJoin(list, ", "));
-  }
-  if (const size_t applies = message.find(" applies to "); applies != std::string::npos) {
-    const size_t begin = message.rfind(' ', applies - 1) + 1;
-    message.replace(begin, applies - begin, flag(message.substr(begin, applies - begin)));
-  }
-  return absl::Status(status.code(), message);
+  return RenameParams(status, [](absl::string_view p) { return "--" + ParamFlagName(p); });
 }
 
 absl::StatusOr<CompressionConfig> CompressionFromFlags(const Flags& flags,

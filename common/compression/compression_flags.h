@@ -33,8 +33,8 @@ absl::StatusOr<CompressionConfig> CompressionFromFlags(const Flags& flags,
 // for callers that apply them themselves (the eval harness applies them per method).
 ParamValues CompressionValuesFromFlags(const Flags& flags);
 
-// Rewrites a message from ApplyCompressionValues that starts with a parameter name to
-// start with its flag ("kernel_small must ..." → "--kernel-small must ...").
+// An error from ApplyCompressionValues with its parameters named as flags
+// ("kernel_small must ..." → "--kernel-small must ...").
 absl::Status AsFlagError(const absl::Status& status);
 
 }  // namespace kvwire

@@ -139,8 +139,7 @@ absl::StatusOr<PolicyPtr> MakeHbw(const ParamValues& values) {
   RETURN_IF_ERROR(reader.Choice("gqa", GqaNames(), &gqa));
   RETURN_IF_ERROR(reader.Finish());
   if (p.block < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block must be >= 0 (0: budget/32), got ", p.block));
+    return ParamError("block", absl::StrCat("must be >= 0 (0: budget/32), got ", p.block));
   }
   p.gqa = static_cast<GqaMode>(gqa);
   return std::make_shared<Hbw>(p);

@@ -1,13 +1,81 @@
 #include "common/compression/policy.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
 namespace kvwire {
+
+std::string ExactDecimal(double x) { return absl::StrFormat("%.17g", x); }
+
+namespace {
+
+constexpr absl::string_view kParamPayload = "type.kvwire.dev/param";
+constexpr absl::string_view kPolicyPayload = "type.kvwire.dev/policy-not-taking";
+
+std::string NotTakenMessage(absl::string_view param, absl::string_view policy,
+                            const std::function<std::string(absl::string_view)>& name) {
+  const PolicyInfo* info = FindPolicy(policy);
+  std::vector<std::string> takes;
+  if (info != nullptr) {
+    for (const ParamInfo& p : info->params) takes.push_back(name(p.name));
+  }
+  std::vector<std::string> others;
+  for (const PolicyInfo* p : Policies()) {
+    for (const ParamInfo& q : p->params) {
+      if (param == q.name) others.push_back(p->name);
+    }
+  }
+  return absl::StrCat(name(param), " does not apply to ", policy, " (",
+                      takes.empty() ? std::string("it takes no parameters")
+                                    : absl::StrCat("it takes ", absl::StrJoin(takes, ", ")),
+                      ")",
+                      others.empty() ? std::string("; no policy takes it")
+                                     : absl::StrCat("; ", name(param), " applies to ",
+                                                    absl::StrJoin(others, ", ")));
+}
+
+std::string AsIs(absl::string_view s) { return std::string(s); }
+
+}  // namespace
+
+absl::Status AboutParam(absl::Status status, absl::string_view param) {
+  status.SetPayload(kParamPayload, absl::Cord(param));
+  return status;
+}
+
+absl::Status ParamError(absl::string_view param, absl::string_view what) {
+  return AboutParam(absl::InvalidArgumentError(absl::StrCat(param, " ", what)), param);
+}
+
+absl::Status NotTakenError(absl::string_view param, absl::string_view policy) {
+  absl::Status st = absl::InvalidArgumentError(NotTakenMessage(param, policy, AsIs));
+  st.SetPayload(kParamPayload, absl::Cord(param));
+  st.SetPayload(kPolicyPayload, absl::Cord(policy));
+  return st;
+}
+
+absl::Status RenameParams(const absl::Status& status,
+                          const std::function<std::string(absl::string_view)>& name) {
+  const auto param = status.GetPayload(kParamPayload);
+  if (status.ok() || !param) return status;
+  const std::string p(*param);
+  if (const auto policy = status.GetPayload(kPolicyPayload)) {
+    return absl::Status(status.code(), NotTakenMessage(p, std::string(*policy), name));
+  }
+  // "<param> <what>", maybe after a "compression: " context.
+  std::string message(status.message());
+  const size_t at = message.find(p);
+  if (at != std::string::npos) message.replace(at, p.size(), name(p));
+  const std::string context = "compression: ";
+  if (message.rfind(context, 0) == 0) message = message.substr(context.size());
+  return absl::Status(status.code(), message);
+}
 
 std::string CompressionPolicy::DescribeBudget(int budget, double ratio) const {
   return budget > 0 ? absl::StrCat("budget=", budget) : absl::StrCat("ratio=", ratio);
@@ -44,17 +112,15 @@ absl::Status ParamReader::Int(const char* name, int min, int max, int* out) {
   if (v == nullptr) return absl::OkStatus();
   int64_t x = 0;
   if (!absl::SimpleAtoi(*v, &x)) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " must be an integer, got '", *v, "'"));
+    return ParamError(name, absl::StrCat("must be an integer, got '", *v, "'"));
   }
   // Upper bounds keep every sum below int overflow and every buffer sane.
   if (x > max) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, " must be <= ", max == (1 << 20) ? std::string("2^20") : absl::StrCat(max), ", got ",
-        x));
+    return ParamError(name, absl::StrCat("must be <= ",
+                                         max == (1 << 20) ? std::string("2^20") : absl::StrCat(max),
+                                         ", got ", x));
   }
-  if (x < min) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " must be >= ", min, ", got ", x));
-  }
+  if (x < min) return ParamError(name, absl::StrCat("must be >= ", min, ", got ", x));
   *out = static_cast<int>(x);
   return absl::OkStatus();
 }
@@ -63,8 +129,7 @@ absl::Status ParamReader::Uint64(const char* name, uint64_t* out) {
   const std::string* v = Take(name);
   if (v == nullptr) return absl::OkStatus();
   if (!absl::SimpleAtoi(*v, out)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " must be a non-negative integer, got '", *v, "'"));
+    return ParamError(name, absl::StrCat("must be a non-negative integer, got '", *v, "'"));
   }
   return absl::OkStatus();
 }
@@ -77,24 +142,23 @@ absl::Status ParamReader::IntList(const char* name, int min, int max, size_t max
   for (absl::string_view item : absl::StrSplit(*v, ',', absl::SkipWhitespace())) {
     int x = 0;
     if (!absl::SimpleAtoi(item, &x)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, " must be a comma-separated list of integers, got '", *v, "'"));
+      return ParamError(name,
+                        absl::StrCat("must be a comma-separated list of integers, got '", *v, "'"));
     }
-    if (x < min)
-      return absl::InvalidArgumentError(absl::StrCat(name, " must be >= ", min, ", got ", x));
+    if (x < min) return ParamError(name, absl::StrCat("must be >= ", min, ", got ", x));
     if (x > max) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, " must be <= ", max == (1 << 20) ? std::string("2^20") : absl::StrCat(max),
-          ", got ", x));
+      return ParamError(
+          name,
+          absl::StrCat("must be <= ", max == (1 << 20) ? std::string("2^20") : absl::StrCat(max),
+                       ", got ", x));
     }
     list.push_back(x);
   }
-  if (list.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " must list at least one value"));
-  }
+  if (list.empty()) return ParamError(name, "must list at least one value");
   if (list.size() > max_items) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("at most ", max_items, " ", name, ", got ", list.size()));
+    return AboutParam(absl::InvalidArgumentError(
+                          absl::StrCat("at most ", max_items, " ", name, ", got ", list.size())),
+                      name);
   }
   *out = std::move(list);
   return absl::OkStatus();
@@ -110,23 +174,15 @@ absl::Status ParamReader::Choice(const char* name, const std::vector<absl::strin
       return absl::OkStatus();
     }
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat(name, " must be one of ", absl::StrJoin(names, ", "), "; got '", *v, "'"));
+  return ParamError(
+      name, absl::StrCat("must be one of ", absl::StrJoin(names, ", "), "; got '", *v, "'"));
 }
 
 absl::Status ParamReader::Finish() const {
   for (const auto& [name, value] : values_) {
-    if (std::find(read_.begin(), read_.end(), name) != read_.end()) continue;
-    std::vector<std::string> takes;
-    for (const ParamInfo& p : info_.params) takes.push_back(p.name);
-    const std::string others = PoliciesTaking(name);
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " does not apply to ", info_.name, " (",
-                     takes.empty() ? std::string("it takes no parameters")
-                                   : absl::StrCat("it takes ", absl::StrJoin(takes, ", ")),
-                     ")",
-                     others.empty() ? std::string("; no policy takes it")
-                                    : absl::StrCat("; ", name, " applies to ", others)));
+    if (std::find(read_.begin(), read_.end(), name) == read_.end()) {
+      return NotTakenError(name, info_.name);
+    }
   }
   return absl::OkStatus();
 }

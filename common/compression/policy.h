@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -38,6 +39,22 @@ namespace kvwire {
 // A policy's parameters by name ("kernel" → "7"), as they come from flags, a request or
 // an eval method spec. A policy reads the ones it takes; any other is an error.
 using ParamValues = std::map<std::string, std::string>;
+
+// A double as text that parses back to the same double ("%.17g"), for ParamValues.
+std::string ExactDecimal(double x);
+
+// Errors about one parameter are InvalidArgument "<param> <what>" carrying the parameter's
+// name (and, for one the policy does not take, the policy's) as payloads, so that callers
+// name it their way: a flag (--kernel-small) or a request field (compression.kernel_small).
+absl::Status ParamError(absl::string_view param, absl::string_view what);
+// `status` marked as being about `param` (RenameParams renames its first mention).
+absl::Status AboutParam(absl::Status status, absl::string_view param);
+// "<param> does not apply to <policy> (it takes a, b); <param> applies to c".
+absl::Status NotTakenError(absl::string_view param, absl::string_view policy);
+// The same status with every parameter name it carries written by `name` (a status without
+// the payloads is returned as it is).
+absl::Status RenameParams(const absl::Status& status,
+                          const std::function<std::string(absl::string_view)>& name);
 
 // One ascending row of kept prompt positions per cache head.
 using KeptRows = std::vector<std::vector<int32_t>>;

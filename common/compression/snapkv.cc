@@ -72,8 +72,9 @@ absl::StatusOr<PolicyPtr> MakeSnapKV(const ParamValues& values) {
   RETURN_IF_ERROR(reader.Choice("gqa", GqaNames(), &gqa));
   RETURN_IF_ERROR(reader.Finish());
   if (p.kernel < 1 || p.kernel % 2 == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kernel must be odd and >= 1 (pooling pads kernel/2 each side), got ", p.kernel));
+    return ParamError(
+        "kernel",
+        absl::StrCat("must be odd and >= 1 (pooling pads kernel/2 each side), got ", p.kernel));
   }
   p.pool = static_cast<PoolKind>(pool);
   p.gqa = static_cast<GqaMode>(gqa);

@@ -56,13 +56,17 @@ absl::StatusOr<SnapKVppParams> ReadParams(const PolicyInfo& info, const ParamVal
   RETURN_IF_ERROR(reader.Int("kernel_large", INT32_MIN, 1 << 20, &p.kernel_large));
   RETURN_IF_ERROR(reader.Int("kernel_threshold", INT32_MIN, 1 << 30, &p.kernel_threshold));
   RETURN_IF_ERROR(reader.Finish());
-  if (p.kernel_small < 1 || p.kernel_small % 2 == 0 || p.kernel_large < 1 ||
-      p.kernel_large % 2 == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("kernel_small and kernel_large must be odd and >= 1, got ", p.kernel_small,
-                     " and ", p.kernel_large));
+  for (const auto& [name, kernel] : {std::pair<const char*, int>{"kernel_small", p.kernel_small},
+                                     {"kernel_large", p.kernel_large}}) {
+    if (kernel < 1 || kernel % 2 == 0) {
+      return ParamError(name, absl::StrCat("must be odd and >= 1 (pooling pads kernel/2 each "
+                                           "side), got ",
+                                           kernel));
+    }
   }
-  if (p.kernel_threshold < 1) return absl::InvalidArgumentError("kernel_threshold must be >= 1");
+  if (p.kernel_threshold < 1) {
+    return ParamError("kernel_threshold", absl::StrCat("must be >= 1, got ", p.kernel_threshold));
+  }
   return p;
 }
 

@@ -12,11 +12,12 @@
 namespace kvwire {
 namespace {
 
-// A KV stream the assembler rejects is the prefill node's fault, not the client's request:
-// the client must not hear INVALID_ARGUMENT for it.
-absl::Status StreamFault(const absl::Status& st) {
+// A KV stream the assembler rejects is its source's fault, not the client's request: the
+// client must not hear INVALID_ARGUMENT for it.
+absl::Status StreamFault(const absl::Status& st, bool local) {
   if (st.code() != absl::StatusCode::kInvalidArgument) return st;
-  return absl::InternalError(absl::StrCat("from the prefill node: ", st.message()));
+  return absl::InternalError(
+      absl::StrCat(local ? "from the local prefill: " : "from the prefill node: ", st.message()));
 }
 
 // Worth retrying on another prefill node: the node or the path failed, not the request.
@@ -38,11 +39,8 @@ bool Retryable(const absl::Status& st) {
 }  // namespace
 
 struct DecodeEngine::Seq {
-  enum class State { kWaiting, kPrefilling, kRunning, kDone };
-
   GenerationJob job;
   std::shared_ptr<ResponseSink> sink;
-  State state = State::kWaiting;
   Clock::TimePoint arrival;
   Span span, queue_span, prefill_span, transfer_span, generate_span;
 
@@ -90,14 +88,15 @@ class DecodeEngine::Receiver final : public KvReceiver {
       s.transfer_span.SetAttribute("kv.kept_tokens",
                                    h.kept_per_layer.empty() ? 0 : h.kept_per_layer.back());
     }
-    return StreamFault(s.assembler->OnHeader(h));
+    return StreamFault(s.assembler->OnHeader(h), s.local);
   }
   absl::Status OnChunk(WireChunk chunk) override {
-    return StreamFault(seq_->assembler->OnChunk(chunk));
+    return StreamFault(seq_->assembler->OnChunk(chunk), seq_->local);
   }
   absl::Status OnTrailer(const WireTrailer& t) override {
     Seq& s = *seq_;
-    RETURN_IF_ERROR(StreamFault(s.assembler->OnTrailer(t, engine_->model_->config().vocab_size)));
+    RETURN_IF_ERROR(
+        StreamFault(s.assembler->OnTrailer(t, engine_->model_->config().vocab_size), s.local));
     s.trailer = t;
     s.trailer_at = engine_->clock_.Now();
     // The first token goes to the client now, not at the next decode step. Its random
@@ -125,7 +124,9 @@ class DecodeEngine::Receiver final : public KvReceiver {
 
 DecodeEngine::DecodeEngine(LlamaModel* model, KvPool* pool, DecodeEngineOptions options)
     : model_(model), pool_(pool), options_(std::move(options)), clock_(*options_.clock) {
-  KVWIRE_CHECK(options_.remote != nullptr || options_.local != nullptr);
+  // Every prompt has a source: the local one for short prompts (or all, without a remote).
+  KVWIRE_CHECK(options_.local != nullptr ||
+               (options_.remote != nullptr && options_.local_prefill_below == 0));
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -194,7 +195,8 @@ void DecodeEngine::Drain(std::chrono::milliseconds grace) {
     s->sink->Finish(absl::UnavailableError("decode node is shutting down"), nullptr);
   }
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, grace, [&] { return prefilling_.empty() && running_.empty(); });
+  cv_.wait_for(lock, grace,
+               [&] { return prefilling_.empty() && running_.empty() && finishing_ == 0; });
 }
 
 // Tokenizes and checks what needs the model, sizes the cache and reserves it.
@@ -236,7 +238,7 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   return absl::OkStatus();
 }
 
-void DecodeEngine::Admit() {
+void DecodeEngine::Admit(std::vector<Ending>* endings) {
   // Requests that were cancelled or ran out of time while waiting leave the queue now, not
   // when they reach its head, so they do not hold queue slots.
   const auto now = clock_.Now();
@@ -246,9 +248,10 @@ void DecodeEngine::Admit() {
       ++it;
       continue;
     }
-    (*it)->sink->Finish(cancelled ? absl::CancelledError("cancelled while queued")
+    endings->push_back({*it,
+                        cancelled ? absl::CancelledError("cancelled while queued")
                                   : absl::DeadlineExceededError("deadline passed while queued"),
-                        nullptr);
+                        std::nullopt});
     it = waiting_.erase(it);
   }
   // FIFO: the head waits for room rather than letting later, smaller requests starve it.
@@ -264,14 +267,11 @@ void DecodeEngine::Admit() {
     }
     waiting_.pop_front();
     if (!st.ok()) {
-      s->selector.reset();
-      s->cache.reset();
-      s->sink->Finish(st, nullptr);
+      endings->push_back({s, st, std::nullopt});
       continue;
     }
     s->queue_span.End();
     s->admitted = clock_.Now();
-    s->state = Seq::State::kPrefilling;
     prefilling_.push_back(s);
     s->local = options_.remote == nullptr ||
                static_cast<int>(s->job.prompt_ids.size()) < options_.local_prefill_below;
@@ -356,8 +356,8 @@ bool DecodeEngine::Emit(Seq& s, int32_t token, float logprob) {
   return s.finished;
 }
 
-void DecodeEngine::Complete(const std::shared_ptr<Seq>& s, const absl::Status& status) {
-  s->state = Seq::State::kDone;
+void DecodeEngine::Complete(const std::shared_ptr<Seq>& s, const absl::Status& status,
+                            std::vector<Ending>* endings) {
   const ModelConfig& mc = model_->config();
   RequestFigures f;
   f.prompt_tokens = static_cast<int>(s->job.prompt_ids.size());
@@ -395,11 +395,24 @@ void DecodeEngine::Complete(const std::shared_ptr<Seq>& s, const absl::Status& s
     s->span.SetError(status);
     s->span.End();
   }
-  // The memory goes back before the client hears the end, so that a client that sends its
-  // next request at once finds the room.
-  s->selector.reset();
-  s->cache.reset();
-  s->sink->Finish(status, status.ok() ? &f : nullptr);
+  endings->push_back({s, status, status.ok() ? std::optional<RequestFigures>(f) : std::nullopt});
+}
+
+// Outside the lock: the memory goes back to the pool before the client hears the end (a
+// client that sends its next request at once finds the room), then the client's Finish.
+void DecodeEngine::Finish(std::vector<Ending>* endings) {
+  if (endings->empty()) return;
+  for (Ending& e : *endings) {
+    e.seq->selector.reset();
+    e.seq->cache.reset();
+    e.seq->sink->Finish(e.status, e.figures ? &*e.figures : nullptr);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    finishing_ -= static_cast<int>(endings->size());
+  }
+  cv_.notify_all();  // Drain waits for the last one
+  endings->clear();
 }
 
 std::vector<std::pair<std::shared_ptr<DecodeEngine::Seq>, absl::Status>> DecodeEngine::Step() {
@@ -441,7 +454,7 @@ std::vector<std::pair<std::shared_ptr<DecodeEngine::Seq>, absl::Status>> DecodeE
 }
 
 // Prefills that ended (under the lock): join the batch, retry elsewhere, or fail.
-void DecodeEngine::HandlePrefillsDone() {
+void DecodeEngine::HandlePrefillsDone(std::vector<Ending>* endings) {
   auto done = std::move(prefill_done_);
   prefill_done_.clear();
   for (auto& [s, st] : done) {
@@ -457,10 +470,9 @@ void DecodeEngine::HandlePrefillsDone() {
     }
     if (st.ok() && s->finished) {  // the first token already ended it
       std::erase(prefilling_, s);
-      Complete(s, absl::OkStatus());
+      Complete(s, absl::OkStatus(), endings);
     } else if (st.ok()) {
       std::erase(prefilling_, s);
-      s->state = Seq::State::kRunning;
       running_.push_back(s);
       if (t) {
         s->generate_span = t->StartSpan("decode.generate", s->span.context());
@@ -480,14 +492,16 @@ void DecodeEngine::HandlePrefillsDone() {
       } else if (clock_.Now() > s->job.deadline) {
         final = absl::DeadlineExceededError("deadline passed during prefill");
       }
-      Complete(s, Annotate(final, absl::StrCat("prefill (", s->attempts, " attempt",
-                                               s->attempts == 1 ? "" : "s", ")")));
+      Complete(s,
+               Annotate(final, absl::StrCat("prefill (", s->attempts, " attempt",
+                                            s->attempts == 1 ? "" : "s", ")")),
+               endings);
     }
   }
 }
 
 // Cancellations and deadlines of sequences in flight (under the lock).
-void DecodeEngine::ExpireInFlight() {
+void DecodeEngine::ExpireInFlight(std::vector<Ending>* endings) {
   const auto now = clock_.Now();
   for (auto& s : prefilling_) {
     if ((s->sink->cancelled() || now > s->job.deadline || stopping_) && s->transfer) {
@@ -499,9 +513,11 @@ void DecodeEngine::ExpireInFlight() {
     if (s->sink->cancelled() || now > s->job.deadline || stopping_) {
       std::shared_ptr<Seq> ending = std::move(*it);
       it = running_.erase(it);
-      Complete(ending, ending->sink->cancelled() ? absl::CancelledError("cancelled by the client")
-                       : stopping_               ? absl::UnavailableError("decode node shut down")
-                                                 : absl::DeadlineExceededError("deadline passed"));
+      Complete(ending,
+               ending->sink->cancelled() ? absl::CancelledError("cancelled by the client")
+               : stopping_               ? absl::UnavailableError("decode node shut down")
+                                         : absl::DeadlineExceededError("deadline passed"),
+               endings);
     } else {
       ++it;
     }
@@ -509,6 +525,7 @@ void DecodeEngine::ExpireInFlight() {
 }
 
 void DecodeEngine::Loop() {
+  std::vector<Ending> endings;
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -521,30 +538,33 @@ void DecodeEngine::Loop() {
           prefill_done_.empty()) {
         break;
       }
-      HandlePrefillsDone();
-      ExpireInFlight();
-      if (!draining_) Admit();
+      HandlePrefillsDone(&endings);
+      ExpireInFlight(&endings);
+      if (!draining_) Admit(&endings);
+      finishing_ += static_cast<int>(endings.size());
       if (options_.telemetry) {
         options_.telemetry->SetQueued(static_cast<double>(waiting_.size()));
         options_.telemetry->SetActive(static_cast<double>(prefilling_.size() + running_.size()));
       }
     }
+    Finish(&endings);
     // Decode one token for the batch, without the lock; the sequences it ended leave the
     // batch before their clients hear the end.
     auto ended = Step();
-    {
+    if (!ended.empty()) {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& [s, st] : ended) std::erase(running_, s);
+      for (auto& [s, st] : ended) {
+        std::erase(running_, s);
+        Complete(s, st, &endings);
+      }
+      finishing_ += static_cast<int>(endings.size());
     }
-    for (auto& [s, st] : ended) Complete(s, st);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      cv_.notify_all();  // Drain waits for the batch to empty
-    }
+    Finish(&endings);
     if (options_.telemetry) {
       options_.telemetry->SetPool(static_cast<double>(pool_->used()),
                                   static_cast<double>(pool_->capacity()));
     }
   }
 }
+
 }  // namespace kvwire

@@ -15,6 +15,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -108,19 +109,28 @@ class DecodeEngine {
  private:
   struct Seq;
   class Receiver;
+  // A sequence leaving the engine: decided under the lock, finished (memory back, then the
+  // client's Finish) after it, so that no pool or sink callback runs under the lock.
+  struct Ending {
+    std::shared_ptr<Seq> seq;
+    absl::Status status;
+    std::optional<RequestFigures> figures;
+  };
   void Loop();
-  void Admit();
+  void Admit(std::vector<Ending>* endings);
   absl::Status Prepare(Seq& s);
   void StartPrefill(const std::shared_ptr<Seq>& s);
   void OnPrefillDone(std::shared_ptr<Seq> s, absl::Status status);
-  void HandlePrefillsDone();
-  void ExpireInFlight();
+  void HandlePrefillsDone(std::vector<Ending>* endings);
+  void ExpireInFlight(std::vector<Ending>* endings);
   // Emits a token to the client; true when the sequence is now finished.
   bool Emit(Seq& s, int32_t token, float logprob);
   // One decode step of the batch; the sequences it ended, with how.
   std::vector<std::pair<std::shared_ptr<Seq>, absl::Status>> Step();
-  // Figures, telemetry, the memory back to the pool, then the client's Finish.
-  void Complete(const std::shared_ptr<Seq>& s, const absl::Status& status);
+  // Figures and telemetry of a sequence that ends (under the lock).
+  void Complete(const std::shared_ptr<Seq>& s, const absl::Status& status,
+                std::vector<Ending>* endings);
+  void Finish(std::vector<Ending>* endings);
 
   LlamaModel* model_;
   KvPool* pool_;
@@ -133,6 +143,7 @@ class DecodeEngine {
   std::vector<std::shared_ptr<Seq>> prefilling_;  // admitted, KV arriving
   std::vector<std::shared_ptr<Seq>> running_;     // decoding
   std::vector<std::pair<std::shared_ptr<Seq>, absl::Status>> prefill_done_;
+  int finishing_ = 0;  // ended sequences whose clients have not heard yet
   bool stopping_ = false, draining_ = false;
   std::atomic<bool> wake_{false};
   std::thread loop_;

@@ -2,7 +2,8 @@
 // KvSource to start a prefill and hears the resulting stream through its KvReceiver:
 //
 //   GrpcKvSource   (decode_service/grpc_kv_source.h) a prefill node over the Prefill RPC
-//   LocalKvSource  (here) this node's own model, for short prompts or no prefill nodes
+//   LocalKvSource  (local_kv_source.h) this node's own model, for short prompts or no prefill
+//                  nodes
 //   fakes          (tests/) streams a test scripts, with no network
 //
 // GPU transports (NCCL, CUDA IPC) plug in here: the stream's metadata as now, the K/V
@@ -14,7 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "common/engine/prefill_engine.h"
+#include "common/engine/prefill_job.h"
 #include "common/wire/kv_stream.h"
 
 namespace kvwire {
@@ -45,19 +46,6 @@ class KvSource {
   // receiver on the caller's thread before returning.
   virtual absl::StatusOr<std::shared_ptr<KvTransfer>> Start(
       PrefillJob job, std::shared_ptr<KvReceiver> receiver) = 0;
-};
-
-// Prefills on a PrefillExecutor of this process (the decode node's own model) and hands
-// the stream straight to the receiver: no serialization, no copies beyond the chunks.
-class LocalKvSource final : public KvSource {
- public:
-  explicit LocalKvSource(PrefillExecutor* prefills) : prefills_(prefills) {}
-  absl::string_view name() const override { return "local"; }
-  absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
-                                                    std::shared_ptr<KvReceiver> receiver) override;
-
- private:
-  PrefillExecutor* prefills_;
 };
 
 }  // namespace kvwire

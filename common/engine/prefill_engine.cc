@@ -215,7 +215,11 @@ absl::Status PrefillEngine::Submit(PrefillJob job, std::shared_ptr<KvStreamSink>
   q->received = options_.clock->Now();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ || workers_.empty()) {
+    if (options_.workers == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "prefill engine ", options_.node_name, " has no workers: it runs prefills with Run"));
+    }
+    if (stopping_) {
       return absl::UnavailableError(
           absl::StrCat("prefill node ", options_.node_name, " is shutting down"));
     }
@@ -262,19 +266,19 @@ void PrefillEngine::WorkerLoop() {
 
 void PrefillEngine::Shutdown() {
   std::deque<std::unique_ptr<Queued>> refused;
+  std::vector<std::thread> workers;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && workers_.empty()) return;
     stopping_ = true;
     refused.swap(queue_);
+    workers.swap(workers_);  // a second Shutdown finds none to join
   }
   cv_.notify_all();
   for (auto& q : refused) {
     q->done(
         absl::UnavailableError(absl::StrCat("prefill node ", options_.node_name, " shut down")));
   }
-  for (auto& t : workers_) t.join();
-  workers_.clear();
+  for (auto& t : workers) t.join();
 }
 
 }  // namespace kvwire

@@ -22,25 +22,13 @@
 #include "absl/status/statusor.h"
 #include "common/base/clock.h"
 #include "common/compression/compression.h"
+#include "common/engine/prefill_job.h"
 #include "common/model/llama_model.h"
 #include "common/telemetry/telemetry.h"
 #include "common/wire/kv_stream.h"
 #include "kernels/sampling.h"
 
 namespace kvwire {
-
-// One prefill, in domain terms.
-struct PrefillJob {
-  std::string request_id;
-  std::vector<int32_t> prompt_ids;
-  CompressionConfig compression;     // resolved: no two-stage policy left
-  kernels::SamplingParams sampling;  // of the first token, sampled here
-  uint64_t seed = 0;                 // the first token takes the first draw of this seed
-  size_t max_chunk_bytes = kDefaultMaxChunkBytes;
-  std::optional<std::string> model_fingerprint;  // checked when set (another node's request)
-  Clock::TimePoint deadline = Clock::TimePoint::max();
-  TraceContext trace;
-};
 
 struct PrefillOutcome {
   WireTrailer trailer;        // as sent: first token, timings, counts

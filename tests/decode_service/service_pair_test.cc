@@ -77,8 +77,10 @@ class ServicePairTest : public ::testing::Test {
   // A prefill node as the binary builds one (an engine and its gRPC server), with a fault
   // injector between them.
   struct PrefillNode {
-    std::unique_ptr<PrefillEngine> engine;
+    // Destroyed bottom up: the server, then the engine (its workers may still be in the
+    // fault injector), then the injector.
     std::unique_ptr<testing::FaultyPrefills> faults;
+    std::unique_ptr<PrefillEngine> engine;
     std::unique_ptr<PrefillServer> server;
     int port() const { return server->port(); }
     void Shutdown() { server->Shutdown(0); }
@@ -385,6 +387,24 @@ TEST_F(ServicePairTest, EveryBadFieldIsInvalidArgumentNamingIt) {
        }},
       {"attention.mode", [](auto* r) { r->mutable_attention()->set_mode("magic"); }},
       {"request_id", [](auto* r) { r->set_request_id(std::string(300, 'x')); }},
+      {"compression.kernel does not apply to snapkv_pp",
+       [](auto* r) {
+         r->mutable_compression()->set_policy("snapkv_pp");
+         r->mutable_compression()->set_budget(64);
+         r->mutable_compression()->set_kernel(7);
+       }},
+      {"attention: top_r does not apply to quest",
+       [](auto* r) {
+         r->mutable_attention()->set_mode("quest");
+         r->mutable_attention()->set_token_budget(16);
+         r->mutable_attention()->set_top_r(4);
+       }},
+      {"rocketkv sets its own decode attention",
+       [](auto* r) {
+         r->mutable_compression()->set_policy("rocketkv");
+         r->mutable_compression()->set_budget(32);
+         r->mutable_attention()->set_mode("quest");
+       }},
       {"exceeds the model's context", [](auto* r) { r->mutable_sampling()->set_max_tokens(4000); }},
   };
   for (const Case& c : cases) {

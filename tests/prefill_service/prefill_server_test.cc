@@ -66,8 +66,9 @@ class PrefillServerTest : public ::testing::Test {
   }
 
   std::unique_ptr<LlamaModel> model_;
-  std::unique_ptr<PrefillEngine> engine_;
+  // Destroyed bottom up: the server, the engine (its workers may be in the injector), the injector.
   std::unique_ptr<testing::FaultyPrefills> faults_;
+  std::unique_ptr<PrefillEngine> engine_;
   std::unique_ptr<PrefillServer> server_;
   std::unique_ptr<v1::Prefill::Stub> stub_;
 };

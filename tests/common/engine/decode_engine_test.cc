@@ -33,18 +33,20 @@ class DecodeEngineTest : public ::testing::Test {
   void TearDown() override {
     remote_.FailOpenTransfers();  // streams a failed test left open
     local_.FailOpenTransfers();
+    live_ = nullptr;
     engine_.reset();
     pool_.reset();
   }
 
   void Start(DecodeEngineOptions o = {}, size_t pool_bytes = kPool) {
     pool_ = std::make_unique<KvPool>(pool_bytes, 4096, [this] {
-      if (engine_) engine_->Wake();
+      if (DecodeEngine* e = live_.load()) e->Wake();
     });
     o.node_name = "decode-test";
     o.remote = &remote_;
     o.clock = &clock_;
     engine_ = std::make_unique<DecodeEngine>(model_.get(), pool_.get(), o);
+    live_ = engine_.get();
   }
 
   std::vector<int32_t> Prompt(int n, int salt = 0) const {
@@ -100,6 +102,7 @@ class DecodeEngineTest : public ::testing::Test {
   FakeKvSource local_{"local"};
   std::unique_ptr<KvPool> pool_;
   std::unique_ptr<DecodeEngine> engine_;
+  std::atomic<DecodeEngine*> live_{nullptr};  // what the pool's callback wakes
 };
 
 TEST_F(DecodeEngineTest, BatchedRequestsEqualSingleProcessGeneration) {
@@ -360,6 +363,21 @@ TEST_F(DecodeEngineTest, StopTokensAndDrain) {
   engine_->Drain(std::chrono::milliseconds(0));
   auto late = std::make_shared<RecordingSink>();
   EXPECT_EQ(engine_->Submit(Job(50, 2, 9), late).code(), absl::StatusCode::kUnavailable);
+  ExpectIdle();
+}
+
+TEST_F(DecodeEngineTest, DrainWaitsForTheRunningOnesToFinish) {
+  Start();
+  auto sink = Submit(Job(40, 30, 1));
+  auto t = remote_.Next();
+  ASSERT_NE(t, nullptr);
+  t->Serve(*prefill_);
+  ASSERT_TRUE(sink->WaitTokens(1));
+  engine_->Drain(std::chrono::seconds(20));
+  // Drain returns once the client has heard the end, not merely once the batch is empty.
+  EXPECT_EQ(sink->finishes, 1);
+  EXPECT_TRUE(sink->status.ok()) << sink->status;
+  EXPECT_EQ(sink->ids.size(), 30u);
   ExpectIdle();
 }
 

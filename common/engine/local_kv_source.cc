@@ -1,4 +1,4 @@
-#include "common/engine/kv_source.h"
+#include "common/engine/local_kv_source.h"
 
 #include <atomic>
 

@@ -1,0 +1,31 @@
+// What a prefill is asked to do, in domain terms: the request of the prefill engine and of
+// every KvSource (whatever carries it: in process, the Prefill RPC, a GPU transport).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/base/clock.h"
+#include "common/compression/compression.h"
+#include "common/telemetry/telemetry.h"
+#include "common/wire/kv_wire.h"
+#include "kernels/sampling.h"
+
+namespace kvwire {
+
+// One prefill, in domain terms.
+struct PrefillJob {
+  std::string request_id;
+  std::vector<int32_t> prompt_ids;
+  CompressionConfig compression;     // resolved: no two-stage policy left
+  kernels::SamplingParams sampling;  // of the first token, sampled here
+  uint64_t seed = 0;                 // the first token takes the first draw of this seed
+  size_t max_chunk_bytes = kDefaultMaxChunkBytes;
+  std::optional<std::string> model_fingerprint;  // checked when set (another node's request)
+  Clock::TimePoint deadline = Clock::TimePoint::max();
+  TraceContext trace;
+};
+
+}  // namespace kvwire
