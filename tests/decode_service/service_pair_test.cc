@@ -141,6 +141,13 @@ class ServicePairTest : public ::testing::Test {
     EXPECT_EQ(r.ids.size(), 4u);
   }
 
+  // Shuts `node` down (on a helper thread) once a stream is held in its fault injector.
+  void ShutDownWhenHeld(PrefillNode* node) {
+    helpers_.emplace_back([node] {
+      if (node->faults->WaitHeld()) node->Shutdown();
+    });
+  }
+
   std::vector<int32_t> LongPrompt(int n) const {
     std::vector<int32_t> ids = {1};
     auto text = decode_model_->tokenizer().Encode(
@@ -429,9 +436,7 @@ TEST_F(ServicePairTest, PrefillKilledMidStreamRetriesOnAnotherNode) {
   StartDecode();
   // When a stream reaches its third chunk on the doomed node, the node is shut down, which
   // cancels the stream while that chunk is held back.
-  helpers_.emplace_back([doomed] {
-    if (doomed->faults->WaitHeld()) doomed->Shutdown();
-  });
+  ShutDownWhenHeld(doomed);
   // Round robin spreads requests over both nodes, so one meets the doomed node.
   v1::GenerateRequest req = Request(LongPrompt(200), 8);
   req.mutable_compression()->set_policy("snapkv");
@@ -457,9 +462,7 @@ TEST_F(ServicePairTest, PrefillKilledWithNoOtherNodeFailsCleanly) {
   hold.hold_chunk = 1;
   PrefillNode* victim = AddPrefill("prefill", hold);
   const int port = victim->port();
-  helpers_.emplace_back([victim] {
-    if (victim->faults->WaitHeld()) victim->Shutdown();
-  });
+  ShutDownWhenHeld(victim);
   DecodeServerOptions d;
   d.engine.prefill_attempts = 2;
   StartDecode(d);

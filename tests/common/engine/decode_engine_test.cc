@@ -88,6 +88,14 @@ class DecodeEngineTest : public ::testing::Test {
     return sink;
   }
 
+  // Submits a job and takes the transfer the engine starts for it (null after kWait).
+  std::shared_ptr<FakeKvSource::Transfer> SubmitAndStart(GenerationJob j,
+                                                         std::shared_ptr<RecordingSink>* sink,
+                                                         FakeKvSource* source = nullptr) {
+    *sink = Submit(std::move(j));
+    return (source ? source : &remote_)->Next();
+  }
+
   // Every request done and every byte of the pool back.
   void ExpectIdle() {
     EXPECT_EQ(engine_->active(), 0);
@@ -181,8 +189,8 @@ TEST_F(DecodeEngineTest, FullPoolWaitsForRoomThenTimesOut) {
   const size_t one = KvCache::BytesFor(
       CompressedCacheShape(job.compression, model_->config(), model_->kv_dtype(), 60, 40));
   Start(o, one + one / 2);  // room for one request at a time
-  auto first = Submit(job);
-  auto t1 = remote_.Next();
+  std::shared_ptr<RecordingSink> first;
+  auto t1 = SubmitAndStart(job, &first);
   ASSERT_NE(t1, nullptr);
   auto second = Submit(Job(60, 40, 2));
   auto third = Submit(Job(60, 40, 3));
@@ -212,8 +220,8 @@ TEST_F(DecodeEngineTest, FullPoolWaitsForRoomThenTimesOut) {
 
 TEST_F(DecodeEngineTest, CancellationDuringPrefillCancelsTheStream) {
   Start();
-  auto sink = Submit(Job(50, 8, 1));
-  auto t = remote_.Next();
+  std::shared_ptr<RecordingSink> sink;
+  auto t = SubmitAndStart(Job(50, 8, 1), &sink);
   ASSERT_NE(t, nullptr);
   sink->Cancel();
   engine_->Wake();
@@ -230,8 +238,8 @@ TEST_F(DecodeEngineTest, CancellationWhileDecodingEndsTheSequence) {
   GenerationJob j = Job(50, 2000, 1);
   j.compression.budget = 0;
   j.compression.policy = FullPolicy();
-  auto sink = Submit(j);
-  auto t = remote_.Next();
+  std::shared_ptr<RecordingSink> sink;
+  auto t = SubmitAndStart(j, &sink);
   ASSERT_NE(t, nullptr);
   t->Serve(*prefill_);
   ASSERT_TRUE(sink->WaitTokens(3));
@@ -250,8 +258,8 @@ TEST_F(DecodeEngineTest, DeadlinesWhileQueuedAndDuringPrefill) {
   GenerationJob a = Job(50, 4, 1), b = Job(50, 4, 2);
   a.deadline = clock_.Now() + std::chrono::seconds(5);
   b.deadline = clock_.Now() + std::chrono::seconds(1);
-  auto first = Submit(a);
-  auto t = remote_.Next();
+  std::shared_ptr<RecordingSink> first;
+  auto t = SubmitAndStart(a, &first);
   ASSERT_NE(t, nullptr);
   EXPECT_EQ(t->job().deadline, a.deadline) << "the stream carries the request's deadline";
   auto second = Submit(b);  // queued behind the full batch
@@ -273,8 +281,8 @@ TEST_F(DecodeEngineTest, DeadlinesWhileQueuedAndDuringPrefill) {
 TEST_F(DecodeEngineTest, ASourceThatDiesMidStreamIsRetried) {
   Start();
   const GenerationJob job = Job(70, 6, 1);
-  auto sink = Submit(job);
-  auto dying = remote_.Next();
+  std::shared_ptr<RecordingSink> sink;
+  auto dying = SubmitAndStart(job, &sink);
   ASSERT_NE(dying, nullptr);
   dying->Serve(*prefill_, /*max_chunks=*/1);  // one layer arrives, then the node is gone
   auto retry = remote_.Next();
@@ -334,8 +342,8 @@ TEST_F(DecodeEngineTest, ShortPromptsPrefillLocally) {
   ASSERT_TRUE(short_one->WaitFinished());
   EXPECT_EQ(short_one->status.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(local.starts(), 1);
-  auto long_one = Submit(Job(40, 3, 2));
-  auto r = remote_.Next();
+  std::shared_ptr<RecordingSink> long_one;
+  auto r = SubmitAndStart(Job(40, 3, 2), &long_one);
   ASSERT_NE(r, nullptr);
   r->Serve(*prefill_);
   ASSERT_TRUE(long_one->WaitFinished());
@@ -350,8 +358,8 @@ TEST_F(DecodeEngineTest, StopTokensAndDrain) {
   const GenerationResult full = Reference(j);
   ASSERT_GE(full.ids.size(), 4u);
   j.stop_ids = {full.ids[3]};
-  auto sink = Submit(j);
-  auto t = remote_.Next();
+  std::shared_ptr<RecordingSink> sink;
+  auto t = SubmitAndStart(j, &sink);
   ASSERT_NE(t, nullptr);
   t->Serve(*prefill_);
   ASSERT_TRUE(sink->WaitFinished());
@@ -368,8 +376,8 @@ TEST_F(DecodeEngineTest, StopTokensAndDrain) {
 
 TEST_F(DecodeEngineTest, DrainWaitsForTheRunningOnesToFinish) {
   Start();
-  auto sink = Submit(Job(40, 30, 1));
-  auto t = remote_.Next();
+  std::shared_ptr<RecordingSink> sink;
+  auto t = SubmitAndStart(Job(40, 30, 1), &sink);
   ASSERT_NE(t, nullptr);
   t->Serve(*prefill_);
   ASSERT_TRUE(sink->WaitTokens(1));
