@@ -230,6 +230,10 @@ int Compressor::window(int len) const {
   return config_.NeedsScores() && config_.Compresses(len) ? config_.window : 0;
 }
 
+bool Compressor::NeedsScores(int layer, int len) const {
+  return selector_.NeedsScoresFor(layer, len);
+}
+
 absl::Status Compressor::OnLayer(const PrefillLayer& layer) {
   const auto t0 = std::chrono::steady_clock::now();
   WindowScores ws{layer.window_scores, n_heads_, layer.window, layer.len};

@@ -104,6 +104,7 @@ class Compressor : public PrefillObserver {
   Compressor(const CompressionConfig& config, const ModelConfig& model, DType kv_dtype,
              CompressedLayerSink* sink);
   int window(int len) const override;
+  bool NeedsScores(int layer, int len) const override;
   absl::Status OnLayer(const PrefillLayer& layer) override;
   // Seconds spent selecting and gathering (the compression overhead).
   double seconds() const { return seconds_; }

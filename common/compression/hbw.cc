@@ -5,9 +5,9 @@
 // M groups (e.g. M = 1, then 8), each group choosing its best blocks not yet chosen, so
 // kept blocks spread over the prompt instead of piling at its ends.
 //
-// The paper leaves the share of each round open; here rounds share the capacity equally
-// and capacity a round could not use in whole blocks goes to the best remaining blocks,
-// the last one cut to fit, so exactly the prefix budget is kept (docs/algorithms.md §6.3).
+// The paper leaves the share of each round open; here the rounds share the budget's whole
+// blocks equally, each spreading its blocks over its groups, so the M = 8 round keeps as many
+// blocks as the M = 1 round, spread over the prompt (docs/algorithms.md §6.2-6.3).
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -41,6 +41,12 @@ struct HbwParams {
   GqaMode gqa = GqaMode::kSum;
 };
 
+// Whole blocks per round (docs/algorithms.md §6.2): the prefix budget holds ⌊budget/T⌋ whole
+// blocks; the rounds share them equally (earlier rounds one more when they do not divide),
+// each round spreads its blocks over its M groups equally (earlier groups one more), and each
+// group takes its best blocks that no earlier round took. Blocks a group cannot take (too few
+// left in it) and the remainder smaller than a block go to the fill below: the best remaining
+// blocks, the last one cut to fit, so that exactly `prefix_budget` tokens are kept.
 std::vector<int32_t> HbwSelect(const std::vector<float>& tok, int block,
                                const std::vector<int>& rounds, int prefix_budget) {
   const int prefix = static_cast<int>(tok.size());
@@ -51,12 +57,13 @@ std::vector<int32_t> HbwSelect(const std::vector<float>& tok, int block,
   for (int r = 0; r < n_blocks; ++r) rank_of[rank[r]] = r;
   std::vector<bool> selected(n_blocks, false);
   int used = 0;
+  const int whole = prefix_budget / block;
   const int n_rounds = static_cast<int>(rounds.size());
   for (int r = 0; r < n_rounds; ++r) {
-    const int round_cap = prefix_budget / n_rounds + (r < prefix_budget % n_rounds ? 1 : 0);
+    const int round_blocks = whole / n_rounds + (r < whole % n_rounds ? 1 : 0);
     const int m_groups = std::min(rounds[r], n_blocks);
     for (int g = 0; g < m_groups; ++g) {
-      const int cap = round_cap / m_groups + (g < round_cap % m_groups ? 1 : 0);
+      const int quota = round_blocks / m_groups + (g < round_blocks % m_groups ? 1 : 0);
       const int b0 = static_cast<int>(int64_t{g} * n_blocks / m_groups);
       const int b1 = static_cast<int>(int64_t{g + 1} * n_blocks / m_groups);
       std::vector<int32_t> cand;
@@ -66,9 +73,9 @@ std::vector<int32_t> HbwSelect(const std::vector<float>& tok, int block,
       std::sort(cand.begin(), cand.end(), [&](int a, int b) { return rank_of[a] < rank_of[b]; });
       int taken = 0;
       for (int32_t b : cand) {
-        if (taken + block_size(b) > cap || used + block_size(b) > prefix_budget) break;
+        if (taken == quota || used + block_size(b) > prefix_budget) break;
         selected[b] = true;
-        taken += block_size(b);
+        ++taken;
         used += block_size(b);
       }
     }

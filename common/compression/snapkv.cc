@@ -54,7 +54,9 @@ class SnapKV final : public CompressionPolicy {
   absl::StatusOr<KeptRows> SelectPrefix(const LayerInput& in, PromptState*) const override {
     KeptRows kept;
     for (const auto& row : GroupVotes(HeadVotes(*in.scores, in.prefix), p_.gqa, in.n_kv_heads)) {
-      kept.push_back(TopKAscending(Pool1d(row, p_.kernel, p_.pool), in.prefix_budget));
+      // A budget that cuts through a pooling plateau keeps the plateau's peaks (the raw
+      // votes break the tie), not merely its leftmost positions.
+      kept.push_back(TopKAscending(Pool1d(row, p_.kernel, p_.pool), in.prefix_budget, &row));
     }
     return kept;
   }

@@ -91,7 +91,7 @@ class SnapKVpp final : public CompressionPolicy {
     KeptRows kept;
     for (const auto& row :
          GroupVotes(HeadVotes(*in.scores, in.prefix), GqaMode::kSum, in.n_kv_heads)) {
-      kept.push_back(TopKAscending(Pool1d(row, kernel, PoolKind::kMax), in.prefix_budget));
+      kept.push_back(TopKAscending(Pool1d(row, kernel, PoolKind::kMax), in.prefix_budget, &row));
     }
     return kept;
   }

@@ -45,6 +45,7 @@ class Guarded final : public PrefillObserver {
         telemetry_(telemetry),
         forward_(forward) {}
   int window(int len) const override { return inner_->window(len); }
+  bool NeedsScores(int layer, int len) const override { return inner_->NeedsScores(layer, len); }
   absl::Status OnLayer(const PrefillLayer& layer) override {
     if (sink_->cancelled()) return absl::CancelledError("prefill cancelled by its reader");
     if (clock_.Now() > job_.deadline) {

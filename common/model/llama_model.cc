@@ -511,8 +511,8 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
     ap.n_kv_heads = c.num_kv_heads;
     ap.head_dim = d;
     ap.scale = 1.f / std::sqrt(static_cast<float>(d));
-    ap.window = window;
-    ap.window_scores = window > 0 ? scores.data() : nullptr;
+    ap.window = window > 0 && observer->NeedsScores(li, len) ? window : 0;
+    ap.window_scores = ap.window > 0 ? scores.data() : nullptr;
     RETURN_IF_ERROR(backend_->PrefillAttention(ap));
     if (observer) {
       PrefillLayer pl;
@@ -522,7 +522,7 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
       pl.v = ap.v;
       pl.kv_stride = stride;
       pl.window_scores = ap.window_scores;
-      pl.window = window;
+      pl.window = ap.window;
       RETURN_IF_ERROR(observer->OnLayer(pl));
     }
     RETURN_IF_ERROR(AttentionOutAndMlp(L, a));

@@ -57,6 +57,9 @@ class PrefillObserver {
   virtual ~PrefillObserver() = default;
   // Rows of window scores wanted for a `len`-token prompt (0: none); clamped to len.
   virtual int window(int len) const = 0;
+  // Whether `layer` needs them (a layer that reuses another's selection does not: ChunkKV's
+  // index reuse saves computing them).
+  virtual bool NeedsScores(int layer, int len) const { return true; }
   // Called after each layer, in order. An error stops the prefill and is returned by it
   // (that is how cancellation and deadlines reach into a long prompt).
   virtual absl::Status OnLayer(const PrefillLayer& layer) = 0;

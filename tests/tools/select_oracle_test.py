@@ -62,8 +62,9 @@ def pool1d(x, kernel, kind):
   return windows.max(axis=0) if kind == "max" else windows.sum(axis=0) / kernel
 
 
-def topk_sorted(scores, n):
-  order = np.argsort(-scores, kind="stable")  # ties: lower position first
+def topk_sorted(scores, n, tie):
+  """Best first by pooled score, ties by the raw vote, then the lower position."""
+  order = np.lexsort((np.arange(len(scores)), -tie, -scores))
   return sorted(order[:n].tolist())
 
 
@@ -75,7 +76,8 @@ def snapkv(q, k, window, budget, kernel, pool, gqa):
   if gqa == "sum":  # SnapKV++ / RocketKV Alg. 1: group sum before pooling
     vote = vote.reshape(kv, heads // kv, prefix).sum(axis=1)
   pooled = pool1d(vote, kernel, pool)
-  rows = [topk_sorted(p, budget - window) + list(range(prefix, length)) for p in pooled]
+  rows = [topk_sorted(p, budget - window, v) + list(range(prefix, length))
+          for p, v in zip(pooled, vote)]
   return rows, pooled
 
 

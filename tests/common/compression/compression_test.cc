@@ -66,15 +66,37 @@ TEST(SnapKV, TopVotesPlusWindowWithoutPooling) {
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{1, 3, 6, 8, 9}}));
 }
 
-TEST(SnapKV, MaxPoolingSpreadsPeaksAndTiesGoToLowerPositions) {
-  // Kernel 3 max-pool of [0,0,5,0,0,0,0,4] = [0,5,5,5,0,0,4,4]; top 3 with ties to the
-  // lower position: 1, 2, 3.
+TEST(SnapKV, MaxPoolingSpreadsPeaksAndTiesKeepThePeak) {
+  // Kernel 3 max-pool of [0,0,5,0,0,0,0,4] = [0,5,5,5,0,0,4,4]; the top 3 are the plateau
+  // 1, 2, 3.
   CompressionConfig c = Config("snapkv", 5, 2, {{"kernel", "3"}});
   Scores s({{0, 0, 5, 0, 0, 0, 0, 4}}, 2, 10);
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{1, 2, 3, 8, 9}}));
-  // Top 4 adds the first 4 (position 6).
+  // The 4th cuts through the plateau 6, 7: the raw vote breaks the tie, so the peak (7) is
+  // kept, not merely the plateau's leftmost position (docs/algorithms.md §0).
   c.budget = 6;
-  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{1, 2, 3, 6, 8, 9}}));
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{1, 2, 3, 7, 8, 9}}));
+  // Among equal raw votes too, the lower position: [0,0,5,0,0,0,4,4] pools to
+  // [0,5,5,5,0,4,4,4]; the 4th slot goes to 6 (raw 4, the lower of the two peaks).
+  Scores t({{0, 0, 5, 0, 0, 0, 4, 4}}, 2, 10);
+  EXPECT_EQ(Select(c, 1, 1, t), (Kept{{1, 2, 3, 6, 8, 9}}));
+}
+
+TEST(SnapKV, AKernelWiderThanThePrefixStillFindsThePeak) {
+  // Every pooled score equals the maximum; the raw votes decide. Without the tie-break the
+  // policy would keep the first budget - window positions.
+  CompressionConfig c = Config("snapkv", 4, 2, {{"kernel", "63"}});
+  Scores s({{0.1f, 0, 0, 0, 0.2f, 0, 0.9f, 0}}, 2, 10);
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{4, 6, 8, 9}}));
+  c.policy = Make("snapkv_pp", {{"kernel_small", "511"}});
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{4, 6, 8, 9}}));
+}
+
+// A NaN score (a corrupt model) ranks below every number rather than breaking the sort.
+TEST(SnapKV, NaNVotesRankLast) {
+  CompressionConfig c = Config("snapkv", 4, 2, {{"kernel", "1"}});
+  Scores s({{NAN, 0.3f, NAN, 0.1f, 0.2f, NAN}}, 2, 8);
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{1, 4, 6, 7}}));
 }
 
 TEST(SnapKV, AvgPoolingCountsThePadding) {
@@ -162,6 +184,38 @@ TEST(ChunkKV, LayerReuseSharesTheFirstLayersIndices) {
   EXPECT_EQ(*sel.Select(3, 11, nullptr), *l2);
 }
 
+// The layers that reuse an anchor's selection get no window scores from the model: ChunkKV's
+// saving is not computing them (Algorithm 2).
+TEST(ChunkKV, ReusingLayersComputeNoWindowScores) {
+  auto model = LlamaModel::Load("synthetic:stories");
+  ASSERT_TRUE(model.ok());
+  class Spy : public CompressedLayerSink {
+   public:
+    absl::Status Accept(CompressedLayer) override { return absl::OkStatus(); }
+  } sink;
+  class Recording : public PrefillObserver {
+   public:
+    explicit Recording(Compressor* c) : c_(c) {}
+    int window(int len) const override { return c_->window(len); }
+    bool NeedsScores(int layer, int len) const override { return c_->NeedsScores(layer, len); }
+    absl::Status OnLayer(const PrefillLayer& l) override {
+      scored.push_back(l.window_scores != nullptr);
+      return c_->OnLayer(l);
+    }
+    std::vector<bool> scored;
+
+   private:
+    Compressor* c_;
+  };
+  Compressor compressor(Config("chunkkv", 40, 8, {{"reuse_layers", "2"}}), (*model)->config(),
+                        (*model)->kv_dtype(), &sink);
+  Recording spy(&compressor);
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 120; ++i) prompt.push_back(3 + (i * 7) % 400);
+  ASSERT_TRUE((*model)->Prefill(prompt, &spy).ok());
+  EXPECT_EQ(spy.scored, (std::vector<bool>{true, false, true, false, true}));  // 5 layers
+}
+
 TEST(HBW, BlockMeansAndHierarchicalGroups) {
   // Prefix 16 in blocks of 2 (8 blocks). Block means: b0 .9, b1 .8, b2 .7, b3 .3,
   // b4 .05, b5 .04, b6 .2, b7 .03. Prefix budget 8 = two rounds of 4 tokens.
@@ -183,6 +237,30 @@ TEST(HBW, BlockMeansAndHierarchicalGroups) {
   c.policy = Make("hbw", {{"block", "2"}, {"groups", "1"}});
   c.budget = 9;
   EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 2, 3, 4, 5, 6, 16, 17}}));
+}
+
+// At a realistic budget the M = 8 round keeps as many whole blocks as the M = 1 round, spread
+// over the prompt (docs/algorithms.md §6.2): budget 512, window 32, block 512/32 = 16, a
+// 992-token prefix of 62 blocks, votes falling with position. The 30 whole blocks of the
+// 480-token prefix budget: round M=1 takes the best 15 (blocks 0-14); round M=8 gives groups
+// [0,7) [7,15) [15,23) [23,31) [31,38) [38,46) [46,54) [54,62) quotas 2,2,2,2,2,2,2,1: the
+// first two have nothing left, the others take their best two (one); the 4 blocks left go
+// to the best remaining (17-20).
+TEST(HBW, SecondRoundKeepsHalfTheBlocksSpreadOverThePrompt) {
+  std::vector<float> votes(992);
+  for (int j = 0; j < 992; ++j) votes[j] = 1000.f - j;
+  Scores s({votes}, 32, 1024);
+  const Kept kept = Select(Config("hbw", 512, 32), 1, 1, s);
+  ASSERT_EQ(kept.size(), 1u);
+  std::set<int> blocks;
+  for (int32_t j : kept[0]) {
+    if (j < 992) blocks.insert(j / 16);
+  }
+  std::set<int> want;
+  for (int b = 0; b <= 20; ++b) want.insert(b);
+  for (int b : {23, 24, 31, 32, 38, 39, 46, 47, 54}) want.insert(b);
+  EXPECT_EQ(blocks, want);
+  EXPECT_EQ(kept[0].size(), 512u);
 }
 
 TEST(Streaming, SinksPlusRecent) {
