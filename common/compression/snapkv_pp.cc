@@ -36,10 +36,16 @@ const PolicyInfo& Info() {
 }
 
 const PolicyInfo& RocketKVInfo() {
-  static const PolicyInfo* const info = new PolicyInfo{
-      "rocketkv",
-      "one per-step token budget t split into SnapKV++ (stage 1) and hybrid attention (stage 2)",
-      "RocketKV, §3.5", ParamInfos(), &MakeRocketKV};
+  static const PolicyInfo* const info = [] {
+    std::vector<ParamInfo> params = ParamInfos();
+    params.push_back({"budget_split", "alpha",
+                      "rocketkv: how t is split between the stages: alpha (the authors' code) or "
+                      "sqrt (the paper's √c per stage)"});
+    return new PolicyInfo{
+        "rocketkv",
+        "one per-step token budget t split into SnapKV++ (stage 1) and hybrid attention (stage 2)",
+        "RocketKV, §3.5", params, &MakeRocketKV};
+  }();
   return *info;
 }
 
@@ -49,13 +55,12 @@ struct SnapKVppParams {
   int kernel_threshold = 48 * 1024;
 };
 
-absl::StatusOr<SnapKVppParams> ReadParams(const PolicyInfo& info, const ParamValues& values) {
+// SnapKV++'s parameters; the caller finishes the reader (rocketkv reads one more first).
+absl::StatusOr<SnapKVppParams> ReadParams(ParamReader& reader) {
   SnapKVppParams p;
-  ParamReader reader(info, values);
   RETURN_IF_ERROR(reader.Int("kernel_small", INT32_MIN, 1 << 20, &p.kernel_small));
   RETURN_IF_ERROR(reader.Int("kernel_large", INT32_MIN, 1 << 20, &p.kernel_large));
   RETURN_IF_ERROR(reader.Int("kernel_threshold", INT32_MIN, 1 << 30, &p.kernel_threshold));
-  RETURN_IF_ERROR(reader.Finish());
   for (const auto& [name, kernel] : {std::pair<const char*, int>{"kernel_small", p.kernel_small},
                                      {"kernel_large", p.kernel_large}}) {
     if (kernel < 1 || kernel % 2 == 0) {
@@ -103,15 +108,19 @@ class SnapKVpp final : public CompressionPolicy {
 // Not a selection on its own: the decode side resolves it (see the file comment).
 class RocketKV final : public CompressionPolicy {
  public:
-  explicit RocketKV(SnapKVppParams p) : p_(p) {}
+  RocketKV(SnapKVppParams p, std::string split) : p_(p), split_(std::move(split)) {}
   const PolicyInfo& info() const override { return RocketKVInfo(); }
-  ParamValues params() const override { return ToValues(p_); }
+  ParamValues params() const override {
+    ParamValues v = ToValues(p_);
+    v["budget_split"] = split_;
+    return v;
+  }
   bool selects() const override { return false; }
   std::string DescribeBudget(int budget, double) const override {
     return absl::StrCat("t=", budget);
   }
   std::string DescribeParams(int window) const override {
-    return absl::StrCat(", window=", window);
+    return absl::StrCat(", window=", window, split_ == "alpha" ? "" : ", budget_split=" + split_);
   }
   absl::Status CheckBudget(int budget, int window) const override {
     if (budget < 2) {
@@ -128,16 +137,24 @@ class RocketKV final : public CompressionPolicy {
 
  private:
   SnapKVppParams p_;
+  std::string split_;
 };
 
 absl::StatusOr<PolicyPtr> MakeSnapKVpp(const ParamValues& values) {
-  ASSIGN_OR_RETURN(SnapKVppParams p, ReadParams(Info(), values));
+  ParamReader reader(Info(), values);
+  ASSIGN_OR_RETURN(SnapKVppParams p, ReadParams(reader));
+  RETURN_IF_ERROR(reader.Finish());
   return std::make_shared<SnapKVpp>(p);
 }
 
 absl::StatusOr<PolicyPtr> MakeRocketKV(const ParamValues& values) {
-  ASSIGN_OR_RETURN(SnapKVppParams p, ReadParams(RocketKVInfo(), values));
-  return std::make_shared<RocketKV>(p);
+  ParamReader reader(RocketKVInfo(), values);
+  ASSIGN_OR_RETURN(SnapKVppParams p, ReadParams(reader));
+  const std::vector<absl::string_view> splits = {"alpha", "sqrt"};
+  int split = 0;
+  RETURN_IF_ERROR(reader.Choice("budget_split", splits, &split));
+  RETURN_IF_ERROR(reader.Finish());
+  return std::make_shared<RocketKV>(p, std::string(splits[split]));
 }
 
 }  // namespace

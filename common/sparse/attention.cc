@@ -27,9 +27,10 @@ const AttentionModeInfo& DenseInfo() {
 // the mode choose each KV head's tokens.
 class SparseSelector final : public DecodeSelector {
  public:
-  SparseSelector(SparseParams params, const ModelConfig& model,
+  SparseSelector(SparseParams params, int dense_layers, const ModelConfig& model,
                  std::unique_ptr<PageSummaries> summaries)
       : p_(params),
+        dense_layers_(dense_layers),
         info_(ModeInfo(params.mode)),
         n_heads_(model.num_heads),
         head_dim_(model.head_dim),
@@ -37,6 +38,7 @@ class SparseSelector final : public DecodeSelector {
 
   absl::StatusOr<bool> Select(int layer, const float* q, LayerCache& lc,
                               std::vector<int32_t>* indices, int* num) override {
+    if (layer < dense_layers_) return false;  // kept whole by the compression: dense
     if (summaries_) summaries_->Update(layer, lc);
     if (p_.top_k >= lc.len) return false;  // the budget covers the cache: dense
     const int k = p_.top_k;
@@ -60,16 +62,20 @@ class SparseSelector final : public DecodeSelector {
 
  private:
   SparseParams p_;
+  int dense_layers_;
   const AttentionModeInfo& info_;
   int n_heads_, head_dim_;
   std::unique_ptr<PageSummaries> summaries_;
 };
 
-// The parameters a sequence's selector will run with.
+// The parameters a sequence's selector will run with, sized by its sparse layers (the dense
+// ones may hold the whole prompt).
 absl::StatusOr<SparseParams> SelectorParams(const DecodeAttentionConfig& config,
                                             const ModelConfig& model, const KvCacheShape& cache) {
   int capacity = 0;
-  for (int c : cache.capacity) capacity = std::max(capacity, c);
+  for (size_t l = config.dense_layers; l < cache.capacity.size(); ++l) {
+    capacity = std::max(capacity, cache.capacity[l]);
+  }
   return ResolveSparseParams(config, capacity, model.head_dim);
 }
 
@@ -102,9 +108,9 @@ absl::StatusOr<AttentionMode> ParseAttentionMode(absl::string_view name) {
 }
 
 absl::Status DecodeAttentionConfig::Validate() const {
-  if (token_budget < 0 || top_k < 0 || top_r < 0 || page_size < 0) {
+  if (token_budget < 0 || top_k < 0 || top_r < 0 || page_size < 0 || dense_layers < 0) {
     return absl::InvalidArgumentError(
-        "attention: token_budget, top_k, top_r and page_size must be >= 0");
+        "attention: token_budget, top_k, top_r, page_size and dense_layers must be >= 0");
   }
   if (token_budget > (1 << 26) || top_k > (1 << 26) || top_r > (1 << 16) || page_size > (1 << 16)) {
     return absl::InvalidArgumentError(
@@ -143,6 +149,7 @@ std::string DecodeAttentionConfig::Describe() const {
   if (top_k) parts.push_back(absl::StrCat("k=", top_k));
   if (top_r) parts.push_back(absl::StrCat("r=", top_r));
   if (page_size) parts.push_back(absl::StrCat("page=", page_size));
+  if (dense_layers) parts.push_back(absl::StrCat("dense_layers=", dense_layers));
   return absl::StrCat(AttentionModeName(mode), "(", absl::StrJoin(parts, ", "), ")");
 }
 
@@ -158,6 +165,7 @@ absl::StatusOr<SparseParams> ResolveSparseParams(const DecodeAttentionConfig& c,
   if (c.top_r > 0) p.top_r = std::min(head_dim, c.top_r);
   if (c.page_size > 0) p.page_size = c.page_size;
   if (p.top_k < 1) return absl::InvalidArgumentError("attention: top_k resolved to 0");
+  if (const auto finish = ModeInfo(c.mode).finish) finish(&p);
   return p;
 }
 
@@ -172,7 +180,8 @@ absl::StatusOr<size_t> DecodeSelectorBytes(const DecodeAttentionConfig& config,
                                            const ModelConfig& model, const KvCacheShape& cache) {
   if (config.mode == AttentionMode::kDense) return size_t{0};
   ASSIGN_OR_RETURN(SparseParams p, SelectorParams(config, model, cache));
-  return ModeInfo(p.mode).summaries ? PageSummaries::Bytes(cache, p.page_size) : size_t{0};
+  return ModeInfo(p.mode).summaries ? PageSummaries::Bytes(cache, p.page_size, config.dense_layers)
+                                    : size_t{0};
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
@@ -182,10 +191,13 @@ absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
   ASSIGN_OR_RETURN(SparseParams p, SelectorParams(config, model, cache));
   std::unique_ptr<PageSummaries> summaries;
   if (ModeInfo(p.mode).summaries) {
-    ASSIGN_OR_RETURN(KvMemoryPtr mem, allocator.Allocate(PageSummaries::Bytes(cache, p.page_size)));
-    summaries = std::make_unique<PageSummaries>(cache, p.page_size, std::move(mem));
+    ASSIGN_OR_RETURN(KvMemoryPtr mem, allocator.Allocate(PageSummaries::Bytes(
+                                          cache, p.page_size, config.dense_layers)));
+    summaries =
+        std::make_unique<PageSummaries>(cache, p.page_size, std::move(mem), config.dense_layers);
   }
-  return std::unique_ptr<DecodeSelector>(new SparseSelector(p, model, std::move(summaries)));
+  return std::unique_ptr<DecodeSelector>(
+      new SparseSelector(p, config.dense_layers, model, std::move(summaries)));
 }
 
 void TakePages(const std::vector<float>& score, int page, int len, int k, int32_t* out) {

@@ -43,6 +43,9 @@ struct DecodeAttentionConfig {
   int top_k = 0;      // tokens attended per KV head (overrides the budget's)
   int top_r = 0;      // hybrid: head dimensions of the approximation (overrides)
   int page_size = 0;  // hybrid, quest: tokens per page summary (overrides)
+  // The first layers attend densely: the layers the prompt's compression kept whole
+  // (skip_layers), as RocketKV's reference does. Set from the compression, not by a request.
+  int dense_layers = 0;
 
   // InvalidArgument for a value out of range, or a parameter the mode does not take.
   absl::Status Validate() const;
@@ -79,6 +82,8 @@ struct AttentionModeInfo {
   // K/V bytes one step reads per KV head, auxiliary reads included (k < len).
   int64_t (*bytes_read)(const SparseParams& p, int len, int64_t row_bytes, int64_t elem_bytes);
   void (*select)(const HeadQuery& query);
+  // Adjusts the parameters after explicit overrides (null: nothing to adjust).
+  void (*finish)(SparseParams* params) = nullptr;
 };
 
 // The registry, in the order the docs list modes.

@@ -5,30 +5,36 @@
 
 namespace kvwire {
 
-PageSummaries::PageSummaries(const KvCacheShape& shape, int page, KvMemoryPtr memory)
+int PageSummaries::MaxPages(const KvCacheShape& shape, int layer, int page, int dense_layers) {
+  return layer < dense_layers ? 0 : (shape.capacity[layer] + page - 1) / page;
+}
+
+PageSummaries::PageSummaries(const KvCacheShape& shape, int page, KvMemoryPtr memory,
+                             int dense_layers)
     : shape_(shape), page_(page), memory_(std::move(memory)), built_(shape.capacity.size(), 0) {
-  for (int c : shape.capacity) max_pages_.push_back((c + page - 1) / page);
   size_t off = 0;
   for (size_t l = 0; l < shape.capacity.size(); ++l) {
+    max_pages_.push_back(MaxPages(shape, static_cast<int>(l), page, dense_layers));
     offsets_.push_back(off);
-    off += static_cast<size_t>(shape_.n_heads) * 2 * shape_.head_dim * max_pages_[l] *
+    off += static_cast<size_t>(shape_.n_heads) * Sets(page) * shape_.head_dim * max_pages_[l] *
            DTypeSize(shape_.dtype);
   }
 }
 
-size_t PageSummaries::Bytes(const KvCacheShape& shape, int page) {
+size_t PageSummaries::Bytes(const KvCacheShape& shape, int page, int dense_layers) {
   size_t total = 0;
-  for (int c : shape.capacity) {
-    total += static_cast<size_t>(shape.n_heads) * 2 * shape.head_dim * ((c + page - 1) / page) *
-             DTypeSize(shape.dtype);
+  for (size_t l = 0; l < shape.capacity.size(); ++l) {
+    total += static_cast<size_t>(shape.n_heads) * Sets(page) * shape.head_dim *
+             MaxPages(shape, static_cast<int>(l), page, dense_layers) * DTypeSize(shape.dtype);
   }
   return total;
 }
 
 uint8_t* PageSummaries::Row(int layer, int head, bool max, int dim) {
   const size_t row = static_cast<size_t>(max_pages_[layer]) * DTypeSize(shape_.dtype);
+  const int set = Sets(page_) == 2 && max ? 1 : 0;
   return memory_->data() + offsets_[layer] +
-         ((static_cast<size_t>(head) * 2 + (max ? 1 : 0)) * shape_.head_dim + dim) * row;
+         ((static_cast<size_t>(head) * Sets(page_) + set) * shape_.head_dim + dim) * row;
 }
 
 float PageSummaries::Value(int layer, int head, bool max, int dim, int page) {
@@ -59,7 +65,7 @@ void PageSummaries::Update(int layer, const LayerCache& lc) {
       // Min and max of values in the cache dtype are exact in it: they are stored so.
       for (int i = 0; i < d; ++i) {
         FromFloat(lc.dtype, &lo[i], Row(layer, h, false, i) + p * es, 1);
-        FromFloat(lc.dtype, &hi[i], Row(layer, h, true, i) + p * es, 1);
+        if (Sets(page_) == 2) FromFloat(lc.dtype, &hi[i], Row(layer, h, true, i) + p * es, 1);
       }
     }
   }

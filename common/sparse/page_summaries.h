@@ -2,7 +2,9 @@
 // docs/algorithms.md §3.2), read by hybrid attention and Quest: per layer and cache head,
 // rows [2·d][max_pages] in the cache dtype (min rows first), transposed so that one head
 // dimension over all pages is contiguous — the gather of step 2 reads r such rows. Pages
-// are aligned to slot 0 of the compressed cache.
+// are aligned to slot 0 of the compressed cache. With pages of one token min and max are the
+// token itself: one set of rows serves both. The first `dense_layers` layers (attended densely)
+// keep none.
 #pragma once
 
 #include <cstdint>
@@ -14,8 +16,8 @@ namespace kvwire {
 
 class PageSummaries {
  public:
-  PageSummaries(const KvCacheShape& shape, int page, KvMemoryPtr memory);
-  static size_t Bytes(const KvCacheShape& shape, int page);
+  PageSummaries(const KvCacheShape& shape, int page, KvMemoryPtr memory, int dense_layers = 0);
+  static size_t Bytes(const KvCacheShape& shape, int page, int dense_layers = 0);
 
   // Brings `layer` up to date with the cache (call after tokens were appended).
   void Update(int layer, const LayerCache& lc);
@@ -26,6 +28,10 @@ class PageSummaries {
   float Value(int layer, int head, bool max, int dim, int page);
 
  private:
+  // Rows of one page summary set per head: min and max, or one set for pages of one token.
+  static int Sets(int page) { return page == 1 ? 1 : 2; }
+  static int MaxPages(const KvCacheShape& shape, int layer, int page, int dense_layers);
+
   KvCacheShape shape_;
   int page_;
   KvMemoryPtr memory_;

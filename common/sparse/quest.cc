@@ -1,8 +1,10 @@
 // `quest`: Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
 // Inference", ICML 2024), as RocketKV compares against it: per page of P keys the upper
 // bound Σ_i max(q_i·K_max,i, q_i·K_min,i) over every head dimension, summed over the
-// group's query heads; the best pages are attended exactly. Reading both summaries of a
-// page costs one token-equivalent, so a budget t buys t/2 tokens and t/2 pages (P = 2n/t).
+// group's query heads; the best pages are attended exactly, whole. Reading both summaries of
+// a page costs one token-equivalent, so a budget t buys t/2 tokens and t/2 pages (P = 2n/t);
+// k is then rounded down to whole pages, at least one (a budget smaller than a page reads
+// one page: Quest cannot attend part of one).
 #include <algorithm>
 #include <cmath>
 
@@ -40,10 +42,13 @@ absl::StatusOr<SparseParams> ResolveQuest(const DecodeAttentionConfig& c, int ca
   return p;
 }
 
-// k tokens, and both summaries of every page.
+// Whole pages: k rounded down to a multiple of P, at least one page.
+void WholePages(SparseParams* p) { p->top_k = std::max(1, p->top_k / p->page_size) * p->page_size; }
+
+// k tokens, and both summaries of every page (one, for pages of one token).
 int64_t QuestBytes(const SparseParams& p, int len, int64_t row, int64_t) {
   const int64_t pages = (len + p.page_size - 1) / p.page_size;
-  return 2 * row * p.top_k + pages * 2 * row;
+  return 2 * row * p.top_k + pages * (p.page_size == 1 ? 1 : 2) * row;
 }
 
 const AttentionModeInfo& Info() {
@@ -55,7 +60,8 @@ const AttentionModeInfo& Info() {
                             /*summaries=*/true,
                             &ResolveQuest,
                             &QuestBytes,
-                            &QuestSelect};
+                            &QuestSelect,
+                            &WholePages};
   return *info;
 }
 

@@ -118,39 +118,49 @@ absl::StatusOr<TwoStage> ResolveRocketKV(int token_budget, int prompt_len, int m
     return absl::InvalidArgumentError(
         absl::StrCat("rocketkv needs a token budget of at least 2, got ", token_budget));
   }
+  // The two-stage policy's own parameters: SnapKV++'s for stage 1, and the split.
+  ParamValues stage1 = base.policy->selects() ? ParamValues{} : base.policy->params();
+  const bool paper = stage1["budget_split"] == "sqrt";
+  stage1.erase("budget_split");
   const double s = prompt_len + max_new;
   const double t = std::min<double>(s, token_budget);
   const double c = std::max(1.0, s / t);
-  const double alpha = std::min(0.2 + 0.06 * std::log2(c), 0.8);
+  // The stage-1 ratio is c^α: the paper's √c (α = 1/2), or the authors' code's
+  // α = min(0.2 + 0.06·log2 c, 0.8) (docs/algorithms.md §3.4).
+  const double alpha = paper ? 0.5 : std::min(0.2 + 0.06 * std::log2(c), 0.8);
   const int capacity = static_cast<int>(s / std::pow(c, alpha));
   TwoStage out;
   out.stage1 = base;
-  // Stage 1 is SnapKV++ with the two-stage policy's own (SnapKV++) parameters.
-  ASSIGN_OR_RETURN(
-      out.stage1.policy,
-      MakePolicy("snapkv_pp", base.policy->selects() ? ParamValues{} : base.policy->params()));
+  ASSIGN_OR_RETURN(out.stage1.policy, MakePolicy("snapkv_pp", stage1));
   out.stage1.ratio = 0;
   // The code's prompt_budget = min(S - max_new, capacity - max_new); when max_new eats the
   // whole capacity it would leave nothing, so stage 1 keeps at least the window and one.
   out.stage1.budget = std::max(base.window + 1, std::min(prompt_len, capacity - max_new));
   out.stage2.mode = AttentionMode::kHybrid;
   out.stage2.token_budget = token_budget;
+  // Stage 2's ratio c2 = capacity / t is split between the page size and r: the paper's
+  // c2^(1/2) each (c^(1/4)), or the code's P = min(⌊c2⌋, ⌈√c2⌉).
   const double c2 = std::max(1.0, capacity / t);
-  out.stage2.page_size = std::max(
-      1, std::min(static_cast<int>(std::floor(c2)), static_cast<int>(std::ceil(std::sqrt(c2)))));
+  out.stage2.page_size = paper ? std::max(1, static_cast<int>(std::lround(std::sqrt(c2))))
+                               : std::max(1, std::min(static_cast<int>(std::floor(c2)),
+                                                      static_cast<int>(std::ceil(std::sqrt(c2)))));
   out.stage2.top_r = std::min(
       head_dim, std::max(1, static_cast<int>(std::lround(head_dim * out.stage2.page_size / c2))));
-  out.stage2.top_k = std::max(1, std::min(static_cast<int>(std::lround(t / 2)), capacity));
+  out.stage2.top_k = paper ? std::max(1, std::min(static_cast<int>(t) / 2, capacity))
+                           : std::max(1, std::min(static_cast<int>(std::lround(t / 2)), capacity));
   return out;
 }
 
 absl::Status ResolveTwoStage(CompressionConfig* compression, DecodeAttentionConfig* attention,
                              int prompt_len, int max_new, int head_dim) {
-  if (compression->policy->selects()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(TwoStage two, ResolveRocketKV(compression->budget, prompt_len, max_new, head_dim,
-                                                 *compression));
-  *compression = two.stage1;
-  *attention = two.stage2;
+  if (!compression->policy->selects()) {
+    ASSIGN_OR_RETURN(TwoStage two, ResolveRocketKV(compression->budget, prompt_len, max_new,
+                                                   head_dim, *compression));
+    *compression = two.stage1;
+    *attention = two.stage2;
+  }
+  // The layers the compression kept whole attend densely (RocketKV's reference).
+  if (attention->mode != AttentionMode::kDense) attention->dense_layers = compression->skip_layers;
   return absl::OkStatus();
 }
 

@@ -12,10 +12,11 @@
 namespace kvwire {
 
 // RocketKV's two stages from one token budget t for a prompt of `prompt_len` tokens that
-// will generate up to `max_new` (the authors' get_params_for_token_budget):
-// S = prompt + max_new, c = S / t, α = min(0.2 + 0.06·log2 c, 0.8), capacity = S / c^α,
-// stage 1 keeps capacity − max_new prompt tokens (SnapKV++), stage 2 reads t per step
-// (k = t/2 tokens, pages and r from the stage-2 ratio capacity / t).
+// will generate up to `max_new` (the authors' get_params_for_token_budget, or the paper's
+// √c split with budget_split=sqrt): S = prompt + max_new, c = S / t, capacity = S / c^α
+// with α = min(0.2 + 0.06·log2 c, 0.8) (or 1/2), stage 1 keeps capacity − max_new prompt
+// tokens (SnapKV++), stage 2 reads t per step (k = t/2 tokens, pages and r from the stage-2
+// ratio capacity / t).
 struct TwoStage {
   CompressionConfig stage1;
   DecodeAttentionConfig stage2;
@@ -25,7 +26,8 @@ absl::StatusOr<TwoStage> ResolveRocketKV(int token_budget, int prompt_len, int m
 
 // Turns a two-stage compression (rocketkv: one token budget) into its two stages in place;
 // any other policy is left as it is. Needs the prompt length and max_tokens (the α rule
-// sizes stage 1 by the whole sequence).
+// sizes stage 1 by the whole sequence). Sparse decode attention then attends densely in the
+// layers the compression kept whole (skip_layers), as RocketKV's reference code does.
 absl::Status ResolveTwoStage(CompressionConfig* compression, DecodeAttentionConfig* attention,
                              int prompt_len, int max_new, int head_dim);
 

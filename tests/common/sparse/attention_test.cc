@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <set>
@@ -194,16 +195,18 @@ TEST(SparseAttention, ModesMatchNaiveReferences) {
         auto sparse = (*sel)->Select(0, q.data(), cache->layer(0), &idx, &num);
         ASSERT_TRUE(sparse.ok());
         ASSERT_TRUE(*sparse);
-        ASSERT_EQ(num, k);
+        // Quest attends whole pages: k rounded down to them, at least one.
+        const int km = mode == AttentionMode::kQuest ? std::max(1, k / page) * page : k;
+        ASSERT_EQ(num, km);
         for (int c = 0; c < kv; ++c) {
           const float* qc = q.data() + static_cast<size_t>(c) * group * d;
-          const std::set<int32_t> got = Selected(idx, c, k);
-          ASSERT_EQ(static_cast<int>(got.size()), k) << "distinct tokens";
+          const std::set<int32_t> got = Selected(idx, c, km);
+          ASSERT_EQ(static_cast<int>(got.size()), km) << "distinct tokens";
           std::set<int32_t> want;
           if (mode == AttentionMode::kHybrid)
             want = HybridRef(cache->layer(0), c, qc, group, r, page, k);
           if (mode == AttentionMode::kQuest)
-            want = QuestRef(cache->layer(0), c, qc, group, page, k);
+            want = QuestRef(cache->layer(0), c, qc, group, page, km);
           if (mode == AttentionMode::kExactTopK) want = ExactRef(cache->layer(0), c, qc, group, k);
           ExpectSameSelection(
               got, want, std::string(AttentionModeName(mode)) + " trial " + std::to_string(trial));
@@ -280,6 +283,10 @@ TEST(SparseAttention, PageSummariesStayExactAcrossPageBoundaries) {
       const KvCacheShape shape = cache->shape();
       PageSummaries sums(shape, page,
                          *HeapKvAllocator().Allocate(PageSummaries::Bytes(shape, page)));
+      // 2 heads × 16 dims × 40 slots: min and max rows per page, or, for pages of one token
+      // (the keys themselves), one set.
+      const size_t sets = page == 1 ? 1 : 2, pages = (40 + page - 1) / page;
+      EXPECT_EQ(PageSummaries::Bytes(shape, page), 2 * sets * 16 * pages * DTypeSize(dtype));
       LayerCache& lc = cache->layer(0);
       for (int len = 5; len <= 40; ++len) {  // one token appended at a time
         lc.len = len;
@@ -380,6 +387,55 @@ TEST(SparseAttention, RocketKVSplitsTheBudgetAsTheAuthorsCode) {
   EXPECT_EQ(small->stage2.top_r, 5);
   EXPECT_EQ(small->stage2.top_k, 32);
   EXPECT_FALSE(ResolveRocketKV(1, 100, 10, 8, CompressionConfig{}).ok());
+  // The paper's own split (budget_split=sqrt): √c per stage, P = round(c^(1/4)).
+  CompressionConfig paper;
+  paper.policy = *MakePolicy("rocketkv", {{"budget_split", "sqrt"}, {"kernel_small", "31"}});
+  paper.budget = 512;
+  auto sqrt = ResolveRocketKV(512, 32000, 768, 128, paper);
+  ASSERT_TRUE(sqrt.ok()) << sqrt.status();
+  EXPECT_EQ(sqrt->stage1.budget, 4096 - 768);  // capacity S/√c = 4096 holds the 768 generated
+  EXPECT_EQ(sqrt->stage1.policy->params().at("kernel_small"), "31");
+  EXPECT_EQ(sqrt->stage2.page_size, 3);  // √8 = 2.83
+  EXPECT_EQ(sqrt->stage2.top_r, 48);     // 128 · 3 / 8
+  EXPECT_EQ(sqrt->stage2.top_k, 256);
+}
+
+// Layers the compression kept whole (skip_layers) attend densely at decode, and the sparse
+// parameters are sized by the compressed layers (RocketKV's reference).
+TEST(SparseAttention, LayersKeptWholeAttendDensely) {
+  CompressionConfig c;
+  c.policy = *MakePolicy("rocketkv");
+  c.budget = 64;
+  c.skip_layers = 1;
+  DecodeAttentionConfig a;
+  ASSERT_TRUE(ResolveTwoStage(&c, &a, 400, 64, 16).ok());
+  EXPECT_EQ(a.mode, AttentionMode::kHybrid);
+  EXPECT_EQ(a.dense_layers, 1);
+  // A two-layer cache: layer 0 holds the whole prompt, layer 1 the compressed one.
+  const ModelConfig mc = Shape(4, 2, 16);
+  std::mt19937 rng(5);
+  KvCacheShape shape{2, 16, DType::kF32, {464, c.budget + 64}};
+  auto cache = *KvCache::Create(shape, HeapKvAllocator());
+  for (int l = 0; l < 2; ++l) {
+    auto one = RandomCache(2, 16, l == 0 ? 400 : c.budget, shape.capacity[l], DType::kF32, rng);
+    LayerCache& dst = cache->layer(l);
+    const LayerCache& src = one->layer(0);
+    std::memcpy(dst.k, src.k, src.row_bytes() * 2 * src.capacity);
+    std::memcpy(dst.v, src.v, src.row_bytes() * 2 * src.capacity);
+    std::memcpy(dst.positions, src.positions, sizeof(int32_t) * 2 * src.capacity);
+    dst.len = src.len;
+  }
+  CountingAllocator alloc;
+  auto sel = MakeDecodeSelector(a, mc, cache->shape(), alloc);
+  ASSERT_TRUE(sel.ok()) << sel.status();
+  // No page summaries for the dense layer.
+  EXPECT_EQ(alloc.total, PageSummaries::Bytes(shape, a.page_size, 1));
+  EXPECT_LT(alloc.total, PageSummaries::Bytes(shape, a.page_size));
+  std::vector<float> q(4 * 16, 0.5f);
+  std::vector<int32_t> idx;
+  int num = 0;
+  EXPECT_FALSE(*(*sel)->Select(0, q.data(), cache->layer(0), &idx, &num)) << "dense";
+  EXPECT_TRUE(*(*sel)->Select(1, q.data(), cache->layer(1), &idx, &num)) << "sparse";
 }
 
 TEST(SparseAttention, BytesReadCountSummaries) {
