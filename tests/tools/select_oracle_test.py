@@ -81,22 +81,31 @@ def snapkv(q, k, window, budget, kernel, pool, gqa):
   return rows, pooled
 
 
-def chunkkv(q, k, window, budget, chunk):
-  """ChunkKV Alg. 1 over the prefix; chunk score = mean of summed-over-heads votes."""
+def chunkkv(q, k, window, budget, chunk, per_kv_head=False):
+  """ChunkKV Alg. 1 over the prefix; chunk score = mean of the votes summed over all heads
+  (one index set per layer), or over each KV head's group (one per KV head)."""
   heads, length, _ = q.shape
   prefix = length - window
-  tok = window_attention(q, k, window)[:, :, :prefix].sum(axis=(0, 1))
+  votes = window_attention(q, k, window)[:, :, :prefix].sum(axis=1)  # [heads, prefix]
+  if per_kv_head:
+    group = heads // k.shape[0]
+    return [chunk_rows(votes[g * group:(g + 1) * group].sum(axis=0), prefix, length, window,
+                       budget, chunk) for g in range(k.shape[0])], None
+  return [chunk_rows(votes.sum(axis=0), prefix, length, window, budget, chunk)] * k.shape[0], None
+
+
+def chunk_rows(tok, prefix, length, window, budget, chunk):
   n_chunks = -(-prefix // chunk)
   means = np.array([tok[m * chunk:min(prefix, (m + 1) * chunk)].mean() for m in range(n_chunks)])
   chosen, covered = [], 0
   for m in np.argsort(-means, kind="stable"):
     if covered >= budget - window:
       break
-    chosen.append(int(m))
-    covered += min(prefix, (m + 1) * chunk) - m * chunk
-  kept = [j for m in sorted(chosen) for j in range(m * chunk, min(prefix, (m + 1) * chunk))]
-  kept = kept[:budget - window] + list(range(prefix, length))
-  return [kept] * k.shape[0], None
+    take = min(min(prefix, (m + 1) * chunk) - m * chunk, budget - window - covered)
+    chosen.append((int(m), take))  # the last one taken is cut to fit
+    covered += take
+  kept = [j for m, take in sorted(chosen) for j in range(m * chunk, m * chunk + take)]
+  return kept + list(range(prefix, length))
 
 
 def run_kvwire(kvwire, path, args):
@@ -157,6 +166,9 @@ def main():
            lambda: snapkv(q, k, window, budget, kernel if length < 200 else 63, "max", "sum")),
           ("chunkkv", ["--policy", "chunkkv", "--chunk", str(chunk)],
            lambda: chunkkv(q, k, window, budget, chunk)),
+          ("chunkkv per_kv_head",
+           ["--policy", "chunkkv", "--chunk", str(chunk), "--chunk-scope", "per_kv_head"],
+           lambda: chunkkv(q, k, window, budget, chunk, per_kv_head=True)),
       ]
       for name, flags, oracle in cases:
         got = run_kvwire(args.kvwire, path,

@@ -161,9 +161,36 @@ TEST(ChunkKV, WholeChunksByMeanScoreCutToBudget) {
   Scores s(votes, 2, 11);
   CompressionConfig c = Config("chunkkv", 5, 2, {{"chunk", "3"}});  // 3 prefix tokens: one chunk
   EXPECT_EQ(Select(c, 4, 2, s), (Kept{{3, 4, 5, 9, 10}, {3, 4, 5, 9, 10}}));
-  // 5 prefix tokens: chunks [3-5] and [6-8], sorted, cut to 5 → drops position 8.
+  // 5 prefix tokens: chunk [3-5], then [6-8] cut to its first two → drops position 8.
   c.budget = 7;
   EXPECT_EQ(Select(c, 4, 2, s), (Kept{{3, 4, 5, 6, 7, 9, 10}, {3, 4, 5, 6, 7, 9, 10}}));
+}
+
+// chunk_scope=per_kv_head: each KV head takes its own chunks, from its group's votes.
+TEST(ChunkKV, PerKvHeadScopeChoosesPerGroup) {
+  // Prefix 0..8 in chunks of 3. Heads 0-1 (KV head 0) favour [3-5]; heads 2-3 (KV head 1)
+  // favour [6-8]; summed over all heads [3-5] would win for both.
+  const std::vector<std::vector<float>> votes = {{0.f, 0.f, 0.f, 0.9f, 0.9f, 0.9f, 0.f, 0.f, 0.f},
+                                                 {0.f, 0.f, 0.f, 0.9f, 0.9f, 0.9f, 0.f, 0.f, 0.f},
+                                                 {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.5f, 0.5f, 0.5f},
+                                                 {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.5f, 0.5f, 0.5f}};
+  Scores s(votes, 2, 11);
+  CompressionConfig c = Config("chunkkv", 5, 2, {{"chunk", "3"}, {"chunk_scope", "per_kv_head"}});
+  EXPECT_EQ(Select(c, 4, 2, s), (Kept{{3, 4, 5, 9, 10}, {6, 7, 8, 9, 10}}));
+  c = Config("chunkkv", 5, 2, {{"chunk", "3"}});
+  EXPECT_EQ(Select(c, 4, 2, s), (Kept{{3, 4, 5, 9, 10}, {3, 4, 5, 9, 10}}));
+  EXPECT_FALSE(MakePolicy("chunkkv", {{"chunk_scope", "per_head"}}).ok());
+}
+
+// The chunk cut to fit the budget is the lowest ranked of those taken, not the one nearest
+// the window: the best chunk stays whole wherever it lies.
+TEST(ChunkKV, TheLastChunkTakenIsTheOneCut) {
+  // Prefix 0..8 in chunks of 3: [0-2] mean 0.3, [3-5] mean 0.1, [6-8] mean 0.5.
+  const std::vector<std::vector<float>> votes = {
+      {0.3f, 0.3f, 0.3f, 0.1f, 0.1f, 0.1f, 0.5f, 0.5f, 0.5f}};
+  Scores s(votes, 2, 11);
+  CompressionConfig c = Config("chunkkv", 7, 2, {{"chunk", "3"}});  // 5 prefix tokens
+  EXPECT_EQ(Select(c, 1, 1, s), (Kept{{0, 1, 6, 7, 8, 9, 10}}));
 }
 
 TEST(ChunkKV, LayerReuseSharesTheFirstLayersIndices) {
