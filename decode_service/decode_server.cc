@@ -57,6 +57,7 @@ class GrpcSink final : public ResponseSink {
       s->set_kept_tokens(f->kept_tokens);
       s->set_full_cache_bytes(f->full_cache_bytes);
       s->set_wire_bytes(f->wire_bytes);
+      s->set_kv_payload_bytes(f->kv_payload_bytes);
       s->set_transfer_ms(f->transfer_ms);
       s->set_prefill_ms(f->prefill_ms);
       s->set_queue_ms(f->queue_ms);

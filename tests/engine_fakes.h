@@ -19,8 +19,10 @@
 
 #include "common/base/clock.h"
 #include "common/engine/decode_engine.h"
+#include "common/engine/generate.h"
 #include "common/engine/kv_source.h"
 #include "common/engine/prefill_engine.h"
+#include "tests/test_util.h"
 
 namespace kvwire::testing {
 
@@ -34,6 +36,21 @@ inline std::unique_ptr<LlamaModel> LoadModel(const std::string& spec) {
   auto m = LlamaModel::Load(spec, o);
   EXPECT_TRUE(m.ok()) << spec << ": " << m.status();
   return m.ok() ? std::move(*m) : nullptr;
+}
+
+// A passkey prompt as a single-process request: greedy, the answer's length, compressed
+// by `policy` at `budget`.
+inline GenerationRequest PasskeyRequest(const PasskeyCase& c, const std::string& policy = "full",
+                                        int budget = 0) {
+  GenerationRequest req;
+  req.prompt_ids = c.prompt_ids;
+  req.max_tokens = static_cast<int>(c.answer_ids.size());
+  req.sampling.temperature = 0;
+  auto p = MakePolicy(policy);
+  EXPECT_TRUE(p.ok()) << p.status();
+  if (p.ok()) req.compression.policy = *p;
+  req.compression.budget = budget;
+  return req;
 }
 
 // "" when two caches hold the same tokens (positions, K and V bytes) in every layer and

@@ -6,7 +6,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "gtest/gtest.h"
 
 namespace kvwire::testing {
 namespace fs = std::filesystem;
@@ -25,6 +29,38 @@ std::string SharedDir() {
 std::string StoriesModelDir() {
   const std::string shared = SharedDir();
   return shared.empty() ? "" : shared + "/models/stories260K-hf";
+}
+
+std::string PasskeyModelDir() {
+  const std::string shared = SharedDir();
+  return shared.empty() ? "" : shared + "/models/passkey-induction-hf";
+}
+
+std::vector<PasskeyCase> ReadPasskeyCases(const std::vector<std::string>& ids) {
+  const std::string path = SharedDir() + "/data/passkey/dev.jsonl";
+  std::ifstream in(path);
+  std::map<std::string, PasskeyCase> all;
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    PasskeyCase c;
+    c.id = j.at("id").get<std::string>();
+    c.task = j.at("task").get<std::string>();
+    c.depth = j.at("depth").get<double>();
+    c.prompt_ids = j.at("prompt_ids").get<std::vector<int32_t>>();
+    c.answer_ids = j.at("answer_ids").get<std::vector<int32_t>>();
+    all[c.id] = std::move(c);
+  }
+  std::vector<PasskeyCase> out;
+  for (const std::string& id : ids) {
+    auto it = all.find(id);
+    if (it == all.end()) {
+      ADD_FAILURE() << path << " has no prompt " << id;
+      return {};
+    }
+    out.push_back(it->second);
+  }
+  return out;
 }
 
 std::string MakeTempDir(const std::string& name) {

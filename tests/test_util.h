@@ -1,7 +1,9 @@
 // Helpers shared by the tests: where ../shared is, scratch directories.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace kvwire::testing {
 
@@ -10,6 +12,23 @@ namespace kvwire::testing {
 std::string SharedDir();
 // The stories260K-hf model folder, or "" when ../shared is absent.
 std::string StoriesModelDir();
+// The passkey-induction-hf retrieval model folder, or "" when ../shared is absent.
+std::string PasskeyModelDir();
+
+// A prompt of ../shared/data/passkey/dev.jsonl.
+struct PasskeyCase {
+  std::string id, task;
+  double depth = 0;
+  std::vector<int32_t> prompt_ids, answer_ids;
+};
+// The prompts of dev.jsonl with these ids, in this order; an id that is missing ends the
+// test with a failure naming it (an empty list).
+std::vector<PasskeyCase> ReadPasskeyCases(const std::vector<std::string>& ids);
+// A handful of dev prompts across lengths (491 to 1975 tokens) and tasks, all with the
+// needle at depth 0 to 0.56 (so far from the end that a recency window loses it).
+inline const std::vector<std::string> kPasskeyHandful = {
+    "dev-512-026", "dev-1024-025", "dev-1536-000", "dev-2000-001", "dev-2000-026"};
+
 // The source tree (for committed fixtures).
 std::string SourceDir();
 // A fresh, empty directory under the test's temporary directory.

@@ -10,58 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/ranking.h"
 #include "common/base/status.h"
-#include "common/sparse/rocketkv.h"
 
 namespace kvwire::tools {
 namespace {
-
-// Keeps each prefill layer's K/V and window scores so that every method can be replayed
-// over the same prefill without running the model again.
-class CapturedPrefill : public PrefillObserver {
- public:
-  CapturedPrefill(int window, int n_heads) : window_(window), n_heads_(n_heads) {}
-  int window(int /*len*/) const override { return window_; }
-  absl::Status OnLayer(const PrefillLayer& l) override {
-    Layer c;
-    c.len = l.len;
-    c.window = l.window;
-    c.row = static_cast<int>(l.kv_stride);
-    c.k.assign(l.k, l.k + int64_t{l.len} * l.kv_stride);
-    c.v.assign(l.v, l.v + int64_t{l.len} * l.kv_stride);
-    if (l.window_scores) {
-      const size_t n = static_cast<size_t>(l.window) * l.len;
-      c.scores.assign(l.window_scores, l.window_scores + n * n_heads_);
-    }
-    layers_.push_back(std::move(c));
-    return absl::OkStatus();
-  }
-
-  // Replays the captured prefill through `observer` (a Compressor).
-  absl::Status Replay(PrefillObserver& observer) const {
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& c = layers_[i];
-      PrefillLayer l;
-      l.layer = static_cast<int>(i);
-      l.len = c.len;
-      l.k = c.k.data();
-      l.v = c.v.data();
-      l.kv_stride = c.row;
-      l.window = c.window;
-      l.window_scores = c.scores.empty() ? nullptr : c.scores.data();
-      RETURN_IF_ERROR(observer.OnLayer(l));
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  struct Layer {
-    int len = 0, window = 0, row = 0;
-    std::vector<float> k, v, scores;
-  };
-  int window_;
-  int n_heads_;
-  std::vector<Layer> layers_;
-};
 
 // Records the decode-time attention over the first `prompt_len` cache slots.
 class AttentionRecorder : public DecodeObserver {
@@ -125,23 +76,6 @@ std::vector<double> LogSoftmax(const float* logits, int n) {
   return out;
 }
 
-int32_t Argmax(const float* x, int n) {
-  return static_cast<int32_t>(std::max_element(x, x + n) - x);
-}
-
-absl::StatusOr<std::unique_ptr<KvCache>> ReplayInto(LlamaModel& model, const CapturedPrefill& cap,
-                                                    const CompressionConfig& config, int len,
-                                                    int extra) {
-  const KvCacheShape shape =
-      CompressedCacheShape(config, model.config(), model.kv_dtype(), len, extra);
-  ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(shape, HeapKvAllocator()));
-  cache->set_prompt_len(len);
-  CacheSink sink(cache.get());
-  Compressor compressor(config, model.config(), model.kv_dtype(), &sink);
-  RETURN_IF_ERROR(cap.Replay(compressor));
-  return cache;
-}
-
 struct Accumulator {
   int64_t agree = 0, predictions = 0;
   double kl = 0;
@@ -180,11 +114,11 @@ double Nan() { return std::numeric_limits<double>::quiet_NaN(); }
 
 }  // namespace
 
-absl::StatusOr<std::vector<EvalPrompt>> ReadPrompts(const std::string& path, const Tokenizer& tok,
-                                                    bool need_answer) {
+absl::Status ForEachJsonLine(
+    const std::string& path,
+    const std::function<absl::Status(const nlohmann::json&, int, const std::string&)>& each) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::vector<EvalPrompt> out;
   std::string line;
   int lineno = 0;
   while (std::getline(in, line)) {
@@ -197,49 +131,91 @@ absl::StatusOr<std::vector<EvalPrompt>> ReadPrompts(const std::string& path, con
     } catch (const nlohmann::json::exception& e) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": not valid JSON: ", e.what()));
     }
-    EvalPrompt p;
-    p.id = j.contains("id") && j["id"].is_string() ? j["id"].get<std::string>()
-                                                   : absl::StrCat("line", lineno);
-    auto ids_of = [&](const char* key, std::vector<int32_t>* ids) -> absl::Status {
-      if (!j[key].is_array()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": \"", key, "\" is not a list"));
-      }
-      for (const auto& x : j[key]) {
-        if (!x.is_number_integer() || x.get<int64_t>() < 0) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(where, ": \"", key, "\" must hold non-negative token ids"));
-        }
-        ids->push_back(x.get<int32_t>());
-      }
-      return absl::OkStatus();
-    };
-    if (j.contains("prompt_ids")) {
-      RETURN_IF_ERROR(ids_of("prompt_ids", &p.ids));
-    } else if (j.contains("prompt") && j["prompt"].is_string()) {
-      ASSIGN_OR_RETURN(p.ids, tok.Encode(j["prompt"].get<std::string>()));
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": expected \"prompt_ids\" or \"prompt\""));
-    }
-    if (p.ids.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": empty prompt"));
-    if (need_answer) {
-      if (!j.contains("answer_ids")) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": expected \"answer_ids\""));
-      }
-      RETURN_IF_ERROR(ids_of("answer_ids", &p.answer));
-      if (p.answer.empty())
-        return absl::InvalidArgumentError(absl::StrCat(where, ": empty answer"));
-    }
-    for (int32_t id : p.ids) {
-      if (id >= tok.vocab_size()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ": token id ", id, " is outside the model's vocabulary of ", tok.vocab_size()));
-      }
-    }
-    out.push_back(std::move(p));
+    RETURN_IF_ERROR(each(j, lineno, where));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<EvalPrompt>> ReadPrompts(const std::string& path, const Tokenizer& tok,
+                                                    bool need_answer) {
+  std::vector<EvalPrompt> out;
+  RETURN_IF_ERROR(ForEachJsonLine(
+      path, [&](const nlohmann::json& j, int lineno, const std::string& where) -> absl::Status {
+        EvalPrompt p;
+        p.id = j.contains("id") && j["id"].is_string() ? j["id"].get<std::string>()
+                                                       : absl::StrCat("line", lineno);
+        if (j.contains("task")) {
+          if (!j["task"].is_string() || j["task"].get<std::string>().empty()) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(where, ": \"task\" must be a non-empty string"));
+          }
+          p.task = j["task"].get<std::string>();
+        }
+        auto ids_of = [&](const char* key, std::vector<int32_t>* ids) -> absl::Status {
+          if (!j[key].is_array()) {
+            return absl::InvalidArgumentError(absl::StrCat(where, ": \"", key, "\" is not a list"));
+          }
+          for (const auto& x : j[key]) {
+            if (!x.is_number_integer() || x.get<int64_t>() < 0) {
+              return absl::InvalidArgumentError(
+                  absl::StrCat(where, ": \"", key, "\" must hold non-negative token ids"));
+            }
+            ids->push_back(x.get<int32_t>());
+          }
+          return absl::OkStatus();
+        };
+        if (j.contains("prompt_ids")) {
+          RETURN_IF_ERROR(ids_of("prompt_ids", &p.ids));
+        } else if (j.contains("prompt") && j["prompt"].is_string()) {
+          ASSIGN_OR_RETURN(p.ids, tok.Encode(j["prompt"].get<std::string>()));
+        } else {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": expected \"prompt_ids\" or \"prompt\""));
+        }
+        if (p.ids.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": empty prompt"));
+        if (need_answer) {
+          if (!j.contains("answer_ids")) {
+            return absl::InvalidArgumentError(absl::StrCat(where, ": expected \"answer_ids\""));
+          }
+          RETURN_IF_ERROR(ids_of("answer_ids", &p.answer));
+          if (p.answer.empty())
+            return absl::InvalidArgumentError(absl::StrCat(where, ": empty answer"));
+        }
+        for (int32_t id : p.ids) {
+          if (id >= tok.vocab_size()) {
+            return absl::InvalidArgumentError(absl::StrCat(where, ": token id ", id,
+                                                           " is outside the model's vocabulary of ",
+                                                           tok.vocab_size()));
+          }
+        }
+        out.push_back(std::move(p));
+        return absl::OkStatus();
+      }));
   if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no prompts"));
   return out;
+}
+
+absl::StatusOr<ResolvedMethod> ResolveMethod(const EvalMethod& method, int budget, int len,
+                                             int max_new, const ModelConfig& model) {
+  DecodeAttentionConfig attention =
+      method.attention ? method.attention(budget) : DecodeAttentionConfig{};
+  absl::StatusOr<ResolvedMethod> m =
+      Resolve(method.compression(budget), attention, len, max_new, model);
+  if (!m.ok()) return Annotate(m.status(), method.name);
+  return m;
+}
+
+absl::StatusOr<int> CaptureWindow(const std::vector<EvalMethod>& methods,
+                                  const std::vector<int>& budgets, int len, int max_new,
+                                  int at_least, const ModelConfig& model) {
+  int rows = std::min(at_least, len);
+  for (const EvalMethod& method : methods) {
+    for (int budget : budgets) {
+      ASSIGN_OR_RETURN(ResolvedMethod m, ResolveMethod(method, budget, len, max_new, model));
+      rows = std::max(rows, ScoreRows(m.compression, len));
+    }
+  }
+  return rows;
 }
 
 namespace {
@@ -255,13 +231,13 @@ struct Reference {
 absl::StatusOr<Reference> DecodeFull(LlamaModel& model, const CapturedPrefill& cap,
                                      const std::vector<float>& prefill_logits, int len, int gen) {
   const ModelConfig& mc = model.config();
-  ASSIGN_OR_RETURN(auto full, ReplayInto(model, cap, CompressionConfig{}, len, gen));
+  ASSIGN_OR_RETURN(ReplayedCache full, ReplayInto(model, cap, CompressionConfig{}, gen));
   Reference ref;
   ref.tokens = {Argmax(prefill_logits.data(), mc.vocab_size)};
   std::vector<float> logits(mc.vocab_size);
   AttentionRecorder recorder(mc.num_layers, mc.num_heads, len);
   for (int t = 0; t < gen; ++t) {
-    DecodeInput in{ref.tokens[t], len + t, full.get(), nullptr};
+    DecodeInput in{ref.tokens[t], len + t, full.cache.get(), nullptr};
     RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data(), &recorder));
     ref.logp.push_back(LogSoftmax(logits.data(), mc.vocab_size));
     ref.attention.push_back(recorder.step());
@@ -278,21 +254,16 @@ absl::Status ScoreMethod(LlamaModel& model, const CapturedPrefill& cap, const Re
                          const FidelityOptions& options, Accumulator* acc) {
   const ModelConfig& mc = model.config();
   const int gen = options.gen, vocab = mc.vocab_size;
-  CompressionConfig config = method.compression(budget);
-  DecodeAttentionConfig attention =
-      method.attention ? method.attention(budget) : DecodeAttentionConfig{};
-  if (config.NeedsScores()) config.window = window;
-  RETURN_IF_ERROR(Annotate(config.Validate(), method.name));
-  RETURN_IF_ERROR(
-      Annotate(ResolveTwoStage(&config, &attention, len, gen + 1, mc.head_dim), method.name));
-  ASSIGN_OR_RETURN(auto cache, ReplayInto(model, cap, config, len, gen));
+  ASSIGN_OR_RETURN(ResolvedMethod m, ResolveMethod(method, budget, len, gen + 1, mc));
+  ASSIGN_OR_RETURN(ReplayedCache replayed, ReplayInto(model, cap, m.compression, gen));
+  KvCache* cache = replayed.cache.get();
   ASSIGN_OR_RETURN(auto selector,
-                   MakeDecodeSelector(attention, mc, cache->shape(), HeapKvAllocator()));
+                   MakeDecodeSelector(m.attention, mc, cache->shape(), HeapKvAllocator()));
   RecordingSelector recorder(selector.get(), mc.num_layers, len);
   const int cache_group = mc.num_heads / cache->shape().n_heads;
   std::vector<float> logits(vocab);
   for (int t = 0; t < gen; ++t) {
-    DecodeInput in{ref.tokens[t], len + t, cache.get(), &recorder};
+    DecodeInput in{ref.tokens[t], len + t, cache, &recorder};
     RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
     const std::vector<double> lp = LogSoftmax(logits.data(), vocab);
     acc->agree += Argmax(logits.data(), vocab) == ref.tokens[t + 1];
@@ -366,7 +337,9 @@ absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
                        " generated exceeds the model's context of ", mc.context_limit()));
     }
     const int window = std::min(options.window, len);
-    CapturedPrefill cap(window, mc.num_heads);
+    ASSIGN_OR_RETURN(const int rows,
+                     CaptureWindow(methods, budgets, len, options.gen + 1, window, mc));
+    CapturedPrefill cap(rows, mc.num_heads);
     ASSIGN_OR_RETURN(PrefillResult pre, model.Prefill(prompt.ids, &cap));
     ASSIGN_OR_RETURN(Reference ref, DecodeFull(model, cap, pre.logits, len, options.gen));
     for (size_t m = 0; m < methods.size(); ++m) {
@@ -388,61 +361,6 @@ absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
   }
   for (size_t b = 0; b < budgets.size(); ++b)
     out.push_back(Record("oracle", budgets[b], oracle[b], false));
-  return out;
-}
-
-absl::StatusOr<std::vector<PasskeyRecord>> EvalPasskey(
-    LlamaModel& model, const std::vector<EvalPrompt>& prompts,
-    const std::vector<EvalMethod>& methods, const std::vector<int>& budgets, int window,
-    const std::function<void(int, int)>& progress) {
-  const ModelConfig& mc = model.config();
-  const int vocab = mc.vocab_size;
-  std::vector<PasskeyRecord> out;
-  for (const auto& m : methods) {
-    for (int b : budgets) out.push_back({m.name, b, 0, 0, 0});
-  }
-  std::vector<int> correct(out.size(), 0);
-  int done = 0;
-  std::vector<float> logits(vocab);
-  for (const EvalPrompt& prompt : prompts) {
-    const int len = static_cast<int>(prompt.ids.size());
-    const int n_ans = static_cast<int>(prompt.answer.size());
-    if (len + n_ans > mc.context_limit()) {
-      for (auto& r : out) ++r.skipped;
-      if (progress) progress(++done, static_cast<int>(prompts.size()));
-      continue;
-    }
-    const int w = std::min(window, len);
-    CapturedPrefill cap(w, mc.num_heads);
-    ASSIGN_OR_RETURN(PrefillResult pre, model.Prefill(prompt.ids, &cap));
-    for (size_t m = 0; m < methods.size(); ++m) {
-      for (size_t b = 0; b < budgets.size(); ++b) {
-        const size_t r = m * budgets.size() + b;
-        CompressionConfig config = methods[m].compression(budgets[b]);
-        DecodeAttentionConfig attention =
-            methods[m].attention ? methods[m].attention(budgets[b]) : DecodeAttentionConfig{};
-        if (config.NeedsScores()) config.window = w;
-        RETURN_IF_ERROR(Annotate(config.Validate(), methods[m].name));
-        RETURN_IF_ERROR(Annotate(ResolveTwoStage(&config, &attention, len, n_ans, mc.head_dim),
-                                 methods[m].name));
-        ASSIGN_OR_RETURN(auto cache, ReplayInto(model, cap, config, len, n_ans));
-        ASSIGN_OR_RETURN(auto selector,
-                         MakeDecodeSelector(attention, mc, cache->shape(), HeapKvAllocator()));
-        std::vector<int32_t> got = {Argmax(pre.logits.data(), vocab)};
-        for (int t = 1; t < n_ans; ++t) {
-          DecodeInput in{got.back(), len + t - 1, cache.get(), selector.get()};
-          RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
-          got.push_back(Argmax(logits.data(), vocab));
-        }
-        correct[r] += got == prompt.answer;
-        ++out[r].n;
-      }
-    }
-    if (progress) progress(++done, static_cast<int>(prompts.size()));
-  }
-  for (size_t r = 0; r < out.size(); ++r) {
-    out[r].accuracy = out[r].n ? static_cast<double>(correct[r]) / out[r].n : Nan();
-  }
   return out;
 }
 

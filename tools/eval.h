@@ -16,6 +16,7 @@
 #pragma once
 
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include "common/compression/compression.h"
 #include "common/model/llama_model.h"
 #include "common/sparse/attention.h"
+#include "tools/replay.h"
 
 namespace kvwire::tools {
 
@@ -30,10 +32,19 @@ struct EvalPrompt {
   std::string id;
   std::vector<int32_t> ids;     // with BOS
   std::vector<int32_t> answer;  // passkey only
+  std::string task;             // the record's "task" (passkey: single or multi), or empty
 };
 
+// Calls `each` with every non-blank line of a JSONL file, parsed, its line number and
+// "path:line" for messages; stops at the first error. A line that is not JSON is
+// InvalidArgument naming the file and line, a file that cannot be read NotFound.
+absl::Status ForEachJsonLine(
+    const std::string& path,
+    const std::function<absl::Status(const nlohmann::json&, int, const std::string&)>& each);
+
 // Reads a JSONL file with `prompt_ids` (or `prompt`, tokenized) and, for passkey,
-// `answer_ids`. Malformed lines are errors naming the file and line.
+// `answer_ids`; `id` and `task` when present. Malformed lines are errors naming the file
+// and line.
 absl::StatusOr<std::vector<EvalPrompt>> ReadPrompts(const std::string& path, const Tokenizer& tok,
                                                     bool need_answer);
 
@@ -44,6 +55,16 @@ struct EvalMethod {
   std::function<CompressionConfig(int budget)> compression;
   std::function<DecodeAttentionConfig(int budget)> attention;  // null: dense
 };
+
+// `method` at `budget` for a `len`-token prompt followed by `max_new` tokens; errors name
+// the method.
+absl::StatusOr<ResolvedMethod> ResolveMethod(const EvalMethod& method, int budget, int len,
+                                             int max_new, const ModelConfig& model);
+// The rows of window scores a prompt's captured prefill needs: the widest any method
+// reads at any budget, and at least `at_least` (clamped to the prompt).
+absl::StatusOr<int> CaptureWindow(const std::vector<EvalMethod>& methods,
+                                  const std::vector<int>& budgets, int len, int max_new,
+                                  int at_least, const ModelConfig& model);
 
 struct FidelityRecord {
   std::string policy;
@@ -58,7 +79,7 @@ struct FidelityRecord {
 
 struct FidelityOptions {
   int gen = 32;
-  int window = 16;      // scoring window captured at prefill (must match the methods')
+  int window = 16;      // the prompt's last `window` tokens are not scored by the hit rate
   double theta = 0.05;  // hit-rate threshold
 };
 
@@ -69,18 +90,5 @@ absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
     LlamaModel& model, const std::vector<EvalPrompt>& prompts,
     const std::vector<EvalMethod>& methods, const std::vector<int>& budgets,
     const FidelityOptions& options, const std::function<void(int, int)>& progress);
-
-struct PasskeyRecord {
-  std::string policy;
-  int budget = 0;
-  double accuracy = 0;
-  int n = 0;        // prompts evaluated
-  int skipped = 0;  // prompts longer than the model's context
-};
-
-absl::StatusOr<std::vector<PasskeyRecord>> EvalPasskey(
-    LlamaModel& model, const std::vector<EvalPrompt>& prompts,
-    const std::vector<EvalMethod>& methods, const std::vector<int>& budgets, int window,
-    const std::function<void(int, int)>& progress);
 
 }  // namespace kvwire::tools

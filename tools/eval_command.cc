@@ -7,6 +7,8 @@
 // parameter overrides after colons, e.g.
 //   --policies snapkv,snapkv:gqa=per_query_head,hbw:groups=1,streaming,rocketkv,quest
 // Overrides use the compression flags' names (see --help); the rest come from the flags.
+// `eval passkey --target HOST:PORT` sends every prompt through a running deployment
+// instead, and --answers / --compare check it against the in-process run prompt for prompt.
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -28,18 +31,33 @@
 #include "common/base/status.h"
 #include "tools/commands.h"
 #include "tools/eval.h"
+#include "tools/passkey.h"
+#include "tools/passkey_remote.h"
 
 namespace kvwire::tools {
 namespace {
 
+// --settings paper: the settings of each paper's own experiments, for the methods whose
+// paper differs from kvwire's defaults.
+struct PaperSetting {
+  const char* policy;
+  const char* param;
+  const char* value;
+};
+constexpr PaperSetting kPaperSettings[] = {
+    {"snapkv_pp", "window", "32"},  // RocketKV App. A.3: "observation window size of 32"
+    {"rocketkv", "window", "32"},
+};
+
 // One method per spec: a policy name with its own parameter overrides after colons
-// ("snapkv:gqa=per_query_head", which must apply to it), plus the command line's compression
-// values that apply to it (a --kernel given on the command line reaches snapkv and not
-// snapkv_pp). A command-line value no method takes is an error. A decode attention mode
-// (hybrid, quest, exact_topk) as the method: the full prompt cache, sparse reads of
+// ("snapkv:gqa=per_query_head", "snapkv_pp:window=32", which must apply to it), plus the
+// command line's compression values that apply to it (a --kernel given on the command line
+// reaches snapkv and not snapkv_pp), plus, with `paper`, the paper's settings where neither
+// set the parameter. A command-line value no method takes is an error. A decode attention
+// mode (hybrid, quest, exact_topk) as the method: the full prompt cache, sparse reads of
 // `budget` tokens per step (RocketKV's comparison points).
 absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& specs,
-                                                const ParamValues& shared) {
+                                                const ParamValues& shared, bool paper) {
   std::vector<EvalMethod> methods;
   std::set<std::string> used;
   for (const std::string& spec : specs) {
@@ -80,14 +98,10 @@ absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& 
     for (size_t i = 1; i < parts.size(); ++i) {
       std::pair<std::string, std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
       const std::string name = absl::StrReplaceAll(kv.first, {{"-", "_"}});
-      if (name == "window") {
-        // One prefill per prompt is captured, with --window's scores, for every method.
-        return absl::InvalidArgumentError(
-            absl::StrCat("method '", spec,
-                         "': the observation window is the command's --window, not a "
-                         "method's"));
-      }
       values[name] = kv.second;
+    }
+    for (const PaperSetting& p : kPaperSettings) {
+      if (paper && policy == p.policy && values.count(p.param) == 0) values[p.param] = p.value;
     }
     // Checked once with a budget every policy accepts, so errors surface before the run.
     if (probe->evicts()) values["budget"] = "1000000";
@@ -128,7 +142,18 @@ absl::StatusOr<std::vector<int>> Budgets(const Flags& flags) {
   return out;
 }
 
+// A bar redrawn in place on a terminal; in a log (stderr not a terminal) one line at each
+// tenth of the run, so that a long evaluation does not flood it.
 void Progress(int done, int total) {
+  static const bool tty = isatty(STDERR_FILENO) == 1;
+  if (!tty) {
+    const int tenth = total ? done * 10 / total : 10;
+    const int before = total ? (done - 1) * 10 / total : 10;
+    if (done == total || tenth != before) {
+      std::fprintf(stderr, "%d/%d prompts (%d%%)\n", done, total, total ? done * 100 / total : 100);
+    }
+    return;
+  }
   const int width = 30, filled = total ? done * width / total : width;
   std::fprintf(stderr, "\r[%s%s] %d/%d prompts", std::string(filled, '#').c_str(),
                std::string(width - filled, '.').c_str(), done, total);
@@ -262,7 +287,12 @@ struct EvalSetup {
 absl::StatusOr<EvalSetup> Setup(const Flags& flags, const ParamValues& compression, bool passkey) {
   EvalSetup e;
   ASSIGN_OR_RETURN(e.budgets, Budgets(flags));
-  ASSIGN_OR_RETURN(e.methods, Methods(flags.GetList("policies"), compression));
+  const std::string settings = flags.GetString("settings");
+  if (settings != "default" && settings != "paper") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--settings must be default or paper, got '", settings, "'"));
+  }
+  ASSIGN_OR_RETURN(e.methods, Methods(flags.GetList("policies"), compression, settings == "paper"));
   ASSIGN_OR_RETURN(const int64_t limit, flags.GetInt("limit", 0, 1 << 30));
   ASSIGN_OR_RETURN(const int64_t window, flags.GetInt("window", 1, 1 << 20));
   e.window = static_cast<int>(window);
@@ -321,32 +351,145 @@ int Fidelity(const Flags& flags, const ParamValues& compression) {
   return st.ok() ? 0 : Fail("eval fidelity", st);
 }
 
+// The flags of `eval passkey --target` (a deployment) and of the in-process evaluation;
+// one given in the other mode is an error.
+const std::vector<std::string> kRemoteFlags = {"concurrency", "timeout-s", "tls-ca",
+                                               "tls-cert",    "tls-key",   "tls-server-name"};
+const std::vector<std::string> kInProcessFlags = {"dtype", "threads", "backend"};
+
+absl::Status CheckModeFlags(const Flags& flags, bool remote) {
+  for (const std::string& f : remote ? kInProcessFlags : kRemoteFlags) {
+    if (flags.IsSet(f)) {
+      return absl::InvalidArgumentError(
+          remote ? absl::StrCat("--", f,
+                                " does not apply with --target: the deployment runs the model "
+                                "(--model only reads the prompts with its tokenizer)")
+                 : absl::StrCat("--", f, " applies only with --target HOST:PORT"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RemoteOptions> RemoteOptionsFromFlags(const Flags& flags) {
+  RemoteOptions o;
+  o.target = flags.GetString("target");
+  ASSIGN_OR_RETURN(const int64_t concurrency, flags.GetInt("concurrency", 1, 256));
+  ASSIGN_OR_RETURN(const double timeout_s, flags.GetDouble("timeout-s", 0.001, 86400));
+  o.concurrency = static_cast<int>(concurrency);
+  o.timeout_ms = static_cast<int>(timeout_s * 1000);
+  o.tls = {flags.GetString("tls-ca"), flags.GetString("tls-cert"), flags.GetString("tls-key"),
+           flags.GetString("tls-server-name")};
+  if (o.tls.ca_file.empty() &&
+      (!o.tls.cert_file.empty() || !o.tls.key_file.empty() || !o.tls.server_name.empty())) {
+    return absl::InvalidArgumentError(
+        "--tls-cert, --tls-key and --tls-server-name need --tls-ca (TLS)");
+  }
+  return o;
+}
+
+// One table line per method and budget: accuracy over all prompts, per task and per length
+// bucket, the needle kept and read, and the compression ratio (full cache ÷ KV payload; through a
+// deployment also ÷ the KV messages' bytes).
+void PrintPasskeyTable(const std::vector<PasskeyRow>& rows, bool wire) {
+  std::vector<std::string> columns;  // "single", "multi", "≤512", ...
+  std::set<std::string> seen;
+  auto label = [](const PasskeyRow& r) { return r.length ? absl::StrCat("<=", r.length) : r.task; };
+  for (const PasskeyRow& r : rows) {
+    if ((r.task != "all" || r.length != 0) && seen.insert(label(r)).second) {
+      columns.push_back(label(r));
+    }
+  }
+  std::string head = absl::StrFormat("%-28s %6s %7s", "policy", "budget", "all");
+  for (const std::string& c : columns) absl::StrAppendFormat(&head, " %7s", c);
+  absl::StrAppendFormat(&head, " %7s %7s %7s", "kept", "read", "ratio");
+  if (wire) absl::StrAppendFormat(&head, " %7s", "wire");
+  absl::StrAppendFormat(&head, " %5s", "n");
+  std::printf("%s\n", head.c_str());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const PasskeyRow& all = rows[i];
+    if (all.task != "all" || all.length != 0) continue;
+    std::map<std::string, const PasskeyRow*> by;
+    for (size_t k = i + 1; k < rows.size() && (rows[k].task != "all" || rows[k].length != 0); ++k) {
+      by[label(rows[k])] = &rows[k];
+    }
+    std::string line = absl::StrFormat("%-28s %6d %7s", all.method, all.budget,
+                                       Cell(100 * all.accuracy(), "%.1f%%"));
+    for (const std::string& c : columns) {
+      absl::StrAppendFormat(&line, " %7s",
+                            by.count(c) ? Cell(100 * by[c]->accuracy(), "%.1f%%") : "-");
+    }
+    absl::StrAppendFormat(&line, " %7s %7s %7s", Cell(100 * all.needle_kept_share(), "%.1f%%"),
+                          Cell(100 * all.needle_read_share(), "%.1f%%"),
+                          Cell(all.ratio(), "%.2fx"));
+    if (wire) absl::StrAppendFormat(&line, " %7s", Cell(all.wire_ratio(), "%.2fx"));
+    absl::StrAppendFormat(&line, " %5d", all.n);
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+absl::Status WriteAnswers(const std::string& path, const std::vector<PasskeyAnswer>& answers) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const PasskeyAnswer& a : answers) j.push_back(ToJson(a));
+  return WriteJson(path, j);
+}
+
 int Passkey(const Flags& flags, const ParamValues& compression) {
+  const bool remote = !flags.GetString("target").empty();
+  if (absl::Status st = CheckModeFlags(flags, remote); !st.ok()) return Fail("eval passkey", st);
+  absl::StatusOr<RemoteOptions> remote_options = RemoteOptions{};
+  if (remote) remote_options = RemoteOptionsFromFlags(flags);
+  if (!remote_options.ok()) return Fail("eval passkey", remote_options.status());
   auto setup = Setup(flags, compression, /*passkey=*/true);
   if (!setup.ok()) return Fail("eval passkey", setup.status());
   EvalSetup& e = *setup;
-  std::fprintf(stderr, "model: %s\n%zu prompts\n", e.model->description().c_str(),
+  std::fprintf(stderr, "%s\n%zu prompts\n",
+               remote ? absl::StrCat("deployment: ", remote_options->target).c_str()
+                      : absl::StrCat("model: ", e.model->description()).c_str(),
                e.prompts.size());
-  auto records = EvalPasskey(*e.model, e.prompts, e.methods, e.budgets, e.window, Progress);
-  if (!records.ok()) return Fail("eval passkey", records.status());
-  std::printf("%-28s %7s %9s %5s %8s\n", "policy", "budget", "accuracy", "n", "skipped");
+  absl::StatusOr<PasskeyRun> run;
+  if (remote) {
+    // As in process, a prompt whose answer does not fit the model's context is skipped.
+    std::vector<EvalPrompt> fit;
+    std::vector<std::string> skipped;
+    for (EvalPrompt& p : e.prompts) {
+      if (p.ids.size() + p.answer.size() > static_cast<size_t>(e.model->config().context_limit())) {
+        skipped.push_back(p.id);
+      } else {
+        fit.push_back(std::move(p));
+      }
+    }
+    run = EvalPasskeyRemote(*remote_options, fit, e.methods, e.budgets, Progress);
+    if (run.ok()) run->skipped = std::move(skipped);
+  } else {
+    run = EvalPasskey(*e.model, e.prompts, e.methods, e.budgets, e.window, Progress);
+  }
+  if (!run.ok()) return Fail("eval passkey", run.status());
+  const std::vector<PasskeyRow> rows = SummarizePasskey(run->answers);
+  PrintPasskeyTable(rows, remote);
+  if (!run->skipped.empty()) {
+    std::fprintf(stderr, "%zu prompts did not fit the model's context of %d and were skipped\n",
+                 run->skipped.size(), e.model->config().context_limit());
+  }
   nlohmann::json out = nlohmann::json::array();
-  for (const PasskeyRecord& r : *records) {
-    std::printf("%-28s %7d %9s %5d %8d\n", r.policy.c_str(), r.budget,
-                Cell(100 * r.accuracy, "%.1f%%").c_str(), r.n, r.skipped);
-    out.push_back({{"policy", r.policy},
-                   {"budget", r.budget},
-                   {"accuracy", Num(r.accuracy)},
-                   {"n", r.n},
-                   {"skipped", r.skipped}});
+  for (const PasskeyRow& r : rows) {
+    out.push_back(ToJson(r));
+    out.back()["skipped"] = run->skipped.size();
   }
-  if (!records->empty() && (*records)[0].skipped > 0) {
-    std::fprintf(stderr, "%d prompts did not fit the model's context of %d and were skipped\n",
-                 (*records)[0].skipped, e.model->config().context_limit());
-  }
-  const absl::Status st =
+  absl::Status st =
       Outputs(flags, out, absl::StrCat("passkey retrieval: ", e.model->description()));
-  return st.ok() ? 0 : Fail("eval passkey", st);
+  if (st.ok() && !flags.GetString("answers").empty()) {
+    st = WriteAnswers(flags.GetString("answers"), run->answers);
+  }
+  if (!st.ok()) return Fail("eval passkey", st);
+  if (const std::string ref = flags.GetString("compare"); !ref.empty()) {
+    auto diffs = ComparePasskey(run->answers, ref);
+    if (!diffs.ok()) return Fail("eval passkey", diffs.status());
+    for (const std::string& d : *diffs) std::fprintf(stderr, "differs: %s\n", d.c_str());
+    std::fprintf(stderr, "%zu of %zu answers differ from %s\n", diffs->size(), run->answers.size(),
+                 ref.c_str());
+    if (!diffs->empty()) return 1;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -370,9 +513,27 @@ int RunEval(int argc, char** argv) {
   flags.Define("limit", "0", "evaluate only the first N prompts (0: all)");
   flags.Define("json", "", "write one JSON record per policy and budget to this file");
   flags.Define("plot", "", "write a PNG plot to this file (needs python3 with matplotlib)");
+  flags.Define("settings", "default",
+               "default (kvwire's defaults), or paper: each method's paper settings where "
+               "neither the method nor the command line sets them (window 32 for snapkv_pp "
+               "and rocketkv)");
   if (sub == "fidelity") {
     flags.Define("gen", "32", "greedy tokens generated (and compared) per prompt");
     flags.Define("theta", "0.05", "attention threshold of SnapKV's hit rate");
+  } else {
+    flags.Define("answers", "", "write one JSON record per prompt, method and budget here");
+    flags.Define("compare", "",
+                 "compare the answers with an --answers file prompt for prompt; exit 1 on a "
+                 "difference");
+    flags.Define("target", "",
+                 "evaluate through a running deployment: HOST:PORT of the router or a decode "
+                 "node (one Generate call per prompt, method and budget)");
+    flags.Define("concurrency", "1", "with --target: requests in flight");
+    flags.Define("timeout-s", "120", "with --target: deadline of each request, seconds");
+    flags.Define("tls-ca", "", "with --target: CA of the server's certificate (enables TLS)");
+    flags.Define("tls-cert", "", "with --target: client certificate (mutual TLS)");
+    flags.Define("tls-key", "", "with --target: client key (mutual TLS)");
+    flags.Define("tls-server-name", "", "with --target: name to check in the certificate");
   }
   const std::string usage = absl::StrCat("kvwire eval ", sub,
                                          " --model DIR --data FILE.jsonl --policies a,b "

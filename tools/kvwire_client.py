@@ -103,6 +103,7 @@ def generate(stub, pb, args, prompt, out):
       "kept_tokens": st.kept_tokens,
       "full_cache_bytes": st.full_cache_bytes,
       "wire_bytes": st.wire_bytes,
+      "kv_payload_bytes": st.kv_payload_bytes,
       "transfer_ms": st.transfer_ms,
       "prefill_ms": st.prefill_ms,
       "ttft_ms": st.ttft_ms,

@@ -4,7 +4,8 @@
   plot_eval.py RECORDS.jsonl OUT.png [--title TITLE]
 
 The kind of evaluation is read from the records: fidelity records (agreement, kl, recall)
-give three panels side by side, passkey records (accuracy) one. x is the budget on a log2
+give three panels side by side, passkey records (accuracy, and needle_read when measured)
+one or two; passkey rows per task or length bucket are left out (the totals are plotted). x is the budget on a log2
 axis; each policy is one line with markers, in the same colour in every panel, under one
 shared legend. A null value (the oracle has no agreement or KL) leaves a gap.
 
@@ -26,9 +27,11 @@ PANELS = {
     "fidelity": [("agreement", "top-1 agreement with full KV", "agreement"),
                  ("kl", "KL(full || compressed)", "nats"),
                  ("recall", "attention-mass recall", "recall")],
-    "passkey": [("accuracy", "exact-match accuracy", "accuracy")],
+    "passkey": [("accuracy", "exact-match accuracy", "accuracy"),
+                ("needle_read", "needle read by decode (retrieval head)", "share of prompts")],
 }
-FRACTIONS = {"agreement", "recall", "accuracy"}  # y stays within [0, 1] (and a margin)
+OPTIONAL = {"needle_read"}  # a panel drawn only when some record has the field
+FRACTIONS = {"agreement", "recall", "accuracy", "needle_read"}  # y within [0, 1] (and a margin)
 DEFAULT_TITLES = {"fidelity": "KV compression fidelity", "passkey": "passkey retrieval"}
 
 
@@ -73,11 +76,14 @@ def read_records(path):
       raise InputError(f"{where}: a {line_kind} record among {kind} records")
     kind = line_kind
     for field, _, _ in PANELS[kind]:
-      if field not in r:
+      if field not in r and field not in OPTIONAL:
         raise InputError(f'{where}: a {kind} record without "{field}"')
-      v = r[field]
+      v = r.get(field)
       if v is not None and not is_number(v):
         raise InputError(f'{where}: expected "{field}" to be a number or null, got {v!r}')
+    # Passkey records also come per task and length bucket: the plot shows the totals.
+    if r.get("task", "all") != "all" or r.get("length", "all") != "all":
+      continue
     records.append(r)
   if not records:
     raise InputError(f"{path}: no records; expected JSON lines from kvwire eval --json")
@@ -90,10 +96,12 @@ def plot(records, kind, out, title):
   import matplotlib.pyplot as plt
 
   policies = list(dict.fromkeys(r["policy"] for r in records))  # legend order: first seen
-  palette = plt.get_cmap("tab10").colors
+  palette = plt.get_cmap("tab10" if len(policies) <= 10 else "tab20").colors
   colour = {p: palette[i % len(palette)] for i, p in enumerate(policies)}
+  marker = {p: "osD^v<>ph*"[i % 10] for i, p in enumerate(policies)}
   budgets = sorted({r["budget"] for r in records})
-  panels = PANELS[kind]
+  panels = [p for p in PANELS[kind]
+            if p[0] not in OPTIONAL or any(r.get(p[0]) is not None for r in records)]
 
   # One legend below the panels, as many entries a row as fit (about 7 px a character).
   width = 4.6 * len(panels)
@@ -104,15 +112,15 @@ def plot(records, kind, out, title):
   handles = {}
   for ax, (field, panel_title, y_label) in zip(axes[0], panels):
     for p in policies:
-      points = sorted(((r["budget"], r[field]) for r in records if r["policy"] == p),
+      points = sorted(((r["budget"], r.get(field)) for r in records if r["policy"] == p),
                       key=lambda point: point[0])
       y = [math.nan if v is None else float(v) for _, v in points]
       if all(math.isnan(v) for v in y):
         continue  # e.g. the oracle, which has no agreement or KL
-      (line,) = ax.plot([b for b, _ in points], y, marker="o", markersize=5, linewidth=1.8,
+      (line,) = ax.plot([b for b, _ in points], y, marker=marker[p], markersize=5, linewidth=1.8,
                         color=colour[p], label=p)
       handles.setdefault(p, line)
-    if field == "accuracy":
+    if field in ("accuracy", "needle_read"):
       ax.set_ylim(-0.03, 1.03)  # passkey accuracies span the range; 0 everywhere reads as 0
     elif field in FRACTIONS:
       lo, hi = ax.get_ylim()

@@ -365,6 +365,7 @@ void DecodeEngine::Complete(const std::shared_ptr<Seq>& s, const absl::Status& s
   f.kept_tokens = s->job.compression.KeptTokens(s->job.compression.skip_layers, f.prompt_tokens);
   f.full_cache_bytes = int64_t{f.prompt_tokens} * mc.KvBytesPerToken(model_->kv_dtype());
   f.wire_bytes = s->wire_bytes;
+  f.kv_payload_bytes = s->trailer.kv_payload_bytes;
   f.transfer_ms = s->local ? 0 : Milliseconds(s->trailer_at - s->first_kv);
   f.prefill_ms = s->trailer.forward_ms;
   f.queue_ms = Milliseconds(s->admitted - s->arrival);

@@ -216,6 +216,12 @@ class ClusterE2ETest(LocalClusterCase):
     self.assertEqual(payload * n, snap["full_cache_bytes"] * kept)
     self.assertGreaterEqual(snap["wire_bytes"], payload)
     self.assertLessEqual(snap["wire_bytes"], 1.10 * payload + 4096)
+    # The chunks' payload: those rows and a 4-byte position for each (per KV head and layer),
+    # less than the framed messages.
+    positions = snap["kv_payload_bytes"] - payload
+    self.assertGreater(positions, 0)
+    self.assertEqual(positions % (4 * kept), 0)
+    self.assertLess(snap["kv_payload_bytes"], snap["wire_bytes"])
     self.assertLess(snap["wire_bytes"] / snap["full_cache_bytes"], 1.10 * kept / n + 0.02)
     self.assertGreaterEqual(full["wire_bytes"], full["full_cache_bytes"])
     self.assertLessEqual(full["wire_bytes"], 1.10 * full["full_cache_bytes"] + 4096)

@@ -11,7 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/engine/generate.h"
+#include "tests/engine_fakes.h"
 #include "tests/test_util.h"
+#include "tools/passkey.h"
 
 namespace kvwire::tools {
 namespace {
@@ -111,21 +113,133 @@ TEST(EvalPasskey, CountsExactMatchesAndSkipsLongPrompts) {
     auto r = Generate(model, req);
     ASSERT_TRUE(r.ok());
     p.answer = r->ids;
+    p.task = p.id == "p1" ? "multi" : "single";
   }
   EvalPrompt too_long = SyntheticPrompts(1, 254)[0];
+  too_long.id = "long";
   too_long.answer = {5, 6, 7};
   prompts.push_back(too_long);
-  auto records =
-      EvalPasskey(model, prompts, {Method("full"), Method("streaming")}, {20, 300}, 8, nullptr);
-  ASSERT_TRUE(records.ok()) << records.status();
-  ASSERT_EQ(records->size(), 4u);
-  for (const PasskeyRecord& r : *records) {
-    EXPECT_EQ(r.n, 3) << r.policy;
-    EXPECT_EQ(r.skipped, 1) << r.policy;
-    if (r.policy == "full" || r.budget == 300) {
-      EXPECT_EQ(r.accuracy, 1.0) << r.policy << r.budget;
+  int calls = 0;
+  auto run = EvalPasskey(model, prompts, {Method("full"), Method("streaming")}, {20, 300}, 8,
+                         [&](int done, int total) {
+                           EXPECT_EQ(total, 4);
+                           EXPECT_EQ(done, ++calls);
+                         });
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(calls, 4);
+  EXPECT_EQ(run->skipped, std::vector<std::string>{"long"});
+  ASSERT_EQ(run->answers.size(), 3u * 4u);
+  for (const PasskeyAnswer& a : run->answers) {
+    EXPECT_EQ(a.prompt_tokens, 100);
+    EXPECT_EQ(a.full_cache_bytes, 100 * model.config().KvBytesPerToken(model.kv_dtype()));
+    if (a.method == "full" || a.budget == 300) {
+      EXPECT_TRUE(a.correct()) << a.id << " " << a.method << " " << a.budget;
     }
-    EXPECT_GE(r.accuracy, 0.0);
+    // The bytes a stream of the cache carries: every kept row's position, K and V.
+    const int kept = a.method == "full" || a.budget >= 100 ? 100 : a.budget;
+    const int64_t row = model.config().num_kv_heads *
+                        (4 + 2 * int64_t{model.config().head_dim} * DTypeSize(model.kv_dtype()));
+    EXPECT_EQ(a.kv_payload_bytes, model.config().num_layers * kept * row) << a.method;
+  }
+  const std::vector<PasskeyRow> rows = SummarizePasskey(run->answers);
+  // Per method and budget: all, the two tasks, one length bucket (100 tokens: <= 512).
+  ASSERT_EQ(rows.size(), 4u * 4u);
+  EXPECT_EQ(rows[0].method, "full");
+  EXPECT_EQ(rows[0].task, "all");
+  EXPECT_EQ(rows[0].n, 3);
+  EXPECT_EQ(rows[0].accuracy(), 1.0);
+  EXPECT_EQ(rows[1].task, "multi");
+  EXPECT_EQ(rows[1].n, 1);
+  EXPECT_EQ(rows[2].task, "single");
+  EXPECT_EQ(rows[2].n, 2);
+  EXPECT_EQ(rows[3].length, 512);
+  EXPECT_EQ(rows[3].n, 3);
+}
+
+// A method reading a narrower window than the prefill captured sees exactly what a prefill
+// with its own window gives it: the same kept positions and K/V.
+TEST(Replay, NarrowerWindowEqualsItsOwnPrefill) {
+  auto model = LlamaModel::Load("synthetic:tiny");
+  ASSERT_TRUE(model.ok());
+  const ModelConfig& mc = (*model)->config();
+  const EvalPrompt prompt = SyntheticPrompts(1, 150)[0];
+  CapturedPrefill cap(32, mc.num_heads);
+  ASSERT_TRUE((*model)->Prefill(prompt.ids, &cap).status().ok());
+  for (const char* policy : {"snapkv", "hbw", "chunkkv"}) {
+    CompressionConfig c;
+    c.policy = *MakePolicy(policy);
+    c.budget = 40;
+    c.window = 8;
+    auto replayed = ReplayInto(**model, cap, c, 0);
+    ASSERT_TRUE(replayed.ok()) << replayed.status();
+    auto direct = KvCache::Create(CompressedCacheShape(c, mc, (*model)->kv_dtype(), 150, 0),
+                                  HeapKvAllocator());
+    ASSERT_TRUE(direct.ok());
+    CacheSink sink(direct->get());
+    Compressor compressor(c, mc, (*model)->kv_dtype(), &sink);
+    ASSERT_TRUE((*model)->Prefill(prompt.ids, &compressor).status().ok());
+    EXPECT_EQ(testing::CacheDifference(*replayed->cache, **direct), "") << policy;
+  }
+  // More rows than were captured is an error, not a silent shorter window.
+  CompressionConfig wide;
+  wide.policy = *MakePolicy("snapkv");
+  wide.budget = 80;
+  wide.window = 64;
+  EXPECT_EQ(ReplayInto(**model, cap, wide, 0).status().code(), absl::StatusCode::kInternal);
+}
+
+TEST(ComparePasskey, ReportsEveryDifference) {
+  PasskeyAnswer a;
+  a.id = "p0";
+  a.method = "snapkv";
+  a.budget = 64;
+  a.expected = {5, 6};
+  a.tokens = {5, 6};
+  a.kv_payload_bytes = 1000;
+  const std::string dir = testing::MakeTempDir("compare");
+  testing::WriteFile(dir + "/ref.jsonl", ToJson(a).dump() + "\n");
+  auto same = ComparePasskey({a}, dir + "/ref.jsonl");
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_TRUE(same->empty());
+  PasskeyAnswer b = a;
+  b.tokens = {5, 7};
+  b.kv_payload_bytes = 1004;
+  PasskeyAnswer c = a;
+  c.budget = 128;
+  auto diffs = ComparePasskey({b, c}, dir + "/ref.jsonl");
+  ASSERT_TRUE(diffs.ok());
+  ASSERT_EQ(diffs->size(), 3u);
+  EXPECT_EQ((*diffs)[0], "p0 snapkv at 64: answered [5 7], the reference [5 6]");
+  EXPECT_EQ((*diffs)[1], "p0 snapkv at 64: 1004 KV payload bytes, the reference 1000");
+  EXPECT_NE((*diffs)[2].find("p0 snapkv at 128: not in"), std::string::npos);
+  testing::WriteFile(dir + "/bad.jsonl", "{\"id\": \"p0\"}\n");
+  auto bad = ComparePasskey({a}, dir + "/bad.jsonl");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(bad.status().message()).find("bad.jsonl:1"), std::string::npos);
+}
+
+// The retrieval model of ../shared: with the full cache it answers, the needle is found in
+// layer 2, KV head 1 (its README's induction head), and SnapKV at 128 keeps it.
+TEST(EvalPasskey, FindsTheNeedleOfTheRetrievalModel) {
+  KVWIRE_REQUIRE_SHARED();
+  auto model = LlamaModel::Load(testing::SharedDir() + "/models/passkey-induction-hf");
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto prompts =
+      ReadPrompts(testing::SharedDir() + "/data/passkey/dev.jsonl", (*model)->tokenizer(), true);
+  ASSERT_TRUE(prompts.ok()) << prompts.status();
+  prompts->resize(2);
+  auto run = EvalPasskey(**model, *prompts, {Method("full", 16), Method("snapkv", 16)}, {128}, 16,
+                         nullptr);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->answers.size(), 4u);
+  for (const PasskeyAnswer& a : run->answers) {
+    EXPECT_TRUE(a.correct()) << a.id << " " << a.method;
+    EXPECT_TRUE(a.task == "single" || a.task == "multi") << a.task;
+    EXPECT_EQ(a.retrieval_layer, 2);
+    EXPECT_EQ(a.retrieval_kv_head, 1);
+    EXPECT_GT(a.needle_share, 0.1);
+    EXPECT_EQ(a.needle_kept, 1);
+    EXPECT_EQ(a.needle_read, 1);
   }
 }
 

@@ -116,6 +116,28 @@ class PlotEvalScript(unittest.TestCase):
     self.assertEqual(int(streaming[: int(height * 0.75), int(width * 0.35):int(width * 0.7)]
                          .sum()), 0)
 
+  def test_passkey_totals_only_and_a_needle_panel(self):
+    """Rows per task or length bucket are not plotted (a third policy only in them leaves no
+    colour); needle_read adds a second panel of the same size."""
+    records = passkey_records()
+    for r in records:
+      r.update({"task": "all", "length": "all", "needle_read": r["accuracy"]})
+    records += [{"policy": "only-in-breakdown", "budget": 64, "accuracy": 0.5, "task": "multi",
+                 "length": "all", "needle_read": 0.5},
+                {"policy": "only-in-breakdown", "budget": 64, "accuracy": 0.5, "task": "all",
+                 "length": 1024, "needle_read": 0.5}]
+    path = os.path.join(self.dir, "passkey.jsonl")
+    write_jsonl(path, records)
+    r, out = self.plot(path)
+    self.assertEqual(r.returncode, 0, r.stderr)
+    img = self.read_png(out)
+    height, width = img.shape[:2]
+    self.assertTrue(800 <= width <= 1000, img.shape)
+    for half in (img[:, : width // 2], img[:, width // 2:]):
+      self.assertGreater(int(colour_mask(half, TAB10[0]).sum()), 50)
+      self.assertGreater(int(colour_mask(half, TAB10[1]).sum()), 50)
+    self.assertEqual(int(colour_mask(img, TAB10[2]).sum()), 0)
+
   def test_bad_records_are_exit_code_2_with_a_message(self):
     cases = [
         ('{"policy": "a", "budget": 32, "accuracy": 1}\n{oops\n', "bad.jsonl:2: not valid JSON"),
@@ -185,7 +207,10 @@ class KvwireEvalPlot(unittest.TestCase):
     [kept] = os.listdir(self.tmp)
     self.assertIn(os.path.join(self.tmp, kept), r.stderr)
     with open(os.path.join(self.tmp, kept)) as f:
-      self.assertEqual(len([json.loads(line) for line in f]), 4)  # 2 methods x 2 budgets
+      records = [json.loads(line) for line in f]
+    # 2 methods x 2 budgets, each over all prompts and over their one length bucket
+    self.assertEqual(len(records), 8)
+    self.assertEqual(len([r for r in records if r["length"] == "all"]), 4)
 
     records = os.path.join(self.dir, "records.jsonl")
     r = self.eval_passkey(os.path.join(self.dir, "no-such-python"), "--plot", png,

@@ -1,0 +1,113 @@
+#include "tools/replay.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/status.h"
+#include "common/sparse/rocketkv.h"
+
+namespace kvwire::tools {
+
+absl::Status CapturedPrefill::OnLayer(const PrefillLayer& l) {
+  Layer c;
+  c.len = l.len;
+  c.window = l.window;
+  c.row = static_cast<int>(l.kv_stride);
+  c.k.assign(l.k, l.k + int64_t{l.len} * l.kv_stride);
+  c.v.assign(l.v, l.v + int64_t{l.len} * l.kv_stride);
+  if (l.window_scores) {
+    const size_t n = static_cast<size_t>(l.window) * l.len;
+    c.scores.assign(l.window_scores, l.window_scores + n * n_heads_);
+  }
+  layers_.push_back(std::move(c));
+  return absl::OkStatus();
+}
+
+absl::Status CapturedPrefill::Replay(PrefillObserver& observer) const {
+  std::vector<float> rows;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& c = layers_[i];
+    PrefillLayer l;
+    l.layer = static_cast<int>(i);
+    l.len = c.len;
+    l.k = c.k.data();
+    l.v = c.v.data();
+    l.kv_stride = c.row;
+    const int want = std::min(observer.window(c.len), c.len);
+    if (want > 0 && observer.NeedsScores(l.layer, c.len)) {
+      if (c.scores.empty() || want > c.window) {
+        return absl::InternalError(absl::StrCat("replay needs ", want,
+                                                " rows of window scores; the prefill captured ",
+                                                c.scores.empty() ? 0 : c.window));
+      }
+      l.window = want;
+      l.window_scores = c.scores.data();
+      if (want < c.window) {
+        // [head, row, position]: each head's last `want` rows.
+        const size_t len = c.len;
+        rows.resize(static_cast<size_t>(n_heads_) * want * len);
+        for (int h = 0; h < n_heads_; ++h) {
+          const float* from =
+              c.scores.data() + (static_cast<size_t>(h) * c.window + c.window - want) * len;
+          std::copy(from, from + want * len, rows.begin() + static_cast<size_t>(h) * want * len);
+        }
+        l.window_scores = rows.data();
+      }
+    }
+    RETURN_IF_ERROR(observer.OnLayer(l));
+  }
+  return absl::OkStatus();
+}
+
+int ScoreRows(const CompressionConfig& compression, int len) {
+  return compression.NeedsScores() && compression.Compresses(len)
+             ? std::min(compression.window, len)
+             : 0;
+}
+
+absl::StatusOr<ResolvedMethod> Resolve(CompressionConfig compression,
+                                       DecodeAttentionConfig attention, int len, int max_new,
+                                       const ModelConfig& model) {
+  if (compression.NeedsScores()) compression.window = std::min(compression.window, len);
+  RETURN_IF_ERROR(compression.Validate());
+  RETURN_IF_ERROR(ResolveTwoStage(&compression, &attention, len, max_new, model.head_dim));
+  return ResolvedMethod{std::move(compression), std::move(attention)};
+}
+
+namespace {
+
+// Stores each layer in the cache and counts what its chunks would carry.
+class CountingCacheSink final : public CompressedLayerSink {
+ public:
+  explicit CountingCacheSink(KvCache* cache) : cache_(cache) {}
+  absl::Status Accept(CompressedLayer layer) override {
+    bytes_ += static_cast<int64_t>(layer.positions.size() * sizeof(int32_t) + layer.k.size() +
+                                   layer.v.size());
+    return StoreLayer(layer, cache_);
+  }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  KvCache* cache_;
+  int64_t bytes_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<ReplayedCache> ReplayInto(const LlamaModel& model, const CapturedPrefill& cap,
+                                         const CompressionConfig& config, int extra) {
+  const int len = cap.len();
+  const KvCacheShape shape =
+      CompressedCacheShape(config, model.config(), model.kv_dtype(), len, extra);
+  ReplayedCache out;
+  ASSIGN_OR_RETURN(out.cache, KvCache::Create(shape, HeapKvAllocator()));
+  out.cache->set_prompt_len(len);
+  CountingCacheSink sink(out.cache.get());
+  Compressor compressor(config, model.config(), model.kv_dtype(), &sink);
+  RETURN_IF_ERROR(cap.Replay(compressor));
+  out.kv_payload_bytes = sink.bytes();
+  out.full_cache_bytes = int64_t{len} * model.config().KvBytesPerToken(model.kv_dtype());
+  return out;
+}
+
+}  // namespace kvwire::tools
