@@ -22,7 +22,7 @@
 namespace kvwire {
 namespace {
 
-using Stream = StreamState<v1::GenerateResponse>;
+using Stream = StreamState<grpc::ByteBuffer>;
 
 constexpr int kMaxStopStrings = 16;
 constexpr size_t kMaxStopBytes = 256;
@@ -40,7 +40,7 @@ class GrpcSink final : public ResponseSink {
     for (int32_t id : delta.ids) r.add_token_ids(id);
     r.set_text(std::move(delta.text));
     for (float lp : delta.logprobs) r.add_logprobs(lp);
-    return stream_->Send(std::move(r));
+    return stream_->Send(SerializeMessage(r));
   }
 
   void Finish(const absl::Status& status, const RequestFigures* f) override {
@@ -68,7 +68,7 @@ class GrpcSink final : public ResponseSink {
       s->set_decode_node(f->decode_node);
       s->set_attention(f->attention);
       s->set_prefill_attempts(f->prefill_attempts);
-      stream_->Send(std::move(r));
+      stream_->Send(SerializeMessage(r));
     }
     stream_->Finish(ToGrpcStatus(status));
   }
@@ -86,7 +86,8 @@ absl::Status Bad(absl::string_view field, absl::string_view what) {
 
 }  // namespace
 
-struct DecodeServer::Impl final : public v1::Generation::CallbackService {
+struct DecodeServer::Impl final
+    : public v1::Generation::WithRawCallbackMethod_Generate<v1::Generation::Service> {
   LlamaModel* model;
   DecodeServerOptions options;
   std::unique_ptr<KvPool> pool;
@@ -231,23 +232,29 @@ struct DecodeServer::Impl final : public v1::Generation::CallbackService {
     return j;
   }
 
-  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
-      grpc::CallbackServerContext* ctx, const v1::GenerateRequest* request) override {
-    auto [stream, reactor] = Stream::Create([this] { WakeEngine(); });
-    auto job = Translate(*request);
-    if (!job.ok()) {
-      if (options.telemetry) options.telemetry->CountRequest(job.status());
-      stream->Finish(ToGrpcStatus(job.status()));
-      return reactor;
-    }
-    job->deadline = FromWallDeadline(*options.engine.clock, ctx->deadline());
-    job->trace = TraceFromMetadata(ctx->client_metadata());
-    auto sink = std::make_shared<GrpcSink>(stream, job->request_id);
-    if (absl::Status st = engine->Submit(std::move(*job), sink); !st.ok()) {
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Generate(grpc::CallbackServerContext* ctx,
+                                                       const grpc::ByteBuffer* raw) override {
+    auto [stream, reactor] = Stream::Create(ctx, [this] { WakeEngine(); });
+    if (absl::Status st = Serve(*ctx, *raw, stream); !st.ok()) {
       if (options.telemetry) options.telemetry->CountRequest(st);
       stream->Finish(ToGrpcStatus(st));
     }
     return reactor;
+  }
+
+  // The request handed to the engine, or why not.
+  absl::Status Serve(const grpc::CallbackServerContext& ctx, const grpc::ByteBuffer& raw,
+                     const std::shared_ptr<Stream>& stream) {
+    v1::GenerateRequest request;
+    RETURN_IF_ERROR(ParseRequest(raw, &request));
+    ASSIGN_OR_RETURN(GenerationJob job, Translate(request));
+    const Clock& clock = *options.engine.clock;
+    job.deadline = std::min(
+        FromWallDeadline(clock, ctx.deadline()),
+        clock.Now() + std::chrono::duration_cast<Clock::TimePoint::duration>(options.max_deadline));
+    job.trace = TraceFromMetadata(ctx.client_metadata());
+    auto sink = std::make_shared<GrpcSink>(stream, job.request_id);
+    return engine->Submit(std::move(job), sink);
   }
 };
 
@@ -285,8 +292,8 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   impl->pool =
       std::make_unique<KvPool>(o.kv_pool_bytes, o.kv_page_bytes, [raw] { raw->WakeEngine(); });
   if (!o.prefill_target.empty()) {
-    ASSIGN_OR_RETURN(impl->remote,
-                     GrpcKvSource::Create(o.prefill_target, o.prefill_tls, *o.engine.clock));
+    ASSIGN_OR_RETURN(impl->remote, GrpcKvSource::Create(o.prefill_target, o.prefill_tls,
+                                                        o.prefill_auth_token, *o.engine.clock));
   }
   // Short prompts (all of them without prefill nodes) prefill on this node's own model,
   // one at a time beside the decode batch.

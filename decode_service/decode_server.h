@@ -4,6 +4,7 @@
 // requests and responses; the engine does the work.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -20,9 +21,12 @@ class Telemetry;
 
 struct DecodeServerOptions {
   std::string listen = "0.0.0.0:0";
-  std::string prefill_target;  // empty: every prompt prefills on this node
-  ClientTls prefill_tls;       // to the prefill nodes (mutual TLS with a client cert)
-  ServerTls tls;               // for clients
+  std::string prefill_target;      // empty: every prompt prefills on this node
+  ClientTls prefill_tls;           // to the prefill nodes (mutual TLS with a client cert)
+  std::string prefill_auth_token;  // sent to the prefill nodes as a bearer token when set
+  // Requests without a deadline, or with a later one, get this one.
+  std::chrono::milliseconds max_deadline{3600 * 1000};
+  ServerTls tls;  // for clients
   size_t kv_pool_bytes = size_t{1} << 30;
   size_t kv_page_bytes = 64 << 10;
   DecodeEngineOptions engine;

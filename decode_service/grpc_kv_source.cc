@@ -26,9 +26,11 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
       : receiver_(std::move(receiver)), handle_(std::move(handle)) {}
 
   void Begin(v1::Prefill::Stub* stub, v1::PrefillRequest request,
-             std::chrono::system_clock::time_point deadline, const TraceContext& trace) {
+             std::chrono::system_clock::time_point deadline, const TraceContext& trace,
+             const std::string& authorization) {
     request_ = std::move(request);
     context_.set_deadline(deadline);
+    if (!authorization.empty()) context_.AddMetadata("authorization", authorization);
     InjectTrace(trace, &context_);
     stub->async()->Prefill(&context_, &request_, this);
     StartRead(&msg_);
@@ -99,6 +101,7 @@ v1::PrefillRequest ToProto(const PrefillJob& job) {
 
 absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(const std::string& target,
                                                                    const ClientTls& tls,
+                                                                   const std::string& auth_token,
                                                                    const Clock& clock) {
   if (target.empty()) return absl::InvalidArgumentError("no prefill target (--prefill)");
   ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
@@ -108,7 +111,14 @@ absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(const std::st
   if (!tls.server_name.empty()) args.SetSslTargetNameOverride(tls.server_name);
   // Reconnect quickly after a prefill node restarts.
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  // Keepalive, also between calls, and with no cap on pings while no data flows (a long
+  // prefill sends nothing for a while); the prefill server accepts this rate.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   auto source = std::unique_ptr<GrpcKvSource>(new GrpcKvSource(clock));
+  if (!auth_token.empty()) source->authorization_ = absl::StrCat("Bearer ", auth_token);
   source->channel_ = grpc::CreateCustomChannel(target, creds, args);
   source->stub_ = v1::Prefill::NewStub(source->channel_);
   return source;
@@ -122,7 +132,8 @@ absl::StatusOr<std::shared_ptr<KvTransfer>> GrpcKvSource::Start(
     std::lock_guard<std::mutex> lock(handle->mu);
     handle->reactor = reactor;
   }
-  reactor->Begin(stub_.get(), ToProto(job), ToWallDeadline(clock_, job.deadline), job.trace);
+  reactor->Begin(stub_.get(), ToProto(job), ToWallDeadline(clock_, job.deadline), job.trace,
+                 authorization_);
   return std::shared_ptr<KvTransfer>(handle);
 }
 

@@ -18,9 +18,16 @@ namespace kvwire {
 class GrpcKvSource final : public KvSource {
  public:
   // `target`: "ipv4:10.0.0.1:50052,10.0.0.2:50052", "dns:///prefill.ns.svc:50052", or one
-  // "host:port". `clock` is the decode engine's (deadlines are points on it).
+  // "host:port". `auth_token`, when set, goes with every call as a bearer token. `clock` is
+  // the decode engine's (deadlines are points on it).
+  //
+  // The channel pings each node (kKeepaliveMs): a node that stops answering fails its
+  // calls, which the engine retries on another, and gets no new ones. A call that finds no
+  // ready node fails at once (UNAVAILABLE) and the engine retries it after a backoff, up to
+  // its --prefill-wait-ms: the wait for a node is the engine's, bounded and visible.
   static absl::StatusOr<std::unique_ptr<GrpcKvSource>> Create(const std::string& target,
                                                               const ClientTls& tls,
+                                                              const std::string& auth_token = "",
                                                               const Clock& clock = Clock::Real());
   absl::string_view name() const override { return "grpc"; }
   absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
@@ -29,6 +36,7 @@ class GrpcKvSource final : public KvSource {
  private:
   explicit GrpcKvSource(const Clock& clock) : clock_(clock) {}
   const Clock& clock_;
+  std::string authorization_;  // "Bearer <token>", or empty
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Prefill::Stub> stub_;
 };

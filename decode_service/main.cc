@@ -1,4 +1,5 @@
 // kvwire-decode: the decode node. Flags, the server, wait for SIGTERM, drain.
+#include <chrono>
 #include <cstdio>
 
 #include "common/base/status.h"
@@ -25,6 +26,15 @@ absl::StatusOr<DecodeServerOptions> OptionsFromFlags(const Flags& f) {
   ASSIGN_OR_RETURN(int64_t queue, f.GetInt("max-queue", 1, 1 << 20));
   ASSIGN_OR_RETURN(int64_t timeout, f.GetInt("queue-timeout-ms", 0, 3600000));
   ASSIGN_OR_RETURN(int64_t attempts, f.GetInt("prefill-attempts", 1, 16));
+  ASSIGN_OR_RETURN(int64_t attempt_timeout, f.GetInt("prefill-attempt-timeout-ms", 100, 3600000));
+  ASSIGN_OR_RETURN(int64_t prefill_wait, f.GetInt("prefill-wait-ms", 0, 3600000));
+  ASSIGN_OR_RETURN(int64_t max_deadline, f.GetInt("max-deadline-s", 1, 7 * 86400));
+  if (const std::string path = f.GetString("prefill-auth-token-file"); !path.empty()) {
+    ASSIGN_OR_RETURN(o.prefill_auth_token, ReadAuthToken(path));
+  }
+  o.engine.prefill_attempt_timeout_ms = static_cast<int>(attempt_timeout);
+  o.engine.prefill_wait_ms = static_cast<int>(prefill_wait);
+  o.max_deadline = std::chrono::seconds(max_deadline);
   ASSIGN_OR_RETURN(int64_t local, f.GetInt("local-prefill-below", 0, 1 << 30));
   ASSIGN_OR_RETURN(size_t chunk, ParseBytes(f.GetString("max-chunk-bytes")));
   o.engine.max_batch = static_cast<int>(batch);
@@ -76,6 +86,13 @@ int main(int argc, char** argv) {
   flags.Define("max-queue", "64", "requests that may wait for admission");
   flags.Define("queue-timeout-ms", "30000", "longest wait for KV pool room");
   flags.Define("prefill-attempts", "3", "tries of a failed prefill, on other nodes");
+  flags.Define("prefill-attempt-timeout-ms", "60000",
+               "a prefill attempt running longer has failed (and is retried)");
+  flags.Define("prefill-wait-ms", "30000",
+               "how long an admitted request waits for room while every prefill node is full");
+  flags.Define("prefill-auth-token-file", "",
+               "send the token in this file to the prefill nodes (their --auth-token-file)");
+  flags.Define("max-deadline-s", "3600", "deadline of requests that set none (or a later one)");
   flags.Define("local-prefill-below", "0", "prefill prompts shorter than this here");
   flags.Define("max-chunk-bytes", "1MiB", "largest KV chunk the prefill node may send");
   DefineAttentionFlags(flags);

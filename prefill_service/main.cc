@@ -1,6 +1,8 @@
 // kvwire-prefill: the prefill node. Flags, the server, wait for SIGTERM, drain.
+#include <chrono>
 #include <cstdio>
 
+#include "common/engine/kv_pool.h"
 #include "common/model/model_flags.h"
 #include "common/server/server_main.h"
 #include "prefill_service/prefill_server.h"
@@ -13,11 +15,25 @@ int main(int argc, char** argv) {
   DefineModelFlags(flags);
   DefineServerFlags(flags, "prefill", "0.0.0.0:9101");
   flags.Define("listen", "0.0.0.0:50052", "gRPC address of the Prefill service");
-  flags.Define("workers", "1", "prefills that run at once");
+  flags.Define("workers", "2",
+               "prefills that run at once (they share the cores; more than one keeps a slow "
+               "reader from holding the node)");
   flags.Define("max-queue", "16", "prefills that may wait; more is RESOURCE_EXHAUSTED");
   flags.Define("tls-cert", "", "server certificate chain (PEM); enables TLS");
   flags.Define("tls-key", "", "server private key (PEM)");
   flags.Define("tls-client-ca", "", "require client certificates signed by this CA (mutual TLS)");
+  flags.Define("auth-token-file", "",
+               "require 'authorization: Bearer <token>' with the token in this file (where TLS "
+               "terminates outside the node)");
+  flags.DefineBool("insecure",
+                   "serve callers that neither mutual TLS nor a token authenticates on a "
+                   "non-loopback address");
+  flags.DefineBool("reflection", "enable gRPC server reflection");
+  flags.Define("max-request-bytes", "0",
+               "largest Prefill request (0: 4KiB + 5 bytes per token of the model's context)");
+  flags.Define("send-timeout-ms", "10000",
+               "cancel a stream whose reader takes no KV chunk for this long");
+  flags.Define("max-deadline-s", "300", "longest a prefill may run, whatever its caller asks");
   if (int rc = ParseFlagsOrExit(flags, "kvwire-prefill", "kvwire-prefill --model DIR [flags]", argc,
                                 argv);
       rc >= 0) {
@@ -31,13 +47,27 @@ int main(int argc, char** argv) {
   auto workers = flags.GetInt("workers", 1, 256);
   auto queue = flags.GetInt("max-queue", 1, 1 << 20);
   auto grace = flags.GetInt("grace-ms", 0, 3600000);
-  for (const absl::Status& st : {workers.status(), queue.status(), grace.status()}) {
+  auto request_bytes = ParseBytes(flags.GetString("max-request-bytes"));
+  auto send_timeout = flags.GetInt("send-timeout-ms", 100, 3600000);
+  auto max_deadline = flags.GetInt("max-deadline-s", 1, 86400);
+  for (const absl::Status& st :
+       {workers.status(), queue.status(), grace.status(), request_bytes.status(),
+        send_timeout.status(), max_deadline.status()}) {
     if (!st.ok()) return fail(st);
   }
   engine_options.workers = static_cast<int>(*workers);
   engine_options.max_queue = static_cast<int>(*queue);
   o.tls = {flags.GetString("tls-cert"), flags.GetString("tls-key"),
            flags.GetString("tls-client-ca")};
+  o.send_timeout = std::chrono::milliseconds(*send_timeout);
+  o.max_deadline = std::chrono::seconds(*max_deadline);
+  o.reflection = flags.GetBool("reflection");
+  o.insecure = flags.GetBool("insecure");
+  if (const std::string path = flags.GetString("auth-token-file"); !path.empty()) {
+    auto token = ReadAuthToken(path);
+    if (!token.ok()) return fail(token.status());
+    o.auth_token = *token;
+  }
   auto load_options = LoadOptionsFromFlags(flags);
   if (!load_options.ok()) return fail(load_options.status());
   if (absl::Status st = CheckServerAddresses(flags); !st.ok()) return fail(st);
@@ -51,6 +81,9 @@ int main(int argc, char** argv) {
   engine_options.telemetry = telemetry->get();
   auto model = LlamaModel::Load(flags.GetString("model"), *load_options);
   if (!model.ok()) return fail(model.status());
+  o.max_request_bytes = *request_bytes > 0
+                            ? *request_bytes
+                            : 4096 + 5 * static_cast<size_t>((*model)->config().context_limit());
   PrefillEngine engine(model->get(), engine_options);
   auto server = PrefillServer::Start(&engine, o);
   if (!server.ok()) return fail(server.status());

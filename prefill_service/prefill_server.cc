@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
@@ -18,7 +19,7 @@
 namespace kvwire {
 namespace {
 
-using Stream = StreamState<v1::PrefillResponse>;
+using Stream = StreamState<grpc::ByteBuffer>;
 
 // Chunks queued ahead of the network per stream: enough to keep it busy while the next
 // layer computes, few enough that a slow reader does not make the node buffer the cache.
@@ -27,23 +28,33 @@ constexpr size_t kMaxQueuedChunks = 8;
 // The engine's KV stream as PrefillResponse messages on the call's stream.
 class GrpcStreamSink final : public KvStreamSink {
  public:
-  explicit GrpcStreamSink(std::shared_ptr<Stream> stream) : stream_(std::move(stream)) {}
+  GrpcStreamSink(std::shared_ptr<Stream> stream, std::chrono::milliseconds send_timeout)
+      : stream_(std::move(stream)), send_timeout_(send_timeout) {}
 
   absl::Status OnHeader(const WireHeader& header) override {
     v1::PrefillResponse msg;
     *msg.mutable_header() = ToProto(header);
-    return Send(std::move(msg));
+    return Send(msg);
   }
   absl::Status OnChunk(WireChunk chunk) override {
     v1::PrefillResponse msg;
     ToProto(std::move(chunk), msg.mutable_chunk());
-    if (!stream_->WaitForRoom(kMaxQueuedChunks)) return Gone();
-    return Send(std::move(msg));
+    switch (stream_->WaitForRoom(kMaxQueuedChunks, send_timeout_)) {
+      case Stream::Room::kReady:
+        return Send(msg);
+      case Stream::Room::kEnded:
+        return Gone();
+      case Stream::Room::kStalled:
+        break;
+    }
+    return absl::DeadlineExceededError(
+        absl::StrCat("the decode node read no KV chunk for ", send_timeout_.count(),
+                     " ms (--send-timeout-ms); the stream was cancelled"));
   }
   absl::Status OnTrailer(const WireTrailer& trailer) override {
     v1::PrefillResponse msg;
     *msg.mutable_trailer() = ToProto(trailer);
-    return Send(std::move(msg));
+    return Send(msg);
   }
   bool cancelled() const override { return stream_->cancelled(); }
   absl::string_view transport() const override { return "grpc"; }
@@ -52,18 +63,21 @@ class GrpcStreamSink final : public KvStreamSink {
 
  private:
   static absl::Status Gone() { return absl::CancelledError("the decode node went away"); }
-  absl::Status Send(v1::PrefillResponse msg) {
-    bytes_ += static_cast<int64_t>(msg.ByteSizeLong());
-    return stream_->Send(std::move(msg)) ? absl::OkStatus() : Gone();
+  absl::Status Send(const v1::PrefillResponse& msg) {
+    grpc::ByteBuffer bytes = SerializeMessage(msg);
+    bytes_ += static_cast<int64_t>(bytes.Length());
+    return stream_->Send(std::move(bytes)) ? absl::OkStatus() : Gone();
   }
 
   std::shared_ptr<Stream> stream_;
+  const std::chrono::milliseconds send_timeout_;
   std::atomic<int64_t> bytes_{0};
 };
 
 // The request in domain terms: every field parsed; the engine checks them against the model.
 absl::StatusOr<PrefillJob> Translate(const v1::PrefillRequest& req,
-                                     const grpc::CallbackServerContext& ctx) {
+                                     const grpc::CallbackServerContext& ctx,
+                                     const PrefillServerOptions& options) {
   PrefillJob job;
   job.request_id = req.request_id();
   job.prompt_ids.assign(req.prompt_ids().begin(), req.prompt_ids().end());
@@ -76,33 +90,57 @@ absl::StatusOr<PrefillJob> Translate(const v1::PrefillRequest& req,
   job.sampling.top_p = req.top_p() == 0 ? 1.f : req.top_p();  // 0: unset
   job.sampling.top_k = req.top_k();
   job.seed = req.seed();
-  job.deadline = FromWallDeadline(Clock::Real(), ctx.deadline());
+  const Clock& clock = Clock::Real();
+  job.deadline = std::min(
+      FromWallDeadline(clock, ctx.deadline()),
+      clock.Now() + std::chrono::duration_cast<Clock::TimePoint::duration>(options.max_deadline));
   job.trace = TraceFromMetadata(ctx.client_metadata());
   return job;
 }
 
+// "authorization: Bearer <token>", compared in time independent of where it differs.
+bool Authorized(const grpc::CallbackServerContext& ctx, const std::string& token) {
+  const std::string want = absl::StrCat("Bearer ", token);
+  const auto& md = ctx.client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end() || it->second.size() != want.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < want.size(); ++i) diff |= it->second.data()[i] ^ want[i];
+  return diff == 0;
+}
+
 }  // namespace
 
-struct PrefillServer::Impl final : public v1::Prefill::CallbackService {
+struct PrefillServer::Impl final
+    : public v1::Prefill::WithRawCallbackMethod_Prefill<v1::Prefill::Service> {
   PrefillExecutor* prefills;
   PrefillServerOptions options;
   std::unique_ptr<grpc::Server> server;
   int port = 0;
 
-  grpc::ServerWriteReactor<v1::PrefillResponse>* Prefill(
-      grpc::CallbackServerContext* ctx, const v1::PrefillRequest* request) override {
-    auto [stream, reactor] = Stream::Create();
-    auto job = Translate(*request, *ctx);
-    absl::Status st = job.status();
-    if (st.ok()) {
-      st = prefills->Submit(
-          std::move(*job), std::make_shared<GrpcStreamSink>(stream),
-          [stream = stream](const absl::Status& done) { stream->Finish(ToGrpcStatus(done)); });
-    } else if (options.telemetry) {
-      options.telemetry->CountRequest(st);
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Prefill(grpc::CallbackServerContext* ctx,
+                                                      const grpc::ByteBuffer* raw) override {
+    auto [stream, reactor] = Stream::Create(ctx);
+    absl::Status st = Serve(*ctx, *raw, stream);
+    if (!st.ok()) {
+      if (options.telemetry) options.telemetry->CountRequest(st);
+      stream->Finish(ToGrpcStatus(st));
     }
-    if (!st.ok()) stream->Finish(ToGrpcStatus(st));
     return reactor;
+  }
+
+  // The call handed to the engine, or why not.
+  absl::Status Serve(const grpc::CallbackServerContext& ctx, const grpc::ByteBuffer& raw,
+                     const std::shared_ptr<Stream>& stream) {
+    if (!options.auth_token.empty() && !Authorized(ctx, options.auth_token)) {
+      return absl::UnauthenticatedError("missing or wrong bearer token");
+    }
+    v1::PrefillRequest request;
+    RETURN_IF_ERROR(ParseRequest(raw, &request));
+    ASSIGN_OR_RETURN(PrefillJob job, Translate(request, ctx, options));
+    return prefills->Submit(
+        std::move(job), std::make_shared<GrpcStreamSink>(stream, options.send_timeout),
+        [stream = stream](const absl::Status& done) { stream->Finish(ToGrpcStatus(done)); });
   }
 };
 
@@ -115,21 +153,43 @@ absl::StatusOr<std::unique_ptr<PrefillServer>> PrefillServer::Start(PrefillExecu
   auto impl = std::make_unique<Impl>();
   impl->prefills = prefills;
   impl->options = std::move(options);
-  ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(impl->options.tls));
+  const PrefillServerOptions& o = impl->options;
+  if (o.max_request_bytes < 1024 || o.max_request_bytes > (1 << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the request size limit must be in [1KiB, 1GiB], got ", o.max_request_bytes, " bytes"));
+  }
+  if (o.send_timeout.count() < 1 || o.max_deadline.count() < 1) {
+    return absl::InvalidArgumentError("the send timeout and the maximum deadline must be >= 1 ms");
+  }
+  if (!o.insecure && o.tls.client_ca_file.empty() && o.auth_token.empty() &&
+      !IsLoopbackAddress(o.listen)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "listening on ", o.listen,
+        " the node would serve K/V data to any caller: authenticate callers with mutual TLS "
+        "(--tls-cert, --tls-key, --tls-client-ca) or --auth-token-file, or accept it with "
+        "--insecure"));
+  }
+  ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(o.tls));
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // The plugin is process-wide: a server built later in this process gets it too.
+  if (o.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(impl->options.listen, creds, &impl->port);
+  builder.AddListeningPort(o.listen, creds, &impl->port);
   builder.RegisterService(impl.get());
-  builder.SetMaxReceiveMessageSize(static_cast<int>(impl->options.max_message_bytes));
+  builder.SetMaxReceiveMessageSize(static_cast<int>(o.max_request_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(kMaxChunkBytesLimit + (1 << 20)));
   // Connections age out so that decode nodes re-resolve the prefill Service now and then
   // and spread over new replicas; streams in flight get the grace period to finish.
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, 10 * 60 * 1000);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, 2 * 60 * 1000);
+  // Decode nodes ping every kKeepaliveMs to find a hung node (grpc_kv_source.cc); accept
+  // pings that often, also between calls, rather than answering them with GOAWAY.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             kKeepaliveMs / 2);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   impl->server = builder.BuildAndStart();
   if (impl->server == nullptr || impl->port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", impl->options.listen));
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", o.listen));
   }
   return std::unique_ptr<PrefillServer>(new PrefillServer(std::move(impl)));
 }

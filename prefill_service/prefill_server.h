@@ -4,6 +4,7 @@
 // backpressure. It computes nothing itself.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -17,7 +18,20 @@ class Telemetry;
 
 struct PrefillServerOptions {
   std::string listen = "0.0.0.0:0";  // port 0 picks a free port (see PrefillServer::port)
-  size_t max_message_bytes = 64 << 20;
+  // Largest request accepted; a request is a prompt's token ids and a few parameters, so
+  // kvwire-prefill sets 4 KiB plus 5 bytes (the longest varint) per token of the context.
+  size_t max_request_bytes = 64 << 10;
+  // A stream whose reader takes no KV chunk for this long is cancelled and its worker freed.
+  std::chrono::milliseconds send_timeout{10000};
+  // The longest a prefill may run, whatever deadline (or none) its caller set.
+  std::chrono::milliseconds max_deadline{300000};
+  bool reflection = false;  // gRPC server reflection (advertises the service)
+  // Set: every call must carry "authorization: Bearer <token>" (for meshes where TLS
+  // terminates outside the node); others get UNAUTHENTICATED and nothing else.
+  std::string auth_token;
+  // On an address other than loopback the node refuses to serve K/V to unauthenticated
+  // callers: it needs mutual TLS (tls.client_ca_file) or auth_token, or this set.
+  bool insecure = false;
   ServerTls tls;
   Telemetry* telemetry = nullptr;  // counts requests refused before they reach the engine
 };

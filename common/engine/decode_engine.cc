@@ -54,7 +54,14 @@ struct DecodeEngine::Seq {
   bool local = false;  // prefilled on this node
   std::unique_ptr<KvAssembler> assembler;
   std::shared_ptr<KvTransfer> transfer;
-  int attempts = 0;
+  int attempts = 0;  // that failed or are running; a full tier's refusals not counted
+  int retries = 0;   // of any kind: the backoff's exponent
+  bool awaiting_retry = false;
+  bool reached = false;     // the current attempt received its stream's header
+  int tries = 0;            // attempts started
+  absl::Status last_error;  // of the attempt that failed, while a retry waits
+  Clock::TimePoint retry_at, waiting_since = Clock::TimePoint::max();
+  bool tier_full = false;  // the last refusal was a full queue (else: no node reachable)
   Clock::TimePoint admitted, first_kv, trailer_at;
   WireTrailer trailer;
   int64_t wire_bytes = 0;
@@ -82,6 +89,7 @@ class DecodeEngine::Receiver final : public KvReceiver {
   absl::Status OnHeader(const WireHeader& h) override {
     Seq& s = *seq_;
     s.first_kv = engine_->clock_.Now();
+    s.reached = true;
     if (Telemetry* t = engine_->options_.telemetry) {
       s.transfer_span = t->StartSpan("decode.kv_transfer", s.prefill_span.context());
       s.transfer_span.SetAttribute("policy", h.policy);
@@ -283,6 +291,8 @@ void DecodeEngine::Admit(std::vector<Ending>* endings) {
 // Starts one prefill attempt; a source that refuses at once is an attempt that failed.
 void DecodeEngine::StartPrefill(const std::shared_ptr<Seq>& s) {
   ++s->attempts;
+  ++s->tries;
+  s->reached = false;
   for (int l = 0; l < s->cache->num_layers(); ++l) s->cache->layer(l).len = 0;
   const int len = static_cast<int>(s->job.prompt_ids.size());
   s->assembler = std::make_unique<KvAssembler>(
@@ -297,7 +307,11 @@ void DecodeEngine::StartPrefill(const std::shared_ptr<Seq>& s) {
   job.max_chunk_bytes = options_.max_chunk_bytes;
   job.sampling = s->job.sampling;
   job.seed = s->job.seed;
-  job.deadline = s->job.deadline;
+  job.deadline =
+      s->local
+          ? s->job.deadline
+          : std::min(s->job.deadline,
+                     clock_.Now() + std::chrono::milliseconds(options_.prefill_attempt_timeout_ms));
   if (options_.telemetry) {
     s->prefill_span = options_.telemetry->StartSpan(
         s->local ? "decode.prefill_local" : "decode.prefill_rpc", s->span.context());
@@ -479,25 +493,97 @@ void DecodeEngine::HandlePrefillsDone(std::vector<Ending>* endings) {
         s->generate_span = t->StartSpan("decode.generate", s->span.context());
         s->generate_span.SetAttribute("attention", s->job.attention.Describe());
       }
-    } else if (Retryable(st) && !s->sink->cancelled() && !draining_ &&
-               s->attempts < options_.prefill_attempts && !s->local &&
-               clock_.Now() < s->job.deadline) {
+    } else if (Retry(*s, st)) {
       if (t) t->CountTransferFailure(StatusLabel(st));
-      StartPrefill(s);
+      s->awaiting_retry = true;
+      s->retry_at = clock_.Now() + RetryDelay(s->retries++);
+      s->last_error = st;
     } else {
       if (t && !s->local) t->CountTransferFailure(StatusLabel(st));
       std::erase(prefilling_, s);
-      absl::Status final = st;
-      if (s->sink->cancelled()) {
-        final = absl::CancelledError("cancelled by the client");
-      } else if (clock_.Now() > s->job.deadline) {
-        final = absl::DeadlineExceededError("deadline passed during prefill");
-      }
-      Complete(s,
-               Annotate(final, absl::StrCat("prefill (", s->attempts, " attempt",
-                                            s->attempts == 1 ? "" : "s", ")")),
-               endings);
+      Complete(s, PrefillFailure(*s, st), endings);
     }
+  }
+}
+
+// Whether a failed remote attempt is tried again (under the lock).
+bool DecodeEngine::Retry(Seq& s, const absl::Status& st) {
+  const auto now = clock_.Now();
+  if (s.local || s.sink->cancelled() || draining_ || stopping_ || now >= s.job.deadline) {
+    return false;
+  }
+  // No node took the request: every node's queue was full, or none could be reached (all
+  // down, restarting, or the balancer has not yet seen one come back). Not an attempt: the
+  // request waits, retrying, for a node with room.
+  if (st.code() == absl::StatusCode::kResourceExhausted ||
+      (st.code() == absl::StatusCode::kUnavailable && !s.reached)) {
+    --s.attempts;
+    if (s.waiting_since == Clock::TimePoint::max()) s.waiting_since = now;
+    s.tier_full = st.code() == absl::StatusCode::kResourceExhausted;
+    return now < s.waiting_since + std::chrono::milliseconds(options_.prefill_wait_ms);
+  }
+  // The attempt's own timeout (not the request's deadline, which has time left).
+  const bool attempt_timeout = st.code() == absl::StatusCode::kDeadlineExceeded;
+  return (Retryable(st) || attempt_timeout) && s.attempts < options_.prefill_attempts;
+}
+
+absl::Status DecodeEngine::PrefillFailure(const Seq& s, const absl::Status& st) const {
+  absl::Status final = st;
+  const bool waited = s.waiting_since != Clock::TimePoint::max() && !s.local;
+  if (s.sink->cancelled()) {
+    final = absl::CancelledError("cancelled by the client");
+  } else if (clock_.Now() >= s.job.deadline) {
+    final = absl::DeadlineExceededError(
+        !waited       ? "deadline passed during prefill"
+        : s.tier_full ? "deadline passed while waiting for prefill capacity (every prefill "
+                        "node's queue was full)"
+                      : "deadline passed while waiting for a reachable prefill node");
+  } else if (waited && (st.code() == absl::StatusCode::kResourceExhausted ||
+                        st.code() == absl::StatusCode::kUnavailable)) {
+    final = absl::Status(
+        st.code(),
+        absl::StrCat(s.tier_full ? "the prefill tier is full: no prefill node took the request"
+                                 : "no prefill node could be reached",
+                     " for ", options_.prefill_wait_ms,
+                     " ms (--prefill-wait-ms); last error: ", st.message()));
+  }
+  // Attempts that reached a node; the tries no node took (full or unreachable) apart.
+  const int refused = s.tries - s.attempts;
+  return Annotate(final,
+                  absl::StrCat("prefill (", s.attempts, " attempt", s.attempts == 1 ? "" : "s",
+                               refused > 0 ? absl::StrCat(", ", refused, " refused") : "", ")"));
+}
+
+Clock::TimePoint::duration DecodeEngine::RetryDelay(int retry) {
+  // Full jitter (uniform in [0, 2·mean)): retries of many requests that failed together
+  // spread out instead of arriving at once. The mean stops growing after 4 doublings, so
+  // a request that has waited long retries as often as a new one.
+  const double mean = options_.prefill_backoff_ms * static_cast<double>(1 << std::min(retry, 4));
+  std::uniform_real_distribution<double> u(0.0, 2.0 * mean);
+  return std::chrono::duration_cast<Clock::TimePoint::duration>(
+      std::chrono::duration<double, std::milli>(u(jitter_)));
+}
+
+void DecodeEngine::StartDueRetries(std::vector<Ending>* endings) {
+  const auto now = clock_.Now();
+  // In admission order, so that the oldest of the requests due goes first.
+  std::vector<std::shared_ptr<Seq>> ended;
+  for (const std::shared_ptr<Seq>& s : prefilling_) {
+    if (!s->awaiting_retry) continue;
+    if (s->sink->cancelled() || now >= s->job.deadline || stopping_ || draining_) {
+      ended.push_back(s);
+    } else if (now >= s->retry_at) {
+      s->awaiting_retry = false;
+      StartPrefill(s);
+    }
+  }
+  for (const std::shared_ptr<Seq>& s : ended) {
+    std::erase(prefilling_, s);
+    Complete(
+        s,
+        PrefillFailure(*s, stopping_ || draining_ ? absl::UnavailableError("decode node shut down")
+                                                  : s->last_error),
+        endings);
   }
 }
 
@@ -540,6 +626,7 @@ void DecodeEngine::Loop() {
         break;
       }
       HandlePrefillsDone(&endings);
+      StartDueRetries(&endings);
       ExpireInFlight(&endings);
       if (!draining_) Admit(&endings);
       finishing_ += static_cast<int>(endings.size());

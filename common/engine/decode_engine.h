@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -79,8 +80,16 @@ struct DecodeEngineOptions {
   int max_batch = 32;            // sequences being prefilled or decoded at once
   int max_queue = 64;            // requests waiting for admission; more is refused
   int queue_timeout_ms = 30000;  // longest wait for KV pool room
-  int prefill_attempts = 3;      // tries of a failed remote prefill (on other nodes)
-  int local_prefill_below = 0;   // prompts shorter than this prefill on `local`
+  // Remote prefills. A failed attempt (the node died, hung or broke the stream) is retried
+  // after a jittered backoff, up to `prefill_attempts` tries; an attempt that runs longer
+  // than `prefill_attempt_timeout_ms` has failed. A full prefill tier (every node's queue
+  // full: RESOURCE_EXHAUSTED) costs no attempt: the request waits, retrying, for up to
+  // `prefill_wait_ms` within its deadline.
+  int prefill_attempts = 3;
+  int prefill_attempt_timeout_ms = 60000;
+  int prefill_wait_ms = 30000;
+  int prefill_backoff_ms = 25;  // first retry's mean delay; doubles, up to 16x
+  int local_prefill_below = 0;  // prompts shorter than this prefill on `local`
   size_t max_chunk_bytes = kDefaultMaxChunkBytes;
   // Where prompts' KV comes from: `remote` (prefill nodes) unless the prompt is short or
   // there is none, else `local`. At least one must be set.
@@ -121,6 +130,13 @@ class DecodeEngine {
   void Admit(std::vector<Ending>* endings);
   absl::Status Prepare(Seq& s);
   void StartPrefill(const std::shared_ptr<Seq>& s);
+  // Prefills that wait for their retry time: started when it comes, ended if their client
+  // left or their deadline passed meanwhile (under the lock).
+  void StartDueRetries(std::vector<Ending>* endings);
+  bool Retry(Seq& s, const absl::Status& st);
+  // What the client hears of a prefill that failed for good.
+  absl::Status PrefillFailure(const Seq& s, const absl::Status& st) const;
+  Clock::TimePoint::duration RetryDelay(int retry);
   void OnPrefillDone(std::shared_ptr<Seq> s, absl::Status status);
   void HandlePrefillsDone(std::vector<Ending>* endings);
   void ExpireInFlight(std::vector<Ending>* endings);
@@ -144,7 +160,8 @@ class DecodeEngine {
   std::vector<std::shared_ptr<Seq>> prefilling_;  // admitted, KV arriving
   std::vector<std::shared_ptr<Seq>> running_;     // decoding
   std::vector<std::pair<std::shared_ptr<Seq>, absl::Status>> prefill_done_;
-  int finishing_ = 0;  // ended sequences whose clients have not heard yet
+  int finishing_ = 0;                // ended sequences whose clients have not heard yet
+  std::minstd_rand jitter_{0x6b76};  // retry backoff jitter
   bool stopping_ = false, draining_ = false;
   std::atomic<bool> wake_{false};
   std::thread loop_;

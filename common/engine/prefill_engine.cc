@@ -118,9 +118,10 @@ PrefillEngine::~PrefillEngine() { Shutdown(); }
 absl::Status PrefillEngine::Check(const PrefillJob& job) const {
   const ModelConfig& mc = model_->config();
   if (job.model_fingerprint && *job.model_fingerprint != model_->fingerprint()) {
+    // Neither fingerprint is named: a caller is not told what this node would accept.
     return absl::FailedPreconditionError(
-        absl::StrCat("request is for model '", *job.model_fingerprint, "' but node ",
-                     options_.node_name, " serves '", model_->fingerprint(), "'"));
+        absl::StrCat("request is for another model than node ", options_.node_name,
+                     " serves (the model fingerprints differ: load the same model on both nodes)"));
   }
   const int len = static_cast<int>(job.prompt_ids.size());
   if (len == 0) return absl::InvalidArgumentError("prompt_ids is empty");

@@ -5,11 +5,14 @@
 // the reactor: after the RPC is done, Send and Finish are no-ops.
 //
 // Backpressure: WaitForRoom blocks a producer (never a gRPC thread) while too many
-// messages are queued, so a slow client cannot make a node buffer a whole KV cache.
+// messages are queued, so a slow client cannot make a node buffer a whole KV cache, and
+// for a bounded time only: a reader that takes nothing for that long has its call
+// cancelled, so that a stream nobody reads cannot hold the producer's thread.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -40,11 +43,11 @@ class BufferedWriteReactor final : public grpc::ServerWriteReactor<Msg> {
 template <typename Msg>
 class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
  public:
-  // Makes the reactor that gRPC owns; `on_cancel` runs (on a gRPC thread, so it must not
-  // block) when the client cancels or the deadline passes.
+  // Makes the reactor that gRPC owns for the call of `ctx`; `on_cancel` runs (on a gRPC
+  // thread, so it must not block) when the client cancels or the deadline passes.
   static std::pair<std::shared_ptr<StreamState>, grpc::ServerWriteReactor<Msg>*> Create(
-      std::function<void()> on_cancel = {}) {
-    auto state = std::shared_ptr<StreamState>(new StreamState(std::move(on_cancel)));
+      grpc::CallbackServerContext* ctx, std::function<void()> on_cancel = {}) {
+    auto state = std::shared_ptr<StreamState>(new StreamState(ctx, std::move(on_cancel)));
     auto* reactor = new BufferedWriteReactor<Msg>(state);
     state->reactor_ = reactor;
     return {state, reactor};
@@ -72,11 +75,34 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
     if (!writing_) FinishLocked();
   }
 
-  // Blocks while more than `max_queued` messages wait; false if the stream ended.
-  bool WaitForRoom(size_t max_queued) {
+  enum class Room { kReady, kEnded, kStalled };
+  // Blocks while more than `max_queued` messages wait. kEnded if the stream ended; kStalled
+  // if the reader took no message for `stall`, and then the call is cancelled.
+  Room WaitForRoom(size_t max_queued, std::chrono::milliseconds stall) {
     std::unique_lock<std::mutex> lock(mu_);
-    room_.wait(lock, [&] { return queue_.size() <= max_queued || cancelled_ || done_; });
-    return !cancelled_ && !done_;
+    uint64_t seen = writes_done_;
+    auto since = std::chrono::steady_clock::now();
+    for (;;) {
+      if (cancelled_ || done_) return Room::kEnded;
+      if (queue_.size() <= max_queued) return Room::kReady;
+      if (writes_done_ != seen) {  // progress: the stall clock starts again
+        seen = writes_done_;
+        since = std::chrono::steady_clock::now();
+      }
+      if (room_.wait_until(lock, since + stall) == std::cv_status::timeout &&
+          writes_done_ == seen && !cancelled_ && !done_ && queue_.size() > max_queued) {
+        break;
+      }
+    }
+    // TryCancel outside the lock (its reactions take it); OnDone, which ends the context,
+    // waits until it returned.
+    cancelling_ = true;
+    lock.unlock();
+    ctx_->TryCancel();
+    lock.lock();
+    cancelling_ = false;
+    room_.notify_all();
+    return Room::kStalled;
   }
 
   bool cancelled() const {
@@ -89,6 +115,7 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
     std::lock_guard<std::mutex> lock(mu_);
     writing_ = false;
     if (!queue_.empty()) queue_.pop_front();
+    ++writes_done_;
     if (!ok) {  // the client went away
       cancelled_ = true;
       queue_.clear();
@@ -122,14 +149,16 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
     if (cb) cb();
   }
   void OnDone() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    room_.wait(lock, [&] { return !cancelling_; });  // at most one TryCancel call long
     done_ = true;
     reactor_ = nullptr;
     room_.notify_all();
   }
 
  private:
-  explicit StreamState(std::function<void()> on_cancel) : on_cancel_(std::move(on_cancel)) {}
+  StreamState(grpc::CallbackServerContext* ctx, std::function<void()> on_cancel)
+      : ctx_(ctx), on_cancel_(std::move(on_cancel)) {}
 
   void StartNextLocked() {
     writing_ = true;
@@ -145,10 +174,12 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
   std::condition_variable room_;
   std::deque<Msg> queue_;  // front() is being written while writing_
   grpc::ServerWriteReactor<Msg>* reactor_ = nullptr;
+  grpc::CallbackServerContext* ctx_;  // valid until OnDone
   std::function<void()> on_cancel_;
+  uint64_t writes_done_ = 0;
   grpc::Status status_;
   bool writing_ = false, finishing_ = false, finished_called_ = false;
-  bool cancelled_ = false, done_ = false;
+  bool cancelled_ = false, done_ = false, cancelling_ = false;
 };
 
 }  // namespace kvwire

@@ -3,7 +3,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "common/base/status.h"
 
 namespace kvwire {
@@ -14,6 +17,31 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string token, ReadTextFile(path));
+  token = std::string(absl::StripTrailingAsciiWhitespace(token));
+  if (token.size() < 16 || token.size() > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("the token in ", path, " has ", token.size(),
+                                                   " characters; expected 16 to 4096"));
+  }
+  for (char c : token) {
+    if (c < 0x21 || c > 0x7e) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the token in ", path, " may hold only visible ASCII characters (no spaces)"));
+    }
+  }
+  return token;
+}
+
+bool IsLoopbackAddress(const std::string& listen) {
+  absl::string_view host(listen);
+  if (absl::ConsumePrefix(&host, "[")) {  // [v6]:port
+    return host.substr(0, host.find(']')) == "::1";
+  }
+  host = host.substr(0, host.rfind(':'));
+  return host == "localhost" || absl::StartsWith(host, "127.");
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(

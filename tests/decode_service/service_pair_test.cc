@@ -465,6 +465,7 @@ TEST_F(ServicePairTest, PrefillKilledWithNoOtherNodeFailsCleanly) {
   ShutDownWhenHeld(victim);
   DecodeServerOptions d;
   d.engine.prefill_attempts = 2;
+  d.engine.prefill_wait_ms = 500;  // then the second attempt finds no node to reach
   StartDecode(d);
   const Result r = Call(*stub_, Request(LongPrompt(120), 8));
   EXPECT_FALSE(r.status.ok());

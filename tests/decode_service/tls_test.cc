@@ -59,6 +59,7 @@ class TlsTest : public ::testing::Test {
                      client_cert ? F("client.key") : "", ""};
     o.tls = {F("server.pem"), F("server.key"), ""};
     o.engine.prefill_attempts = 1;
+    o.engine.prefill_wait_ms = 1000;  // how long a node that refuses the handshake is retried
     return DecodeServer::Start(model_.get(), o);
   }
 
@@ -104,6 +105,9 @@ TEST_F(TlsTest, MutualTlsBetweenNodesAndTlsForClients) {
   ASSERT_TRUE(anonymous.ok());
   const grpc::Status refused = Generate((*anonymous)->port(), &tokens);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("no prefill node could be reached for 1000 ms"),
+            std::string::npos)
+      << refused.error_message();
   // Pages come back when the engine notices the failure, just after the client hears of it.
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while ((*anonymous)->pool().used() != 0 && std::chrono::steady_clock::now() < until) {

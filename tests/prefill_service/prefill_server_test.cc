@@ -30,10 +30,10 @@ class PrefillServerTest : public ::testing::Test {
     ASSERT_NE(model_, nullptr);
   }
   // A prefill node: its engine, optionally behind a fault injector, and its gRPC server.
-  void Start(PrefillEngineOptions e = {}, testing::FaultyPrefills::Plan faults = {}) {
+  void Start(PrefillEngineOptions e = {}, testing::FaultyPrefills::Plan faults = {},
+             PrefillServerOptions o = {}) {
     engine_ = std::make_unique<PrefillEngine>(model_.get(), e);
     faults_ = std::make_unique<testing::FaultyPrefills>(engine_.get(), faults);
-    PrefillServerOptions o;
     o.listen = "127.0.0.1:0";
     auto s = PrefillServer::Start(faults_.get(), std::move(o));
     ASSERT_TRUE(s.ok()) << s.status();
@@ -54,9 +54,10 @@ class PrefillServerTest : public ::testing::Test {
     grpc::Status status;
     std::vector<v1::PrefillResponse> messages;
   };
-  Reply Call(const v1::PrefillRequest& req) {
+  Reply Call(const v1::PrefillRequest& req, const std::string& authorization = "") {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    if (!authorization.empty()) ctx.AddMetadata("authorization", authorization);
     Reply r;
     auto reader = stub_->Prefill(&ctx, req);
     v1::PrefillResponse m;
@@ -149,7 +150,9 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
   };
   const std::vector<Case> cases = {
       {[](auto* r) { r->set_model_fingerprint("llama-other"); },
-       grpc::StatusCode::FAILED_PRECONDITION, "llama-other"},
+       grpc::StatusCode::FAILED_PRECONDITION, "fingerprints differ"},
+      {[](auto* r) { r->clear_model_fingerprint(); }, grpc::StatusCode::FAILED_PRECONDITION,
+       "fingerprints differ"},
       {[](auto* r) { r->clear_prompt_ids(); }, grpc::StatusCode::INVALID_ARGUMENT, "empty"},
       {[](auto* r) { r->set_prompt_ids(2, 100000); }, grpc::StatusCode::INVALID_ARGUMENT,
        "prompt_ids[2]"},
@@ -169,6 +172,9 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
     const Reply r = Call(req);
     EXPECT_EQ(r.status.error_code(), c.code) << c.expect << ": " << r.status.error_message();
     EXPECT_NE(r.status.error_message().find(c.expect), std::string::npos)
+        << r.status.error_message();
+    // Nothing tells a caller what the node would accept.
+    EXPECT_EQ(r.status.error_message().find(model_->fingerprint()), std::string::npos)
         << r.status.error_message();
   }
   EXPECT_TRUE(Call(Request(20, CompressionConfig{})).status.ok());
@@ -210,6 +216,93 @@ TEST_F(PrefillServerTest, RefusesParametersOfAnotherPolicy) {
   EXPECT_NE(r.status.error_message().find("compression.kernel does not apply to snapkv_pp"),
             std::string::npos)
       << r.status.error_message();
+}
+
+// A stream nobody reads holds the only worker until the send timeout, then is cancelled
+// and the worker serves the next request.
+TEST_F(PrefillServerTest, AStreamNobodyReadsIsCancelledAndFreesItsWorker) {
+  PrefillEngineOptions e;
+  e.workers = 1;
+  PrefillServerOptions o;
+  o.send_timeout = std::chrono::milliseconds(300);
+  Start(e, {}, o);
+  // The whole cache in 1 KiB chunks, far more than the transport takes for an idle reader.
+  const int len = std::min(500, model_->config().context_limit() - 1);
+  v1::PrefillRequest big = Request(len, CompressionConfig{});
+  big.set_max_chunk_bytes(1024);
+  // A reader whose transport takes 64 KiB ahead of it and no more (no window growth).
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  auto idle_stub = v1::Prefill::NewStub(grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext idle;  // no deadline, as in the report
+  auto reader = idle_stub->Prefill(&idle, big);
+  v1::PrefillResponse first;
+  ASSERT_TRUE(reader->Read(&first));  // the header; then the reader stops reading
+  ASSERT_TRUE(first.has_header());
+
+  const auto start = std::chrono::steady_clock::now();
+  const Reply next = Call(Request(20, CompressionConfig{}));
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(250))
+      << "the worker was busy with the idle stream until its send timeout";
+  // The idle stream was cancelled by the node: its reader sees the stream end.
+  v1::PrefillResponse m;
+  while (reader->Read(&m)) {
+  }
+  const grpc::Status st = reader->Finish();
+  EXPECT_FALSE(st.ok());
+  EXPECT_FALSE(m.has_trailer()) << "the idle stream never completed";
+}
+
+TEST_F(PrefillServerTest, ABearerTokenIsRequiredWhenSet) {
+  PrefillServerOptions o;
+  o.auth_token = "0123456789abcdef-secret";
+  Start({}, {}, o);
+  for (const std::string& wrong :
+       {std::string(), std::string("Bearer nope"), std::string("Bearer 0123456789abcdef-secreT")}) {
+    const Reply r = Call(Request(20, CompressionConfig{}), wrong);
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << wrong;
+    EXPECT_EQ(r.status.error_message(), "missing or wrong bearer token") << "nothing else told";
+    EXPECT_TRUE(r.messages.empty());
+  }
+  // A bad request from an unauthenticated caller learns nothing about it either.
+  v1::PrefillRequest other = Request(20, CompressionConfig{});
+  other.set_model_fingerprint("llama-other");
+  EXPECT_EQ(Call(other).status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(Call(Request(20, CompressionConfig{}), "Bearer 0123456789abcdef-secret").status.ok());
+}
+
+TEST_F(PrefillServerTest, ServingAnyCallerOffLoopbackNeedsInsecure) {
+  engine_ = std::make_unique<PrefillEngine>(model_.get(), PrefillEngineOptions{});
+  PrefillServerOptions o;
+  o.listen = "0.0.0.0:0";
+  auto refused = PrefillServer::Start(engine_.get(), o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("--tls-client-ca"), std::string::npos)
+      << refused.status();
+  EXPECT_NE(refused.status().message().find("--insecure"), std::string::npos);
+  o.insecure = true;
+  auto allowed = PrefillServer::Start(engine_.get(), o);
+  EXPECT_TRUE(allowed.ok()) << allowed.status();
+  o.insecure = false;
+  o.auth_token = "0123456789abcdef-secret";
+  auto with_token = PrefillServer::Start(engine_.get(), o);
+  EXPECT_TRUE(with_token.ok()) << with_token.status();
+}
+
+TEST_F(PrefillServerTest, RequestsOverTheSizeLimitAreRefused) {
+  PrefillServerOptions o;
+  o.max_request_bytes = 4096;
+  Start({}, {}, o);
+  v1::PrefillRequest big = Request(20, CompressionConfig{});
+  big.set_request_id(std::string(5000, 'x'));
+  const Reply r = Call(big);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << r.status.error_message();
+  EXPECT_TRUE(Call(Request(20, CompressionConfig{})).status.ok());
 }
 
 }  // namespace

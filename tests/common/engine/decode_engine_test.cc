@@ -27,7 +27,8 @@ class DecodeEngineTest : public ::testing::Test {
     ASSERT_NE(model_, nullptr);
     PrefillEngineOptions p;
     p.node_name = "fake-prefill";
-    p.workers = 0;  // the test serves streams on its own thread
+    p.workers = 0;      // the test serves streams on its own thread
+    p.clock = &clock_;  // deadlines are points on the engine's clock, as GrpcKvSource sends them
     prefill_ = std::make_unique<PrefillEngine>(model_.get(), p);
   }
   void TearDown() override {
@@ -43,6 +44,8 @@ class DecodeEngineTest : public ::testing::Test {
       if (DecodeEngine* e = live_.load()) e->Wake();
     });
     o.node_name = "decode-test";
+    // Tests that are not about the backoff retry at once: the fake clock stands still.
+    if (o.prefill_backoff_ms == DecodeEngineOptions{}.prefill_backoff_ms) o.prefill_backoff_ms = 0;
     o.remote = &remote_;
     o.clock = &clock_;
     engine_ = std::make_unique<DecodeEngine>(model_.get(), pool_.get(), o);

@@ -88,7 +88,9 @@ TEST_F(PrefillEngineTest, RefusesBadJobsSayingWhy) {
   };
   const std::vector<Case> cases = {
       {[](auto* j) { j->model_fingerprint = "llama-other"; }, absl::StatusCode::kFailedPrecondition,
-       "llama-other"},
+       "fingerprints differ"},
+      {[](auto* j) { j->model_fingerprint = ""; }, absl::StatusCode::kFailedPrecondition,
+       "fingerprints differ"},
       {[](auto* j) { j->prompt_ids.clear(); }, absl::StatusCode::kInvalidArgument, "empty"},
       {[](auto* j) { j->prompt_ids[2] = 100000; }, absl::StatusCode::kInvalidArgument,
        "prompt_ids[2] = 100000"},
@@ -110,6 +112,8 @@ TEST_F(PrefillEngineTest, RefusesBadJobsSayingWhy) {
     const absl::Status st = engine.Run(job, sink).status();
     EXPECT_EQ(st.code(), c.code) << c.expect << ": " << st;
     EXPECT_NE(std::string(st.message()).find(c.expect), std::string::npos) << st;
+    // A caller is not told which model the node would accept (nor what it asked).
+    EXPECT_EQ(std::string(st.message()).find(model_->fingerprint()), std::string::npos) << st;
     EXPECT_EQ(sink.chunks, 0) << "nothing streamed for a refused job";
   }
 }
