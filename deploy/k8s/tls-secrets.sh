@@ -9,11 +9,13 @@
 # kvwire-prefill, the name the decode pods check), made in --certs DIR and kept there: the CA's
 # key stays on this machine, and a rerun reuses what is there.
 #
-#   deploy/k8s/tls-secrets.sh [-n NAMESPACE] [--certs DIR] [--days N] [--force] [--print]
+#   deploy/k8s/tls-secrets.sh [-n NAMESPACE] [--certs DIR] [--days N] [--force|--new-ca] [--print]
 #
 # After --force (new node certificates, same CA: old and new pods still trust each other),
 # restart the pods, which read their certificates only when they start:
 #   kubectl -n NAMESPACE rollout restart deployment/kvwire-prefill deployment/kvwire-decode
+# After --new-ca, pods holding the old files and pods holding the new ones refuse each other:
+# restart them all at once (see deploy/k8s/README.md).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -23,7 +25,8 @@ PREFILL_NAME=kvwire-prefill
 
 usage() {
   cat <<'EOF'
-usage: deploy/k8s/tls-secrets.sh [-n NAMESPACE] [--certs DIR] [--days N] [--force] [--print]
+usage: deploy/k8s/tls-secrets.sh [-n NAMESPACE] [--certs DIR] [--days N] [--force|--new-ca]
+                                 [--print]
 
 Makes the CA and node certificates with scripts/make_certs.sh (kept in --certs DIR) and applies
 the Secrets kvwire-prefill-tls and kvwire-decode-tls (type kubernetes.io/tls: tls.crt, tls.key,
@@ -36,6 +39,8 @@ options:
                       every later rotation)
   --days N            validity of new node certificates in days (default 365)
   --force             new node certificates from the same CA (rotation); restart the pods after
+  --new-ca            a new CA and new node certificates; restart all decode and prefill pods
+                      together after
   --print             print the Secrets' YAML instead of applying it (it holds private keys)
 
 environment: KVWIRE_KUBECTL [kubectl]
@@ -59,6 +64,7 @@ while [[ $# -gt 0 ]]; do
     --certs) CERTS=${2:?--certs needs a value}; shift 2 ;;
     --days) DAYS=${2:?--days needs a value}; shift 2 ;;
     --force) FORCE=(--force); shift ;;
+    --new-ca) FORCE=(--new-ca); shift ;;
     --print) PRINT=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown option '$1'" ;;
