@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # A local kvwire cluster on loopback: nginx as the gRPC router, two decode nodes behind it,
-# two prefill nodes behind those. Every file it writes (rendered config, logs, traces, pids,
-# nginx temp dirs) lives under the run directory.
+# two prefill nodes behind those, the decode-to-prefill links in mutual TLS (certificates made
+# by scripts/make_certs.sh in the run directory; --insecure: plaintext). Every file it writes
+# (certificates, rendered config, logs, traces, pids, nginx temp dirs) lives under the run
+# directory.
 #
 #   deploy/local/cluster.sh start       [--dir DIR] [--base-port N] [--model M] [--build-dir B]
+#                                       [--insecure]
 #   deploy/local/cluster.sh wait-ready  [--dir DIR] [--timeout S]
 #   deploy/local/cluster.sh status      [--dir DIR]
 #   deploy/local/cluster.sh stop        [--dir DIR] [--timeout S]
@@ -36,6 +39,9 @@ options:
   --model M        model folder or synthetic:NAME (default ../shared/models/stories260K-hf
                    when present, else synthetic:stories)
   --build-dir B    where the binaries are (default build)
+  --insecure       start: plaintext between decode and prefill nodes, no certificates
+                   (default: mutual TLS, with a CA and node certificates that
+                   scripts/make_certs.sh makes in DIR/tls, kept across restarts)
   --timeout S      wait-ready: seconds to wait (default 60); stop: seconds before SIGKILL
                    (default 30)
 
@@ -67,6 +73,7 @@ BUILD_DIR="${KVWIRE_BUILD_DIR:-$REPO/build}"
 BASE_PORT="${KVWIRE_BASE_PORT:-}"
 MODEL="${KVWIRE_MODEL:-}"
 TIMEOUT=""
+INSECURE=0
 while [[ $# -gt 0 ]]; do
   case $1 in
     --dir) DIR=${2:?--dir needs a value}; shift 2 ;;
@@ -74,6 +81,7 @@ while [[ $# -gt 0 ]]; do
     --model) MODEL=${2:?--model needs a value}; shift 2 ;;
     --build-dir) BUILD_DIR=${2:?--build-dir needs a value}; shift 2 ;;
     --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
+    --insecure) INSECURE=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown option '$1'" ;;
   esac
@@ -85,6 +93,7 @@ case $CMD in
 esac
 [[ -z $BASE_PORT || $BASE_PORT =~ ^[0-9]+$ ]] || die "--base-port takes a number, got '$BASE_PORT'"
 [[ -z $TIMEOUT || $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout takes whole seconds, got '$TIMEOUT'"
+((!INSECURE)) || [[ $CMD == start ]] || die "--insecure is an option of start"
 
 if [[ $CMD == start ]]; then
   mkdir -p "$DIR" 2>/dev/null || die "cannot create the run directory $DIR"
@@ -102,6 +111,11 @@ else
 fi
 NODES_FILE="$DIR/nodes"    # one line per process: NAME KIND PORT METRICS_PORT EXECUTABLE
 MODEL_FILE="$DIR/model"
+LINKS_FILE="$DIR/links"    # how decode nodes reach prefill nodes: mtls or insecure
+TLS_DIR="$DIR/tls"         # scripts/make_certs.sh's CA and prefill/, decode/ identities
+# The name the decode nodes check in the prefill certificate: an ipv4: target of several
+# addresses has no host name of its own, and make_certs.sh puts localhost in every one.
+TLS_SERVER_NAME=localhost
 
 # ---- processes --------------------------------------------------------------------------
 
@@ -110,7 +124,7 @@ MODEL_FILE="$DIR/model"
 alive() {
   local pid=$1 exe=$2 cmdline
   [[ $pid =~ ^[0-9]+$ ]] || return 1
-  cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  cmdline=$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") || return 1
   [[ $cmdline == *"$exe"* ]]
 }
 
@@ -130,6 +144,8 @@ load_nodes() {
     NAMES+=("$name") KINDS+=("$kind") PORTS+=("$port") METRICS+=("$metrics") EXES+=("$exe")
   done <"$NODES_FILE"
   HOST=$(cat "$DIR/host")
+  LINKS=insecure  # a run directory from before mutual TLS had no links file
+  if [[ -r $LINKS_FILE ]]; then LINKS=$(<"$LINKS_FILE"); fi
 }
 
 any_alive() {
@@ -165,6 +181,34 @@ role_flags() {
     key=${key,,}
     FLAGS+=("--${key//_/-}=$value")
   done <"$FLAGS_FILE"
+}
+
+# Appends to FLAGS what a node of `kind` needs for the decode-to-prefill link: the prefill
+# node's server certificate and the CA its clients must be signed by; the decode node's client
+# certificate and the CA it checks the prefill nodes with.
+tls_flags() {
+  local kind=$1
+  if [[ $LINKS == mtls ]]; then
+    case $kind in
+      prefill) FLAGS+=(--tls-cert="$TLS_DIR/prefill/tls.crt" --tls-key="$TLS_DIR/prefill/tls.key"
+        --tls-client-ca="$TLS_DIR/prefill/ca.crt") ;;
+      decode) FLAGS+=(--prefill-tls-ca="$TLS_DIR/decode/ca.crt"
+        --prefill-tls-cert="$TLS_DIR/decode/tls.crt" --prefill-tls-key="$TLS_DIR/decode/tls.key"
+        --prefill-tls-server-name="$TLS_SERVER_NAME") ;;
+    esac
+  elif [[ $kind == prefill ]] && ! loopback "$HOST" && knows_flag "$PREFILL_BIN" insecure; then
+    # A prefill node refuses plaintext on a non-loopback address unless told --insecure
+    # (binaries that predate that rule have no such flag, and need none).
+    FLAGS+=(--insecure)
+  fi
+}
+
+loopback() { [[ $1 == localhost || $1 == 127.* || $1 == ::1 || $1 == "[::1]" ]]; }
+
+knows_flag() {  # knows_flag BINARY NAME: BINARY --help lists --NAME
+  local help
+  help=$("$1" --help 2>&1) || true
+  [[ $help =~ (^|$'\n')\ +--$2(\ |$'\n'|$) ]]
 }
 
 # Starts one process in its own session (so a terminal's hangup or ^C does not reach it;
@@ -237,6 +281,10 @@ cmd_start() {
   if ((reuse)); then
     MODEL=$(cat "$MODEL_FILE")
     say "a cluster is running in $DIR: starting only what is missing, on its ports"
+    if ((INSECURE)) && [[ $LINKS == mtls ]]; then
+      die "the cluster running in $DIR uses mutual TLS between its nodes; stop it before" \
+        "starting it with --insecure"
+    fi
   else
     HOST=${KVWIRE_HOST:-127.0.0.1}
     local b=$BASE_PORT
@@ -274,12 +322,23 @@ cmd_start() {
     } >"$NODES_FILE"
     echo "$HOST" >"$DIR/host"
     echo "$MODEL" >"$MODEL_FILE"
+    if ((INSECURE)); then echo insecure >"$LINKS_FILE"; else echo mtls >"$LINKS_FILE"; fi
     load_nodes
   fi
   if [[ $MODEL == synthetic:* ]]; then
     say "model: $MODEL (${SHARED_MODEL#"$REPO/"} not found: random weights, the text is noise)"
   else
     say "model: $MODEL"
+  fi
+  if [[ $LINKS == mtls ]]; then
+    # Made once, kept across restarts (make_certs.sh keeps usable certificates).
+    if ! "$REPO/scripts/make_certs.sh" "$TLS_DIR"; then
+      die "no usable certificates in $TLS_DIR (above); fix them, remove the folder, or start" \
+        "with --insecure"
+    fi
+    say "decode -> prefill: mutual TLS (CA and certificates in $TLS_DIR)"
+  else
+    say "decode -> prefill: plaintext (--insecure): anyone who reaches a prefill port gets K/V data"
   fi
 
   # The router's config is checked before anything starts, so a bad one starts nothing.
@@ -304,6 +363,7 @@ cmd_start() {
       --metrics-listen="$HOST:${METRICS[$i]}" --node-name="$name" --threads="$threads"
       --trace-file="$DIR/traces/$name.jsonl")
     [[ $kind == decode ]] && FLAGS+=(--prefill="$prefill_target")
+    tls_flags "$kind"
     launch "$name" "${EXES[$i]}" "${PORTS[$i]}" "${METRICS[$i]}" "${FLAGS[@]}"
   done
   if ((router_up)); then
@@ -319,6 +379,11 @@ cmd_status() {
   local i pid state bad=0
   echo "run dir: $DIR"
   echo "model:   $(cat "$MODEL_FILE")"
+  if [[ $LINKS == mtls ]]; then
+    echo "links:   decode -> prefill in mutual TLS (certificates in $TLS_DIR)"
+  else
+    echo "links:   decode -> prefill in plaintext (--insecure)"
+  fi
   printf '%-10s %-8s %8s %-22s %-8s %s\n' NAME KIND PID ADDRESS METRICS STATE
   for i in "${!NAMES[@]}"; do
     if pid=$(pid_of "${NAMES[$i]}"); then
@@ -338,23 +403,51 @@ cmd_wait_ready() {
   if ! "$PYTHON" -c "import grpc" 2>/dev/null; then
     die "$PYTHON with grpcio is needed to check health (Debian: python3-grpcio)"
   fi
+  local tls=- tls_kinds=""
+  if [[ $LINKS == mtls ]]; then
+    # The prefill nodes take only clients with a certificate of the cluster's CA: ask them
+    # with the decode nodes' own.
+    tls="$TLS_DIR/decode" tls_kinds=prefill
+  fi
   for i in "${!NAMES[@]}"; do
     pid=$(pid_of "${NAMES[$i]}") || die "${NAMES[$i]} was not started (run start first)"
-    args+=("${NAMES[$i]}" "$HOST:${PORTS[$i]}" "$pid")
+    local secure=0
+    [[ " $tls_kinds " == *" ${KINDS[$i]} "* ]] && secure=1
+    args+=("${NAMES[$i]}" "$HOST:${PORTS[$i]}" "$pid" "$secure")
   done
   local not_ready="$DIR/not-ready"
   rm -f "$not_ready"
-  if "$PYTHON" - "$timeout" "$not_ready" "${args[@]}" <<'PY'; then
+  if "$PYTHON" - "$timeout" "$not_ready" "$tls" "$TLS_SERVER_NAME" "${args[@]}" <<'PY'; then
 """Polls grpc.health.v1.Health/Check on every node until all answer SERVING, a process
 exits, or the time is up. The router is asked last, through nginx, once the decode nodes
-behind it answer: asked earlier, nginx would mark them failed for fail_timeout."""
+behind it answer: asked earlier, nginx would mark them failed for fail_timeout. Nodes marked
+secure are asked over mutual TLS with the client identity in the folder `tls`."""
+import os
 import sys
 import time
 
 import grpc
 
-timeout, report, rest = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
-pending = {rest[i]: (rest[i + 1], int(rest[i + 2])) for i in range(0, len(rest), 3)}
+timeout, report, tls, server_name = float(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+rest = sys.argv[5:]
+pending = {rest[i]: (rest[i + 1], int(rest[i + 2]), rest[i + 3] == "1")
+           for i in range(0, len(rest), 4)}
+credentials = None
+if tls != "-":
+  def read(name):
+    with open(os.path.join(tls, name), "rb") as f:
+      return f.read()
+  credentials = grpc.ssl_channel_credentials(root_certificates=read("ca.crt"),
+                                             private_key=read("tls.key"),
+                                             certificate_chain=read("tls.crt"))
+
+
+def channel_to(target, secure):
+  if not secure:
+    return grpc.insecure_channel(target)
+  return grpc.secure_channel(target, credentials,
+                             options=[("grpc.ssl_target_name_override", server_name)])
+
 last = {name: "no answer yet" for name in pending}
 start = time.monotonic()
 
@@ -374,12 +467,12 @@ def fail(names, why):
 
 
 while pending:
-  for name, (target, pid) in list(pending.items()):
+  for name, (target, pid, secure) in list(pending.items()):
     if not running(pid):
       fail([name], "%s (pid %d) exited before it was ready" % (name, pid))
     if name == "router" and len(pending) > 1:
       continue
-    with grpc.insecure_channel(target) as channel:
+    with channel_to(target, secure) as channel:
       check = channel.unary_unary("/grpc.health.v1.Health/Check")
       try:
         # HealthCheckRequest{} is empty; HealthCheckResponse{status: SERVING} is 08 01.

@@ -13,6 +13,15 @@ rendering:
     annotation's port;
   * the decode nodes' --prefill names the headless prefill Service and its port, and the
     router's nginx.conf (which the real nginx accepts) names the decode ClusterIP Service;
+  * decode and prefill pods talk in mutual TLS: every prefill container serves with a server
+    certificate and a client CA, every decode container has a client certificate and the CA,
+    all files from read-only kubernetes.io/tls Secret mounts, nothing passes --insecure, and the
+    probes of a TLS port are TCP (the kubelet's gRPC probes speak only plaintext);
+  * a NetworkPolicy lets only decode pods reach the prefill pods' gRPC port and keeps their
+    /metrics reachable;
+  * the Secrets match what mounts them: those the cert-manager component issues (rendered with
+    the cpu-demo overlay as "cert-manager") and those deploy/k8s/tls-secrets.sh makes, the
+    prefill certificate carrying the name the decode nodes check;
   * resources, non-root read-only containers, drain timing (terminationGracePeriodSeconds >
     preStop + --grace-ms), the model volume, and what each overlay is for (gpu: nvidia.com/gpu
     and the CPU backend; cpu-demo: the stories model and one thread);
@@ -27,6 +36,7 @@ Needs kubectl and python3-yaml; prints "SKIP: ..." and exits 0 without them.
 usage: k8s_render_test.py --repo-root DIR --build-dir DIR [unittest options]
 """
 import argparse
+import base64
 import json
 import math
 import os
@@ -49,7 +59,17 @@ RENDERINGS = {
     "base": "deploy/k8s/base",
     "cpu-demo": "deploy/k8s/overlays/cpu-demo",
     "gpu": "deploy/k8s/overlays/gpu",
+    # Not a folder of the repository: cpu-demo with components/cert-manager, written into a
+    # copy of deploy/k8s (kustomize takes no absolute paths), as the README tells users to.
+    "cert-manager": "overlays/cpu-demo-cert-manager",
 }
+CERT_MANAGER_OVERLAY = """apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources: [../cpu-demo]
+components: [../../components/cert-manager]
+"""
+# The files of a kubernetes.io/tls Secret (as cert-manager writes it).
+TLS_KEYS = {"tls.crt", "tls.key", "ca.crt"}
 # Command basename -> (role, path of the binary in the build tree).
 BINARIES = {
     "kvwire-prefill": ("prefill", "prefill_service/kvwire-prefill"),
@@ -161,6 +181,20 @@ def node_flags(role):
 
 def selects(selector, labels):
   return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def label_selector_matches(selector, labels):
+  """A metav1.LabelSelector (matchLabels, matchExpressions) against labels; {} selects all."""
+  if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+    return False
+  for e in selector.get("matchExpressions", []):
+    key, op, values = e["key"], e["operator"], e.get("values", [])
+    if not {"In": lambda: labels.get(key) in values,
+            "NotIn": lambda: labels.get(key) not in values,
+            "Exists": lambda: key in labels,
+            "DoesNotExist": lambda: key not in labels}[op]():
+      return False
+  return True
 
 
 def dockerfile_stages(path):
@@ -379,8 +413,15 @@ class K8sRenderTest(unittest.TestCase):
   def setUpClass(cls):
     cls.kubectl = find_kubectl()
     cls.renderings = {}
+    cls.tmp = tempfile.mkdtemp(prefix="kvwire-k8s-")
+    k8s = os.path.join(cls.tmp, "k8s")
+    shutil.copytree(os.path.join(REPO, "deploy", "k8s"), k8s)
+    os.makedirs(os.path.join(k8s, RENDERINGS["cert-manager"]))
+    with open(os.path.join(k8s, RENDERINGS["cert-manager"], "kustomization.yaml"), "w") as f:
+      f.write(CERT_MANAGER_OVERLAY)
     for name, path in RENDERINGS.items():
-      r = subprocess.run([cls.kubectl, "kustomize", os.path.join(REPO, path)],
+      where = os.path.join(REPO, path) if path.startswith("deploy/") else os.path.join(k8s, path)
+      r = subprocess.run([cls.kubectl, "kustomize", where],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
       if r.returncode != 0:
         raise AssertionError("kubectl kustomize %s failed:\n%s" % (path, r.stderr))
@@ -388,6 +429,10 @@ class K8sRenderTest(unittest.TestCase):
     for path in [os.path.join(BUILD, p) for _, p in BINARIES.values()]:
       if not os.access(path, os.X_OK):
         raise RuntimeError("%s not found: run 'bash scripts/build.sh'" % path)
+
+  @classmethod
+  def tearDownClass(cls):
+    shutil.rmtree(cls.tmp, ignore_errors=True)
 
   def all_nodes(self, role=None):
     """(rendering, container) for every kvwire container of every rendering."""
@@ -443,11 +488,21 @@ class K8sRenderTest(unittest.TestCase):
                          "listens on %d" % (c.what, c.port("grpc"), grpc))
         self.assertEqual(c.port("metrics"), metrics, "%s: containerPort named metrics %s, but "
                          "--metrics-listen is on %d" % (c.what, c.port("metrics"), metrics))
+        tls = bool(c.flag("tls-cert"))
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
           spec = c.spec.get(probe)
           if probe != "startupProbe":
             self.assertTrue(spec, "%s: no %s" % (c.what, probe))
-          if spec:
+          if spec and tls:
+            # The kubelet's gRPC probe is plaintext without a client certificate: against a
+            # TLS port it fails, and the pod never gets ready.
+            self.assertIn("tcpSocket", spec, "%s: the gRPC port serves TLS, so %s should be a "
+                          "tcpSocket probe, has %s" % (c.what, probe, sorted(spec)))
+            port = spec["tcpSocket"].get("port")
+            self.assertEqual(c.port(port) if isinstance(port, str) else port, grpc,
+                             "%s: %s checks port %s, the gRPC server is on %d" % (
+                                 c.what, probe, port, grpc))
+          elif spec:
             self.assertIn("grpc", spec, "%s: %s should ask grpc.health.v1 (a grpc probe), has %s"
                           % (c.what, probe, sorted(spec)))
             self.assertEqual(spec["grpc"].get("port"), grpc, "%s: %s checks port %s, the gRPC "
@@ -468,6 +523,10 @@ class K8sRenderTest(unittest.TestCase):
               self.assertEqual(number, {"grpc": grpc, "metrics": metrics}[sp["name"]],
                                "%s: Service %s port %s targets %s" % (
                                    c.what, svc["metadata"]["name"], sp["name"], number))
+            if tls and number == grpc:
+              self.assertNotEqual(sp.get("appProtocol"), "kubernetes.io/h2c", "%s: Service %s "
+                                  "calls the TLS port %s h2c (plaintext HTTP/2)" % (
+                                      c.what, svc["metadata"]["name"], sp.get("name")))
         notes = c.pod["metadata"].get("annotations", {})
         self.assertEqual(notes.get("prometheus.io/scrape"), "true", c.what + ": not scraped")
         self.assertEqual(notes.get("prometheus.io/port"), str(metrics), "%s: the scrape "
@@ -506,6 +565,203 @@ class K8sRenderTest(unittest.TestCase):
           self.assertEqual(number, port_of(p.flag("listen"), p.what),
                            "%s: Service %s port %d reaches %s, the prefill node listens on %s"
                            % (c.what, name, port, number, p.flag("listen")))
+
+  # -- mutual TLS between decode and prefill, and who may reach the prefill pods ---------------
+
+  def secret_file(self, c, flag):
+    """(Secret name, key, volume) that the file named by `flag` of container c comes from;
+    fails unless it is a key of a kubernetes.io/tls Secret mounted read-only."""
+    path = c.flag(flag)
+    self.assertTrue(path, "%s: no --%s" % (c.what, flag))
+    mount = max((m for p, m in c.mounts().items() if path.startswith(p.rstrip("/") + "/")),
+                key=lambda m: len(m["mountPath"]), default=None)
+    self.assertTrue(mount, "%s: --%s=%s is on no volume" % (c.what, flag, path))
+    self.assertIs(mount.get("readOnly"), True, "%s: the volume of --%s is not mounted readOnly"
+                  % (c.what, flag))
+    volume = next(v for v in c.pod["spec"]["volumes"] if v["name"] == mount["name"])
+    self.assertIn("secret", volume, "%s: --%s=%s is not from a Secret (volume %s)"
+                  % (c.what, flag, path, volume))
+    key = os.path.relpath(path, mount["mountPath"])
+    items = {i["path"]: i["key"] for i in volume["secret"].get("items", [])}
+    key = items.get(key, key) if items else key
+    self.assertIn(key, TLS_KEYS, "%s: --%s=%s is key %r of Secret %s, not one of a "
+                  "kubernetes.io/tls Secret's %s" % (c.what, flag, path, key,
+                                                     volume["secret"]["secretName"],
+                                                     sorted(TLS_KEYS)))
+    return volume["secret"]["secretName"], key, volume
+
+  def identities(self, r):
+    """{role: Secret name} of the rendering's prefill and decode containers, after checking
+    that each takes its certificate, key and CA from one Secret's tls.crt, tls.key, ca.crt."""
+    flags = {"prefill": {"tls-cert": "tls.crt", "tls-key": "tls.key", "tls-client-ca": "ca.crt"},
+             "decode": {"prefill-tls-cert": "tls.crt", "prefill-tls-key": "tls.key",
+                        "prefill-tls-ca": "ca.crt"}}
+    out = {}
+    for role, want in flags.items():
+      for c in r.nodes(role):
+        secrets = set()
+        for flag, key in want.items():
+          secret, got, volume = self.secret_file(c, flag)
+          self.assertEqual(got, key, "%s: --%s reads %s of Secret %s" % (c.what, flag, got,
+                                                                         secret))
+          mode = volume["secret"].get("defaultMode", 0o644)
+          self.assertEqual(mode & 0o007, 0, "%s: Secret %s is mounted readable by any user "
+                           "(defaultMode %o)" % (c.what, secret, mode))
+          secrets.add(secret)
+        self.assertEqual(len(secrets), 1, "%s: certificate, key and CA from different Secrets "
+                         "%s" % (c.what, sorted(secrets)))
+        out.setdefault(role, set()).update(secrets)
+    for role in flags:
+      self.assertEqual(len(out.get(role, ())), 1, "%s: the %s pods use Secrets %s"
+                       % (r.name, role, sorted(out.get(role, ()))))
+      out[role] = out[role].pop()
+    self.assertNotEqual(out["prefill"], out["decode"], r.name + ": one Secret for both roles")
+    return out
+
+  def checked_name(self, c):
+    """The name a decode container checks in the prefill certificate."""
+    if c.flag("prefill-tls-server-name"):
+      return c.flag("prefill-tls-server-name")
+    m = re.match(r"^dns:///([^:/]+):\d+$", c.flag("prefill"))
+    self.assertTrue(m, "%s: no --prefill-tls-server-name, and --prefill=%s names no host"
+                    % (c.what, c.flag("prefill")))
+    return m.group(1)
+
+  def test_mutual_tls_between_decode_and_prefill(self):
+    for r in self.renderings.values():
+      with self.subTest(rendering=r.name):
+        # identities() fails for any prefill container without the three TLS flags: a server
+        # certificate and a client CA (without which any client, certificate or not, is served).
+        self.identities(r)
+        for c in r.nodes("prefill"):
+          # --insecure would let a prefill node on a pod address serve plaintext; reflection
+          # would describe its API to anyone who connects.
+          self.assertNotIn("insecure", c.flags, c.what + ": --insecure")
+          self.assertNotIn(c.flags.get("reflection", "false"), ("true", "1"),
+                           c.what + ": --reflection")
+        for c in r.nodes("decode"):
+          self.assertTrue(self.checked_name(c), c.what)
+
+  def test_prefill_network_policy(self):
+    """Only decode pods reach the prefill pods' gRPC port; their /metrics stays reachable."""
+    for r in self.renderings.values():
+      with self.subTest(rendering=r.name):
+        prefill = r.nodes("prefill")
+        grpc_port = port_of(prefill[0].flag("listen"), prefill[0].what)
+        metrics_port = port_of(prefill[0].flag("metrics-listen"), prefill[0].what)
+        decode_ids = {id(c.pod) for c in r.nodes("decode")}
+        decode_pods = [pod for _, pod in r.workloads() if id(pod) in decode_ids]
+        other_pods = [pod for _, pod in r.workloads() if id(pod) not in decode_ids]
+        self.assertTrue(decode_pods, r.name + ": no decode pods")
+        policies = [np for np in r.kind("NetworkPolicy").values()
+                    if all(label_selector_matches(np["spec"].get("podSelector", {}),
+                                                  p.pod["metadata"].get("labels", {}))
+                           for p in prefill)]
+        self.assertTrue(policies, "%s: no NetworkPolicy selects the prefill pods (has %s)"
+                        % (r.name, sorted(r.kind("NetworkPolicy"))))
+        ingress = [np for np in policies
+                   if "Ingress" in np["spec"].get("policyTypes", ["Ingress"])]
+        self.assertTrue(ingress, "%s: no NetworkPolicy of the prefill pods restricts ingress"
+                        % r.name)
+        opens = {grpc_port: [], metrics_port: []}
+        for np in ingress:
+          name = np["metadata"]["name"]
+          for rule in np["spec"].get("ingress", []):
+            ports = set()
+            for p in rule.get("ports") or [{}]:
+              if "port" not in p:  # every port
+                ports.update(opens)
+                continue
+              self.assertEqual(p.get("protocol", "TCP"), "TCP", name)
+              port = p["port"]
+              number = prefill[0].port(port) if isinstance(port, str) else int(port)
+              end = p.get("endPort", number)
+              ports.update(q for q in opens if number <= q <= end)
+            for port in ports:
+              opens[port].append((name, rule.get("from")))
+        self.assertTrue(opens[grpc_port], "%s: the NetworkPolicy lets nothing reach the prefill "
+                        "gRPC port %d: decode pods cannot prefill" % (r.name, grpc_port))
+        for name, peers in opens[grpc_port]:
+          self.assertTrue(peers, "%s: NetworkPolicy %s opens the prefill gRPC port %d to any "
+                          "source" % (r.name, name, grpc_port))
+          for peer in peers:
+            self.assertEqual(sorted(peer), ["podSelector"], "%s: NetworkPolicy %s opens the "
+                             "prefill gRPC port to %s, beyond this namespace's pods"
+                             % (r.name, name, peer))
+            selected = lambda pod: label_selector_matches(peer["podSelector"],
+                                                          pod["metadata"].get("labels", {}))
+            self.assertTrue(all(selected(p) for p in decode_pods), "%s: NetworkPolicy %s: the "
+                            "peer %s does not select every decode pod" % (r.name, name, peer))
+            stray = [p["metadata"].get("labels", {}) for p in other_pods if selected(p)]
+            self.assertFalse(stray, "%s: NetworkPolicy %s lets pods other than decode pods "
+                             "reach the prefill gRPC port: %s" % (r.name, name, stray))
+        self.assertTrue(
+            any(not peers or any("namespaceSelector" in p or "ipBlock" in p for p in peers)
+                for _, peers in opens[metrics_port]),
+            "%s: the NetworkPolicy keeps a Prometheus outside the kvwire pods from the prefill "
+            "pods' /metrics on %d" % (r.name, metrics_port))
+
+  def test_cert_manager_issues_the_secrets(self):
+    r = self.renderings["cert-manager"]
+    ids = self.identities(r)
+    certs = {c["spec"]["secretName"]: c for c in r.kind("Certificate").values()}
+    for role, usage in (("prefill", "server auth"), ("decode", "client auth")):
+      cert = certs.get(ids[role])
+      self.assertTrue(cert, "no Certificate writes the Secret %s that the %s pods mount (has %s)"
+                      % (ids[role], role, sorted(certs)))
+      self.assertIn(usage, cert["spec"].get("usages", []), "Certificate %s" % ids[role])
+      self.assertFalse(cert["spec"].get("isCA"), "Certificate %s" % ids[role])
+    for c in r.nodes("decode"):
+      name = self.checked_name(c)
+      self.assertIn(name, certs[ids["prefill"]]["spec"].get("dnsNames", []), "%s checks the "
+                    "name %s, which the prefill Certificate does not carry" % (c.what, name))
+    # One CA issuer signs both, so each Secret's ca.crt is the CA of the other side.
+    refs = {json.dumps(certs[ids[role]]["spec"]["issuerRef"], sort_keys=True) for role in ids}
+    self.assertEqual(len(refs), 1, "the two Certificates have different issuers: %s" % refs)
+    ref = certs[ids["prefill"]]["spec"]["issuerRef"]
+    issuer = r.kind(ref.get("kind", "Issuer")).get(ref["name"])
+    self.assertTrue(issuer, "issuer %s is not in the rendering" % ref)
+    self.assertIn("ca", issuer["spec"], "issuer %s is not a CA issuer" % ref["name"])
+    ca = certs.get(issuer["spec"]["ca"]["secretName"])
+    self.assertTrue(ca and ca["spec"].get("isCA"), "the CA issuer's Secret %s is no CA "
+                    "Certificate" % issuer["spec"]["ca"]["secretName"])
+
+  def test_tls_secrets_script(self):
+    """deploy/k8s/tls-secrets.sh --print: the Secrets the pods mount, in kubernetes.io/tls
+    shape, each side's ca.crt the CA of the other's certificate, the prefill certificate
+    carrying the name the decode nodes check."""
+    if not shutil.which("openssl"):
+      self.skipTest("openssl is not installed")
+    certs = os.path.join(self.tmp, "tls-secrets")
+    env = dict(os.environ, KVWIRE_KUBECTL=self.kubectl, KUBECONFIG=os.devnull)
+    r = subprocess.run([os.path.join(REPO, "deploy", "k8s", "tls-secrets.sh"), "--print",
+                        "--certs", certs], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, env=env, timeout=60)
+    self.assertEqual(r.returncode, 0, r.stderr)
+    secrets = {d["metadata"]["name"]: d for d in yaml.safe_load_all(r.stdout) if d}
+    ids = self.identities(self.renderings["base"])
+    self.assertEqual(sorted(secrets), sorted(ids.values()))
+    files = {}
+    for role, name in ids.items():
+      secret = secrets[name]
+      self.assertEqual(secret.get("type"), "kubernetes.io/tls", name)
+      self.assertEqual(set(secret["data"]), TLS_KEYS, name)
+      for key, value in secret["data"].items():
+        files[role, key] = os.path.join(self.tmp, "%s-%s" % (role, key))
+        with open(files[role, key], "wb") as f:
+          f.write(base64.b64decode(value))
+    for server, client in (("prefill", "decode"), ("decode", "prefill")):
+      v = subprocess.run(["openssl", "verify", "-CAfile", files[client, "ca.crt"],
+                          files[server, "tls.crt"]], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+      self.assertEqual(v.returncode, 0, "the %s certificate against the %s Secret's ca.crt: %s"
+                       % (server, client, v.stdout))
+    for c in self.renderings["base"].nodes("decode"):
+      name = self.checked_name(c)
+      check = subprocess.run(["openssl", "x509", "-in", files["prefill", "tls.crt"], "-noout",
+                              "-checkhost", name], stdout=subprocess.PIPE, text=True)
+      self.assertIn("does match", check.stdout, "%s checks %s: %s" % (c.what, name,
+                                                                      check.stdout))
 
   # -- the router -----------------------------------------------------------------------------
 
@@ -688,7 +944,8 @@ class K8sRenderTest(unittest.TestCase):
   def test_overlays(self):
     # The gpu overlay schedules the CUDA image on GPU nodes; the engine runs its CPU backend
     # (kvwire refuses --backend=cuda until the model is device-resident).
-    expect = {"base": ("cpu", "cpu"), "cpu-demo": ("cpu", "cpu"), "gpu": ("gpu", "cpu")}
+    expect = {"base": ("cpu", "cpu"), "cpu-demo": ("cpu", "cpu"), "gpu": ("gpu", "cpu"),
+              "cert-manager": ("cpu", "cpu")}
     for r, c in self.all_nodes():
       with self.subTest(node=c.what):
         tag, backend = expect[r.name]

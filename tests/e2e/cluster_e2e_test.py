@@ -10,7 +10,10 @@ directory), driven through nginx by tools/kvwire_client.py as a user runs it.
   (c) an invalid request through nginx is INVALID_ARGUMENT, and the access log shows it;
   (d) nginx's own failures (no decode node reachable) are gRPC UNAVAILABLE, not an HTML page;
   (e) with one prefill node killed (-9), requests still succeed on the other;
-  (f) `cluster.sh stop` ends every process.
+  (f) `cluster.sh stop` ends every process;
+  (g) the decode-to-prefill links are mutual TLS (cluster.sh's default): a prefill node
+      refuses a plaintext client, a TLS client without a certificate and one with a
+      certificate of another CA, and takes the decode nodes' own.
 
 Uses the real tiny model in ../shared when present, else synthetic:stories. Skips (exit 0)
 when nginx is not installed. Needs only Debian's python3 with grpcio and protobuf.
@@ -27,6 +30,8 @@ import subprocess
 import sys
 import unittest
 import urllib.request
+
+import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_cluster import (LocalClusterCase, children, find_nginx, free_ports,  # noqa: E402
@@ -60,6 +65,30 @@ def unread_bytes(port):
       if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":  # ESTABLISHED
         total += int(fields[4].split(":")[1], 16)
   return total
+
+
+def read_bytes(*path):
+  with open(os.path.join(*path), "rb") as f:
+    return f.read()
+
+
+def prefill_call(target, credentials):
+  """(code, details) of a Prefill call (an empty request) to the prefill node at `target`:
+  over plaintext when `credentials` is None, else over TLS checking the name that
+  cluster.sh's decode nodes check (localhost)."""
+  if credentials is None:
+    channel = grpc.insecure_channel(target)
+  else:
+    channel = grpc.secure_channel(target, credentials,
+                                  options=[("grpc.ssl_target_name_override", "localhost")])
+  with channel:
+    call = channel.unary_stream("/kvwire.v1.Prefill/Prefill")
+    try:
+      for _ in call(b"", timeout=10):
+        pass
+    except grpc.RpcError as e:
+      return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
 
 
 def metric_sum(text, name):
@@ -184,6 +213,42 @@ class ClusterE2ETest(LocalClusterCase):
     return wire, full
 
   # ---- tests (run in name order; 5 kills a node, 6 stops the cluster) ---------------------
+
+  def test_0_prefill_nodes_take_only_the_decode_certificate(self):
+    tls = os.path.join(self.dir, "tls")
+    with open(os.path.join(self.dir, "links")) as f:
+      self.assertEqual(f.read().strip(), "mtls", "cluster.sh start without --insecure")
+    # A CA and a decode certificate the cluster does not know.
+    other = os.path.join(self.tmp, "other-ca")
+    r = subprocess.run([os.path.join(REPO, "scripts", "make_certs.sh"), other],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.assertEqual(r.returncode, 0, r.stdout)
+    ca = read_bytes(tls, "decode", "ca.crt")
+    refused = {
+        "plaintext": None,
+        "TLS without a client certificate": grpc.ssl_channel_credentials(ca),
+        "a client certificate of another CA": grpc.ssl_channel_credentials(
+            ca, read_bytes(other, "decode", "tls.key"), read_bytes(other, "decode", "tls.crt")),
+    }
+    decode_identity = grpc.ssl_channel_credentials(ca, read_bytes(tls, "decode", "tls.key"),
+                                                   read_bytes(tls, "decode", "tls.crt"))
+    for name in ("prefill-0", "prefill-1"):
+      target = "127.0.0.1:%d" % self.node_ports[name]
+      for what, credentials in refused.items():
+        with self.subTest(node=name, client=what):
+          code, details = prefill_call(target, credentials)
+          self.assertEqual(code, grpc.StatusCode.UNAVAILABLE,
+                           "%s: a Prefill call with %s got %s: %s" % (name, what, code, details))
+      with self.subTest(node=name, client="the decode nodes' certificate"):
+        # Past the handshake, the empty request reaches the service, which judges it.
+        code, details = prefill_call(target, decode_identity)
+        self.assertNotEqual(code, grpc.StatusCode.UNAVAILABLE, details)
+    # And the cluster serves, every prefill on a prefill node.
+    rows = self.generate([SHORT_PROMPT, self.long_prompts[0]], "--policy", "snapkv",
+                         "--budget", str(BUDGET))
+    for row in rows:
+      self.assertIn(row["prefill_node"], ("prefill-0", "prefill-1"), row)
+      self.assertGreater(row["completion_tokens"], 0, row)
 
   def test_1_router_equals_single_process(self):
     prompts = [SHORT_PROMPT, self.long_prompts[0]]
