@@ -25,6 +25,7 @@ namespace {
 using Stream = StreamState<grpc::ByteBuffer>;
 
 constexpr int kMaxStopStrings = 16;
+constexpr int kMaxStopTokenIds = 64;
 constexpr size_t kMaxStopBytes = 256;
 constexpr size_t kMaxRequestIdBytes = 256;
 
@@ -183,6 +184,10 @@ struct DecodeServer::Impl final
       }
       j.stop.push_back(s);
     }
+    if (sp.stop_token_ids_size() > kMaxStopTokenIds) {
+      return Bad("sampling.stop_token_ids", absl::StrCat("at most ", kMaxStopTokenIds, " ids, got ",
+                                                         sp.stop_token_ids_size()));
+    }
     for (int32_t id : sp.stop_token_ids()) {
       if (id < 0 || id >= mc.vocab_size) {
         return Bad("sampling.stop_token_ids",
@@ -199,6 +204,9 @@ struct DecodeServer::Impl final
 
     j.compression = options.default_compression;
     RETURN_IF_ERROR(ApplyCompressionParams(req.compression(), &j.compression));
+    RETURN_IF_ERROR(RenameParams(j.compression.ValidateFor(mc.num_layers), [](absl::string_view n) {
+      return absl::StrCat("compression.", n);
+    }));
     const v1::DecodeAttentionParams& ap = req.attention();
     const bool attention_set = !ap.mode().empty() || ap.has_token_budget() || ap.has_top_k() ||
                                ap.has_top_r() || ap.has_page_size();
@@ -228,6 +236,10 @@ struct DecodeServer::Impl final
     if (ap.has_top_r()) j.attention.top_r = ap.top_r();
     if (ap.has_page_size()) j.attention.page_size = ap.page_size();
     RETURN_IF_ERROR(j.attention.Validate());  // "attention: top_r does not apply to quest ..."
+    if (j.attention.top_r > mc.head_dim) {
+      return Bad("attention.top_r", absl::StrCat("must be at most the head dimension (",
+                                                 mc.head_dim, "), got ", j.attention.top_r));
+    }
     j.logprobs = req.return_logprobs();
     return j;
   }

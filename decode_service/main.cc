@@ -64,6 +64,7 @@ absl::StatusOr<DecodeServerOptions> OptionsFromFlags(const Flags& f) {
 int main(int argc, char** argv) {
   using namespace kvwire;
   BlockTerminationSignals();
+  LimitProtobufLogs();
 
   Flags flags;
   DefineModelFlags(flags);

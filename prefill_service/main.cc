@@ -10,6 +10,7 @@
 int main(int argc, char** argv) {
   using namespace kvwire;
   BlockTerminationSignals();
+  LimitProtobufLogs();
 
   Flags flags;
   DefineModelFlags(flags);

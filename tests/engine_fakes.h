@@ -215,6 +215,10 @@ class RecordingSink final : public ResponseSink {
   void Cancel() { cancelled_ = true; }
 
   // Blocks until Finish (bounded); false if it never came.
+  bool finished() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return finishes > 0;
+  }
   bool WaitFinished() {
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, kWait, [&] { return finishes > 0; });

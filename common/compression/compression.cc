@@ -74,6 +74,16 @@ absl::Status CompressionConfig::Validate() const {
   return absl::OkStatus();
 }
 
+absl::Status CompressionConfig::ValidateFor(int num_layers) const {
+  if (policy->evicts() && skip_layers >= num_layers) {
+    return Bad(
+        absl::StrCat("skip_layers (", skip_layers, ") must be below the model's layer count (",
+                     num_layers, "): it would leave no layer to compress"),
+        "skip_layers");
+  }
+  return absl::OkStatus();
+}
+
 int CompressionConfig::EffectiveBudget(int len) const {
   if (!policy->evicts()) return len;
   if (budget > 0) return budget;
@@ -122,6 +132,14 @@ absl::Status ApplyCompressionValues(const ParamValues& values, CompressionConfig
       c.ratio = 0;
       ASSIGN_OR_RETURN(c.policy, MakePolicy(info->name));
     }
+  }
+  if (values.count("budget") && values.count("ratio") && values.at("budget") != "0" &&
+      values.at("ratio") != "0") {
+    return AboutParam(
+        absl::InvalidArgumentError(
+            "compression: budget and ratio are both set; give one (budget: tokens kept per "
+            "KV head; ratio: kept / prompt tokens)"),
+        "budget");
   }
   bool policy_params = false;
   for (const auto& [name, value] : values) {

@@ -123,9 +123,13 @@ class RocketKV final : public CompressionPolicy {
     return absl::StrCat(", window=", window, split_ == "alpha" ? "" : ", budget_split=" + split_);
   }
   absl::Status CheckBudget(int budget, int window) const override {
-    if (budget < 2) {
+    // Stage 1 (SnapKV++) always keeps the window; a smaller budget would be raised to it
+    // behind the caller's back, so it is refused as SnapKV's is.
+    if (budget > 0 && budget <= window) {
       return absl::InvalidArgumentError(
-          absl::StrCat("rocketkv needs budget = the per-step token budget t (>= 2), got ", budget));
+          absl::StrCat("rocketkv's budget (the per-step token budget t, ", budget,
+                       ") must exceed the observation window (", window,
+                       ") that its first stage (SnapKV++) always keeps"));
     }
     return absl::OkStatus();
   }

@@ -137,6 +137,7 @@ absl::Status PrefillEngine::Check(const PrefillJob& job) const {
     }
   }
   RETURN_IF_ERROR(job.compression.Validate());
+  RETURN_IF_ERROR(job.compression.ValidateFor(mc.num_layers));
   if (!job.compression.policy->selects()) {
     return absl::InvalidArgumentError(
         absl::StrCat("compression.policy: ", job.compression.policy_name(),

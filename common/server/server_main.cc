@@ -1,13 +1,43 @@
 #include "common/server/server_main.h"
 
+#include <google/protobuf/stubs/logging.h>
+
+#include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <mutex>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
 
 namespace kvwire {
+
+void LimitProtobufLogs() {
+  google::protobuf::SetLogHandler(
+      [](google::protobuf::LogLevel level, const char* file, int line, const std::string& message) {
+        static std::mutex mu;
+        static std::chrono::steady_clock::time_point window_start;
+        static int lines = 0;
+        static int64_t dropped = 0;
+        std::string note;
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          const auto now = std::chrono::steady_clock::now();
+          if (now - window_start >= std::chrono::minutes(1)) {
+            window_start = now;
+            lines = 0;
+          }
+          if (level != google::protobuf::LOGLEVEL_FATAL && ++lines > kProtobufLogBurst) {
+            ++dropped;
+            return;
+          }
+          if (dropped > 0) note = absl::StrCat(" (", dropped, " earlier protobuf lines dropped)");
+          dropped = 0;
+        }
+        std::fprintf(stderr, "protobuf %s:%d: %s%s\n", file, line, message.c_str(), note.c_str());
+      });
+}
 
 void BlockTerminationSignals() {
   sigset_t set;

@@ -15,6 +15,12 @@ namespace kvwire {
 // Blocks SIGTERM and SIGINT in this thread and every thread it starts after, so that
 // WaitForTermination receives them. Call first thing in main().
 void BlockTerminationSignals();
+// Protobuf logs a line for every string field with invalid UTF-8 that it parses, so each
+// such request would write one: at most kProtobufLogBurst lines a minute pass, and the
+// next line that does says how many were dropped. Call once, in main().
+inline constexpr int kProtobufLogBurst = 10;
+void LimitProtobufLogs();
+
 // Prints "PROGRAM: message" and returns the exit code: 2 for a usage error
 // (InvalidArgument), 1 otherwise.
 int FailExit(const char* program, const absl::Status& status);

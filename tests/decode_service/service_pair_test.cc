@@ -355,6 +355,7 @@ TEST_F(ServicePairTest, EveryBadFieldIsInvalidArgumentNamingIt) {
     std::function<void(v1::GenerateRequest*)> edit;
   };
   const int vocab = decode_model_->config().vocab_size;
+  const int head_dim = decode_model_->config().head_dim;
   const std::vector<Case> cases = {
       {"input", [](auto* r) { r->clear_prompt_ids(); }},
       {"prompt: is empty", [](auto* r) { r->set_prompt(""); }},
@@ -413,6 +414,51 @@ TEST_F(ServicePairTest, EveryBadFieldIsInvalidArgumentNamingIt) {
          r->mutable_attention()->set_mode("quest");
        }},
       {"exceeds the model's context", [](auto* r) { r->mutable_sampling()->set_max_tokens(4000); }},
+      // Repeated fields have limits.
+      {"sampling.stop_token_ids: at most 64",
+       [](auto* r) {
+         for (int i = 0; i < 65; ++i) r->mutable_sampling()->add_stop_token_ids(5);
+       }},
+      {"at most 64 compression.groups",
+       [](auto* r) {
+         r->mutable_compression()->set_policy("hbw");
+         r->mutable_compression()->set_budget(64);
+         for (int i = 0; i < 65; ++i) r->mutable_compression()->add_groups(1);
+       }},
+      // Contradictory or inapplicable parameters.
+      {"compression.budget and ratio are both set",
+       [](auto* r) {
+         r->mutable_compression()->set_policy("snapkv");
+         r->mutable_compression()->set_budget(64);
+         r->mutable_compression()->set_ratio(0.5);
+       }},
+      {"compression.budget does not apply to full",
+       [](auto* r) {
+         r->mutable_compression()->set_policy("full");
+         r->mutable_compression()->set_budget(64);
+       }},
+      {"compression.skip_layers",
+       [](auto* r) {
+         r->mutable_compression()->set_policy("snapkv");
+         r->mutable_compression()->set_budget(64);
+         r->mutable_compression()->set_skip_layers(100);
+       }},
+      {"attention.top_r: must be at most the head dimension",
+       [=](auto* r) {
+         r->mutable_attention()->set_mode("hybrid");
+         r->mutable_attention()->set_token_budget(16);
+         r->mutable_attention()->set_top_r(head_dim + 1);
+       }},
+      {"top_k does not apply to dense",
+       [](auto* r) {
+         r->mutable_attention()->set_mode("dense");
+         r->mutable_attention()->set_top_k(8);
+       }},
+      {"rocketkv",
+       [](auto* r) {
+         r->mutable_compression()->set_policy("rocketkv");
+         r->mutable_compression()->set_budget(8);
+       }},
   };
   for (const Case& c : cases) {
     v1::GenerateRequest req = Request({1, 100, 200}, 8);

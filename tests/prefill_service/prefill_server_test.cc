@@ -3,6 +3,7 @@
 // local prefill with the same policy keeps), and its refusals.
 #include "prefill_service/prefill_server.h"
 
+#include <google/protobuf/stubs/logging.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -10,6 +11,7 @@
 #include <thread>
 
 #include "common/engine/generate.h"
+#include "common/server/server_main.h"
 #include "common/wire/kv_wire.h"
 #include "kvwire/v1/prefill.grpc.pb.h"
 #include "proto/convert.h"
@@ -162,6 +164,18 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
        "max_chunk_bytes"},
       {[](auto* r) { r->set_top_p(2); }, grpc::StatusCode::INVALID_ARGUMENT, "top_p"},
       {[](auto* r) {
+         r->mutable_compression()->set_policy("snapkv");
+         r->mutable_compression()->set_budget(32);
+         r->mutable_compression()->set_skip_layers(1000);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "skip_layers (1000) must be below the model's layer"},
+      {[](auto* r) {
+         r->mutable_compression()->set_policy("snapkv");
+         r->mutable_compression()->set_budget(32);
+         r->mutable_compression()->set_ratio(0.5);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "budget and ratio are both set"},
+      {[](auto* r) {
          for (int i = 0; i < 600; ++i) r->add_prompt_ids(5);
        },
        grpc::StatusCode::INVALID_ARGUMENT, "context"},
@@ -303,6 +317,18 @@ TEST_F(PrefillServerTest, RequestsOverTheSizeLimitAreRefused) {
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
       << r.status.error_message();
   EXPECT_TRUE(Call(Request(20, CompressionConfig{})).status.ok());
+}
+
+TEST(ProtobufLogTest, LinesAreRateLimited) {
+  LimitProtobufLogs();
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < 3 * kProtobufLogBurst; ++i) GOOGLE_LOG(ERROR) << "invalid UTF-8 " << i;
+  const std::string out = ::testing::internal::GetCapturedStderr();
+  google::protobuf::SetLogHandler(nullptr);
+  int lines = 0;
+  for (char c : out) lines += c == '\n';
+  EXPECT_LE(lines, kProtobufLogBurst) << out;
+  EXPECT_GE(lines, 1) << "the first lines pass";
 }
 
 }  // namespace

@@ -8,6 +8,9 @@
 
 #include <gtest/gtest.h>
 
+#include <optional>
+#include <thread>
+
 #include "common/engine/generate.h"
 #include "tests/engine_fakes.h"
 
@@ -296,6 +299,88 @@ TEST_F(DecodeEngineTest, ASourceThatDiesMidStreamIsRetried) {
   EXPECT_EQ(sink->ids, Reference(job).ids) << "the cache of the failed attempt is not reused";
   EXPECT_EQ(sink->figures.prefill_attempts, 2);
   EXPECT_EQ(sink->figures.wire_bytes, 2000) << "both attempts' bytes count";
+  ExpectIdle();
+}
+
+// Moves the engine's clock in `step`s until `done` holds (each step gives the engine a
+// turn); the fake time that took, or nullopt if it did not happen within `limit`.
+template <typename Pred>
+std::optional<std::chrono::milliseconds> AdvanceUntil(testing::FakeClock& clock,
+                                                      DecodeEngine& engine, Pred done,
+                                                      std::chrono::milliseconds step,
+                                                      std::chrono::milliseconds limit) {
+  for (std::chrono::milliseconds t{0}; t <= limit; t += step) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
+    while (std::chrono::steady_clock::now() < until) {
+      if (done()) return t;
+      std::this_thread::yield();
+    }
+    clock.Advance(step);
+    engine.Wake();
+  }
+  return std::nullopt;
+}
+
+// A full prefill tier (every node's queue full) is not a failed attempt: the request waits,
+// retrying after a jittered backoff on the engine's clock, and goes in when a node has room.
+TEST_F(DecodeEngineTest, AFullPrefillTierIsWaitedForWithBackoff) {
+  DecodeEngineOptions o;
+  o.prefill_attempts = 1;
+  o.prefill_backoff_ms = 100;  // retries within [0, 200) ms, then [0, 400) ms, ...
+  o.prefill_wait_ms = 60000;
+  Start(o);
+  const GenerationJob job = Job(70, 6, 1);
+  std::shared_ptr<RecordingSink> sink;
+  auto t = SubmitAndStart(job, &sink);
+  ASSERT_NE(t, nullptr);
+  for (int refusal = 0; refusal < 3; ++refusal) {
+    t->Fail(absl::ResourceExhaustedError("prefill node p0 is full"));
+    const auto waited = AdvanceUntil(
+        clock_, *engine_, [&] { return remote_.pending() > 0; }, std::chrono::milliseconds(10),
+        std::chrono::milliseconds(2000));
+    ASSERT_TRUE(waited.has_value()) << "retry " << refusal + 1;
+    // Below the backoff's bound, give or take the steps the engine took to see the refusal.
+    EXPECT_LT(*waited, std::chrono::milliseconds((200 << refusal) + 200));
+    t = remote_.Next();
+  }
+  t->Serve(*prefill_);
+  ASSERT_TRUE(sink->WaitFinished());
+  ASSERT_TRUE(sink->status.ok()) << sink->status;
+  EXPECT_EQ(sink->ids, Reference(job).ids);
+  EXPECT_EQ(sink->figures.prefill_attempts, 1) << "refusals of a full node are not attempts";
+  ExpectIdle();
+}
+
+// The wait for a node with room, or any reachable node, is bounded by --prefill-wait-ms,
+// and the error says which tier was the problem.
+TEST_F(DecodeEngineTest, TheWaitForAPrefillNodeIsBoundedAndSaysWhy) {
+  DecodeEngineOptions o;
+  o.prefill_backoff_ms = 10;
+  o.prefill_wait_ms = 1000;
+  Start(o);
+  for (const auto& [refusal, expect] :
+       {std::pair<absl::Status, std::string>{absl::ResourceExhaustedError("node full"),
+                                             "the prefill tier is full"},
+        {absl::UnavailableError("connection refused"), "no prefill node could be reached"}}) {
+    auto sink = Submit(Job(70, 6, 1));
+    std::chrono::milliseconds total{0};
+    for (int i = 0; !sink->finished(); ++i) {
+      ASSERT_LT(i, 500) << "still trying";
+      auto t = remote_.Next();
+      ASSERT_NE(t, nullptr) << "try " << i;
+      t->Fail(refusal);  // before any stream header: no node took it
+      const auto waited = AdvanceUntil(
+          clock_, *engine_, [&] { return remote_.pending() > 0 || sink->finished(); },
+          std::chrono::milliseconds(10), std::chrono::milliseconds(2000));
+      ASSERT_TRUE(waited.has_value());
+      total += *waited;
+    }
+    EXPECT_GE(total, std::chrono::milliseconds(900)) << "it waited about --prefill-wait-ms";
+    EXPECT_LE(total, std::chrono::milliseconds(1500));
+    EXPECT_EQ(sink->status.code(), refusal.code()) << sink->status;
+    EXPECT_NE(std::string(sink->status.message()).find(expect), std::string::npos) << sink->status;
+    EXPECT_NE(std::string(sink->status.message()).find("--prefill-wait-ms"), std::string::npos);
+  }
   ExpectIdle();
 }
 
