@@ -88,9 +88,13 @@ int main(int argc, char** argv) {
   PrefillEngine engine(model->get(), engine_options);
   auto server = PrefillServer::Start(&engine, o);
   if (!server.ok()) return fail(server.status());
-  std::fprintf(stderr, "kvwire-prefill %s: serving %s on port %d, metrics on port %d\n",
-               engine_options.node_name.c_str(), (*model)->description().c_str(), (*server)->port(),
-               (*telemetry)->metrics_port());
+  // The fingerprint goes to the operator's log (decode nodes must send the same), never to
+  // a caller.
+  std::fprintf(stderr,
+               "kvwire-prefill %s: serving %s (model fingerprint %s) on port %d, metrics on port "
+               "%d\n",
+               engine_options.node_name.c_str(), (*model)->description().c_str(),
+               (*model)->fingerprint().c_str(), (*server)->port(), (*telemetry)->metrics_port());
   WaitForTermination([&] {
     (*server)->Shutdown(static_cast<int>(*grace));
     engine.Shutdown();
