@@ -320,11 +320,12 @@ TEST_F(PrefillServerTest, RequestsOverTheSizeLimitAreRefused) {
 }
 
 TEST(ProtobufLogTest, LinesAreRateLimited) {
+  google::protobuf::LogHandler* const before = google::protobuf::SetLogHandler(nullptr);
   LimitProtobufLogs();
   ::testing::internal::CaptureStderr();
   for (int i = 0; i < 3 * kProtobufLogBurst; ++i) GOOGLE_LOG(ERROR) << "invalid UTF-8 " << i;
   const std::string out = ::testing::internal::GetCapturedStderr();
-  google::protobuf::SetLogHandler(nullptr);
+  google::protobuf::SetLogHandler(before);
   int lines = 0;
   for (char c : out) lines += c == '\n';
   EXPECT_LE(lines, kProtobufLogBurst) << out;
