@@ -14,6 +14,7 @@
 #include "common/server/trace_metadata.h"
 #include "common/telemetry/telemetry.h"
 #include "kvwire/v1/prefill.grpc.pb.h"
+#include "prefill_service/translate.h"
 #include "proto/convert.h"
 
 namespace kvwire {
@@ -74,30 +75,6 @@ class GrpcStreamSink final : public KvStreamSink {
   std::atomic<int64_t> bytes_{0};
 };
 
-// The request in domain terms: every field parsed; the engine checks them against the model.
-absl::StatusOr<PrefillJob> Translate(const v1::PrefillRequest& req,
-                                     const grpc::CallbackServerContext& ctx,
-                                     const PrefillServerOptions& options) {
-  PrefillJob job;
-  job.request_id = req.request_id();
-  job.prompt_ids.assign(req.prompt_ids().begin(), req.prompt_ids().end());
-  RETURN_IF_ERROR(ApplyCompressionParams(req.compression(), &job.compression));
-  job.model_fingerprint = req.model_fingerprint();
-  job.max_chunk_bytes = req.max_chunk_bytes() == 0
-                            ? kDefaultMaxChunkBytes
-                            : std::min<size_t>(req.max_chunk_bytes(), kMaxChunkBytesLimit);
-  job.sampling.temperature = req.temperature();
-  job.sampling.top_p = req.top_p() == 0 ? 1.f : req.top_p();  // 0: unset
-  job.sampling.top_k = req.top_k();
-  job.seed = req.seed();
-  const Clock& clock = Clock::Real();
-  job.deadline = std::min(
-      FromWallDeadline(clock, ctx.deadline()),
-      clock.Now() + std::chrono::duration_cast<Clock::TimePoint::duration>(options.max_deadline));
-  job.trace = TraceFromMetadata(ctx.client_metadata());
-  return job;
-}
-
 // "authorization: Bearer <token>", compared in time independent of where it differs.
 bool Authorized(const grpc::CallbackServerContext& ctx, const std::string& token) {
   const std::string want = absl::StrCat("Bearer ", token);
@@ -137,7 +114,12 @@ struct PrefillServer::Impl final
     }
     v1::PrefillRequest request;
     RETURN_IF_ERROR(ParseRequest(raw, &request));
-    ASSIGN_OR_RETURN(PrefillJob job, Translate(request, ctx, options));
+    ASSIGN_OR_RETURN(PrefillJob job, TranslatePrefillRequest(request));
+    const Clock& clock = Clock::Real();
+    job.deadline = std::min(
+        FromWallDeadline(clock, ctx.deadline()),
+        clock.Now() + std::chrono::duration_cast<Clock::TimePoint::duration>(options.max_deadline));
+    job.trace = TraceFromMetadata(ctx.client_metadata());
     return prefills->Submit(
         std::move(job), std::make_shared<GrpcStreamSink>(stream, options.send_timeout),
         [stream = stream](const absl::Status& done) { stream->Finish(ToGrpcStatus(done)); });

@@ -1,0 +1,26 @@
+#include "prefill_service/translate.h"
+
+#include <algorithm>
+
+#include "common/base/status.h"
+#include "proto/convert.h"
+
+namespace kvwire {
+
+absl::StatusOr<PrefillJob> TranslatePrefillRequest(const v1::PrefillRequest& req) {
+  PrefillJob job;
+  job.request_id = req.request_id();
+  job.prompt_ids.assign(req.prompt_ids().begin(), req.prompt_ids().end());
+  RETURN_IF_ERROR(ApplyCompressionParams(req.compression(), &job.compression));
+  job.model_fingerprint = req.model_fingerprint();
+  job.max_chunk_bytes = req.max_chunk_bytes() == 0
+                            ? kDefaultMaxChunkBytes
+                            : std::min<size_t>(req.max_chunk_bytes(), kMaxChunkBytesLimit);
+  job.sampling.temperature = req.temperature();
+  job.sampling.top_p = req.top_p() == 0 ? 1.f : req.top_p();  // 0: unset
+  job.sampling.top_k = req.top_k();
+  job.seed = req.seed();
+  return job;
+}
+
+}  // namespace kvwire
