@@ -10,6 +10,7 @@ PACKAGES=(
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev prometheus-cpp-dev nlohmann-json3-dev
   libopenblas-dev zlib1g-dev
   nginx prometheus curl openssl clang-format
+  clang-16 libclang-rt-16-dev  # libFuzzer with ASan/UBSan for scripts/fuzz.sh
   python3 python3-grpcio python3-protobuf python3-numpy python3-yaml python3-venv
   python3-matplotlib
 )

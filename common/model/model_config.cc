@@ -1,6 +1,7 @@
 #include "common/model/model_config.h"
 
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -51,6 +52,19 @@ absl::Status ReadBool(const json& j, const char* key, absl::string_view source, 
   }
   *out = j[key].get<bool>();
   return absl::OkStatus();
+}
+
+// An integer token id, before it is narrowed to int32 (which would wrap 2^32 + 5 to 5);
+// Validate checks the ids that fit against the vocabulary.
+absl::StatusOr<int32_t> ReadTokenId(const json& v, const char* key, int vocab_size,
+                                    absl::string_view source) {
+  const bool fits =
+      v.is_number_unsigned() ? v.get<uint64_t>() <= INT32_MAX : v.get<int64_t>() >= INT32_MIN;
+  if (!fits) {
+    return ConfigError(
+        source, absl::StrCat(key, " ", v.dump(), " is outside the vocabulary of ", vocab_size));
+  }
+  return static_cast<int32_t>(v.get<int64_t>());
 }
 
 }  // namespace
@@ -162,18 +176,21 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(absl::string_view text,
     }
   }
 
-  for (const char* key : {"bos_token_id"}) {
-    if (j.contains(key) && j[key].is_number_integer()) c.bos_token_id = j[key].get<int32_t>();
+  if (j.contains("bos_token_id") && j["bos_token_id"].is_number_integer()) {
+    ASSIGN_OR_RETURN(c.bos_token_id,
+                     ReadTokenId(j["bos_token_id"], "bos_token_id", c.vocab_size, source));
   }
   if (j.contains("eos_token_id")) {
     const json& e = j["eos_token_id"];
     if (e.is_number_integer()) {
-      c.eos_token_ids.push_back(e.get<int32_t>());
+      ASSIGN_OR_RETURN(const int32_t id, ReadTokenId(e, "eos_token_id", c.vocab_size, source));
+      c.eos_token_ids.push_back(id);
     } else if (e.is_array()) {
       for (const json& x : e) {
         if (!x.is_number_integer())
           return ConfigError(source, "eos_token_id entries must be integers");
-        c.eos_token_ids.push_back(x.get<int32_t>());
+        ASSIGN_OR_RETURN(const int32_t id, ReadTokenId(x, "eos_token_id", c.vocab_size, source));
+        c.eos_token_ids.push_back(id);
       }
     } else if (!e.is_null()) {
       return ConfigError(source, "eos_token_id must be an integer or a list of integers");
@@ -195,6 +212,25 @@ absl::Status ModelConfig::Validate(absl::string_view source) const {
                        "hidden_size, intermediate_size, num_hidden_layers, "
                        "num_attention_heads, num_key_value_heads, head_dim, vocab_size and "
                        "max_position_embeddings must all be positive");
+  }
+  // Far above any real model (Llama 3.1 405B: hidden 16384, intermediate 53248, 126 layers,
+  // 128 heads of 128, a 128256-token vocabulary), and low enough that what is derived from
+  // them (parameter and byte counts in int64, the rotary table, per-layer buffers) neither
+  // overflows nor asks for absurd allocations.
+  struct Bound {
+    const char* name;
+    int value, max;
+  };
+  for (const Bound& b :
+       {Bound{"hidden_size", hidden_size, 1 << 20},
+        Bound{"intermediate_size", intermediate_size, 1 << 22},
+        Bound{"num_hidden_layers", num_layers, 1 << 12},
+        Bound{"num_attention_heads", num_heads, 1 << 12}, Bound{"head_dim", head_dim, 1 << 12},
+        Bound{"vocab_size", vocab_size, 1 << 24}}) {
+    if (b.value > b.max) {
+      return ConfigError(source,
+                         absl::StrCat(b.name, " is ", b.value, "; kvwire accepts at most ", b.max));
+    }
   }
   if (num_heads % num_kv_heads != 0) {
     return ConfigError(

@@ -28,6 +28,12 @@ absl::Status FileError(const std::string& path, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(path, ": ", what));
 }
 
+absl::Status TooShort(const std::string& path, uint64_t size) {
+  return FileError(path, absl::StrCat("file is ", size,
+                                      " bytes; a safetensors file starts with an 8-byte "
+                                      "header length"));
+}
+
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
@@ -122,11 +128,9 @@ absl::StatusOr<std::pair<void*, uint64_t>> MapFile(const std::string& path) {
     return FileError(path, "not a regular file");
   }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < 8) {
+  if (size < 8) {  // nothing to map
     ::close(fd);
-    return FileError(path, absl::StrCat("file is ", size,
-                                        " bytes; a safetensors file starts with an 8-byte "
-                                        "header length"));
+    return TooShort(path, size);
   }
   void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
@@ -143,49 +147,63 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   file->path_ = path;
   file->map_ = mapped.first;
   file->map_size_ = mapped.second;
-  const uint64_t size = mapped.second;
-  const auto* bytes = static_cast<const uint8_t*>(mapped.first);
+  RETURN_IF_ERROR(file->Parse(static_cast<const uint8_t*>(mapped.first), mapped.second));
+  return file;
+}
 
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBytes(std::string bytes,
+                                                                            std::string source) {
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = std::move(source);
+  file->owned_ = std::move(bytes);
+  RETURN_IF_ERROR(
+      file->Parse(reinterpret_cast<const uint8_t*>(file->owned_.data()), file->owned_.size()));
+  return file;
+}
+
+absl::Status SafetensorsFile::Parse(const uint8_t* bytes, uint64_t size) {
+  if (size < 8) return TooShort(path_, size);
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = header_len << 8 | bytes[i];
   if (header_len > kMaxHeaderBytes || header_len > size - 8) {
-    return FileError(path, absl::StrCat("header length ", header_len, " does not fit in a file of ",
-                                        size, " bytes (truncated file or not safetensors)"));
+    return FileError(path_,
+                     absl::StrCat("header length ", header_len, " does not fit in a file of ", size,
+                                  " bytes (truncated file or not safetensors)"));
   }
   json header;
   try {
     header = json::parse(bytes + 8, bytes + 8 + header_len);
   } catch (const json::exception& e) {
-    return FileError(path, absl::StrCat("header is not valid JSON: ", e.what()));
+    return FileError(path_, absl::StrCat("header is not valid JSON: ", e.what()));
   }
-  if (!header.is_object()) return FileError(path, "header is not a JSON object");
+  if (!header.is_object()) return FileError(path_, "header is not a JSON object");
 
   const uint8_t* data = bytes + 8 + header_len;
   const uint64_t data_size = size - 8 - header_len;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") {
-      if (!it->is_object()) return FileError(path, "__metadata__ is not an object");
+      if (!it->is_object()) return FileError(path_, "__metadata__ is not an object");
       for (auto m = it->begin(); m != it->end(); ++m) {
         if (!m->is_string()) {
-          return FileError(path, absl::StrCat("__metadata__.", m.key(), " is not a string"));
+          return FileError(path_, absl::StrCat("__metadata__.", m.key(), " is not a string"));
         }
-        file->metadata_[m.key()] = m->get<std::string>();
+        metadata_[m.key()] = m->get<std::string>();
       }
       continue;
     }
-    ASSIGN_OR_RETURN(TensorView view, ParseTensorEntry(path, it.key(), *it, data, data_size));
+    ASSIGN_OR_RETURN(TensorView view, ParseTensorEntry(path_, it.key(), *it, data, data_size));
     const uint64_t begin = static_cast<uint64_t>(view.data - data);
     if (view.bytes > 0) ranges.emplace_back(begin, begin + view.bytes);
-    file->tensors_.emplace(it.key(), std::move(view));
+    tensors_.emplace(it.key(), std::move(view));
   }
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i) {
     if (ranges[i].first < ranges[i - 1].second) {
-      return FileError(path, absl::StrCat("tensors overlap at data offset ", ranges[i].first));
+      return FileError(path_, absl::StrCat("tensors overlap at data offset ", ranges[i].first));
     }
   }
-  return file;
+  return absl::OkStatus();
 }
 
 SafetensorsFile::~SafetensorsFile() {

@@ -34,6 +34,10 @@ class SafetensorsFile {
   // JSON syntax, every tensor's dtype, shape and offsets (inside the data, sized
   // numel · element size, not overlapping). Errors name the file and the tensor.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  // The same checks on a file's contents held in memory; the result keeps its own copy,
+  // which the views point into. `source` names the input in errors, as the path does.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> FromBytes(std::string bytes,
+                                                                    std::string source);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -46,10 +50,14 @@ class SafetensorsFile {
 
  private:
   SafetensorsFile() = default;
+  // Reads the header of the `size` bytes at `bytes` (the map or owned_) into tensors_ and
+  // metadata_.
+  absl::Status Parse(const uint8_t* bytes, uint64_t size);
 
   std::string path_;
   void* map_ = nullptr;
   size_t map_size_ = 0;
+  std::string owned_;  // FromBytes' copy
   std::map<std::string, TensorView> tensors_;
   std::map<std::string, std::string> metadata_;
 };

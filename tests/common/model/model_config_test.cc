@@ -89,7 +89,7 @@ TEST(ModelConfig, ErrorsNameTheFileAndTheField) {
     absl::StatusCode code;
     std::string expect;
   };
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {"{", absl::StatusCode::kInvalidArgument, "not valid JSON"},
       {R"({"model_type": "gpt2", "hidden_size": 8})", absl::StatusCode::kUnimplemented, "gpt2"},
       {R"({"model_type": "llama", "hidden_size": 64})", absl::StatusCode::kInvalidArgument,
@@ -114,6 +114,27 @@ TEST(ModelConfig, ErrorsNameTheFileAndTheField) {
            "hidden_act": "gelu"})",
        absl::StatusCode::kUnimplemented, "hidden_act"},
   };
+  // Inputs that crashed fuzz/model_config_fuzz (its corpus keeps them as ubsan-*.json and
+  // oom-*.json): sizes that passed Validate overflowed ParameterCount (signed overflow) and
+  // made RopeInvFreq allocate 4 GB. And ids past int32, which wrapped into the vocabulary.
+  const std::vector<Case> fuzzed = {
+      {R"({"model_type":"llama","hidden_size":2147483647,"intermediate_size":2147483647,
+           "num_hidden_layers":2147483647,"num_attention_heads":1,"head_dim":2,
+           "vocab_size":2147483647})",
+       absl::StatusCode::kInvalidArgument, "hidden_size is 2147483647; kvwire accepts at most"},
+      {R"({"model_type":"llama","hidden_size":64,"intermediate_size":2,"num_hidden_layers":1,
+           "num_attention_heads":1,"head_dim":2000000000,"vocab_size":10})",
+       absl::StatusCode::kInvalidArgument, "head_dim is 2000000000; kvwire accepts at most 4096"},
+      {R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10,
+           "bos_token_id": 4294967301})",
+       absl::StatusCode::kInvalidArgument, "bos_token_id 4294967301 is outside the vocabulary"},
+      {R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10,
+           "eos_token_id": [1, -4294967295]})",
+       absl::StatusCode::kInvalidArgument, "eos_token_id -4294967295 is outside the vocabulary"},
+  };
+  for (const Case& c : fuzzed) cases.push_back(c);
   for (const Case& c : cases) {
     auto r = ModelConfig::FromJson(c.json, "some/config.json");
     ASSERT_FALSE(r.ok()) << c.json;

@@ -96,7 +96,30 @@ TEST(Safetensors, RejectsMalformedFiles) {
     EXPECT_NE(msg.find(c.expect), std::string::npos)
         << "message: " << msg << "\nexpected: " << c.expect;
     EXPECT_NE(msg.find("bad.safetensors"), std::string::npos) << "message names the file: " << msg;
+    // The same bytes in memory: the same error, naming the source.
+    auto mem = SafetensorsFile::FromBytes(c.contents, "mem.safetensors");
+    ASSERT_FALSE(mem.ok());
+    EXPECT_EQ(mem.status().code(), absl::StatusCode::kInvalidArgument);
+    const std::string mem_msg(mem.status().message());
+    EXPECT_NE(mem_msg.find(c.expect), std::string::npos) << mem_msg;
+    EXPECT_NE(mem_msg.find("mem.safetensors"), std::string::npos) << mem_msg;
   }
+}
+
+TEST(Safetensors, FromBytesReadsWhatOpenReads) {
+  const std::string dir = MakeTempDir("frombytes");
+  const std::vector<float> a = {1.f, 2.f, 3.f};
+  ASSERT_TRUE(
+      WriteSafetensors(dir + "/x.safetensors", {{"a", "F32", {3}, a.data()}}, {{"format", "pt"}})
+          .ok());
+  auto f = SafetensorsFile::FromBytes(ReadFile(dir + "/x.safetensors"), "x");
+  ASSERT_TRUE(f.ok()) << f.status();
+  const TensorView* ta = (*f)->Find("a");
+  ASSERT_NE(ta, nullptr);
+  EXPECT_EQ(ta->shape, (std::vector<int64_t>{3}));
+  ASSERT_EQ(ta->bytes, 12u);
+  EXPECT_EQ(std::memcmp(ta->data, a.data(), 12), 0);
+  EXPECT_EQ((*f)->metadata().at("format"), "pt");
 }
 
 TEST(WeightFiles, ShardedIndex) {
