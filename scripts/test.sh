@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds kvwire and runs every test: `bash scripts/test.sh`, then a short run of every fuzz
-# target (scripts/fuzz.sh; KVWIRE_FUZZ_SECONDS per target, 20 by default, 0 skips it).
+# target (scripts/fuzz.sh; KVWIRE_FUZZ_SECONDS per target, 15 by default, 0 skips it).
 # Tests that need ../shared (models, data) skip with a message when it is absent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ ctest --test-dir build --output-on-failure -j"${KVWIRE_JOBS:-2}" "$@"
 
 # Coverage-guided fuzzing of the decoders of outside input (docs/fuzzing.md): its own
 # instrumented build in build-fuzz, then each target briefly over its committed corpus.
-fuzz_seconds="${KVWIRE_FUZZ_SECONDS:-20}"
+fuzz_seconds="${KVWIRE_FUZZ_SECONDS:-15}"
 if ((fuzz_seconds > 0)); then
   bash scripts/fuzz.sh "$fuzz_seconds"
 else
