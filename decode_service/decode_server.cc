@@ -117,10 +117,7 @@ struct DecodeServer::Impl final
     RETURN_IF_ERROR(ParseRequest(raw, &request));
     ASSIGN_OR_RETURN(GenerationJob job,
                      TranslateGenerateRequest(request, *model, options, next_id.fetch_add(1)));
-    const Clock& clock = *options.engine.clock;
-    job.deadline = std::min(
-        FromWallDeadline(clock, ctx.deadline()),
-        clock.Now() + std::chrono::duration_cast<Clock::TimePoint::duration>(options.max_deadline));
+    job.deadline = FromWallDeadline(*options.engine.clock, ctx.deadline(), options.max_deadline);
     job.trace = TraceFromMetadata(ctx.client_metadata());
     auto sink = std::make_shared<GrpcSink>(stream, job.request_id);
     return engine->Submit(std::move(job), sink);

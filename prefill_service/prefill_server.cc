@@ -115,10 +115,7 @@ struct PrefillServer::Impl final
     v1::PrefillRequest request;
     RETURN_IF_ERROR(ParseRequest(raw, &request));
     ASSIGN_OR_RETURN(PrefillJob job, TranslatePrefillRequest(request));
-    const Clock& clock = Clock::Real();
-    job.deadline = std::min(
-        FromWallDeadline(clock, ctx.deadline()),
-        clock.Now() + std::chrono::duration_cast<Clock::TimePoint::duration>(options.max_deadline));
+    job.deadline = FromWallDeadline(Clock::Real(), ctx.deadline(), options.max_deadline);
     job.trace = TraceFromMetadata(ctx.client_metadata());
     return prefills->Submit(
         std::move(job), std::make_shared<GrpcStreamSink>(stream, options.send_timeout),

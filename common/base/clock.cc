@@ -1,5 +1,7 @@
 #include "common/base/clock.h"
 
+#include <algorithm>
+
 namespace kvwire {
 namespace {
 
@@ -22,6 +24,12 @@ Clock::TimePoint FromWallDeadline(const Clock& clock,
   // Far-future deadlines (gRPC's "infinite" is close to the maximum) stay unbounded.
   if (left > std::chrono::hours(24 * 365)) return Clock::TimePoint::max();
   return clock.Now() + std::chrono::duration_cast<Clock::TimePoint::duration>(left);
+}
+
+Clock::TimePoint FromWallDeadline(const Clock& clock,
+                                  std::chrono::system_clock::time_point deadline,
+                                  Clock::TimePoint::duration at_most) {
+  return std::min(FromWallDeadline(clock, deadline), clock.Now() + at_most);
 }
 
 std::chrono::system_clock::time_point ToWallDeadline(const Clock& clock,

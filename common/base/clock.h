@@ -20,6 +20,10 @@ class Clock {
 // A wall-clock deadline (gRPC's) as a point on `clock`; time_point::max() stays "none".
 Clock::TimePoint FromWallDeadline(const Clock& clock,
                                   std::chrono::system_clock::time_point deadline);
+// The same, but no later than `at_most` from now (a server's bound on what callers ask).
+Clock::TimePoint FromWallDeadline(const Clock& clock,
+                                  std::chrono::system_clock::time_point deadline,
+                                  Clock::TimePoint::duration at_most);
 // And back, for an outgoing call.
 std::chrono::system_clock::time_point ToWallDeadline(const Clock& clock, Clock::TimePoint deadline);
 

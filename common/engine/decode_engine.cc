@@ -55,10 +55,9 @@ struct DecodeEngine::Seq {
   std::unique_ptr<KvAssembler> assembler;
   std::shared_ptr<KvTransfer> transfer;
   int attempts = 0;  // that failed or are running; a full tier's refusals not counted
-  int retries = 0;   // of any kind: the backoff's exponent
   bool awaiting_retry = false;
   bool reached = false;     // the current attempt received its stream's header
-  int tries = 0;            // attempts started
+  int tries = 0;            // attempts started (the next retry's backoff exponent: tries - 1)
   absl::Status last_error;  // of the attempt that failed, while a retry waits
   Clock::TimePoint retry_at, waiting_since = Clock::TimePoint::max();
   bool tier_full = false;  // the last refusal was a full queue (else: no node reachable)
@@ -496,7 +495,7 @@ void DecodeEngine::HandlePrefillsDone(std::vector<Ending>* endings) {
     } else if (Retry(*s, st)) {
       if (t) t->CountTransferFailure(StatusLabel(st));
       s->awaiting_retry = true;
-      s->retry_at = clock_.Now() + RetryDelay(s->retries++);
+      s->retry_at = clock_.Now() + RetryDelay(s->tries - 1);
       s->last_error = st;
     } else {
       if (t && !s->local) t->CountTransferFailure(StatusLabel(st));
