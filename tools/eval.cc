@@ -339,7 +339,7 @@ absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
     const int window = std::min(options.window, len);
     ASSIGN_OR_RETURN(const int rows,
                      CaptureWindow(methods, budgets, len, options.gen + 1, window, mc));
-    CapturedPrefill cap(rows, mc.num_heads);
+    CapturedPrefill cap(rows, mc);
     ASSIGN_OR_RETURN(PrefillResult pre, model.Prefill(prompt.ids, &cap));
     ASSIGN_OR_RETURN(Reference ref, DecodeFull(model, cap, pre.logits, len, options.gen));
     for (size_t m = 0; m < methods.size(); ++m) {

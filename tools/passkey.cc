@@ -158,7 +158,7 @@ absl::StatusOr<PasskeyRun> EvalPasskey(LlamaModel& model, const std::vector<Eval
     }
     const int w = std::min(window, len);
     ASSIGN_OR_RETURN(const int rows, CaptureWindow(methods, budgets, len, n_ans, w, mc));
-    CapturedPrefill cap(rows, mc.num_heads);
+    CapturedPrefill cap(rows, mc);
     ASSIGN_OR_RETURN(PrefillResult pre, model.Prefill(prompt.ids, &cap));
     const Needle needle = LocateNeedle(cap, prompt, w, mc);
     for (const EvalMethod& method : methods) {

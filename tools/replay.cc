@@ -12,9 +12,14 @@ absl::Status CapturedPrefill::OnLayer(const PrefillLayer& l) {
   Layer c;
   c.len = l.len;
   c.window = l.window;
-  c.row = static_cast<int>(l.kv_stride);
-  c.k.assign(l.k, l.k + int64_t{l.len} * l.kv_stride);
-  c.v.assign(l.v, l.v + int64_t{l.len} * l.kv_stride);
+  // Only each token's kv_dim values: the rows between them belong to the layer's other
+  // activations, and a whole stride past the last token lies beyond the buffer.
+  c.k.resize(l.len * kv_dim_);
+  c.v.resize(l.len * kv_dim_);
+  for (int t = 0; t < l.len; ++t) {
+    std::copy_n(l.k + t * l.kv_stride, kv_dim_, c.k.data() + t * kv_dim_);
+    std::copy_n(l.v + t * l.kv_stride, kv_dim_, c.v.data() + t * kv_dim_);
+  }
   if (l.window_scores) {
     const size_t n = static_cast<size_t>(l.window) * l.len;
     c.scores.assign(l.window_scores, l.window_scores + n * n_heads_);
@@ -32,7 +37,7 @@ absl::Status CapturedPrefill::Replay(PrefillObserver& observer) const {
     l.len = c.len;
     l.k = c.k.data();
     l.v = c.v.data();
-    l.kv_stride = c.row;
+    l.kv_stride = kv_dim_;
     const int want = std::min(observer.window(c.len), c.len);
     if (want > 0 && observer.NeedsScores(l.layer, c.len)) {
       if (c.scores.empty() || want > c.window) {

@@ -18,7 +18,10 @@ namespace kvwire::tools {
 
 class CapturedPrefill : public PrefillObserver {
  public:
-  CapturedPrefill(int window, int n_heads) : window_(window), n_heads_(n_heads) {}
+  CapturedPrefill(int window, const ModelConfig& model)
+      : window_(window),
+        n_heads_(model.num_heads),
+        kv_dim_(int64_t{model.num_kv_heads} * model.head_dim) {}
   int window(int /*len*/) const override { return window_; }
   absl::Status OnLayer(const PrefillLayer& l) override;
 
@@ -34,11 +37,12 @@ class CapturedPrefill : public PrefillObserver {
 
  private:
   struct Layer {
-    int len = 0, window = 0, row = 0;
-    std::vector<float> k, v, scores;
+    int len = 0, window = 0;
+    std::vector<float> k, v, scores;  // K and V packed: token t at t·kv_dim
   };
   int window_;
   int n_heads_;
+  int64_t kv_dim_;
   std::vector<Layer> layers_;
 };
 

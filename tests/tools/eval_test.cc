@@ -163,7 +163,7 @@ TEST(Replay, NarrowerWindowEqualsItsOwnPrefill) {
   ASSERT_TRUE(model.ok());
   const ModelConfig& mc = (*model)->config();
   const EvalPrompt prompt = SyntheticPrompts(1, 150)[0];
-  CapturedPrefill cap(32, mc.num_heads);
+  CapturedPrefill cap(32, mc);
   ASSERT_TRUE((*model)->Prefill(prompt.ids, &cap).status().ok());
   for (const char* policy : {"snapkv", "hbw", "chunkkv"}) {
     CompressionConfig c;
