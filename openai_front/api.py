@@ -8,6 +8,7 @@ kv_policy, kv_budget, kv_ratio, kv_window, kv_params (any other CompressionParam
 name), attention (DecodeAttentionParams: mode, token_budget, top_k, top_r, page_size), and
 vLLM's top_k, ignore_eos and stop_token_ids."""
 import dataclasses
+import re
 from typing import Dict, List, Optional, Tuple, Union
 
 MAX_STOP_STRINGS = 16
@@ -48,24 +49,36 @@ GRPC_TO_HTTP = {
 }
 
 
+COMPRESSION_FIELDS = ("policy", "budget", "ratio", "window", "pool", "kernel", "gqa",
+                      "kernel_small", "kernel_large", "kernel_threshold", "chunk",
+                      "reuse_layers", "block", "groups", "sinks", "seed", "skip_layers")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                   "stop_token_ids", "ignore_eos")
+
+
 def grpc_param(details: str, chat: bool) -> Optional[str]:
-  """The body field a decode node's INVALID_ARGUMENT message ("field: what") is about."""
-  head = details.split(":", 1)[0].strip()
-  if not head or " " in head:
-    return None
-  head = head.split("[", 1)[0]
-  if head.startswith("sampling."):
-    head = head[len("sampling."):]
-  if head in ("prompt", "prompt_ids"):
-    return "messages" if chat else "prompt"
-  if head.startswith("compression."):
-    name = head[len("compression."):]
+  """The body field a decode node's INVALID_ARGUMENT message is about. Its messages start
+  with the request field ("sampling.max_tokens: ...", "compression.policy must be ...",
+  "compression: budget (...) ...", "prompt (N tokens) + max_tokens (M) exceeds ...")."""
+  if "max_tokens (" in details and "context" in details:
+    return "max_tokens"
+  m = re.search(r"\b(sampling|compression|attention)\.([a-z_]+)", details) or \
+      re.match(r"(compression|attention): ([a-z_]+)\b", details)
+  if m:
+    section, name = m.groups()
+  else:
+    m = re.match(r"([a-z_]+)(\[\d+\])?\s*[:(=]", details)
+    if not m:
+      return None
+    section, name = "sampling", m.group(1)
+  if section == "sampling":
+    if name in ("prompt", "prompt_ids"):
+      return "messages" if chat else "prompt"
+    return name if name in SAMPLING_FIELDS else None
+  if section == "compression" and name in COMPRESSION_FIELDS:
     return "kv_" + name if name in ("policy", "budget", "ratio", "window") else "kv_params." + name
-  if head.startswith("attention."):
-    return head
-  if head in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-              "ignore_eos"):
-    return head
+  if section == "attention" and name in ATTENTION_FIELDS:
+    return "attention." + name
   return None
 
 
@@ -74,8 +87,10 @@ def from_grpc(code: str, details: str, chat: bool = False) -> ApiError:
   param = grpc_param(details, chat) if status == 400 else None
   if status == 400 and param == "max_tokens" and chat:
     param = "max_completion_tokens"
-  return ApiError(status, "%s: %s" % (code, details), param=param, type_=type_,
-                  code=code.lower())
+  message = "%s (%s from the decode tier)" % (details, code)
+  if param:
+    message = "%s: %s" % (param, message)
+  return ApiError(status, message, param=param, type_=type_, code=code.lower())
 
 
 class Body:

@@ -280,10 +280,15 @@ class Front:
       else:
         raise self.kvwire.GenerationError("INTERNAL", "the stream ended without its final "
                                           "message")
+      await send(b"data: [DONE]\n\n")
+      await resp.write_eof()
     except self.kvwire.GenerationError as e:
       await send(from_grpc(e.code, e.details, parsed.chat).body())
-    await send(b"data: [DONE]\n\n")
-    await resp.write_eof()
+      await send(b"data: [DONE]\n\n")
+      await resp.write_eof()
+    except (ConnectionResetError, asyncio.TimeoutError) as e:
+      # The client left or stopped reading (--send-timeout-s): generate() cancels the call.
+      log.info("%s: stream abandoned (%s)", rid, type(e).__name__)
     return resp
 
 
