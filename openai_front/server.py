@@ -158,15 +158,29 @@ class Front:
     req.request_id = rid
     self.inflight += 1
     stream = self.client.stream_request(req, timeout=self.args.timeout_s)
+    watcher = asyncio.ensure_future(self.watch_disconnect(request, asyncio.current_task()))
     try:
       if parsed.stream:
         return await self.answer_stream(request, parsed, stream, rid, start)
       return await self.answer_whole(parsed, stream, rid, start)
     finally:
+      watcher.cancel()
       self.inflight -= 1
       # Cancels the gRPC call if it still runs (the client left, or a write failed), so the
       # decode node frees the request's KV pages.
       await stream.aclose()
+
+  async def watch_disconnect(self, request, handler):
+    """Cancels the handler when its client hangs up. A write to a closed connection fails
+    anyway, but a request waiting for its first token (or a whole, non-streamed answer)
+    writes nothing until then, and aiohttp before 3.9 does not cancel handlers itself."""
+    while True:
+      await asyncio.sleep(self.args.disconnect_poll_s)
+      transport = request.transport
+      if transport is None or transport.is_closing():
+        log.info("client of %s left: cancelling its Generate call", request.path)
+        handler.cancel()
+        return
 
   def envelope(self, parsed: Parsed, rid: str, created: int, chunk: bool) -> dict:
     if parsed.chat:
@@ -318,6 +332,8 @@ def main(argv=None):
   p.add_argument("--send-timeout-s", type=float, default=30.0,
                  help="longest wait for a client to take one streamed chunk")
   p.add_argument("--health-timeout-s", type=float, default=2.0)
+  p.add_argument("--disconnect-poll-s", type=float, default=0.2,
+                 help="how often a request checks whether its client has left")
   p.add_argument("--max-inflight", type=int, default=1024,
                  help="requests in flight beyond which the front answers 429")
   p.add_argument("--max-body-bytes", type=int, default=4 << 20)

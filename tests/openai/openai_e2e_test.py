@@ -25,6 +25,8 @@ import http.client
 import json
 import os
 import re
+import signal
+import socket
 import sys
 import time
 import unittest
@@ -326,27 +328,35 @@ class OpenAIFrontTest(LocalClusterCase):
     pool_used = lambda: sum(metric_sum(p, "kvwire_kv_pool_used_bytes")
                             for p in self.decode_metrics())
     wait_until(lambda: pool_used() == 0, 30, "an idle KV pool before the test")
-    # The tiny model makes a token in well under a millisecond, so a generation as long as
-    # its context allows lasts only tens of milliseconds: the client hangs up right after
-    # the first event, and tries again (up to 8 times) if the generation won the race.
-    wins = 0
-    for attempt in range(8):
+    # The tiny model makes a token in well under a millisecond: a generation as long as its
+    # context allows lasts tens of milliseconds, about as long as a hang-up takes to reach
+    # the decode node. So once the client has read the first event, the decode nodes are
+    # paused (SIGSTOP) while it hangs up and the front notices (a write cannot fail: no
+    # token comes), then resumed: the cancellation is waiting for them. Tried up to 5 times
+    # in case the generation had already ended by the pause.
+    decoders = [self.pids[n] for n in ("decode-0", "decode-1")]
+    for attempt in range(5):
       before = cancelled()
       conn, resp = self.open_longest_stream()
       line = resp.readline()
-      self.assertTrue(line.startswith(b"data: {"), line)
-      conn.sock.shutdown(2)
-      conn.close()
+      for pid in decoders:
+        os.kill(pid, signal.SIGSTOP)
+      try:
+        self.assertTrue(line.startswith(b"data: {"), line)
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        time.sleep(1.0)  # the front polls its connections every 0.2 s
+      finally:
+        for pid in decoders:
+          os.kill(pid, signal.SIGCONT)
+      wait_until(lambda: pool_used() == 0, 30, "the KV pool to be freed")
       try:
         wait_until(lambda: cancelled() > before, 5, "a cancelled request on a decode node")
-        wins += 1
+        return
       except AssertionError:
-        print("attempt %d: the generation ended before the hang-up arrived" % attempt,
+        print("attempt %d: the generation had ended before the pause" % attempt,
               file=sys.stderr)
-      wait_until(lambda: pool_used() == 0, 30, "the KV pool to be freed")
-      if wins:
-        break
-    self.assertEqual(wins, 1, "no hang-up reached a decode node while it generated")
+    self.fail("no hang-up cancelled a generation")
 
   def open_longest_stream(self):
     """A streaming completion of as many tokens as the model's context leaves after the
