@@ -15,8 +15,8 @@ deploy/local/cluster.sh, driven by the real `openai` Python package (PyPI, in .v
   (f) a client that disconnects mid-stream cancels the Generate call: the decode nodes count a
       cancelled request and their KV pool gauge goes back to 0.
 
-Runs under the project's .venv Python (which has `openai`; it re-executes itself there when
-started by another Python) and prints SKIP when the package cannot be had or nginx is absent.
+Runs under the project's .venv Python (which has `openai`; ctest starts it through
+run_in_venv.py) and prints SKIP when the package cannot be had or nginx is absent.
 
 usage: openai_e2e_test.py --repo-root DIR --build-dir DIR [unittest options]
 """
@@ -388,17 +388,13 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--repo-root", required=True)
   p.add_argument("--build-dir", required=True)
-  p.add_argument("--venv-python", default="",
-                 help="Python with the openai package (default REPO/.venv/bin/python)")
   args, rest = p.parse_known_args()
   REPO, BUILD = os.path.abspath(args.repo_root), os.path.abspath(args.build_dir)
   try:
     import openai  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
-    venv = args.venv_python or os.path.join(REPO, ".venv", "bin", "python")
-    if os.path.abspath(sys.executable) != os.path.abspath(venv) and os.access(venv, os.X_OK):
-      os.execv(venv, [venv] + sys.argv)
-    print("SKIP: the openai package is not installed (scripts/install_deps.sh puts it in .venv)")
+  except ImportError as e:
+    print("SKIP: the openai package is not installed in %s (%s): scripts/install_deps.sh puts "
+          "it in .venv" % (sys.executable, e))
     return 0
   unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
   return 0
