@@ -74,7 +74,9 @@ async def http_request(session, url, model, prompt, args):
             rec.error = msg["error"]["message"]
             continue
           now = time.perf_counter()
-          if msg.get("choices") and msg["choices"][0].get("text"):
+          # A token chunk (its text may be empty: part of a UTF-8 character, or random
+          # weights' bytes), not the finishing one.
+          if msg.get("choices") and msg["choices"][0].get("finish_reason") is None:
             if rec.ttft is None:
               rec.ttft = now - start
             else:
@@ -98,7 +100,7 @@ async def grpc_request(client, kvwire, prompt, args):
   try:
     async for chunk in client.stream(prompt, params):
       now = time.perf_counter()
-      if chunk.text:
+      if chunk.token_ids:
         if rec.ttft is None:
           rec.ttft = now - start
         else:
