@@ -13,6 +13,7 @@ PACKAGES=(
   clang-16 libclang-rt-16-dev  # libFuzzer with ASan/UBSan for scripts/fuzz.sh
   python3 python3-grpcio python3-protobuf python3-numpy python3-yaml python3-venv
   python3-matplotlib
+  python3-aiohttp python3-jinja2  # the OpenAI-compatible front (openai_front/)
 )
 # Installed when the package sources have them (kubectl is not in Debian's own archive);
 # the tests that need them skip with a message otherwise.
@@ -45,11 +46,43 @@ for p in "${optional_missing[@]}"; do
   fi
 done
 
-# Oracles for the tests (Hugging Face tokenizers); a failure here only skips those checks.
-if [[ ! -x .venv/bin/python ]]; then
-  python3 -m venv .venv >/dev/null 2>&1 || /usr/bin/python3 -m venv .venv
+# Oracles for the tests, from PyPI into .venv: Hugging Face tokenizers, transformers (its
+# apply_chat_template; without torch) with the jinja2 it needs, and the openai client. The
+# environment sees Debian's packages (--system-site-packages: grpcio, protobuf, numpy, aiohttp),
+# so the tests that drive the cluster from it use the same gRPC as the rest. A .venv made before
+# that (without system packages, or by another Python) is made again. A failure here only
+# skips the checks that need the package.
+venv_ok() {
+  [[ -x .venv/bin/python ]] && grep -qs '^include-system-site-packages = true' .venv/pyvenv.cfg &&
+    .venv/bin/python -c "import grpc, aiohttp" >/dev/null 2>&1
+}
+if ! venv_ok; then
+  rm -rf .venv
+  /usr/bin/python3 -m venv --system-site-packages .venv
 fi
-if ! .venv/bin/python -c "import tokenizers" >/dev/null 2>&1; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check "tokenizers>=0.19,<1" \
-    || echo "warning: could not install the tokenizers oracle; its live check will be skipped"
+pip_install() {  # pip_install WHAT IMPORT_CHECK REQUIREMENT...
+  local what=$1 check=$2
+  shift 2
+  if ! .venv/bin/python -c "$check" >/dev/null 2>&1; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$@" ||
+      echo "warning: could not install $what; the checks that need it will be skipped"
+  fi
+}
+pip_install "the tokenizers oracle" "import tokenizers" "tokenizers>=0.19,<1"
+pip_install "the transformers oracle" \
+  "import jinja2, transformers; assert tuple(map(int, jinja2.__version__.split('.')[:3])) >= (3, 1, 6)" \
+  "transformers>=4.43" "jinja2>=3.1.6"
+pip_install "the openai client" "import openai" "openai>=1.40"
+# The project's own client package (clients/python; its stubs are generated from proto/ at
+# build time), so that `import kvwire` works in .venv. Reinstalled when proto/ or the package
+# changed since the last time.
+stamp=$(cat proto/kvwire/v1/*.proto clients/python/pyproject.toml clients/python/setup.py \
+  clients/python/kvwire/*.py | sha256sum | cut -c1-16)
+if [[ $(cat .venv/.kvwire-client 2>/dev/null) != "$stamp" ]]; then
+  if .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+    --no-build-isolation ./clients/python; then
+    echo "$stamp" >.venv/.kvwire-client
+  else
+    echo "warning: could not install clients/python into .venv"
+  fi
 fi

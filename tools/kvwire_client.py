@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """A kvwire client: stream a completion through the router and print what the compressed
-KV transfer saved. This is the example to copy: it needs grpcio and protobuf (Debian:
-python3-grpcio python3-protobuf) and the Python stubs of proto/kvwire/v1, which the build
-writes to build/python (or which it makes itself with protoc and grpc_python_plugin).
+KV transfer saved. A command line over the `kvwire` Python package (clients/python: `pip
+install ./clients/python`, or used from this source tree as is); it needs grpcio and protobuf
+(Debian: python3-grpcio python3-protobuf) and the Python stubs of proto/kvwire/v1, which the
+package build makes, the CMake build writes to build/python, or the package makes itself with
+protoc and grpc_python_plugin.
 
   python3 tools/kvwire_client.py --target localhost:8080 --prompt "Once upon a time" \
       --max-tokens 64 --policy snapkv --budget 64
@@ -14,92 +16,66 @@ import argparse
 import json
 import os
 import sys
-import tempfile
-import time
-import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def import_kvwire(stubs_dir=None, proto_dir=None):
+  """The kvwire package of this source tree (ahead of an installed copy), with the stubs of
+  stubs_dir (build/python) when it has them."""
+  stubs_dir = os.path.abspath(stubs_dir or os.path.join(HERE, "..", "build", "python"))
+  proto_dir = os.path.abspath(proto_dir or os.path.join(HERE, "..", "proto"))
+  os.environ.setdefault("KVWIRE_PROTO_DIR", proto_dir)
+  for path in (stubs_dir, os.path.join(HERE, "..", "clients", "python")):
+    path = os.path.abspath(path)
+    if os.path.isdir(path) and path not in sys.path:
+      sys.path.insert(0, path)
+  import kvwire  # pylint: disable=import-outside-toplevel
+  extra = os.path.join(stubs_dir, "kvwire")
+  if os.path.isdir(extra) and extra not in kvwire.__path__:
+    kvwire.__path__.insert(1, extra)
+  return kvwire
 
 
 def load_stubs(stubs_dir, proto_dir):
-  """Imports the kvwire/v1 stubs: from stubs_dir (the build generates them there), or
-  generated now with protoc and grpc_python_plugin (Debian: protobuf-compiler,
-  protobuf-compiler-grpc) from the .proto files."""
-  if not os.path.exists(os.path.join(stubs_dir, "kvwire", "v1", "generation_pb2.py")):
-    import shutil
-    import subprocess
-    protoc, plugin = shutil.which("protoc"), shutil.which("grpc_python_plugin")
-    if not protoc or not plugin:
-      raise RuntimeError("no stubs in %s and no protoc/grpc_python_plugin to make them" % stubs_dir)
-    stubs_dir = tempfile.mkdtemp(prefix="kvwire-stubs-")
-    files = [os.path.join(proto_dir, "kvwire", "v1", f)
-             for f in ("generation.proto", "kv.proto", "prefill.proto")]
-    subprocess.run([protoc, "-I", proto_dir, "--python_out", stubs_dir, "--grpc_out", stubs_dir,
-                    "--plugin=protoc-gen-grpc=" + plugin] + files, check=True)
-  sys.path.insert(0, stubs_dir)
-  from kvwire.v1 import generation_pb2, generation_pb2_grpc  # pylint: disable=import-error
-  return generation_pb2, generation_pb2_grpc
+  """(generation_pb2, generation_pb2_grpc), for scripts that make their own calls."""
+  import_kvwire(stubs_dir, proto_dir)
+  from kvwire import _stubs  # pylint: disable=import-outside-toplevel
+  return _stubs.load()
 
 
-def build_request(pb, args, prompt):
-  req = pb.GenerateRequest(request_id=args.request_id or str(uuid.uuid4()),
-                           return_logprobs=args.logprobs)
-  if prompt.startswith("ids:"):
-    req.prompt_ids.ids.extend(int(x) for x in prompt[4:].split(","))
-  else:
-    req.prompt = prompt
-  s = req.sampling
-  s.max_tokens = args.max_tokens
-  s.temperature = args.temperature
-  s.top_p = args.top_p
-  s.top_k = args.top_k
-  s.seed = args.seed
-  s.stop.extend(args.stop)
-  s.ignore_eos = args.ignore_eos
-  if args.policy:
-    req.compression.policy = args.policy
-  if args.budget:
-    req.compression.budget = args.budget
-  if args.ratio:
-    req.compression.ratio = args.ratio
-  if args.window:
-    req.compression.window = args.window
-  if args.attention:
-    req.attention.mode = args.attention
-  if args.attention_budget:
-    req.attention.token_budget = args.attention_budget
-  return req
+def params_from_args(kvwire, args):
+  return kvwire.GenerateParams(
+      max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+      top_k=args.top_k, seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos,
+      logprobs=args.logprobs, policy=args.policy, budget=args.budget or None,
+      ratio=args.ratio or None, window=args.window or None, attention_mode=args.attention,
+      attention_budget=args.attention_budget or None, request_id=args.request_id)
 
 
-def generate(stub, pb, args, prompt, out):
+def generate(client, kvwire, args, prompt, out):
   """Runs one request; returns a dict of its results and figures."""
-  import grpc
-  req = build_request(pb, args, prompt)
-  metadata = []
-  if args.traceparent:
-    metadata.append(("traceparent", args.traceparent))
-  start = time.monotonic()
-  first = None
-  text, ids, final = [], [], None
+  if prompt.startswith("ids:"):
+    prompt = [int(x) for x in prompt[4:].split(",")]
+  req = client.request(prompt, params_from_args(kvwire, args))
+  metadata = [("traceparent", args.traceparent)] if args.traceparent else []
+  on_text = None
+  if out is not None:
+    def on_text(text):
+      out.write(text)
+      out.flush()
   try:
-    for r in stub.Generate(req, timeout=args.timeout, metadata=metadata):
-      if r.token_ids and first is None:
-        first = time.monotonic()
-      ids.extend(r.token_ids)
-      text.append(r.text)
-      if out is not None and r.text:
-        out.write(r.text)
-        out.flush()
-      if r.HasField("final"):
-        final = r.final
-  except grpc.RpcError as e:  # pylint: disable=no-member
-    return {"request_id": req.request_id, "error": e.code().name, "message": e.details()}
-  st = final.stats
+    r = client.generate_request(req, metadata=metadata, on_text=on_text)
+  except kvwire.GenerationError as e:
+    return {"request_id": req.request_id, "error": e.code, "message": e.details}
+  st = r.stats
   return {
-      "request_id": req.request_id,
-      "text": "".join(text),
-      "token_ids": list(ids),
-      "finish_reason": pb.FinishReason.Name(final.finish_reason),
-      "prompt_tokens": final.usage.prompt_tokens,
-      "completion_tokens": final.usage.completion_tokens,
+      "request_id": r.request_id,
+      "text": r.text,
+      "token_ids": r.token_ids,
+      "finish_reason": "FINISH_REASON_" + r.finish_reason.upper(),
+      "prompt_tokens": r.prompt_tokens,
+      "completion_tokens": r.completion_tokens,
       "kept_tokens": st.kept_tokens,
       "full_cache_bytes": st.full_cache_bytes,
       "wire_bytes": st.wire_bytes,
@@ -111,12 +87,11 @@ def generate(stub, pb, args, prompt, out):
       "policy": st.policy,
       "prefill_node": st.prefill_node,
       "decode_node": st.decode_node,
-      "client_ttft_ms": 1e3 * ((first or time.monotonic()) - start),
-  }
+      "client_ttft_ms": r.client_ttft_ms,
+  } | ({"logprobs": r.logprobs} if args.logprobs else {})
 
 
 def main():
-  here = os.path.dirname(os.path.abspath(__file__))
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--target", default="localhost:8080", help="router or decode node host:port")
   p.add_argument("--prompt", action="append", default=[],
@@ -140,38 +115,35 @@ def main():
   p.add_argument("--timeout", type=float, default=120.0)
   p.add_argument("--tls-ca", default="", help="CA certificate to trust (enables TLS)")
   p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
-  p.add_argument("--proto-dir", default=os.path.join(here, "..", "proto"))
-  p.add_argument("--stubs", default=os.path.join(here, "..", "build", "python"),
+  p.add_argument("--proto-dir", default=os.path.join(HERE, "..", "proto"))
+  p.add_argument("--stubs", default=os.path.join(HERE, "..", "build", "python"),
                  help="directory with the generated kvwire/v1 Python stubs")
   args = p.parse_args()
   if not args.prompt:
     args.prompt = ["Once upon a time"]
 
-  import grpc
-  pb, pb_grpc = load_stubs(os.path.abspath(args.stubs), os.path.abspath(args.proto_dir))
-  if args.tls_ca:
-    with open(args.tls_ca, "rb") as f:
-      channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(f.read()))
-  else:
-    channel = grpc.insecure_channel(args.target)
-  stub = pb_grpc.GenerationStub(channel)
+  kvwire = import_kvwire(args.stubs, args.proto_dir)
+  client = kvwire.Client(args.target, timeout=args.timeout, tls_ca=args.tls_ca)
 
   failed = 0
   rows = []
   for prompt in args.prompt:
     if not args.json:
       sys.stdout.write(prompt if not prompt.startswith("ids:") else "")
-    res = generate(stub, pb, args, prompt, None if args.json else sys.stdout)
+    res = generate(client, kvwire, args, prompt, None if args.json else sys.stdout)
     rows.append(res)
     if "error" in res:
       failed += 1
-      print(("" if args.json else "\n") + json.dumps(res) if args.json else
-            "\nerror: %s: %s" % (res["error"], res["message"]), file=sys.stdout if args.json else sys.stderr)
+      if args.json:
+        print(json.dumps(res))
+      else:
+        print("\nerror: %s: %s" % (res["error"], res["message"]), file=sys.stderr)
       continue
     if args.json:
       print(json.dumps(res))
     else:
       print()
+  client.close()
   if not args.json:
     print("\n%-24s %8s %6s %12s %12s %7s %9s %9s  %s" %
           ("request", "prompt", "kept", "full bytes", "wire bytes", "saved", "ttft ms", "itl ms",

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# A local kvwire cluster on loopback: nginx as the gRPC router, two decode nodes behind it,
-# two prefill nodes behind those, the decode-to-prefill links in mutual TLS (certificates made
+# A local kvwire cluster on loopback: the OpenAI-compatible HTTP front (openai_front/server.py)
+# calling nginx, the gRPC router, with two decode nodes behind it, two prefill nodes behind those, the decode-to-prefill links in mutual TLS (certificates made
 # by scripts/make_certs.sh in the run directory; --insecure: plaintext). Every file it writes
 # (certificates, rendered config, logs, traces, pids, nginx temp dirs) lives under the run
 # directory.
 #
 #   deploy/local/cluster.sh start       [--dir DIR] [--base-port N] [--model M] [--build-dir B]
-#                                       [--insecure]
+#                                       [--insecure] [--no-openai]
 #   deploy/local/cluster.sh wait-ready  [--dir DIR] [--timeout S]
 #   deploy/local/cluster.sh status      [--dir DIR]
 #   deploy/local/cluster.sh stop        [--dir DIR] [--timeout S]
@@ -26,27 +26,32 @@ usage() {
 usage: deploy/local/cluster.sh start|stop|status|wait-ready [options]
 
 commands:
-  start       start the router, 2 decode and 2 prefill nodes (what already runs is kept)
-  wait-ready  wait until every node and the router answer grpc.health.v1.Health/Check
+  start       start the OpenAI front, the router, 2 decode and 2 prefill nodes (what already
+              runs is kept)
+  wait-ready  wait until every node and the router answer grpc.health.v1.Health/Check, and
+              the OpenAI front GET /health
   status      print each process, its pid, ports and whether it is alive (exit 3 if any is not)
-  stop        SIGTERM the nodes (SIGQUIT nginx), wait, SIGKILL stragglers; keeps logs
+  stop        SIGTERM the front and the nodes (SIGQUIT nginx), wait, SIGKILL stragglers;
+              keeps logs
 
 options:
   --dir DIR        run directory: logs, pids, rendered config, nginx temp (default build/cluster)
   --base-port N    router N, decode-0 N+1, prefill-0 N+2, decode-1 N+3, prefill-1 N+4,
-                   metrics N+5..N+8 (start only; also KVWIRE_BASE_PORT; overrides the
-                   port variables below)
+                   metrics N+5..N+8, OpenAI front N+9 (start only; also KVWIRE_BASE_PORT;
+                   overrides the port variables below)
   --model M        model folder or synthetic:NAME (default ../shared/models/stories260K-hf
                    when present, else synthetic:stories)
   --build-dir B    where the binaries are (default build)
   --insecure       start: plaintext between decode and prefill nodes, no certificates
                    (default: mutual TLS, with a CA and node certificates that
                    scripts/make_certs.sh makes in DIR/tls, kept across restarts)
+  --no-openai      start: no OpenAI-compatible front (it needs KVWIRE_PYTHON with aiohttp
+                   and jinja2: Debian's python3-aiohttp, python3-jinja2)
   --timeout S      wait-ready: seconds to wait (default 60); stop: seconds before SIGKILL
                    (default 30)
 
 environment (start; defaults in brackets):
-  KVWIRE_HOST [127.0.0.1]  KVWIRE_ROUTER_PORT [8080]
+  KVWIRE_HOST [127.0.0.1]  KVWIRE_ROUTER_PORT [8080]  KVWIRE_OPENAI_PORT [8000]
   KVWIRE_DECODE0_PORT [50051]  KVWIRE_DECODE1_PORT [50061]
   KVWIRE_PREFILL0_PORT [50052]  KVWIRE_PREFILL1_PORT [50062]
   KVWIRE_PREFILL0_METRICS_PORT [9101]  KVWIRE_DECODE0_METRICS_PORT [9102]
@@ -74,6 +79,7 @@ BASE_PORT="${KVWIRE_BASE_PORT:-}"
 MODEL="${KVWIRE_MODEL:-}"
 TIMEOUT=""
 INSECURE=0
+OPENAI=1
 while [[ $# -gt 0 ]]; do
   case $1 in
     --dir) DIR=${2:?--dir needs a value}; shift 2 ;;
@@ -82,6 +88,7 @@ while [[ $# -gt 0 ]]; do
     --build-dir) BUILD_DIR=${2:?--build-dir needs a value}; shift 2 ;;
     --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
     --insecure) INSECURE=1; shift ;;
+    --no-openai) OPENAI=0; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown option '$1'" ;;
   esac
@@ -94,6 +101,7 @@ esac
 [[ -z $BASE_PORT || $BASE_PORT =~ ^[0-9]+$ ]] || die "--base-port takes a number, got '$BASE_PORT'"
 [[ -z $TIMEOUT || $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout takes whole seconds, got '$TIMEOUT'"
 ((!INSECURE)) || [[ $CMD == start ]] || die "--insecure is an option of start"
+((OPENAI)) || [[ $CMD == start ]] || die "--no-openai is an option of start"
 
 if [[ $CMD == start ]]; then
   mkdir -p "$DIR" 2>/dev/null || die "cannot create the run directory $DIR"
@@ -103,6 +111,7 @@ DIR=$(cd "$DIR" && pwd)
 if [[ -d $BUILD_DIR ]]; then BUILD_DIR=$(cd "$BUILD_DIR" && pwd); fi
 PREFILL_BIN="$BUILD_DIR/prefill_service/kvwire-prefill"
 DECODE_BIN="$BUILD_DIR/decode_service/kvwire-decode"
+OPENAI_SCRIPT="$REPO/openai_front/server.py"
 PYTHON="${KVWIRE_PYTHON:-/usr/bin/python3}"
 if [[ -n ${KVWIRE_NGINX:-} ]]; then
   NGINX=$(command -v "$KVWIRE_NGINX" || echo "$KVWIRE_NGINX")
@@ -110,6 +119,7 @@ else
   NGINX=$(command -v nginx || echo /usr/sbin/nginx)  # /usr/sbin may not be on a user's PATH
 fi
 NODES_FILE="$DIR/nodes"    # one line per process: NAME KIND PORT METRICS_PORT EXECUTABLE
+                           # (for the OpenAI front, the script that $PYTHON runs)
 MODEL_FILE="$DIR/model"
 LINKS_FILE="$DIR/links"    # how decode nodes reach prefill nodes: mtls or insecure
 TLS_DIR="$DIR/tls"         # scripts/make_certs.sh's CA and prefill/, decode/ identities
@@ -228,8 +238,10 @@ launch() {
         "ports with --base-port or the KVWIRE_*_PORT variables)"
   done
   local log="$DIR/logs/$name.log"
-  echo "==== $(date -u +%FT%TZ) $exe $*" >>"$log"
-  setsid "$exe" "$@" </dev/null >>"$log" 2>&1 &
+  local -a cmd=("$exe")
+  [[ $exe == *.py ]] && cmd=("$PYTHON" "$exe")  # the OpenAI front
+  echo "==== $(date -u +%FT%TZ) ${cmd[*]} $*" >>"$log"
+  setsid "${cmd[@]}" "$@" </dev/null >>"$log" 2>&1 &
   echo "$!" >"$DIR/pids/$name.pid"
   say "started $name (pid $!) on $HOST:$port; log $log"
 }
@@ -271,6 +283,11 @@ cmd_start() {
   [[ -x $NGINX ]] || die "nginx not found (looked for $NGINX): install Debian's nginx" \
     "('bash scripts/install_deps.sh' does) or set KVWIRE_NGINX"
   [[ -r $FLAGS_FILE ]] || die "missing $FLAGS_FILE"
+  if ((OPENAI)) && ! "$PYTHON" -c "import aiohttp, jinja2, grpc" 2>/dev/null; then
+    die "the OpenAI front needs $PYTHON with aiohttp, jinja2 and grpcio (Debian:" \
+      "python3-aiohttp python3-jinja2 python3-grpcio; 'bash scripts/install_deps.sh' installs" \
+      "them), or start with --no-openai"
+  fi
   mkdir -p "$DIR/logs" "$DIR/pids" "$DIR/traces"
 
   local reuse=0
@@ -289,18 +306,18 @@ cmd_start() {
     HOST=${KVWIRE_HOST:-127.0.0.1}
     local b=$BASE_PORT
     if [[ -n $b ]]; then
-      ROUTER_PORT=$b
+      ROUTER_PORT=$b OPENAI_PORT=$((b + 9))
       set -- "$((b + 1))" "$((b + 3))" "$((b + 2))" "$((b + 4))" \
         "$((b + 6))" "$((b + 8))" "$((b + 5))" "$((b + 7))"
     else
-      ROUTER_PORT=${KVWIRE_ROUTER_PORT:-8080}
+      ROUTER_PORT=${KVWIRE_ROUTER_PORT:-8080} OPENAI_PORT=${KVWIRE_OPENAI_PORT:-8000}
       set -- "${KVWIRE_DECODE0_PORT:-50051}" "${KVWIRE_DECODE1_PORT:-50061}" \
         "${KVWIRE_PREFILL0_PORT:-50052}" "${KVWIRE_PREFILL1_PORT:-50062}" \
         "${KVWIRE_DECODE0_METRICS_PORT:-9102}" "${KVWIRE_DECODE1_METRICS_PORT:-9104}" \
         "${KVWIRE_PREFILL0_METRICS_PORT:-9101}" "${KVWIRE_PREFILL1_METRICS_PORT:-9103}"
     fi
     local p
-    for p in "$ROUTER_PORT" "$@"; do
+    for p in "$ROUTER_PORT" "$OPENAI_PORT" "$@"; do
       if ! [[ $p =~ ^[0-9]+$ ]] || ((p < 1 || p > 65535)); then die "bad port '$p'"; fi
     done
     if [[ -z $MODEL ]]; then
@@ -319,6 +336,7 @@ cmd_start() {
       echo "decode-0 decode $1 $5 $DECODE_BIN"
       echo "decode-1 decode $2 $6 $DECODE_BIN"
       echo "router router $ROUTER_PORT - $NGINX"
+      if ((OPENAI)); then echo "openai openai $OPENAI_PORT - $OPENAI_SCRIPT"; fi
     } >"$NODES_FILE"
     echo "$HOST" >"$DIR/host"
     echo "$MODEL" >"$MODEL_FILE"
@@ -356,7 +374,7 @@ cmd_start() {
   prefill_target=${prefill_target%,}
   for i in "${!NAMES[@]}"; do
     local name=${NAMES[$i]} kind=${KINDS[$i]}
-    [[ $kind == router ]] && continue
+    [[ $kind == router || $kind == openai ]] && continue
     FLAGS=()
     role_flags "${kind^^}"
     FLAGS+=(--model="$MODEL" --listen="$HOST:${PORTS[$i]}"
@@ -371,6 +389,15 @@ cmd_start() {
   else
     launch router "$NGINX" "$ROUTER_PORT" - "${NGINX_ARGS[@]}"
   fi
+  # The OpenAI front calls Generate through the router, as any client does.
+  for i in "${!NAMES[@]}"; do
+    [[ ${KINDS[$i]} == openai ]] || continue
+    local model_flag=(--model="$MODEL")
+    launch openai "${EXES[$i]}" "${PORTS[$i]}" - --listen="$HOST:${PORTS[$i]}" \
+      --target="$HOST:$(router_port)" "${model_flag[@]}" --stubs="$BUILD_DIR/python" \
+      --access-log
+    say "OpenAI-compatible front at http://$HOST:${PORTS[$i]}/v1"
+  done
   say "router (nginx) at $HOST:$ROUTER_PORT; next: deploy/local/cluster.sh wait-ready --dir $DIR"
 }
 
@@ -413,6 +440,7 @@ cmd_wait_ready() {
     pid=$(pid_of "${NAMES[$i]}") || die "${NAMES[$i]} was not started (run start first)"
     local secure=0
     [[ " $tls_kinds " == *" ${KINDS[$i]} "* ]] && secure=1
+    [[ ${KINDS[$i]} == openai ]] && secure=http
     args+=("${NAMES[$i]}" "$HOST:${PORTS[$i]}" "$pid" "$secure")
   done
   local not_ready="$DIR/not-ready"
@@ -421,16 +449,20 @@ cmd_wait_ready() {
 """Polls grpc.health.v1.Health/Check on every node until all answer SERVING, a process
 exits, or the time is up. The router is asked last, through nginx, once the decode nodes
 behind it answer: asked earlier, nginx would mark them failed for fail_timeout. Nodes marked
-secure are asked over mutual TLS with the client identity in the folder `tls`."""
+secure are asked over mutual TLS with the client identity in the folder `tls`. The OpenAI front
+(marked http) is asked last, GET /health, which it answers 200 once the router behind it
+answers SERVING."""
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 
 timeout, report, tls, server_name = float(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 rest = sys.argv[5:]
-pending = {rest[i]: (rest[i + 1], int(rest[i + 2]), rest[i + 3] == "1")
+pending = {rest[i]: (rest[i + 1], int(rest[i + 2]), rest[i + 3])
            for i in range(0, len(rest), 4)}
 credentials = None
 if tls != "-":
@@ -443,7 +475,7 @@ if tls != "-":
 
 
 def channel_to(target, secure):
-  if not secure:
+  if secure != "1":
     return grpc.insecure_channel(target)
   return grpc.secure_channel(target, credentials,
                              options=[("grpc.ssl_target_name_override", server_name)])
@@ -470,7 +502,19 @@ while pending:
   for name, (target, pid, secure) in list(pending.items()):
     if not running(pid):
       fail([name], "%s (pid %d) exited before it was ready" % (name, pid))
-    if name == "router" and len(pending) > 1:
+    if name == "router" and len(set(pending) - {"openai"}) > 1:
+      continue
+    if secure == "http":
+      if len(pending) > 1:
+        continue
+      try:
+        with urllib.request.urlopen("http://%s/health" % target, timeout=2.0) as r:
+          r.read()
+        print("cluster.sh: %-10s ready at http://%s (%.1f s)" % (name, target,
+                                                                  time.monotonic() - start))
+        del pending[name]
+      except (urllib.error.URLError, OSError) as e:
+        last[name] = "GET /health: %s" % e
       continue
     with channel_to(target, secure) as channel:
       check = channel.unary_unary("/grpc.health.v1.Health/Check")
@@ -490,7 +534,7 @@ while pending:
   if pending:
     time.sleep(0.1)
 PY
-    say "all ${#NAMES[@]} processes ready; router at $HOST:$(router_port)"
+    say "all ${#NAMES[@]} processes ready; router at $HOST:$(router_port)$(openai_where)"
   else
     local name
     if [[ -r $not_ready ]]; then
@@ -498,6 +542,14 @@ PY
     fi
     exit 1
   fi
+}
+
+openai_where() {
+  local i
+  for i in "${!NAMES[@]}"; do
+    [[ ${KINDS[$i]} == openai ]] && echo -n ", OpenAI front at http://$HOST:${PORTS[$i]}/v1"
+  done
+  return 0
 }
 
 router_port() {
@@ -551,16 +603,18 @@ stop_tier() {
 
 cmd_stop() {
   load_nodes
-  local i router=() decode=() prefill=()
+  local i openai=() router=() decode=() prefill=()
   for i in "${!NAMES[@]}"; do
     case ${KINDS[$i]} in
+      openai) openai+=("$i") ;;
       router) router+=("$i") ;;
       decode) decode+=("$i") ;;
       prefill) prefill+=("$i") ;;
     esac
   done
   # Front to back, so that each tier drains while the one behind it still serves:
-  # nginx's graceful shutdown is SIGQUIT; the nodes drain on SIGTERM (--grace-ms).
+  # nginx's graceful shutdown is SIGQUIT; the front and the nodes drain on SIGTERM.
+  stop_tier TERM "${openai[@]+"${openai[@]}"}"
   stop_tier QUIT "${router[@]}"
   stop_tier TERM "${decode[@]}"
   stop_tier TERM "${prefill[@]}"

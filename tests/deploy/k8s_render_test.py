@@ -1189,6 +1189,98 @@ class K8sRenderTest(unittest.TestCase):
     else:
       self.assertFalse(unknown, "%s: Debian has no package %s" % (path, sorted(unknown)))
 
+  # -- the OpenAI-compatible front -------------------------------------------------------------
+
+  def test_openai_front(self):
+    """Its Deployment, Service, probes and route to the router in every rendering; flags the
+    server takes; the decode NetworkPolicy lets it (and the router) in; the image's layout."""
+    help_text = subprocess.run([sys.executable, os.path.join(REPO, "openai_front", "server.py"),
+                                "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, check=False)
+    # Without aiohttp (the front's dependency) the flags cannot be listed; the rest still is
+    # checked.
+    flags_known = help_text.returncode == 0
+    for r in self.renderings.values():
+      with self.subTest(rendering=r.name):
+        self.assertIn("kvwire-openai", r.kind("Deployment"), r.name)
+        fronts = [c for c in r.containers() if c.owner["metadata"]["name"] == "kvwire-openai"]
+        self.assertEqual(len(fronts), 1, r.name)
+        c = fronts[0]
+        self.assertEqual(c.argv[:2], ["/usr/bin/python3", "/opt/kvwire/openai_front/server.py"],
+                         c.what)
+        self.assertTrue(c.spec["image"].startswith("kvwire-openai:"), c.what)
+        flags = flag_map(c.argv[2:])
+        if flags_known:
+          for name in flags:
+            self.assertIn("--" + name, help_text.stdout, "%s: server.py has no --%s" % (c.what,
+                                                                                       name))
+        listen = port_of(flags["listen"], c.what + " --listen")
+        self.assertEqual(c.port("http"), listen, c.what)
+        for probe, path in (("readinessProbe", "/health"), ("livenessProbe", "/health/live")):
+          spec = c.spec.get(probe, {}).get("httpGet", {})
+          self.assertEqual(spec.get("path"), path, "%s: %s" % (c.what, probe))
+          self.assertEqual(spec.get("port"), "http", "%s: %s" % (c.what, probe))
+        services = r.services_for(c.pod)
+        self.assertEqual([s["metadata"]["name"] for s in services], ["kvwire-openai"], c.what)
+        self.assertEqual(services[0]["spec"]["ports"][0]["targetPort"], "http", c.what)
+        # --target names the router's Service and port.
+        host, port = flags["target"].rsplit(":", 1)
+        self.assertIn(host, r.kind("Service"), "%s: --target %s is no Service" % (c.what, host))
+        self.assertIn(int(port), [p["port"] for p in r.kind("Service")[host]["spec"]["ports"]],
+                      "%s: Service %s has no port %s" % (c.what, host, port))
+        router_pod = r.kind("Deployment")["kvwire-router"]["spec"]["template"]
+        self.assertIn(host, [s["metadata"]["name"] for s in r.services_for(router_pod)], c.what)
+        # The chat template comes from the model folder on the read-only model volume.
+        model = flags["model"]
+        self.assertEqual(model, self.renderings[r.name].nodes("decode")[0].flag("model"), c.what)
+        if not model.startswith("synthetic:"):
+          self.assertIs(c.mounts().get("/models", {}).get("readOnly"), True, c.what)
+        grace = c.pod["spec"].get("terminationGracePeriodSeconds", 30)
+        self.assertGreater(grace, self.prestop_seconds(c) + float(flags["grace-s"]), c.what)
+        # The decode pods take Generate calls from the router and from the front.
+        policy = r.kind("NetworkPolicy").get("kvwire-decode")
+        self.assertTrue(policy, "%s: no NetworkPolicy kvwire-decode" % r.name)
+        decode = r.nodes("decode")[0]
+        self.assertTrue(selects(policy["spec"]["podSelector"]["matchLabels"],
+                                decode.pod["metadata"]["labels"]), r.name)
+        grpc_port = port_of(decode.flag("listen"), decode.what)
+        metrics_port = port_of(decode.flag("metrics-listen"), decode.what)
+        allowed = set()
+        open_ports = set()
+        for rule in policy["spec"]["ingress"]:
+          ports = {p["port"] for p in rule.get("ports", [])}
+          if not rule.get("from"):
+            open_ports |= ports
+            continue
+          for peer in rule["from"]:
+            for owner, pod in r.workloads():
+              if selects(peer.get("podSelector", {}).get("matchLabels", {}),
+                         pod["metadata"]["labels"]) and grpc_port in ports:
+                allowed.add(owner["metadata"]["name"])
+        self.assertEqual(allowed, {"kvwire-router", "kvwire-openai"}, r.name)
+        self.assertEqual(open_ports, {metrics_port}, r.name)
+    # The image: Debian's packages the front imports, the tree layout server.py expects.
+    path = os.path.join(REPO, "deploy", "docker", "Dockerfile")
+    stages = dockerfile_stages(path)
+    names = [st[1] for st in stages]
+    self.assertIn("openai", names, path)
+    image, _, steps = stages[names.index("openai")]
+    self.assertEqual(image, "debian:12-slim", path)
+    packages = set(apt_packages(steps))
+    for pkg in ("python3", "python3-aiohttp", "python3-grpcio", "python3-protobuf",
+                "python3-jinja2"):
+      self.assertIn(pkg, packages, "%s: the openai stage lacks %s" % (path, pkg))
+    self.assertFalse(packages - install_deps_packages(), path)
+    copies = " ".join(t for k, t in steps if k == "COPY")
+    for where in ("/opt/kvwire/openai_front", "/opt/kvwire/clients/python/kvwire",
+                  "/opt/kvwire/build/python"):
+      self.assertIn(where, copies, "%s: the openai stage does not fill %s" % (path, where))
+    self.assertTrue([t for k, t in steps if k == "USER" and t.startswith("10001")], path)
+    with open(os.path.join(REPO, "deploy", "docker", "Dockerfile.dockerignore")) as f:
+      ignore = f.read().split()
+    for folder in ("!openai_front", "!clients/python/kvwire"):
+      self.assertIn(folder, ignore, "the build context lacks " + folder)
+
   def test_dockerfile_gpu(self):
     path = os.path.join(REPO, "deploy", "docker", "Dockerfile.gpu")
     stages = dockerfile_stages(path)

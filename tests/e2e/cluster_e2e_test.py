@@ -10,7 +10,7 @@ directory), driven through nginx by tools/kvwire_client.py as a user runs it.
   (c) an invalid request through nginx is INVALID_ARGUMENT, and the access log shows it;
   (d) nginx's own failures (no decode node reachable) are gRPC UNAVAILABLE, not an HTML page;
   (e) with one prefill node killed (-9), requests still succeed on the other;
-  (f) `cluster.sh stop` ends every process;
+  (f) `cluster.sh stop` ends every process (the OpenAI front's too);
   (g) the decode-to-prefill links are mutual TLS (cluster.sh's default): a prefill node
       refuses a plaintext client, a TLS client without a certificate and one with a
       certificate of another CA, and takes the decode nodes' own.
@@ -392,11 +392,14 @@ class ClusterE2ETest(LocalClusterCase):
                        % (name, pid, stop.stdout))
     self.assertEqual(os.listdir(os.path.join(self.dir, "pids")), [])
     self.assertTrue(os.path.getsize(os.path.join(self.dir, "logs", "decode-0.log")) > 0)
-    with socket.socket() as s:
-      self.assertNotEqual(s.connect_ex(("127.0.0.1", self.router_port)), 0)
+    for port in (self.router_port, self.openai_port):
+      with socket.socket() as s:
+        self.assertNotEqual(s.connect_ex(("127.0.0.1", port)), 0)
     status = self.cluster("status", check=False)
     self.assertEqual(status.returncode, 3)
-    self.assertEqual(status.stdout.count(" stopped"), 5, status.stdout)
+    # 2 prefill and 2 decode nodes, the router and the OpenAI front.
+    self.assertIn("openai", self.pids)
+    self.assertEqual(status.stdout.count(" stopped"), 6, status.stdout)
 
 
 def main():

@@ -101,13 +101,15 @@ class LocalClusterCase(unittest.TestCase):
   failed = False
 
   @classmethod
-  def start_cluster(cls, model, prefix, extra_ports=0):
-    """Starts the cluster on free loopback ports; returns the extra free ports asked for."""
+  def start_cluster(cls, model, prefix, extra_ports=0, start_args=()):
+    """Starts the cluster (the OpenAI front included) on free loopback ports; returns the
+    extra free ports asked for."""
     cls.cluster_sh = os.path.join(cls.REPO, "deploy", "local", "cluster.sh")
     cls.tmp = tempfile.mkdtemp(prefix=prefix)
     cls.dir = os.path.join(cls.tmp, "cluster")
-    ports = free_ports(9 + extra_ports)
+    ports = free_ports(10 + extra_ports)
     cls.router_port = ports[0]
+    cls.openai_port = ports[9]
     cls.node_ports = {"decode-0": ports[1], "decode-1": ports[2], "prefill-0": ports[3],
                       "prefill-1": ports[4]}
     cls.metrics_ports = {"decode-0": ports[5], "decode-1": ports[6], "prefill-0": ports[7],
@@ -115,6 +117,7 @@ class LocalClusterCase(unittest.TestCase):
     cls.env = {k: v for k, v in os.environ.items()
                if k not in ("KVWIRE_BASE_PORT", "KVWIRE_MODEL", "KVWIRE_BUILD_DIR")}
     cls.env.update({"KVWIRE_HOST": "127.0.0.1", "KVWIRE_ROUTER_PORT": str(ports[0]),
+                    "KVWIRE_OPENAI_PORT": str(ports[9]),
                     "KVWIRE_THREADS": "1", "KVWIRE_NGINX": cls.nginx,
                     "KVWIRE_PYTHON": sys.executable})
     for name in cls.node_ports:
@@ -123,9 +126,9 @@ class LocalClusterCase(unittest.TestCase):
       cls.env["KVWIRE_%s_METRICS_PORT" % key] = str(cls.metrics_ports[name])
     cls.pids = {}
     cls.failed = False
-    cls.cluster("start", "--model", model, "--build-dir", cls.BUILD)
+    cls.cluster("start", "--model", model, "--build-dir", cls.BUILD, *start_args)
     cls.pids = cls.read_pids()
-    return ports[9:]
+    return ports[10:]
 
   @classmethod
   def cluster(cls, *args, check=True):
