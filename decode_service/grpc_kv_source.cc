@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
 #include "common/server/trace_metadata.h"
+#include "common/server/tsan.h"
 #include "proto/convert.h"
 
 namespace kvwire {
@@ -34,10 +35,12 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
     InjectTrace(trace, &context_);
     stub->async()->Prefill(&context_, &request_, this);
     StartRead(&msg_);
+    HandOffToGrpc(this);
     StartCall();
   }
 
   void OnReadDone(bool ok) override {
+    TakeBackFromGrpc(this);
     if (!ok) return;  // the stream ended; OnDone follows
     wire_bytes_ += static_cast<int64_t>(msg_.ByteSizeLong());
     absl::Status st;
@@ -58,13 +61,16 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
     }
     if (!st.ok()) {
       if (error_.ok()) error_ = st;
+      HandOffToGrpc(this);
       context_.TryCancel();
       return;
     }
+    HandOffToGrpc(this);
     StartRead(&msg_);
   }
 
   void OnDone(const grpc::Status& status) override {
+    TakeBackFromGrpc(this);
     {
       std::lock_guard<std::mutex> lock(handle_->mu);
       handle_->reactor = nullptr;

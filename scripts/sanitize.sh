@@ -5,16 +5,23 @@
 #   bash scripts/sanitize.sh thread  [CTEST_ARGS...]   # TSan, the executables with threads
 #
 # Each has its own build folder (build-asan, build-tsan; KVWIRE_SANITIZE in CMakeLists.txt)
-# with the system compiler, -O1 and line tables. Every report fails the test that made it
-# (-fno-sanitize-recover, halt_on_error). `thread` runs the executables whose tests start
-# threads: the engines (the decode batch thread, the prefill workers and queue), the two
-# services in process with real gRPC servers, the kernels' thread pool and telemetry.
+# with line tables: `address` at -O1 with the system compiler, `thread` at -O2 with clang-16 (its
+# ignorelist leaves gRPC's headers uninstrumented: tests/sanitizers/tsan_ignore.txt). Every
+# report fails the test that made it (-fno-sanitize-recover, halt_on_error). `thread` runs
+# the executables whose tests start threads of our own: the engines (the decode batch
+# thread and its prefill retries, the prefill workers and queue, with fake transports), the
+# kernels' thread pool and telemetry. The two services in process with real gRPC servers
+# are not in its default set: Debian's gRPC is not built with TSan, and its handoffs
+# between threads still show as races in the standard library code its headers call out
+# of line (docs/robustness.md, "Sanitizers"); KVWIRE_SANITIZE_TESTS=decode_service_test
+# runs them anyway.
 # KVWIRE_SANITIZE_TESTS overrides the executables chosen (a ctest label regex).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 KIND="${1:-}"
 shift || true
+EXCLUDE=()
 case "$KIND" in
   address)
     BUILD=build-asan
@@ -22,7 +29,11 @@ case "$KIND" in
     ;;
   thread)
     BUILD=build-tsan
-    LABELS="${KVWIRE_SANITIZE_TESTS:-^(engine_test|decode_service_test|prefill_service_test|kernels_test|telemetry_test)\$}"
+    LABELS="${KVWIRE_SANITIZE_TESTS:-^(engine_test|kernels_test|telemetry_test)\$}"
+    # The passkey pair test checks answers over 150 prompts and adds no concurrency of its
+    # own; under TSan it takes many minutes.
+    EXCLUDE=(-E '^PasskeyPairTest\.')
+    export CC="${KVWIRE_TSAN_CC:-clang-16}" CXX="${KVWIRE_TSAN_CXX:-clang++-16}"
     ;;
   *)
     echo "usage: scripts/sanitize.sh address|thread [CTEST_ARGS...]" >&2
@@ -42,19 +53,20 @@ if ((${#TARGETS[@]} == 0)); then
 fi
 cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"
 
-# Reports name functions and lines with a symbolizer (any llvm-symbolizer; gcc's runtime
-# also finds addr2line by itself).
-for s in llvm-symbolizer /usr/lib/llvm-16/bin/llvm-symbolizer llvm-symbolizer-16; do
-  if path="$(command -v "$s")"; then
-    export ASAN_SYMBOLIZER_PATH="$path"
-    break
-  fi
+# Reports name functions and lines: gcc's runtime (address) symbolizes by itself; clang's
+# (thread) needs an external symbolizer, and Debian's clang-16 ships none, so binutils'
+# addr2line, which it also speaks to.
+symbolizer=""
+for s in llvm-symbolizer-16 llvm-symbolizer addr2line; do
+  if symbolizer="$(command -v "$s")"; then break; fi
 done
 supp="$PWD/tests/sanitizers"
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1:detect_stack_use_after_return=1}"
 export LSAN_OPTIONS="${LSAN_OPTIONS:-suppressions=$supp/lsan.supp:print_suppressions=0}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
-export TSAN_OPTIONS="${TSAN_OPTIONS:-suppressions=$supp/tsan.supp:halt_on_error=1:second_deadlock_stack=1}"
+# ignore_noninstrumented_modules: the memcpy, epoll and the like that Debian's uninstrumented
+# gRPC and Abseil call are their business (TSan cannot see the locks around them).
+export TSAN_OPTIONS="${TSAN_OPTIONS:-ignore_noninstrumented_modules=1:halt_on_error=1:second_deadlock_stack=1${symbolizer:+:external_symbolizer_path=$symbolizer}}"
 
 echo "== sanitize.sh $KIND: ${TARGETS[*]}"
-ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS" -L "$LABELS" "$@"
+ctest --test-dir "$BUILD" --output-on-failure -j"$JOBS" -L "$LABELS" "${EXCLUDE[@]}" "$@"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds kvwire and runs every test: `bash scripts/test.sh`, then a short run of every fuzz
-# target (scripts/fuzz.sh; KVWIRE_FUZZ_SECONDS per target, 15 by default, 0 skips it).
+# Builds kvwire and runs every test: `bash scripts/test.sh`; then the unit and service tests
+# again under ASan+UBSan and the threaded ones under TSan (scripts/sanitize.sh;
+# KVWIRE_SANITIZE=0 skips them), and a short run of every fuzz target (scripts/fuzz.sh;
+# KVWIRE_FUZZ_SECONDS per target, 15 by default, 0 skips it).
 # Tests that need ../shared (models, data) skip with a message when it is absent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +18,15 @@ if .venv/bin/python -c "import tokenizers" >/dev/null 2>&1; then
 fi
 
 ctest --test-dir build --output-on-failure -j"${KVWIRE_JOBS:-2}" "$@"
+
+# The same tests built with sanitizers (docs/robustness.md, "Sanitizers"): every gtest
+# executable under ASan and UBSan, the threaded ones under TSan.
+if [[ "${KVWIRE_SANITIZE:-1}" != 0 ]]; then
+  bash scripts/sanitize.sh address
+  bash scripts/sanitize.sh thread
+else
+  echo "test.sh: sanitizer runs skipped (KVWIRE_SANITIZE=0)"
+fi
 
 # Coverage-guided fuzzing of the decoders of outside input (docs/fuzzing.md): its own
 # instrumented build in build-fuzz, then each target briefly over its committed corpus.

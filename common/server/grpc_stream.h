@@ -19,6 +19,8 @@
 #include <memory>
 #include <mutex>
 
+#include "common/server/tsan.h"
+
 namespace kvwire {
 
 template <typename Msg>
@@ -28,10 +30,19 @@ template <typename Msg>
 class BufferedWriteReactor final : public grpc::ServerWriteReactor<Msg> {
  public:
   explicit BufferedWriteReactor(std::shared_ptr<StreamState<Msg>> state)
-      : state_(std::move(state)) {}
-  void OnWriteDone(bool ok) override { state_->OnWriteDone(ok); }
-  void OnCancel() override { state_->OnCancel(); }
+      : state_(std::move(state)) {
+    HandOffToGrpc(this);  // the handler returns the reactor to gRPC
+  }
+  void OnWriteDone(bool ok) override {
+    TakeBackFromGrpc(this);
+    state_->OnWriteDone(ok);
+  }
+  void OnCancel() override {
+    TakeBackFromGrpc(this);
+    state_->OnCancel();
+  }
   void OnDone() override {
+    TakeBackFromGrpc(this);
     state_->OnDone();
     delete this;
   }
@@ -162,11 +173,13 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
 
   void StartNextLocked() {
     writing_ = true;
+    HandOffToGrpc(reactor_);
     reactor_->StartWrite(&queue_.front());
   }
   void FinishLocked() {
     if (finished_called_ || reactor_ == nullptr) return;
     finished_called_ = true;
+    HandOffToGrpc(reactor_);
     reactor_->Finish(status_);
   }
 

@@ -129,17 +129,19 @@ TEST_F(TracingTest, OneTraceFromClientToPrefillNode) {
   const json request = one("decode.request");
   EXPECT_EQ(parent_of(request), client_span);
   const json rpc = one("decode.prefill_rpc");
-  EXPECT_EQ(parent_of(one("decode.queue")), request["spanId"]);
-  EXPECT_EQ(parent_of(rpc), request["spanId"]);
-  EXPECT_EQ(parent_of(one("decode.generate")), request["spanId"]);
+  EXPECT_EQ(parent_of(one("decode.queue")), request["spanId"].get<std::string>());
+  EXPECT_EQ(parent_of(rpc), request["spanId"].get<std::string>());
+  EXPECT_EQ(parent_of(one("decode.generate")), request["spanId"].get<std::string>());
   const json transfer = one("decode.kv_transfer");
-  EXPECT_EQ(parent_of(transfer), rpc["spanId"]);
+  EXPECT_EQ(parent_of(transfer), rpc["spanId"].get<std::string>());
   const json serve = one("prefill.serve");
-  EXPECT_EQ(parent_of(serve), rpc["spanId"]) << "traceparent crossed the Prefill RPC";
+  EXPECT_EQ(parent_of(serve), rpc["spanId"].get<std::string>())
+      << "traceparent crossed the Prefill RPC";
   const json forward = one("prefill.forward");
-  EXPECT_EQ(parent_of(forward), serve["spanId"]);
+  EXPECT_EQ(parent_of(forward), serve["spanId"].get<std::string>());
   EXPECT_EQ(static_cast<int>(by_name["prefill.compress"].size()), model_->config().num_layers);
-  for (const json& c : by_name["prefill.compress"]) EXPECT_EQ(parent_of(c), forward["spanId"]);
+  for (const json& c : by_name["prefill.compress"])
+    EXPECT_EQ(parent_of(c), forward["spanId"].get<std::string>());
   // The transfer span's byte counts are the response's figures.
   EXPECT_EQ(Attr(transfer, "kv.wire_bytes"), std::to_string(stats.wire_bytes()));
   EXPECT_EQ(Attr(transfer, "kv.full_bytes"), std::to_string(stats.full_cache_bytes()));
