@@ -49,6 +49,17 @@ def import_kvwire(stubs_dir):
   return kvwire
 
 
+class WriteClock:
+  """When the write in progress began (None: no write waits): what watch_disconnect reads."""
+  __slots__ = ("since",)
+
+  def __init__(self):
+    self.since = None
+
+  def stalled_for(self) -> float:
+    return 0.0 if self.since is None else time.monotonic() - self.since
+
+
 def sse(obj) -> bytes:
   return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -158,10 +169,12 @@ class Front:
     req.request_id = rid
     self.inflight += 1
     stream = self.client.stream_request(req, timeout=self.args.timeout_s)
-    watcher = asyncio.ensure_future(self.watch_disconnect(request, asyncio.current_task()))
+    writing = WriteClock()
+    watcher = asyncio.ensure_future(
+        self.watch_disconnect(request, asyncio.current_task(), writing))
     try:
       if parsed.stream:
-        return await self.answer_stream(request, parsed, stream, rid, start)
+        return await self.answer_stream(request, parsed, stream, rid, start, writing)
       return await self.answer_whole(parsed, stream, rid, start)
     finally:
       watcher.cancel()
@@ -170,15 +183,23 @@ class Front:
       # decode node frees the request's KV pages.
       await stream.aclose()
 
-  async def watch_disconnect(self, request, handler):
-    """Cancels the handler when its client hangs up. A write to a closed connection fails
-    anyway, but a request waiting for its first token (or a whole, non-streamed answer)
-    writes nothing until then, and aiohttp before 3.9 does not cancel handlers itself."""
+  async def watch_disconnect(self, request, handler, writing):
+    """Cancels the handler when its client hangs up or stops reading. A write to a closed
+    connection fails anyway, but a request waiting for its first token (or a whole,
+    non-streamed answer) writes nothing until then, and aiohttp before 3.9 does not cancel
+    handlers itself. A write that waits longer than --send-timeout-s for the client to take
+    its bytes is a client that stopped reading (checked here rather than by a timer around
+    every write, which would cost a task per token)."""
     while True:
       await asyncio.sleep(self.args.disconnect_poll_s)
       transport = request.transport
       if transport is None or transport.is_closing():
         log.info("client of %s left: cancelling its Generate call", request.path)
+        handler.cancel()
+        return
+      if writing.stalled_for() > self.args.send_timeout_s:
+        log.info("client of %s took no bytes for %.0f s (--send-timeout-s): cancelling its "
+                 "Generate call", request.path, self.args.send_timeout_s)
         handler.cancel()
         return
 
@@ -220,7 +241,8 @@ class Front:
     body["usage"] = usage(final, ttft)
     return web.json_response(body)
 
-  async def answer_stream(self, request, parsed: Parsed, stream, rid: str, start: float):
+  async def answer_stream(self, request, parsed: Parsed, stream, rid: str, start: float,
+                          writing: "WriteClock"):
     # The first message is awaited before the response starts, so that a request the decode
     # tier refuses gets its HTTP status (400, 429, 503 ...) rather than an error event.
     iterator = stream.__aiter__()
@@ -235,11 +257,11 @@ class Front:
                                        "Cache-Control": "no-cache", "X-Request-Id": rid})
     await resp.prepare(request)
     created = int(time.time())
-    send_timeout = self.args.send_timeout_s
 
     async def send(obj):
-      await asyncio.wait_for(resp.write(obj if isinstance(obj, bytes) else sse(obj)),
-                             send_timeout)
+      writing.since = time.monotonic()
+      await resp.write(obj if isinstance(obj, bytes) else sse(obj))
+      writing.since = None
 
     def event(choice_fields, finish=None, logprobs=None):
       e = self.envelope(parsed, rid, created, chunk=True)
@@ -300,8 +322,9 @@ class Front:
       await send(from_grpc(e.code, e.details, parsed.chat).body())
       await send(b"data: [DONE]\n\n")
       await resp.write_eof()
-    except (ConnectionResetError, asyncio.TimeoutError) as e:
-      # The client left or stopped reading (--send-timeout-s): generate() cancels the call.
+    except ConnectionResetError as e:
+      # The client left (one that stopped reading is cancelled by watch_disconnect): the
+      # caller's finally cancels the call.
       log.info("%s: stream abandoned (%s)", rid, type(e).__name__)
     return resp
 
