@@ -153,7 +153,7 @@ void Prepare(GenerationJob& j) {
     Fail("the prefill engine refuses what the decode node sends (", pj.compression.Describe(), ", ",
          len, " tokens): ", st.ToString());
   }
-  RunAcceptedPrefill(*received, j.max_tokens);
+  RunAcceptedPrefill(*received, pj.compression, j.max_tokens);
 }
 
 void Run(const uint8_t* data, size_t size) {

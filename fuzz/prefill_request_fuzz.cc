@@ -8,6 +8,7 @@
 // fingerprint, which the rest of the check and the prefill then see.
 #include <google/protobuf/stubs/logging.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -46,7 +47,9 @@ void CheckAccepted(const PrefillJob& job) {
     Fail("accepted max_chunk_bytes ", job.max_chunk_bytes);
   }
   const kernels::SamplingParams& s = job.sampling;
-  if (!(s.temperature >= 0) || !(s.top_p > 0 && s.top_p <= 1) || s.top_k < 0) {
+  // No more than the decode node accepts (decode_service/translate.cc).
+  if (!std::isfinite(s.temperature) || s.temperature < 0 || s.temperature > 100 ||
+      !(s.top_p > 0 && s.top_p <= 1) || s.top_k < 0) {
     Fail("accepted sampling temperature ", s.temperature, ", top_p ", s.top_p, ", top_k ", s.top_k);
   }
   for (int l = 0; l < mc.num_layers; ++l) {
@@ -78,7 +81,7 @@ void Run(const uint8_t* data, size_t size) {
     return Note("checked with the model's fingerprint: ", st.ToString());
   }
   CheckAccepted(*job);
-  RunAcceptedPrefill(*job, /*extra_tokens=*/4);
+  RunAcceptedPrefill(*job, job->compression, /*extra_tokens=*/4);
 }
 
 }  // namespace

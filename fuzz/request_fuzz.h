@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
+#include "common/compression/compression.h"
 #include "common/engine/prefill_engine.h"
 #include "common/model/kv_cache.h"
 #include "common/model/llama_model.h"
@@ -18,10 +19,14 @@
 namespace kvwire::fuzz {
 
 // The synthetic tiny model: 2 layers, 4 heads and 2 KV heads of 16 dimensions, the byte
-// tokenizer with a 320-token vocabulary, a 4096-token context. Loaded once.
+// tokenizer with a 320-token vocabulary, a 4096-token context. Loaded once, on one thread:
+// the model's thread pool would cost more than its tiny prefills and make coverage depend on
+// the machine's cores.
 inline LlamaModel& TinyModel() {
   static LlamaModel* const model = [] {
-    auto m = LlamaModel::Load("synthetic:tiny");
+    LoadOptions options;
+    options.threads = 1;
+    auto m = LlamaModel::Load("synthetic:tiny", options);
     KVWIRE_CHECK(m.ok());
     return m->release();
   }();
@@ -58,21 +63,22 @@ template <typename... Args>
 inline constexpr int kPrefillTokens = 48;
 
 // Runs a prefill the engine's Check accepted, with room for `extra_tokens` more, into a cache
-// through the receiving side's checks (CacheStreamSink), as the decode node's local prefill
-// does. An accepted job must run: the stream complete, each layer holding what the
-// compression promised, the first token inside the vocabulary.
-inline void RunAcceptedPrefill(const PrefillJob& job, int extra_tokens) {
+// through the receiving side's checks (CacheStreamSink), as the decode node receives it: the
+// cache and the stream's expectation from `expected`, the compression the receiver asked for.
+// An accepted job must run: the stream complete, each layer holding what the compression
+// promised, the first token inside the vocabulary.
+inline void RunAcceptedPrefill(const PrefillJob& job, const CompressionConfig& expected,
+                               int extra_tokens) {
   const int len = static_cast<int>(job.prompt_ids.size());
   if (len > kPrefillTokens) return;
   LlamaModel& model = TinyModel();
   const ModelConfig& mc = model.config();
   auto cache = KvCache::Create(
-      CompressedCacheShape(job.compression, mc, model.kv_dtype(), len, extra_tokens),
-      HeapKvAllocator());
+      CompressedCacheShape(expected, mc, model.kv_dtype(), len, extra_tokens), HeapKvAllocator());
   if (!cache.ok()) Fail("no cache for an accepted prefill: ", cache.status().ToString());
   (*cache)->set_prompt_len(len);
-  CacheStreamSink sink(StreamExpectation(model, job.compression, len, job.max_chunk_bytes),
-                       cache->get(), mc.vocab_size);
+  CacheStreamSink sink(StreamExpectation(model, expected, len, job.max_chunk_bytes), cache->get(),
+                       mc.vocab_size);
   auto out = TinyPrefillEngine().Run(job, sink);
   if (!out.ok()) {
     Fail("an accepted prefill (", job.compression.Describe(), ", ", len,
@@ -80,9 +86,9 @@ inline void RunAcceptedPrefill(const PrefillJob& job, int extra_tokens) {
   }
   for (int l = 0; l < mc.num_layers; ++l) {
     const int kept = (*cache)->layer(l).len;
-    if (kept != job.compression.KeptTokens(l, len)) {
-      Fail("layer ", l, " holds ", kept, " tokens, ", job.compression.Describe(), " promised ",
-           job.compression.KeptTokens(l, len), " of ", len);
+    if (kept != expected.KeptTokens(l, len)) {
+      Fail("layer ", l, " holds ", kept, " tokens, ", expected.Describe(), " promised ",
+           expected.KeptTokens(l, len), " of ", len);
     }
   }
   Note("prefilled ", len, " tokens: ", job.compression.Describe());
