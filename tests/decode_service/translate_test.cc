@@ -116,14 +116,14 @@ TEST_F(TranslateTest, RocketKVGoesAsItsFirstStage) {
   RoundTrip(r);
 }
 
-// Found by generate_request_fuzz: a rocketkv budget above 2^26 (compression budgets go to
-// 2^30) was accepted and became a stage-2 attention token budget beyond the attention's
-// own limit, a configuration no request could set. It is refused, naming the budget.
+// Found with an input written for generate_request_fuzz: a rocketkv budget above 2^26 (compression
+// budgets go to 2^30) was accepted and became a stage-2 attention token budget beyond the
+// attention's own limit, a configuration no request could set. It is refused, naming the budget.
 TEST_F(TranslateTest, RocketKVBudgetWithinTheAttentionLimit) {
   v1::GenerateRequest r = Request("rocketkv", kMaxTokenBudget + 1);
   auto refused = TranslateGenerateRequest(r, *model_, DecodeServerOptions(), 1);
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("rocketkv's budget"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("rocketkv's compression.budget"), std::string::npos)
       << refused.status();
   EXPECT_NE(refused.status().message().find("2^26"), std::string::npos) << refused.status();
 

@@ -94,7 +94,7 @@ TEST(CompressionParams, FieldsAreRefusedByName) {
          p->set_policy("snapkv");
          p->set_budget(32);
          p->set_window(8);
-         (*p->mutable_params())["window"] = "2";
+         (*p->mutable_params())["window"] = std::string("2");
        },
        "compression.params: 'window' has a field of its own, compression.window"},
       {[](auto* p) {
