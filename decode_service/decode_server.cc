@@ -13,6 +13,7 @@
 #include "common/base/status.h"
 #include "common/engine/local_kv_source.h"
 #include "common/server/grpc_stream.h"
+#include "common/server/grpc_util.h"
 #include "common/server/trace_metadata.h"
 #include "common/telemetry/telemetry.h"
 #include "decode_service/grpc_kv_source.h"

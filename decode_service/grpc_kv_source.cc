@@ -6,6 +6,7 @@
 #include "common/base/status.h"
 #include "common/server/trace_metadata.h"
 #include "common/server/tsan.h"
+#include "decode_service/translate.h"
 #include "proto/convert.h"
 
 namespace kvwire {
@@ -89,20 +90,6 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
   int64_t wire_bytes_ = 0;
 };
 
-v1::PrefillRequest ToProto(const PrefillJob& job) {
-  v1::PrefillRequest req;
-  req.set_request_id(job.request_id);
-  for (int32_t id : job.prompt_ids) req.add_prompt_ids(id);
-  *req.mutable_compression() = ToProto(job.compression);
-  req.set_model_fingerprint(job.model_fingerprint.value_or(""));
-  req.set_max_chunk_bytes(static_cast<uint32_t>(job.max_chunk_bytes));
-  req.set_temperature(job.sampling.temperature);
-  req.set_top_p(job.sampling.top_p);
-  req.set_top_k(job.sampling.top_k);
-  req.set_seed(job.seed);
-  return req;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(const std::string& target,
@@ -138,8 +125,8 @@ absl::StatusOr<std::shared_ptr<KvTransfer>> GrpcKvSource::Start(
     std::lock_guard<std::mutex> lock(handle->mu);
     handle->reactor = reactor;
   }
-  reactor->Begin(stub_.get(), ToProto(job), ToWallDeadline(clock_, job.deadline), job.trace,
-                 authorization_);
+  reactor->Begin(stub_.get(), ToPrefillRequest(job), ToWallDeadline(clock_, job.deadline),
+                 job.trace, authorization_);
   return std::shared_ptr<KvTransfer>(handle);
 }
 

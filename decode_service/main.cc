@@ -5,6 +5,7 @@
 #include "common/base/status.h"
 #include "common/compression/compression_flags.h"
 #include "common/model/model_flags.h"
+#include "common/server/grpc_util.h"
 #include "common/server/server_main.h"
 #include "common/sparse/attention.h"
 #include "decode_service/decode_server.h"

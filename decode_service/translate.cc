@@ -157,4 +157,18 @@ absl::StatusOr<GenerationJob> TranslateGenerateRequest(const v1::GenerateRequest
   return j;
 }
 
+v1::PrefillRequest ToPrefillRequest(const PrefillJob& job) {
+  v1::PrefillRequest req;
+  req.set_request_id(job.request_id);
+  for (int32_t id : job.prompt_ids) req.add_prompt_ids(id);
+  *req.mutable_compression() = ToProto(job.compression);
+  req.set_model_fingerprint(job.model_fingerprint.value_or(""));
+  req.set_max_chunk_bytes(static_cast<uint32_t>(job.max_chunk_bytes));
+  req.set_temperature(job.sampling.temperature);
+  req.set_top_p(job.sampling.top_p);
+  req.set_top_k(job.sampling.top_k);
+  req.set_seed(job.seed);
+  return req;
+}
+
 }  // namespace kvwire

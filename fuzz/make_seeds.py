@@ -3,7 +3,8 @@
 to regenerate): small hand-made config.json and safetensors files, tokenizer.json files
 taken from the test fixtures (tests/data/tokenizers, the small ones whole and the larger
 ones cut to a few dozen tokens), texts and ids from the fixtures' oracle cases, and, given
---build-dir of a KVWIRE_FUZZ build, valid KV streams written by its kv_stream_seeds.
+--build-dir of a KVWIRE_FUZZ build, valid KV streams written by its kv_stream_seeds and
+serialized requests written by its request_seeds.
 
   python3 fuzz/make_seeds.py [--build-dir build-fuzz]
 """
@@ -171,7 +172,8 @@ def tokenizer_encode_seeds():
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--build-dir", help="a KVWIRE_FUZZ build with fuzz/kv_stream_seeds")
+  p.add_argument("--build-dir",
+                 help="a KVWIRE_FUZZ build with fuzz/kv_stream_seeds and fuzz/request_seeds")
   args = p.parse_args()
   for name, config in model_configs():
     write("model_config_fuzz", name + ".json", json.dumps(config, indent=1))
@@ -186,6 +188,7 @@ def main():
     out = os.path.join(CORPUS, "kv_stream_fuzz")
     os.makedirs(out, exist_ok=True)
     subprocess.run([os.path.join(args.build_dir, "fuzz", "kv_stream_seeds"), out], check=True)
+    subprocess.run([os.path.join(args.build_dir, "fuzz", "request_seeds"), CORPUS], check=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #include "proto/convert.h"
 
+#include <algorithm>
 #include <type_traits>
 
 #include "absl/strings/numbers.h"
@@ -75,6 +76,19 @@ ParamValues CompressionValuesFromProto(const v1::CompressionParams& p) {
 }
 
 absl::Status ApplyCompressionParams(const v1::CompressionParams& p, CompressionConfig* c) {
+  // `params` is for parameters without a field of their own; one named there as well would
+  // silently override its field (the policy, too), so it is refused.
+  for (const auto& [name, value] : p.params()) {
+    const bool own_field = name == "policy" || name == "ratio" || name == "pool" || name == "gqa" ||
+                           name == "groups" ||
+                           std::any_of(TypedFields().begin(), TypedFields().end(),
+                                       [&](const TypedField& f) { return name == f.name; });
+    if (own_field) {
+      return absl::InvalidArgumentError(absl::StrCat("compression.params: '", name,
+                                                     "' has a field of its own, compression.", name,
+                                                     "; set that instead"));
+    }
+  }
   // Parameters named as the request's fields ("compression.kernel_small must ...").
   return RenameParams(ApplyCompressionValues(CompressionValuesFromProto(p), c),
                       [](absl::string_view name) { return absl::StrCat("compression.", name); });

@@ -22,7 +22,8 @@ ParamValues CompressionValuesFromProto(const v1::CompressionParams& params);
 // Overlays the fields set in `params` on `config` (the server's defaults): a policy other
 // than the config's starts from its own defaults, and a field that does not apply to the
 // resulting policy is InvalidArgument naming it ("compression.kernel does not apply to
-// snapkv_pp ..."). The result is validated.
+// snapkv_pp ..."), and so is a name in `params` that has a field of its own. The result is
+// validated.
 absl::Status ApplyCompressionParams(const v1::CompressionParams& params, CompressionConfig* config);
 // What the decode node sends the prefill node: the policy and every parameter it takes
 // (and only those), so that the receiving node rebuilds exactly `config`.

@@ -5,7 +5,7 @@
 #
 #   bash scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]
 #
-# SECONDS_PER_TARGET defaults to $KVWIRE_FUZZ_SECONDS, else 60; TARGETs default to all five.
+# SECONDS_PER_TARGET defaults to $KVWIRE_FUZZ_SECONDS, else 60; TARGETs default to all seven.
 # Prints each target's final libFuzzer line (executions, cov, ft, exec/s). Exits nonzero when
 # a target finds a crash, a sanitizer report, a leak, an input slower than 10 s or one that
 # needs more than 2 GiB; the input libFuzzer kept is named in the output
@@ -18,7 +18,7 @@ shift || true
 TARGETS=("$@")
 if ((${#TARGETS[@]} == 0)); then
   TARGETS=(kv_stream_fuzz safetensors_fuzz model_config_fuzz tokenizer_load_fuzz
-           tokenizer_encode_fuzz)
+           tokenizer_encode_fuzz generate_request_fuzz prefill_request_fuzz)
 fi
 CC_BIN="${KVWIRE_FUZZ_CC:-clang-16}"
 CXX_BIN="${KVWIRE_FUZZ_CXX:-clang++-16}"
@@ -71,6 +71,7 @@ for t in "${TARGETS[@]}"; do
         -print_final_stats=1 -artifact_prefix="$artifacts/")
   dict="fuzz/dict/${t%_fuzz}.dict"
   [[ "$t" == tokenizer_load_fuzz ]] && dict=fuzz/dict/tokenizer.dict
+  [[ "$t" == *_request_fuzz ]] && dict=fuzz/dict/request.dict
   [[ -f "$dict" ]] && args+=(-dict="$dict")
   log="$BUILD/artifacts/$t.log"
   echo "== $t: ${SECONDS_PER_TARGET}s over $(ls "$work" | wc -l) seeds"

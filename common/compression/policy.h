@@ -86,6 +86,10 @@ struct PromptState {
   KeptRows carried;
 };
 
+// The largest per-step token budget of decode attention (DecodeAttentionConfig's
+// token_budget and top_k), which rocketkv's budget becomes (common/sparse/rocketkv.h).
+inline constexpr int kMaxTokenBudget = 1 << 26;
+
 class CompressionPolicy;
 using PolicyPtr = std::shared_ptr<const CompressionPolicy>;
 

@@ -131,6 +131,12 @@ class RocketKV final : public CompressionPolicy {
                        ") must exceed the observation window (", window,
                        ") that its first stage (SnapKV++) always keeps"));
     }
+    // It becomes stage 2's attention token budget, which has this limit.
+    if (budget > kMaxTokenBudget) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rocketkv's budget (the per-step token budget t, ", budget,
+                       ") must be at most 2^26, the decode attention's token budget limit"));
+    }
     return absl::OkStatus();
   }
   absl::StatusOr<KeptRows> SelectPrefix(const LayerInput&, PromptState*) const override {

@@ -148,9 +148,11 @@ absl::Status PrefillEngine::Check(const PrefillJob& job) const {
         "max_chunk_bytes must be in [1024, ", kMaxChunkBytesLimit, "], got ", job.max_chunk_bytes));
   }
   const kernels::SamplingParams& s = job.sampling;
-  if (!(s.temperature >= 0) || !(s.top_p > 0 && s.top_p <= 1) || s.top_k < 0) {
+  // The decode node's bounds (decode_service/translate.cc): a direct caller gets no more.
+  if (!(s.temperature >= 0 && s.temperature <= 100) || !(s.top_p > 0 && s.top_p <= 1) ||
+      s.top_k < 0) {
     return absl::InvalidArgumentError(
-        "sampling: need temperature >= 0, top_p in (0, 1], top_k >= 0");
+        "sampling: need temperature in [0, 100], top_p in (0, 1], top_k >= 0");
   }
   return absl::OkStatus();
 }

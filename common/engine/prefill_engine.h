@@ -65,6 +65,9 @@ class PrefillEngine final : public PrefillExecutor {
   absl::StatusOr<PrefillOutcome> Run(const PrefillJob& job, KvStreamSink& sink);
 
   absl::Status Submit(PrefillJob job, std::shared_ptr<KvStreamSink> sink, Done done) override;
+  // Whether `job` is one this engine's model can run (Run checks it first): the model
+  // fingerprint, the prompt's length and ids, the compression, the chunk size, sampling.
+  absl::Status Check(const PrefillJob& job) const;
   // Refuses new work, finishes queued prefills with Unavailable, waits for running ones.
   void Shutdown();
 
@@ -74,7 +77,6 @@ class PrefillEngine final : public PrefillExecutor {
  private:
   struct Queued;
   void WorkerLoop();
-  absl::Status Check(const PrefillJob& job) const;
 
   LlamaModel* model_;
   PrefillEngineOptions options_;

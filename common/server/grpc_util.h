@@ -10,19 +10,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
+#include "common/server/tls_options.h"
 
 namespace kvwire {
-
-struct ServerTls {
-  std::string cert_file, key_file;  // the node's certificate chain and key (PEM); empty: plaintext
-  std::string client_ca_file;       // set: clients must present a certificate this CA signed
-};
-
-struct ClientTls {
-  std::string ca_file;              // set: TLS, trusting this CA; empty: plaintext
-  std::string cert_file, key_file;  // the client certificate for mutual TLS
-  std::string server_name;          // overrides the name checked against the certificate
-};
 
 // Decode nodes ping their prefill nodes this often (HTTP/2 keepalive) and give up on a
 // connection whose ping goes unanswered for kKeepaliveTimeoutMs: how a hung (stopped,

@@ -8,6 +8,7 @@
 #include "absl/strings/str_replace.h"
 #include "common/base/ranking.h"
 #include "common/base/status.h"
+#include "common/compression/compression.h"
 
 namespace kvwire {
 
@@ -112,7 +113,8 @@ absl::Status DecodeAttentionConfig::Validate() const {
     return absl::InvalidArgumentError(
         "attention: token_budget, top_k, top_r, page_size and dense_layers must be >= 0");
   }
-  if (token_budget > (1 << 26) || top_k > (1 << 26) || top_r > (1 << 16) || page_size > (1 << 16)) {
+  if (token_budget > kMaxTokenBudget || top_k > kMaxTokenBudget || top_r > (1 << 16) ||
+      page_size > (1 << 16)) {
     return absl::InvalidArgumentError(
         "attention: token_budget and top_k must be <= 2^26, top_r and page_size <= 2^16");
   }

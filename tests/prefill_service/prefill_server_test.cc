@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <limits>
 #include <thread>
 
 #include "common/engine/generate.h"
@@ -163,6 +164,18 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
       {[](auto* r) { r->set_max_chunk_bytes(10); }, grpc::StatusCode::INVALID_ARGUMENT,
        "max_chunk_bytes"},
       {[](auto* r) { r->set_top_p(2); }, grpc::StatusCode::INVALID_ARGUMENT, "top_p"},
+      // Found with prefill_request_fuzz's inputs: the prefill node took temperatures the
+      // decode node refuses (infinite, above 100).
+      {[](auto* r) { r->set_temperature(std::numeric_limits<float>::infinity()); },
+       grpc::StatusCode::INVALID_ARGUMENT, "temperature in [0, 100]"},
+      {[](auto* r) { r->set_temperature(101); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "temperature in [0, 100]"},
+      {[](auto* r) {
+         r->mutable_compression()->set_policy("snapkv");
+         r->mutable_compression()->set_budget(32);
+         (*r->mutable_compression()->mutable_params())["budget"] = "8";
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "'budget' has a field of its own"},
       {[](auto* r) {
          r->mutable_compression()->set_policy("snapkv");
          r->mutable_compression()->set_budget(32);

@@ -88,6 +88,21 @@ TEST(CompressionParams, FieldsAreRefusedByName) {
          (*p->mutable_params())["colour"] = "red";
        },
        "compression.colour does not apply to chunkkv"},
+      // Found with prefill_request_fuzz's inputs: a parameter with a field of its own, also
+      // given by name, silently overrode the field (and the policy).
+      {[](auto* p) {
+         p->set_policy("snapkv");
+         p->set_budget(32);
+         p->set_window(8);
+         (*p->mutable_params())["window"] = std::string("2");
+       },
+       "compression.params: 'window' has a field of its own, compression.window"},
+      {[](auto* p) {
+         p->set_policy("snapkv");
+         p->set_budget(32);
+         (*p->mutable_params())["policy"] = "full";
+       },
+       "compression.params: 'policy' has a field of its own"},
   };
   for (const Case& c : cases) {
     v1::CompressionParams p;
