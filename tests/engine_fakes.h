@@ -256,20 +256,23 @@ class FaultyPrefills final : public PrefillExecutor {
   ~FaultyPrefills() override { Release(); }
 
   absl::Status Submit(PrefillJob job, std::shared_ptr<KvStreamSink> sink, Done done) override {
-    {
+    absl::Status st = inner_->Submit(std::move(job), std::make_shared<Sink>(this, std::move(sink)),
+                                     std::move(done));
+    // Counted once the inner executor has taken the job (queued or running), so a waiter
+    // sees the queue as it is.
+    if (st.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       ++submitted_;
       cv_.notify_all();
     }
-    return inner_->Submit(std::move(job), std::make_shared<Sink>(this, std::move(sink)),
-                          std::move(done));
+    return st;
   }
   // Blocks until `n` streams have reached the hold point (bounded by kWait).
   bool WaitHeld(int n = 1) {
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, kWait, [&] { return held_ >= n; });
   }
-  // Blocks until `n` prefills were submitted (bounded by kWait).
+  // Blocks until the inner executor has accepted `n` prefills (bounded by kWait).
   bool WaitSubmitted(int n) {
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, kWait, [&] { return submitted_ >= n; });
