@@ -1,8 +1,8 @@
 // The optimised CPU backend. What makes it fast, op by op:
-//   MatMul     decode-sized (m ≤ kGemvMaxRows): a GEMV that streams each weight row once
-//              for up to four activation rows, AVX2 with bf16/f16 widened in registers;
-//              prefill-sized: OpenBLAS sgemm per thread on a slice of W (bf16/f16 slices
-//              widened to a thread-local float32 block first).
+//   MatMul     up to kFewRowsMax activation rows (decode batches, short prompts): register
+//              tiles that read W from memory once whatever the row count, bf16/f16 widened
+//              in registers (kernels/gemm_few_rows.h); more rows: OpenBLAS sgemm per thread
+//              on a slice of W (bf16/f16 slices widened to a thread-local float32 block).
 //   Attention  flash-style tiles with an online softmax (Dao et al.), the query heads of a
 //              GQA group sharing each key tile; decode reads each cached K/V row once for
 //              the whole group.
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/base/status.h"
+#include "kernels/gemm_few_rows.h"
 #include "kernels/host_memory.h"
 #include "kernels/simd.h"
 #include "kernels/thread_pool.h"
@@ -25,73 +26,8 @@
 namespace kvwire::kernels {
 namespace {
 
-constexpr int kGemvMaxRows = 16;
 // Enough work per task that the fork-join costs (a few µs) stay in the noise.
 constexpr int64_t kMinWorkPerTask = 1 << 15;
-
-// y[r, j] = Σ_i x[r, i] · W[j, i] for MR activation rows and W rows j0..j1.
-template <int MR>
-void GemvRows(const float* x, int64_t xs, const void* w, DType wt, int k, int64_t j0, int64_t j1,
-              const float* bias, float* y, int64_t ys) {
-  for (int64_t j = j0; j < j1; ++j) {
-    const void* wrow = simd::Offset(w, wt, j * k);
-    float acc[MR];
-    int i = 0;
-#if KVWIRE_AVX2
-    __m256 a0[MR], a1[MR];
-    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-    if (wt == DType::kF32) {
-      const float* wf = static_cast<const float*>(wrow);
-      for (; i + 16 <= k; i += 16) {
-        const __m256 w0 = simd::Load8(wf + i), w1 = simd::Load8(wf + i + 8);
-        for (int r = 0; r < MR; ++r) {
-          a0[r] = _mm256_fmadd_ps(simd::Load8(x + r * xs + i), w0, a0[r]);
-          a1[r] = _mm256_fmadd_ps(simd::Load8(x + r * xs + i + 8), w1, a1[r]);
-        }
-      }
-    } else {
-      const uint16_t* wh = static_cast<const uint16_t*>(wrow);
-      for (; i + 16 <= k; i += 16) {
-        const __m256 w0 = simd::Load8(wh + i, wt), w1 = simd::Load8(wh + i + 8, wt);
-        for (int r = 0; r < MR; ++r) {
-          a0[r] = _mm256_fmadd_ps(simd::Load8(x + r * xs + i), w0, a0[r]);
-          a1[r] = _mm256_fmadd_ps(simd::Load8(x + r * xs + i + 8), w1, a1[r]);
-        }
-      }
-    }
-    for (int r = 0; r < MR; ++r) acc[r] = simd::HorizontalSum(_mm256_add_ps(a0[r], a1[r]));
-#else
-    for (int r = 0; r < MR; ++r) acc[r] = 0.f;
-#endif
-    for (; i < k; ++i) {
-      const float wv = simd::LoadScalar(wrow, wt, i);
-      for (int r = 0; r < MR; ++r) acc[r] += x[r * xs + i] * wv;
-    }
-    for (int r = 0; r < MR; ++r) y[r * ys + j] = acc[r] + (bias ? bias[j] : 0.f);
-  }
-}
-
-void Gemv(const float* x, int64_t xs, int m, const void* w, DType wt, int k, int64_t j0, int64_t j1,
-          const float* bias, float* y, int64_t ys) {
-  for (int r0 = 0; r0 < m; r0 += 4) {
-    const float* xr = x + r0 * xs;
-    float* yr = y + r0 * ys;
-    switch (std::min(4, m - r0)) {
-      case 1:
-        GemvRows<1>(xr, xs, w, wt, k, j0, j1, bias, yr, ys);
-        break;
-      case 2:
-        GemvRows<2>(xr, xs, w, wt, k, j0, j1, bias, yr, ys);
-        break;
-      case 3:
-        GemvRows<3>(xr, xs, w, wt, k, j0, j1, bias, yr, ys);
-        break;
-      default:
-        GemvRows<4>(xr, xs, w, wt, k, j0, j1, bias, yr, ys);
-        break;
-    }
-  }
-}
 
 class CpuBackend final : public HostMemoryBackend {
  public:
@@ -106,10 +42,14 @@ class CpuBackend final : public HostMemoryBackend {
     RETURN_IF_ERROR(ValidateMatMul(p));
     const int64_t xs = p.x_stride ? p.x_stride : p.k;
     const int64_t ys = p.y_stride ? p.y_stride : p.n;
-    if (p.m <= kGemvMaxRows) {
-      const int64_t grain = std::max<int64_t>(8, kMinWorkPerTask / (int64_t{p.k} * p.m));
-      pool_.ParallelFor(p.n, grain, [&](int64_t j0, int64_t j1) {
-        Gemv(p.x, xs, p.m, p.w, p.w_dtype, p.k, j0, j1, p.bias, p.y, ys);
+    if (p.m <= kFewRowsMax) {
+      // Tasks take whole tiles of weight rows.
+      constexpr int64_t kTile = 4;
+      const int64_t tiles = (p.n + kTile - 1) / kTile;
+      const int64_t grain = std::max<int64_t>(2, kMinWorkPerTask / (int64_t{p.k} * p.m * kTile));
+      pool_.ParallelFor(tiles, grain, [&](int64_t t0, int64_t t1) {
+        GemmFewRows(p.x, xs, p.m, p.w, p.w_dtype, p.k, t0 * kTile,
+                    std::min<int64_t>(p.n, t1 * kTile), p.bias, p.y, ys);
       });
       return absl::OkStatus();
     }

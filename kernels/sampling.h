@@ -12,9 +12,11 @@
 namespace kvwire::kernels {
 
 struct SamplingParams {
-  float temperature = 1.f;  // 0: greedy (argmax, lowest id on ties)
-  int top_k = 0;            // 0: no limit
-  float top_p = 1.f;        // 1: no limit
+  // 0, the default: greedy (argmax, lowest id on ties), as the CLI and the gRPC API (an unset
+  // proto3 field) are; a caller who wants sampling says so.
+  float temperature = 0.f;
+  int top_k = 0;      // 0: no limit
+  float top_p = 1.f;  // 1: no limit
 };
 
 struct SampledToken {

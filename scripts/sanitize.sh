@@ -5,9 +5,10 @@
 #   bash scripts/sanitize.sh thread  [CTEST_ARGS...]   # TSan, the executables with threads
 #
 # Each has its own build folder (build-asan, build-tsan; KVWIRE_SANITIZE in CMakeLists.txt)
-# with line tables: `address` at -O1 with the system compiler, `thread` at -O2 with clang-16 (its
-# ignorelist leaves gRPC's headers uninstrumented: tests/sanitizers/tsan_ignore.txt). Every
-# report fails the test that made it (-fno-sanitize-recover, halt_on_error). `thread` runs
+# with line tables: `address` at -O1 with the system compiler, for AVX2 (not -march=native);
+# `thread` at -O2 with clang-16 (its ignorelist leaves gRPC's headers uninstrumented:
+# tests/sanitizers/tsan_ignore.txt). Every report fails the test that made it
+# (-fno-sanitize-recover, halt_on_error). `thread` runs
 # the executables whose tests start threads of our own: the engines (the decode batch
 # thread and its prefill retries, the prefill workers and queue, with fake transports), the
 # kernels' thread pool and telemetry. The two services in process with real gRPC servers
@@ -42,7 +43,12 @@ case "$KIND" in
 esac
 
 JOBS="${KVWIRE_JOBS:-2}"
-cmake -S . -B "$BUILD" -DKVWIRE_SANITIZE="$KIND" -DCMAKE_BUILD_TYPE=Debug >/dev/null
+# `address` targets plain AVX2 (KVWIRE_NATIVE=OFF), so the kernels' AVX2 paths are tested
+# too where the Release build takes AVX-512 (kernels/gemm_few_rows.cc).
+native=ON
+[[ "$KIND" == address ]] && native=OFF
+cmake -S . -B "$BUILD" -DKVWIRE_SANITIZE="$KIND" -DKVWIRE_NATIVE="$native" \
+  -DCMAKE_BUILD_TYPE=Debug >/dev/null
 # The executables the label regex picks (ctest knows them only after a build, so they are
 # matched here against the kvwire_test() calls instead).
 mapfile -t TARGETS < <(grep -oE '^kvwire_test\([a-z_]+' tests/CMakeLists.txt | cut -d'(' -f2 |

@@ -44,7 +44,7 @@ absl::StatusOr<PrefilledSequence> PrefillSequence(
 struct GenerationRequest {
   std::vector<int32_t> prompt_ids;
   int max_tokens = 16;
-  kernels::SamplingParams sampling;
+  kernels::SamplingParams sampling;  // greedy unless a temperature is set
   uint64_t seed = 0;
   std::vector<int32_t> stop_ids;    // generation ends after emitting one of these
   CompressionConfig compression;    // how the prompt's cache is compressed (default: full)

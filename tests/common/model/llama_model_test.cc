@@ -43,6 +43,24 @@ std::vector<int32_t> Greedy(LlamaModel& m, const std::vector<int32_t>& prompt, i
 
 std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); }
 
+// A request that says nothing about sampling is greedy: the same tokens whatever the seed,
+// the reference's greedy tokens.
+TEST(StoriesReference, DefaultSamplingIsGreedy) {
+  KVWIRE_REQUIRE_SHARED();
+  auto model = LoadStories();
+  ASSERT_NE(model, nullptr);
+  const json ref = Reference()["greedy_from_bos"];
+  for (uint64_t seed : {0, 1, 12345}) {
+    GenerationRequest req;
+    req.prompt_ids = Ids(ref["prompt_ids"]);
+    req.max_tokens = ref["max_new_tokens"].get<int>();
+    req.seed = seed;
+    auto r = Generate(*model, req);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->ids, Ids(ref["ids"])) << "seed " << seed;
+  }
+}
+
 TEST(StoriesReference, GreedyFromBosMatchesExactly) {
   KVWIRE_REQUIRE_SHARED();
   auto model = LoadStories();
