@@ -27,7 +27,9 @@ absl::string_view BackendName(BackendKind kind);
 absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view name);
 
 // y[m, n] = x[m, k] · Wᵀ (+ bias), W stored row-major [n, k] (the Hugging Face Linear
-// layout: one row per output feature) in float32, bfloat16 or float16.
+// layout: one row per output feature) in float32, bfloat16 or float16. With bfloat16 W,
+// x is rounded to bfloat16 (to nearest even) first, as a bf16 model computes on tensor cores
+// and in llama.cpp: each product is then exact in float32, and sums are float32.
 struct MatMulParams {
   const float* x = nullptr;
   int64_t x_stride = 0;  // floats between rows of x; 0 means k

@@ -1,8 +1,9 @@
 // The optimised CPU backend. What makes it fast, op by op:
-//   MatMul     up to kFewRowsMax activation rows (decode batches, short prompts): register
-//              tiles that read W from memory once whatever the row count, bf16/f16 widened
-//              in registers (kernels/gemm_few_rows.h); more rows: OpenBLAS sgemm per thread
-//              on a slice of W (bf16/f16 slices widened to a thread-local float32 block).
+//   MatMul     bf16 weights: x rounded to bf16, then register tiles of bf16 dot products
+//              (AVX-512 BF16) over panels of up to 64 rows, W read from memory once per
+//              panel (kernels/gemm_few_rows.h). f32/f16 weights: up to kFewRowsMax rows,
+//              register tiles with f16 widened in registers; more rows, OpenBLAS sgemm per
+//              thread on a slice of W (f16 slices widened to a thread-local float32 block).
 //   Attention  flash-style tiles with an online softmax (Dao et al.), the query heads of a
 //              GQA group sharing each key tile; decode reads each cached K/V row once for
 //              the whole group.
@@ -40,6 +41,50 @@ class CpuBackend final : public HostMemoryBackend {
 
   absl::Status MatMul(const MatMulParams& p) override {
     RETURN_IF_ERROR(ValidateMatMul(p));
+    if (p.w_dtype == DType::kBF16) return MatMulBf16(p);
+    return MatMulWidened(p);
+  }
+
+  // bf16 weights: x rounded to bf16 (kernels/backend.h), then bf16 dot products in panels
+  // of rows whose bf16 copy stays in L2, or, without the instruction, the widened path on
+  // the rounded x.
+  absl::Status MatMulBf16(const MatMulParams& p) {
+    const int64_t xs = p.x_stride ? p.x_stride : p.k;
+    const int64_t ys = p.y_stride ? p.y_stride : p.n;
+    const int64_t kp = (int64_t{p.k} + 31) / 32 * 32;
+    // The caller's (prefill workers run at once); the pool's threads see it through `x16`.
+    thread_local std::vector<uint16_t> xb;
+    xb.resize(p.m * kp);
+    uint16_t* x16 = xb.data();
+    pool_.ParallelFor(p.m, std::max<int64_t>(1, kMinWorkPerTask / kp), [&](int64_t r0, int64_t r1) {
+      RoundToBf16(p.x + r0 * xs, xs, static_cast<int>(r1 - r0), p.k, x16 + r0 * kp, kp);
+    });
+    if constexpr (!kHasBf16Dot) {
+      thread_local std::vector<float> rounded;
+      rounded.resize(p.m * kp);
+      ToFloat(DType::kBF16, x16, rounded.data(), rounded.size());
+      MatMulParams q = p;
+      q.x = rounded.data();
+      q.x_stride = kp;
+      return MatMulWidened(q);
+    }
+    constexpr int64_t kTile = 4;
+    const int64_t tiles = (p.n + kTile - 1) / kTile;
+    const int panel =
+        static_cast<int>(std::clamp<int64_t>((int64_t{256} << 10) / (2 * kp), 4, 64) / 4 * 4);
+    for (int r0 = 0; r0 < p.m; r0 += panel) {
+      const int rows = std::min(panel, p.m - r0);
+      const int64_t grain = std::max<int64_t>(2, kMinWorkPerTask / (int64_t{p.k} * rows * kTile));
+      pool_.ParallelFor(tiles, grain, [&](int64_t t0, int64_t t1) {
+        GemmBf16(x16 + r0 * kp, kp, rows, static_cast<const uint16_t*>(p.w), p.k, t0 * kTile,
+                 std::min<int64_t>(p.n, t1 * kTile), p.bias, p.y + r0 * ys, ys);
+      });
+    }
+    return absl::OkStatus();
+  }
+
+  // f32 and f16 weights (and bf16 without the dot-product instruction).
+  absl::Status MatMulWidened(const MatMulParams& p) {
     const int64_t xs = p.x_stride ? p.x_stride : p.k;
     const int64_t ys = p.y_stride ? p.y_stride : p.n;
     if (p.m <= kFewRowsMax) {
@@ -122,16 +167,25 @@ class CpuBackend final : public HostMemoryBackend {
 
   absl::Status SwiGlu(const SwiGluParams& p) override {
     RETURN_IF_ERROR(ValidateSwiGlu(p));
-    pool_.ParallelFor(p.rows, std::max<int64_t>(1, kMinWorkPerTask / p.ffn),
-                      [&](int64_t r0, int64_t r1) {
-                        for (int64_t r = r0; r < r1; ++r) {
-                          const float* g = p.gate_up + r * 2 * p.ffn;
-                          const float* u = g + p.ffn;
-                          float* o = p.out + r * p.ffn;
-                          for (int i = 0; i < p.ffn; ++i)
-                            o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-                        }
-                      });
+    pool_.ParallelFor(
+        p.rows, std::max<int64_t>(1, kMinWorkPerTask / p.ffn), [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) {
+            const float* g = p.gate_up + r * 2 * p.ffn;
+            const float* u = g + p.ffn;
+            float* o = p.out + r * p.ffn;
+            int i = 0;
+#if KVWIRE_AVX2
+            const __m256 one = _mm256_set1_ps(1.f);
+            for (; i + 8 <= p.ffn; i += 8) {
+              const __m256 gv = _mm256_loadu_ps(g + i);
+              const __m256 e = simd::Exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+              _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
+                                                    _mm256_loadu_ps(u + i)));
+            }
+#endif
+            for (; i < p.ffn; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+          }
+        });
     return absl::OkStatus();
   }
 
@@ -154,74 +208,79 @@ absl::Status CpuBackend::PrefillAttention(const PrefillAttentionParams& p) {
   const int d = p.head_dim;
   const int64_t q_tiles = (p.len + kQueryTile - 1) / kQueryTile;
   const int64_t tasks = q_tiles * p.n_kv_heads;
-  pool_.ParallelFor(tasks, 1, [&](int64_t t0, int64_t t1) {
-    const int rows_max = kQueryTile * group;
-    std::vector<float> m(rows_max), l(rows_max), acc(int64_t{rows_max} * d), s(kKeyTile);
-    for (int64_t task = t0; task < t1; ++task) {
-      // Interleave tiles from both ends so every chunk gets short and long rows.
-      const int64_t qt_raw = task / p.n_kv_heads;
-      const int64_t qt = (qt_raw % 2 == 0) ? qt_raw / 2 : q_tiles - 1 - qt_raw / 2;
-      const int g = static_cast<int>(task % p.n_kv_heads);
-      const int i0 = static_cast<int>(qt * kQueryTile);
-      const int i1 = std::min(p.len, i0 + kQueryTile);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int j0 = 0; j0 < i1; j0 += kKeyTile) {
-        const int j1 = std::min(i1, j0 + kKeyTile);
-        for (int i = i0; i < i1; ++i) {
-          const int jn = std::min(j1, i + 1);  // causal: keys 0..i
-          if (jn <= j0) continue;
-          for (int hg = 0; hg < group; ++hg) {
-            const int h = g * group + hg;
-            const int row = (i - i0) * group + hg;
-            const float* q = p.q + i * p.q_stride + int64_t{h} * d;
-            float tile_max = -std::numeric_limits<float>::infinity();
-            for (int j = j0; j < jn; ++j) {
-              const float* k = p.k + j * p.kv_stride + int64_t{g} * d;
-              s[j - j0] = simd::Dot(q, k, DType::kF32, d) * p.scale;
-              tile_max = std::max(tile_max, s[j - j0]);
+  // A task's multiply-adds, about: its query rows × the group × half the keys on average ×
+  // 2·head_dim; short prompts of small models run on the calling thread.
+  const int64_t work_per_task = std::max<int64_t>(
+      1, int64_t{std::min(p.len, kQueryTile)} * group * ((p.len + 1) / 2) * 2 * d);
+  pool_.ParallelFor(
+      tasks, std::max<int64_t>(1, kMinWorkPerTask / work_per_task), [&](int64_t t0, int64_t t1) {
+        const int rows_max = kQueryTile * group;
+        std::vector<float> m(rows_max), l(rows_max), acc(int64_t{rows_max} * d), s(kKeyTile);
+        for (int64_t task = t0; task < t1; ++task) {
+          // Interleave tiles from both ends so every chunk gets short and long rows.
+          const int64_t qt_raw = task / p.n_kv_heads;
+          const int64_t qt = (qt_raw % 2 == 0) ? qt_raw / 2 : q_tiles - 1 - qt_raw / 2;
+          const int g = static_cast<int>(task % p.n_kv_heads);
+          const int i0 = static_cast<int>(qt * kQueryTile);
+          const int i1 = std::min(p.len, i0 + kQueryTile);
+          std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+          std::fill(l.begin(), l.end(), 0.f);
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int j0 = 0; j0 < i1; j0 += kKeyTile) {
+            const int j1 = std::min(i1, j0 + kKeyTile);
+            for (int i = i0; i < i1; ++i) {
+              const int jn = std::min(j1, i + 1);  // causal: keys 0..i
+              if (jn <= j0) continue;
+              for (int hg = 0; hg < group; ++hg) {
+                const int h = g * group + hg;
+                const int row = (i - i0) * group + hg;
+                const float* q = p.q + i * p.q_stride + int64_t{h} * d;
+                float tile_max = -std::numeric_limits<float>::infinity();
+                for (int j = j0; j < jn; ++j) {
+                  const float* k = p.k + j * p.kv_stride + int64_t{g} * d;
+                  s[j - j0] = simd::Dot(q, k, DType::kF32, d) * p.scale;
+                  tile_max = std::max(tile_max, s[j - j0]);
+                }
+                const float m_new = std::max(m[row], tile_max);
+                const float correction = std::exp(m[row] - m_new);
+                float* a = acc.data() + int64_t{row} * d;
+                if (correction != 1.f) {
+                  for (int x = 0; x < d; ++x) a[x] *= correction;
+                }
+                float sum = 0.f;
+                for (int j = j0; j < jn; ++j) {
+                  const float e = std::exp(s[j - j0] - m_new);
+                  sum += e;
+                  simd::Axpy(e, p.v + j * p.kv_stride + int64_t{g} * d, DType::kF32, a, d);
+                }
+                l[row] = l[row] * correction + sum;
+                m[row] = m_new;
+              }
             }
-            const float m_new = std::max(m[row], tile_max);
-            const float correction = std::exp(m[row] - m_new);
-            float* a = acc.data() + int64_t{row} * d;
-            if (correction != 1.f) {
-              for (int x = 0; x < d; ++x) a[x] *= correction;
+          }
+          for (int i = i0; i < i1; ++i) {
+            for (int hg = 0; hg < group; ++hg) {
+              const int h = g * group + hg;
+              const int row = (i - i0) * group + hg;
+              float* o = p.out + i * p.out_stride + int64_t{h} * d;
+              const float inv = 1.f / l[row];
+              const float* a = acc.data() + int64_t{row} * d;
+              for (int x = 0; x < d; ++x) o[x] = a[x] * inv;
+              const int wrow = i - (p.len - p.window);
+              if (p.window > 0 && wrow >= 0) {
+                // Observation-window probabilities from the row's final max and sum.
+                float* ws = p.window_scores + (int64_t{h} * p.window + wrow) * p.len;
+                const float* q = p.q + i * p.q_stride + int64_t{h} * d;
+                for (int j = 0; j <= i; ++j) {
+                  const float* k = p.k + j * p.kv_stride + int64_t{g} * d;
+                  ws[j] = std::exp(simd::Dot(q, k, DType::kF32, d) * p.scale - m[row]) * inv;
+                }
+                std::fill(ws + i + 1, ws + p.len, 0.f);
+              }
             }
-            float sum = 0.f;
-            for (int j = j0; j < jn; ++j) {
-              const float e = std::exp(s[j - j0] - m_new);
-              sum += e;
-              simd::Axpy(e, p.v + j * p.kv_stride + int64_t{g} * d, DType::kF32, a, d);
-            }
-            l[row] = l[row] * correction + sum;
-            m[row] = m_new;
           }
         }
-      }
-      for (int i = i0; i < i1; ++i) {
-        for (int hg = 0; hg < group; ++hg) {
-          const int h = g * group + hg;
-          const int row = (i - i0) * group + hg;
-          float* o = p.out + i * p.out_stride + int64_t{h} * d;
-          const float inv = 1.f / l[row];
-          const float* a = acc.data() + int64_t{row} * d;
-          for (int x = 0; x < d; ++x) o[x] = a[x] * inv;
-          const int wrow = i - (p.len - p.window);
-          if (p.window > 0 && wrow >= 0) {
-            // Observation-window probabilities from the row's final max and sum.
-            float* ws = p.window_scores + (int64_t{h} * p.window + wrow) * p.len;
-            const float* q = p.q + i * p.q_stride + int64_t{h} * d;
-            for (int j = 0; j <= i; ++j) {
-              const float* k = p.k + j * p.kv_stride + int64_t{g} * d;
-              ws[j] = std::exp(simd::Dot(q, k, DType::kF32, d) * p.scale - m[row]) * inv;
-            }
-            std::fill(ws + i + 1, ws + p.len, 0.f);
-          }
-        }
-      }
-    }
-  });
+      });
   return absl::OkStatus();
 }
 
@@ -369,41 +428,51 @@ absl::Status CpuBackend::DecodeAttention(const DecodeAttentionParams& p) {
   RETURN_IF_ERROR(ValidateDecodeAttention(p));
   const int group = p.n_heads / p.n_cache_heads;
   const int64_t tasks = int64_t{p.batch} * p.n_cache_heads;
-  pool_.ParallelFor(tasks, 1, [&](int64_t t0, int64_t t1) {
-    // Kept across calls: a fresh multi-megabyte buffer per step would be fresh pages
-    // (page faults and zeroing) every time.
-    thread_local std::vector<float> s;
-    for (int64_t task = t0; task < t1; ++task) {
-      const DecodeSequence& seq = p.seqs[task / p.n_cache_heads];
-      const int c = static_cast<int>(task % p.n_cache_heads);
-      s.resize(int64_t{group} * (seq.indices ? seq.num_indices : seq.len));
-      switch (group) {
-        case 1:
-          DecodeHeadGroupAnyType<1>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
-          break;
-        case 2:
-          DecodeHeadGroupAnyType<2>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
-          break;
-        case 4:
-          DecodeHeadGroupAnyType<4>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
-          break;
-        case 8:
-          DecodeHeadGroupAnyType<8>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
-          break;
-        default:
-          // Other group sizes: one query head at a time (as a group of one).
-          for (int g = 0; g < group; ++g) {
-            DecodeSequence one = seq;
-            one.q = seq.q + int64_t{c * group + g} * p.head_dim - int64_t{c} * p.head_dim;
-            one.out = seq.out + int64_t{c * group + g} * p.head_dim - int64_t{c} * p.head_dim;
-            one.probs = seq.probs
-                            ? seq.probs + int64_t{c * group + g} * seq.len - int64_t{c} * seq.len
-                            : nullptr;
-            DecodeHeadGroupAnyType<1>(one, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+  // A task reads its group's keys and values once and multiplies each for every query head
+  // of the group; small caches (a short context, a tiny model) run on the calling thread
+  // rather than pay a fork-join per layer.
+  int64_t rows = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    rows += p.seqs[b].indices ? p.seqs[b].num_indices : p.seqs[b].len;
+  }
+  const int64_t work_per_task =
+      std::max<int64_t>(1, rows * p.n_cache_heads * 2 * p.head_dim * group / tasks);
+  pool_.ParallelFor(
+      tasks, std::max<int64_t>(1, kMinWorkPerTask / work_per_task), [&](int64_t t0, int64_t t1) {
+        // Kept across calls: a fresh multi-megabyte buffer per step would be fresh pages
+        // (page faults and zeroing) every time.
+        thread_local std::vector<float> s;
+        for (int64_t task = t0; task < t1; ++task) {
+          const DecodeSequence& seq = p.seqs[task / p.n_cache_heads];
+          const int c = static_cast<int>(task % p.n_cache_heads);
+          s.resize(int64_t{group} * (seq.indices ? seq.num_indices : seq.len));
+          switch (group) {
+            case 1:
+              DecodeHeadGroupAnyType<1>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+              break;
+            case 2:
+              DecodeHeadGroupAnyType<2>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+              break;
+            case 4:
+              DecodeHeadGroupAnyType<4>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+              break;
+            case 8:
+              DecodeHeadGroupAnyType<8>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+              break;
+            default:
+              // Other group sizes: one query head at a time (as a group of one).
+              for (int g = 0; g < group; ++g) {
+                DecodeSequence one = seq;
+                one.q = seq.q + int64_t{c * group + g} * p.head_dim - int64_t{c} * p.head_dim;
+                one.out = seq.out + int64_t{c * group + g} * p.head_dim - int64_t{c} * p.head_dim;
+                one.probs =
+                    seq.probs ? seq.probs + int64_t{c * group + g} * seq.len - int64_t{c} * seq.len
+                              : nullptr;
+                DecodeHeadGroupAnyType<1>(one, c, p.head_dim, p.kv_dtype, p.scale, s.data());
+              }
           }
-      }
-    }
-  });
+        }
+      });
   return absl::OkStatus();
 }
 

@@ -12,6 +12,15 @@
 namespace kvwire::kernels {
 namespace {
 
+#if KVWIRE_AVX2
+// [Σa, Σb, Σc, Σd] of four 8-float vectors: pairwise adds within each 128-bit lane, then
+// the two lanes added.
+inline __m128 Avx2Sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
 // The vector width the compiler targets. kRows × kCols is the register tile: kRows·kCols
 // accumulators, kCols widened weight vectors and one activation vector live at once
 // (32 registers with AVX-512, 16 with AVX2).
@@ -38,6 +47,13 @@ struct Isa {
   }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float Sum(V v) { return _mm512_reduce_add_ps(v); }
+  // The four sums of a..d at once (a quarter of the shuffles of four Sum calls, which
+  // matters where k is small: a tiny model's rows are a few vectors long).
+  static __m128 Sum4(V a, V b, V c, V d) { return Avx2Sum4(Half(a), Half(b), Half(c), Half(d)); }
+  static __m256 Half(V v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
 };
 #define KVWIRE_GEMM_VECTOR 1
 #elif KVWIRE_AVX2
@@ -56,6 +72,7 @@ struct Isa {
   }
   static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float Sum(V v) { return simd::HorizontalSum(v); }
+  static __m128 Sum4(V a, V b, V c, V d) { return Avx2Sum4(a, b, c, d); }
 };
 #define KVWIRE_GEMM_VECTOR 1
 #else
@@ -86,7 +103,11 @@ void Tile(const float* x, int64_t xs, const void* w, int k, int64_t j, const flo
     }
   }
   for (int r = 0; r < MR; ++r) {
-    for (int c = 0; c < NC; ++c) sums[r][c] = Isa::Sum(acc[r][c]);
+    if constexpr (NC == 4) {
+      _mm_storeu_ps(sums[r], Isa::Sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    } else {
+      for (int c = 0; c < NC; ++c) sums[r][c] = Isa::Sum(acc[r][c]);
+    }
   }
 #else
   for (int r = 0; r < MR; ++r) {
@@ -135,7 +156,95 @@ void Gemm(const float* x, int64_t xs, int m, const void* w, int k, int64_t j0, i
   for (; j < j1; ++j) AllRows<T, 1>(x, xs, m, w, k, j, bias, y, ys);
 }
 
+#if KVWIRE_BF16_DOT
+// y[r, j + c] for r < MR, c < NC from bf16 rows: _mm512_dpbf16_ps multiplies 32 pairs
+// exactly and adds them into 16 float32 lanes. x rows are padded with zeros to a multiple
+// of 32 (RoundToBf16); the last, partial vector of a W row is a masked load.
+template <int MR, int NC>
+void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int64_t j,
+              const float* bias, float* y, int64_t ys) {
+  const uint16_t* rows[NC];
+  for (int c = 0; c < NC; ++c) rows[c] = w + (j + c) * k;
+  __m512 acc[MR][NC];
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  auto step = [&](int i, __mmask32 mask) {
+    __m512bh wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[c] + i);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * kp + i);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  };
+  int i = 0;
+  for (; i + 32 <= k; i += 32) step(i, ~__mmask32{0});
+  if (i < k) step(i, (__mmask32{1} << (k - i)) - 1);
+  for (int r = 0; r < MR; ++r) {
+    float sums[NC];
+    if constexpr (NC == 4) {
+      _mm_storeu_ps(sums, Isa::Sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    } else {
+      for (int c = 0; c < NC; ++c) sums[c] = Isa::Sum(acc[r][c]);
+    }
+    for (int c = 0; c < NC; ++c) y[r * ys + j + c] = sums[c] + (bias ? bias[j + c] : 0.f);
+  }
+}
+
+template <int NC>
+void AllRowsBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int64_t j,
+                 const float* bias, float* y, int64_t ys) {
+  int r = 0;
+  for (; r + 4 <= m; r += 4) TileBf16<4, NC>(xb + r * kp, kp, w, k, j, bias, y + r * ys, ys);
+  xb += r * kp;
+  y += r * ys;
+  switch (m - r) {
+    case 1:
+      return TileBf16<1, NC>(xb, kp, w, k, j, bias, y, ys);
+    case 2:
+      return TileBf16<2, NC>(xb, kp, w, k, j, bias, y, ys);
+    case 3:
+      return TileBf16<3, NC>(xb, kp, w, k, j, bias, y, ys);
+  }
+}
+#endif
+
 }  // namespace
+
+void RoundToBf16(const float* x, int64_t xs, int m, int k, uint16_t* out, int64_t kp) {
+  for (int r = 0; r < m; ++r) {
+    const float* xr = x + r * xs;
+    uint16_t* o = out + r * kp;
+    int i = 0;
+#if KVWIRE_BF16_DOT
+    // _mm512_cvtneps_pbh rounds to nearest even, as FloatToBf16 does.
+    for (; i + 16 <= k; i += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xr + i)));
+    }
+#endif
+    for (; i < k; ++i) o[i] = FloatToBf16(xr[i]);
+    for (; i < kp; ++i) o[i] = 0;
+  }
+}
+
+void GemmBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int64_t j0,
+              int64_t j1, const float* bias, float* y, int64_t ys) {
+#if KVWIRE_BF16_DOT
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) AllRowsBf16<4>(xb, kp, m, w, k, j, bias, y, ys);
+  for (; j < j1; ++j) AllRowsBf16<1>(xb, kp, m, w, k, j, bias, y, ys);
+#else
+  // Without the instruction: the same products (exact in float32) widened.
+  for (int r = 0; r < m; ++r) {
+    for (int64_t j = j0; j < j1; ++j) {
+      float acc = 0.f;
+      for (int i = 0; i < k; ++i) acc += Bf16ToFloat(xb[r * kp + i]) * Bf16ToFloat(w[j * k + i]);
+      y[r * ys + j] = acc + (bias ? bias[j] : 0.f);
+    }
+  }
+#endif
+}
 
 void GemmFewRows(const float* x, int64_t xs, int m, const void* w, DType wt, int k, int64_t j0,
                  int64_t j1, const float* bias, float* y, int64_t ys) {

@@ -23,4 +23,24 @@ inline constexpr int kFewRowsMax = 64;
 void GemmFewRows(const float* x, int64_t xs, int m, const void* w, DType wt, int k, int64_t j0,
                  int64_t j1, const float* bias, float* y, int64_t ys);
 
+// bf16 weights multiply x rounded to bf16 (to nearest even): each product is exact in
+// float32 and the sums are float32, as on tensor cores (and in llama.cpp). With AVX-512 BF16
+// (Zen 4, Sapphire Rapids) that is _mm512_dpbf16_ps, twice the multiply-adds per instruction
+// of float32 FMA, and half the bytes of x to keep in cache.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KVWIRE_BF16_DOT 1
+inline constexpr bool kHasBf16Dot = true;
+#else
+inline constexpr bool kHasBf16Dot = false;
+#endif
+
+// Rows of x rounded to bf16 into `out`, rows of kp ≥ k elements, zero past k.
+void RoundToBf16(const float* x, int64_t xs, int m, int k, uint16_t* out, int64_t kp);
+
+// y[r·ys + j] = Σ_i xb[r·kp + i] · W[j·k + i] (+ bias[j]) for r < m and j0 ≤ j < j1: xb from
+// RoundToBf16 with kp a multiple of 32, W bf16. Register tiles as GemmFewRows; m is best a
+// panel whose xb stays in the core's L2 (cpu_backend.cc).
+void GemmBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int64_t j0,
+              int64_t j1, const float* bias, float* y, int64_t ys);
+
 }  // namespace kvwire::kernels

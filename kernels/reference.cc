@@ -40,7 +40,9 @@ class ReferenceBackend final : public HostMemoryBackend {
       for (int j = 0; j < p.n; ++j) {
         float acc = 0.f;
         for (int t = 0; t < p.k; ++t) {
-          acc += p.x[i * xs + t] * LoadElement(p.w, p.w_dtype, static_cast<int64_t>(j) * p.k + t);
+          float x = p.x[i * xs + t];
+          if (p.w_dtype == DType::kBF16) x = Bf16ToFloat(FloatToBf16(x));  // backend.h
+          acc += x * LoadElement(p.w, p.w_dtype, static_cast<int64_t>(j) * p.k + t);
         }
         if (p.bias) acc += p.bias[j];
         p.y[i * ys + j] = acc;

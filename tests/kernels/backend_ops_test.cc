@@ -159,6 +159,23 @@ TEST_P(BackendOpsTest, MatMul) {
   }
 }
 
+// bf16 weights multiply x rounded to bf16 (backend.h): 1 + 2^-10 is not a bf16 value (7
+// mantissa bits) and rounds to 1, so with bf16 ones as W the sum of 64 such x is exactly 64;
+// with float32 ones it keeps the 2^-10 of each. Every backend, the reference included.
+TEST_P(BackendOpsTest, Bf16WeightsMultiplyXRoundedToBf16) {
+  MatMulCase c{3, 5, 64, DType::kBF16, false};
+  const std::vector<float> x(static_cast<size_t>(c.m) * c.k, 1.f + 0x1p-10f);
+  const std::vector<float> ones(static_cast<size_t>(c.n) * c.k, 1.f);
+  for (KernelBackend* b : {backend_.get(), reference_.get()}) {
+    c.dtype = DType::kBF16;
+    for (float y : RunMatMul(*b, c, x, Encode(ones, c.dtype), {})) EXPECT_EQ(y, 64.f);
+    c.dtype = DType::kF32;
+    for (float y : RunMatMul(*b, c, x, Encode(ones, c.dtype), {})) {
+      EXPECT_FLOAT_EQ(y, 64.f * (1.f + 0x1p-10f));
+    }
+  }
+}
+
 // ---------------------------------------------------------------- RmsNorm, Rope, SwiGlu
 
 TEST_P(BackendOpsTest, RmsNorm) {
