@@ -1,6 +1,7 @@
 #include "common/model/llama_model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -566,11 +567,14 @@ absl::Status LlamaModel::CheckDecodeBatch(absl::Span<const DecodeInput> batch) c
 // cache (at its original position), its selector picks what it attends to, and decode
 // attention runs over every sequence at once.
 absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInput> batch,
-                                              Activations& a, DecodeObserver* observer) {
+                                              Activations& a, DecodeObserver* observer,
+                                              DecodeTimes* times) {
   const ModelConfig& c = config_;
   const int bsz = static_cast<int>(batch.size()), d = c.head_dim;
   const int qd = c.num_heads * d, kvd = c.num_kv_heads * d;
   const int64_t stride = qd + 2 * kvd;
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t0 = times ? Clock::now() : Clock::time_point();
   std::vector<DecodeSequence> seqs(bsz);
   std::vector<std::vector<int32_t>> indices(bsz);
   std::vector<std::vector<float>> probs(observer ? bsz : 0);
@@ -611,6 +615,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
       s.probs = probs[b].data();
     }
   }
+  const Clock::time_point t1 = times ? Clock::now() : t0;
   DecodeAttentionParams dp;
   dp.seqs = seqs.data();
   dp.batch = bsz;
@@ -636,6 +641,12 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
       RETURN_IF_ERROR(backend_->DecodeAttention(dp));
     }
   }
+  if (times) {
+    RETURN_IF_ERROR(backend_->Synchronize());
+    const Clock::time_point t2 = Clock::now();
+    times->selection_s += std::chrono::duration<double>(t1 - t0).count();
+    times->attention_s += std::chrono::duration<double>(t2 - t1).count();
+  }
   if (observer) {
     for (int b = 0; b < bsz; ++b) observer->OnAttention(b, li, probs[b].data(), seqs[b].len);
   }
@@ -643,7 +654,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
 }
 
 absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* logits,
-                                    DecodeObserver* observer) {
+                                    DecodeObserver* observer, DecodeTimes* times) {
   const int bsz = static_cast<int>(batch.size());
   if (bsz == 0) return absl::OkStatus();
   RETURN_IF_ERROR(CheckDecodeBatch(batch));
@@ -656,7 +667,7 @@ absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* 
   for (int li = 0; li < config_.num_layers; ++li) {
     const Layer& L = layers_[li];
     RETURN_IF_ERROR(AttentionIn(L, a));
-    RETURN_IF_ERROR(DecodeAttentionLayer(li, batch, a, observer));
+    RETURN_IF_ERROR(DecodeAttentionLayer(li, batch, a, observer, times));
     RETURN_IF_ERROR(AttentionOutAndMlp(L, a));
   }
   return Logits(a, 0, logits);

@@ -89,6 +89,13 @@ class DecodeObserver {
   virtual void OnAttention(int seq, int layer, const float* probs, int len) = 0;
 };
 
+// Wall time of one decode step's attention, summed over the layers (for benchmarks): the
+// sparse selection (plans, page summaries, scores, top-k) and the attention kernel.
+struct DecodeTimes {
+  double selection_s = 0;
+  double attention_s = 0;
+};
+
 struct DecodeInput {
   int32_t token = 0;
   int32_t position = 0;  // RoPE position: original prompt length + tokens generated before
@@ -123,8 +130,9 @@ class LlamaModel {
 
   // Appends each input's token to its cache and writes logits [batch, vocab]. Each cache
   // needs room for one more token per layer. Not reentrant; Prefill may run concurrently.
+  // `times`, when given, receives where the step's time went.
   absl::Status DecodeStep(absl::Span<const DecodeInput> batch, float* logits,
-                          DecodeObserver* observer = nullptr);
+                          DecodeObserver* observer = nullptr, DecodeTimes* times = nullptr);
 
   static std::string SyntheticSpecHelp();
 
@@ -157,7 +165,7 @@ class LlamaModel {
   absl::Status AttentionIn(const Layer& layer, Activations& a);
   absl::Status AttentionOutAndMlp(const Layer& layer, Activations& a);
   absl::Status DecodeAttentionLayer(int layer, absl::Span<const DecodeInput> batch, Activations& a,
-                                    DecodeObserver* observer);
+                                    DecodeObserver* observer, DecodeTimes* times);
   absl::Status Logits(Activations& a, int first_row, float* logits);
 
   void ComputeFingerprint();
