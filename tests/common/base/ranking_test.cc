@@ -1,6 +1,6 @@
 // The ranking order's partial selection: BestFirstPrefix is the prefix of the full sort
-// (RankBestFirst) whatever the count asked for, on both of its paths (a heap for a few of many,
-// nth_element for more), with plateaus of tied scores and NaNs.
+// (RankBestFirst) whatever the count asked for, with and without its sampled threshold, when
+// the sample misleads it, with plateaus of tied scores, ±0 and NaNs.
 #include "common/base/ranking.h"
 
 #include <gtest/gtest.h>
@@ -20,9 +20,15 @@ TEST(Ranking, BestFirstPrefixIsThePrefixOfTheFullOrder) {
       std::vector<float> score(n);
       for (float& s : score) {
         const uint32_t v = rng();
-        s = v % 97 == 0 ? nan
-                        : (v % 89 == 0 ? -std::numeric_limits<float>::infinity()
-                                       : static_cast<float>(v % levels));
+        if (v % 97 == 0) {
+          s = nan;
+        } else if (v % 89 == 0) {
+          s = -std::numeric_limits<float>::infinity();
+        } else if (v % 83 == 0) {
+          s = -0.f;  // ties with +0
+        } else {
+          s = static_cast<float>(v % levels);
+        }
       }
       const std::vector<int32_t> full = RankBestFirst(score);
       for (int m : {0, 1, 3, n / 8, n / 8 + 1, n / 2, n - 1, n, n + 5}) {
@@ -34,6 +40,21 @@ TEST(Ranking, BestFirstPrefixIsThePrefixOfTheFullOrder) {
             << "n " << n << " m " << m << " levels " << levels;
       }
     }
+  }
+}
+
+// The sample (every n/128-th item) holds the best scores: its threshold lets fewer than m
+// items through, and the selection must fall back to all of them.
+TEST(Ranking, BestFirstPrefixSurvivesAMisleadingSample) {
+  const int n = 5120;
+  std::vector<float> score(n);
+  for (int i = 0; i < n; ++i)
+    score[i] = i % (n / 128) == 0 ? 1000.f + i : static_cast<float>(i % 7);
+  const std::vector<int32_t> full = RankBestFirst(score);
+  for (int m : {10, 100, 200, 600}) {
+    std::vector<int32_t> got;
+    BestFirstPrefix(score.data(), n, m, &got);
+    EXPECT_EQ(got, std::vector<int32_t>(full.begin(), full.begin() + m)) << "m " << m;
   }
 }
 
