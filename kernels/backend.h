@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -138,6 +139,14 @@ class KernelBackend {
   virtual absl::Status SwiGlu(const SwiGluParams& p) = 0;
   virtual absl::Status PrefillAttention(const PrefillAttentionParams& p) = 0;
   virtual absl::Status DecodeAttention(const DecodeAttentionParams& p) = 0;
+
+  // Host work between ops that splits into independent tasks (sparse decode selection, per
+  // sequence and KV head): calls fn(begin, end) over disjoint ranges covering [0, n), on the
+  // CPU backend's threads; the other backends run it on the calling thread, as the reference
+  // does everything. fn must not call back into the backend.
+  virtual void HostParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+    if (n > 0) fn(0, n);
+  }
 };
 
 using KernelBackendPtr = std::unique_ptr<KernelBackend>;

@@ -192,6 +192,10 @@ class CpuBackend final : public HostMemoryBackend {
   absl::Status PrefillAttention(const PrefillAttentionParams& p) override;
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override;
 
+  void HostParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn) override {
+    pool_.ParallelFor(n, 1, fn);
+  }
+
  private:
   ThreadPool pool_;
 };

@@ -40,23 +40,27 @@ class RecordingSelector : public DecodeSelector {
  public:
   RecordingSelector(DecodeSelector* inner, int layers, int prompt_len)
       : inner_(inner), prompt_len_(prompt_len), masks_(layers) {}
-  absl::StatusOr<bool> Select(int layer, const float* q, LayerCache& lc,
-                              std::vector<int32_t>* indices, int* num) override {
-    bool sparse = false;
-    if (inner_) {
-      ASSIGN_OR_RETURN(sparse, inner_->Select(layer, q, lc, indices, num));
-    }
+  absl::StatusOr<bool> Plan(int layer, const LayerCache& lc, int* num) override {
+    if (inner_ == nullptr) return false;
+    return inner_->Plan(layer, lc, num);
+  }
+  void SelectHead(int layer, const float* q, const LayerCache& lc, int head,
+                  int32_t* out) override {
+    inner_->SelectHead(layer, q, lc, head, out);
+  }
+  void Done(int layer, const float* q, const LayerCache& lc, const int32_t* indices,
+            int num) override {
+    if (inner_) inner_->Done(layer, q, lc, indices, num);
     auto& m = masks_[layer];
     m.assign(lc.n_heads, std::vector<char>(prompt_len_, 0));
     for (int c = 0; c < lc.n_heads; ++c) {
-      const int n = sparse ? *num : lc.len;
+      const int n = indices ? num : lc.len;
       for (int x = 0; x < n; ++x) {
-        const int slot = sparse ? (*indices)[static_cast<size_t>(c) * *num + x] : x;
+        const int slot = indices ? indices[static_cast<size_t>(c) * num + x] : x;
         const int32_t pos = lc.position(c, slot);
         if (pos >= 0 && pos < prompt_len_) m[c][pos] = 1;
       }
     }
-    return sparse;
   }
   const std::vector<char>& mask(int layer, int head) const { return masks_[layer][head]; }
 

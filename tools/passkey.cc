@@ -109,23 +109,27 @@ class NeedleReader final : public DecodeSelector {
   void Expect(int32_t position) { target_ = position; }
   bool read_all() const { return read_all_; }
 
-  absl::StatusOr<bool> Select(int layer, const float* q, LayerCache& lc,
-                              std::vector<int32_t>* indices, int* num) override {
-    bool sparse = false;
-    if (inner_) {
-      ASSIGN_OR_RETURN(sparse, inner_->Select(layer, q, lc, indices, num));
-    }
-    if (layer != layer_ || target_ < 0) return sparse;
+  absl::StatusOr<bool> Plan(int layer, const LayerCache& lc, int* num) override {
+    if (inner_ == nullptr) return false;
+    return inner_->Plan(layer, lc, num);
+  }
+  void SelectHead(int layer, const float* q, const LayerCache& lc, int head,
+                  int32_t* out) override {
+    inner_->SelectHead(layer, q, lc, head, out);
+  }
+  void Done(int layer, const float* q, const LayerCache& lc, const int32_t* indices,
+            int num) override {
+    if (inner_) inner_->Done(layer, q, lc, indices, num);
+    if (layer != layer_ || target_ < 0) return;
     for (int c = first_; c < first_ + heads_; ++c) {
-      const int n = sparse ? *num : lc.len;
+      const int n = indices ? num : lc.len;
       bool found = false;
       for (int x = 0; x < n && !found; ++x) {
-        const int slot = sparse ? (*indices)[static_cast<size_t>(c) * *num + x] : x;
+        const int slot = indices ? indices[static_cast<size_t>(c) * num + x] : x;
         found = lc.position(c, slot) == target_;
       }
       read_all_ &= found;
     }
-    return sparse;
   }
 
  private:

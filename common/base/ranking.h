@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <numeric>
 #include <vector>
 
@@ -45,6 +47,75 @@ std::vector<int32_t> RankBestFirst(const std::vector<T>& score) {
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), BestFirst<T>{score.data()});
   return order;
+}
+
+// The key of item i of `score` in BestFirst's order (no tie scores): a larger key ranks
+// first. The score maps to an unsigned integer in the same order (−0 as +0, NaN below −∞),
+// the index fills the low half inverted, so that of equal scores the lower index has the
+// larger key. Keys compare as integers: no branch on NaN, nor on ties.
+inline uint64_t BestFirstKey(float s, int32_t i) {
+  uint32_t b;
+  std::memcpy(&b, &s, sizeof(b));
+  b = (b << 1) == 0 ? 0 : b;  // −0 as +0
+  const uint32_t ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+  return (uint64_t{nan ? 0u : ordered} << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
+}
+
+// The `m` best indices of score[0, n), best first: the first m of RankBestFirst's order,
+// found without sorting all n. For a few of many (pages from thousands), a threshold from a
+// strided sample of keys, set so that about 2m items pass it, filters the items in one
+// branch-free pass; when fewer than m pass, all do. The m best of
+// the candidates (nth_element) are then sorted. Exact whatever the sample: every key of the m
+// best is at least the m-th best key, which is at least the threshold once m items pass it.
+// `out` is resized to min(m, n).
+inline void BestFirstPrefix(const float* score, int n, int m, std::vector<int32_t>* out) {
+  m = std::max(0, std::min(m, n));
+  out->resize(m);
+  if (m == 0) return;
+  thread_local std::vector<uint64_t> keys;
+  const auto greater = std::greater<uint64_t>();
+  constexpr int kSample = 128;
+  uint64_t threshold = 0;  // keys are distinct: an item passes when its key is at least this
+  if (n > 8 * kSample && 8 * static_cast<int64_t>(m) < n) {
+    keys.resize(kSample);
+    for (int j = 0; j < kSample; ++j) {
+      const int32_t i = static_cast<int32_t>(static_cast<int64_t>(j) * n / kSample);
+      keys[j] = BestFirstKey(score[i], i);
+    }
+    const int t = static_cast<int>(std::min<int64_t>(kSample, 2 * int64_t{m} * kSample / n + 2));
+    std::nth_element(keys.begin(), keys.begin() + (t - 1), keys.end(), greater);
+    threshold = keys[t - 1];
+  }
+  keys.resize(n);
+  size_t passed = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    // Branch-free: every key is written, and the next write goes past it if it passed.
+    passed = 0;
+    for (int32_t i = 0; i < n; ++i) {
+      const uint64_t k = BestFirstKey(score[i], i);
+      keys[passed] = k;
+      passed += k >= threshold;
+    }
+    if (passed >= static_cast<size_t>(m)) break;
+    threshold = 0;  // the sample misled: every item
+  }
+  keys.resize(passed);
+  std::nth_element(keys.begin(), keys.begin() + (m - 1), keys.end(), greater);
+  if (m <= 512) {
+    // Each key's place is the count of keys above it: branch-free (and vectorized), where a
+    // comparison sort of scores in random order mispredicts half its branches.
+    for (int i = 0; i < m; ++i) {
+      int above = 0;
+      for (int j = 0; j < m; ++j) above += keys[j] > keys[i];
+      (*out)[above] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(keys[i]));
+    }
+    return;
+  }
+  std::sort(keys.begin(), keys.begin() + m, greater);
+  for (int j = 0; j < m; ++j) {
+    (*out)[j] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(keys[j]));
+  }
 }
 
 // The `n` best indices of `score` (all when n exceeds the count), ties broken by `tie`

@@ -1,6 +1,7 @@
 #include "common/model/llama_model.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -562,18 +563,38 @@ absl::Status LlamaModel::CheckDecodeBatch(absl::Span<const DecodeInput> batch) c
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> DecodeSelector::Select(int layer, const float* q, const LayerCache& cache,
+                                            std::vector<int32_t>* indices, int* num_indices) {
+  ASSIGN_OR_RETURN(const bool sparse, Plan(layer, cache, num_indices));
+  if (!sparse) {
+    Done(layer, q, cache, nullptr, 0);
+    return false;
+  }
+  indices->resize(static_cast<size_t>(cache.n_heads) * *num_indices);
+  for (int c = 0; c < cache.n_heads; ++c) {
+    SelectHead(layer, q, cache, c, indices->data() + static_cast<size_t>(c) * *num_indices);
+  }
+  Done(layer, q, cache, indices->data(), *num_indices);
+  return true;
+}
+
 // One layer's attention for a batch of sequences: each appends its new K/V row to its own
-// cache (at its original position), its selector picks what it attends to, and decode
-// attention runs over every sequence at once.
+// cache (at its original position), its selector picks what it attends to (every sequence's
+// cache heads at once, on the backend's threads), and decode attention runs over every
+// sequence at once.
 absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInput> batch,
-                                              Activations& a, DecodeObserver* observer) {
+                                              Activations& a, DecodeObserver* observer,
+                                              DecodeTimes* times) {
   const ModelConfig& c = config_;
   const int bsz = static_cast<int>(batch.size()), d = c.head_dim;
   const int qd = c.num_heads * d, kvd = c.num_kv_heads * d;
   const int64_t stride = qd + 2 * kvd;
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t0 = times ? Clock::now() : Clock::time_point();
   std::vector<DecodeSequence> seqs(bsz);
   std::vector<std::vector<int32_t>> indices(bsz);
   std::vector<std::vector<float>> probs(observer ? bsz : 0);
+  std::vector<std::pair<int, int>> heads;  // (sequence, cache head) to select for
   for (int b = 0; b < bsz; ++b) {
     LayerCache& lc = batch[b].cache->layer(li);
     const float* kr = a.qkv.data() + b * stride + qd;
@@ -597,13 +618,15 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
     s.len = lc.len;
     if (batch[b].selector) {
       int n = 0;
-      ASSIGN_OR_RETURN(bool sparse, batch[b].selector->Select(li, s.q, lc, &indices[b], &n));
+      ASSIGN_OR_RETURN(const bool sparse, batch[b].selector->Plan(li, lc, &n));
       if (sparse) {
-        if (n <= 0 || n > lc.len || indices[b].size() < static_cast<size_t>(n) * lc.n_heads) {
-          return absl::InternalError("decode selector returned a malformed selection");
+        if (n <= 0 || n > lc.len) {
+          return absl::InternalError("decode selector planned a malformed selection");
         }
+        indices[b].resize(static_cast<size_t>(lc.n_heads) * n);
         s.indices = indices[b].data();
         s.num_indices = n;
+        for (int ch = 0; ch < lc.n_heads; ++ch) heads.emplace_back(b, ch);
       }
     }
     if (observer) {
@@ -611,6 +634,21 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
       s.probs = probs[b].data();
     }
   }
+  backend_->HostParallelFor(static_cast<int64_t>(heads.size()), [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const auto [b, ch] = heads[h];
+      batch[b].selector->SelectHead(
+          li, seqs[b].q, batch[b].cache->layer(li), ch,
+          indices[b].data() + static_cast<size_t>(ch) * seqs[b].num_indices);
+    }
+  });
+  for (int b = 0; b < bsz; ++b) {
+    if (batch[b].selector) {
+      batch[b].selector->Done(li, seqs[b].q, batch[b].cache->layer(li), seqs[b].indices,
+                              seqs[b].num_indices);
+    }
+  }
+  const Clock::time_point t1 = times ? Clock::now() : t0;
   DecodeAttentionParams dp;
   dp.seqs = seqs.data();
   dp.batch = bsz;
@@ -636,6 +674,12 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
       RETURN_IF_ERROR(backend_->DecodeAttention(dp));
     }
   }
+  if (times) {
+    RETURN_IF_ERROR(backend_->Synchronize());
+    const Clock::time_point t2 = Clock::now();
+    times->selection_s += std::chrono::duration<double>(t1 - t0).count();
+    times->attention_s += std::chrono::duration<double>(t2 - t1).count();
+  }
   if (observer) {
     for (int b = 0; b < bsz; ++b) observer->OnAttention(b, li, probs[b].data(), seqs[b].len);
   }
@@ -643,7 +687,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
 }
 
 absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* logits,
-                                    DecodeObserver* observer) {
+                                    DecodeObserver* observer, DecodeTimes* times) {
   const int bsz = static_cast<int>(batch.size());
   if (bsz == 0) return absl::OkStatus();
   RETURN_IF_ERROR(CheckDecodeBatch(batch));
@@ -656,7 +700,7 @@ absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* 
   for (int li = 0; li < config_.num_layers; ++li) {
     const Layer& L = layers_[li];
     RETURN_IF_ERROR(AttentionIn(L, a));
-    RETURN_IF_ERROR(DecodeAttentionLayer(li, batch, a, observer));
+    RETURN_IF_ERROR(DecodeAttentionLayer(li, batch, a, observer, times));
     RETURN_IF_ERROR(AttentionOutAndMlp(L, a));
   }
   return Logits(a, 0, logits);

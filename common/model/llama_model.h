@@ -70,15 +70,31 @@ struct PrefillResult {
 };
 
 // Picks, per cache head, which cached tokens a decode step attends to (sparse attention).
+// Per layer and step the model calls Plan once, then SelectHead for every cache head, then
+// Done. The SelectHead calls of one step run in parallel, over the heads of every sequence in
+// the batch; Select runs the same calls one after another on the calling thread, and the
+// parallel selection must equal it.
 class DecodeSelector {
  public:
   virtual ~DecodeSelector() = default;
-  // q: [n_heads, head_dim] after RoPE; `cache` already holds the new token. Returns
-  // false for dense attention over all cache.len tokens, or true after writing
-  // *num_indices ≤ cache.len token indices per cache head into `indices`
-  // ([n_cache_heads, *num_indices]).
-  virtual absl::StatusOr<bool> Select(int layer, const float* q, LayerCache& cache,
-                                      std::vector<int32_t>* indices, int* num_indices) = 0;
+  // `cache` already holds the new token. Returns false for dense attention over all
+  // cache.len tokens, or true and *num_indices (1 ≤ n ≤ cache.len), the tokens each cache
+  // head will attend.
+  virtual absl::StatusOr<bool> Plan(int layer, const LayerCache& cache, int* num_indices) = 0;
+  // After Plan returned true: writes cache head `head`'s *num_indices token indices to `out`.
+  // q: [n_heads, head_dim] after RoPE. Calls for different heads may run at the same time
+  // (and alongside other selectors' calls), never alongside Plan or Done.
+  virtual void SelectHead(int layer, const float* q, const LayerCache& cache, int head,
+                          int32_t* out) = 0;
+  // After the heads were selected (or Plan returned false: indices null), with the whole
+  // selection [n_cache_heads, num_indices]: for selectors that wrap another to inspect it.
+  virtual void Done(int layer, const float* q, const LayerCache& cache, const int32_t* indices,
+                    int num_indices) {}
+
+  // Plan, every head in order, Done, on the calling thread: the serial selection. Returns
+  // false for dense attention, or true with `indices` [n_cache_heads, *num_indices].
+  absl::StatusOr<bool> Select(int layer, const float* q, const LayerCache& cache,
+                              std::vector<int32_t>* indices, int* num_indices);
 };
 
 // Receives decode-time attention probabilities, for fidelity measurements.
@@ -87,6 +103,13 @@ class DecodeObserver {
   virtual ~DecodeObserver() = default;
   // probs: [n_heads, len] over the sequence's cache tokens (prompt part first).
   virtual void OnAttention(int seq, int layer, const float* probs, int len) = 0;
+};
+
+// Wall time of one decode step's attention, summed over the layers (for benchmarks): the
+// sparse selection (plans, page summaries, scores, top-k) and the attention kernel.
+struct DecodeTimes {
+  double selection_s = 0;
+  double attention_s = 0;
 };
 
 struct DecodeInput {
@@ -123,8 +146,9 @@ class LlamaModel {
 
   // Appends each input's token to its cache and writes logits [batch, vocab]. Each cache
   // needs room for one more token per layer. Not reentrant; Prefill may run concurrently.
+  // `times`, when given, receives where the step's time went.
   absl::Status DecodeStep(absl::Span<const DecodeInput> batch, float* logits,
-                          DecodeObserver* observer = nullptr);
+                          DecodeObserver* observer = nullptr, DecodeTimes* times = nullptr);
 
   static std::string SyntheticSpecHelp();
 
@@ -157,7 +181,7 @@ class LlamaModel {
   absl::Status AttentionIn(const Layer& layer, Activations& a);
   absl::Status AttentionOutAndMlp(const Layer& layer, Activations& a);
   absl::Status DecodeAttentionLayer(int layer, absl::Span<const DecodeInput> batch, Activations& a,
-                                    DecodeObserver* observer);
+                                    DecodeObserver* observer, DecodeTimes* times);
   absl::Status Logits(Activations& a, int first_row, float* logits);
 
   void ComputeFingerprint();

@@ -1,7 +1,6 @@
 #include "common/sparse/attention.h"
 
 #include <algorithm>
-#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -24,8 +23,10 @@ const AttentionModeInfo& DenseInfo() {
   return *info;
 }
 
-// The sparse selector of one sequence: brings its page summaries up to date, then lets
-// the mode choose each KV head's tokens.
+// The sparse selector of one sequence. Per layer and step Plan decides dense or sparse;
+// then each cache head, on whichever thread the model gives it, brings its own page
+// summaries up to date and lets the mode choose its tokens. Heads share nothing they write,
+// so the parallel selection is the serial one.
 class SparseSelector final : public DecodeSelector {
  public:
   SparseSelector(SparseParams params, int dense_layers, const ModelConfig& model,
@@ -37,31 +38,47 @@ class SparseSelector final : public DecodeSelector {
         head_dim_(model.head_dim),
         summaries_(std::move(summaries)) {}
 
-  absl::StatusOr<bool> Select(int layer, const float* q, LayerCache& lc,
-                              std::vector<int32_t>* indices, int* num) override {
+  absl::StatusOr<bool> Plan(int layer, const LayerCache& lc, int* num) override {
     if (layer < dense_layers_) return false;  // kept whole by the compression: dense
-    if (summaries_) summaries_->Update(layer, lc);
-    if (p_.top_k >= lc.len) return false;  // the budget covers the cache: dense
-    const int k = p_.top_k;
-    const int group = n_heads_ / lc.n_heads;
-    indices->resize(static_cast<size_t>(lc.n_heads) * k);
-    *num = k;
-    for (int c = 0; c < lc.n_heads; ++c) {
-      HeadQuery hq;
-      hq.layer = layer;
-      hq.head = c;
-      hq.q = q + static_cast<int64_t>(c) * group * head_dim_;
-      hq.group = group;
-      hq.cache = &lc;
-      hq.summaries = summaries_.get();
-      hq.params = &p_;
-      hq.out = indices->data() + static_cast<size_t>(c) * k;
-      info_.select(hq);
-    }
+    // The budget covers the cache: dense. Summaries catch up when the layer turns sparse
+    // (an update recomputes every page from the first token not yet summarized).
+    if (p_.top_k >= lc.len) return false;
+    *num = p_.top_k;
     return true;
   }
 
+  void SelectHead(int layer, const float* q, const LayerCache& lc, int c, int32_t* out) override {
+    if (summaries_) summaries_->Update(layer, c, lc);
+    const int group = n_heads_ / lc.n_heads;
+    HeadQuery hq;
+    hq.layer = layer;
+    hq.head = c;
+    hq.q = q + static_cast<int64_t>(c) * group * head_dim_;
+    hq.group = group;
+    hq.cache = &lc;
+    hq.summaries = summaries_.get();
+    hq.params = &p_;
+    hq.out = out;
+    info_.select(hq);
+    // The attention kernel reads the chosen rows next. Short runs of rows scattered over the
+    // cache (pages of a few tokens) it reads at a fraction of the streaming rate, waiting on
+    // each; asking for them now overlaps those misses with the other heads' selection. (Runs
+    // of many rows, Quest's pages, it streams well enough: no need.)
+    if (p_.page_size > kShortRun) return;
+    const size_t row = lc.row_bytes();
+    for (int x = 0; x < p_.top_k; ++x) {
+      const uint8_t* k = lc.k_row(c, out[x]);
+      const uint8_t* v = lc.v_row(c, out[x]);
+      for (size_t b = 0; b < row; b += 64) {
+        __builtin_prefetch(k + b, 0, 2);
+        __builtin_prefetch(v + b, 0, 2);
+      }
+    }
+  }
+
  private:
+  static constexpr int kShortRun = 8;  // tokens
+
   SparseParams p_;
   int dense_layers_;
   const AttentionModeInfo& info_;
@@ -196,7 +213,8 @@ absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
     ASSIGN_OR_RETURN(KvMemoryPtr mem, allocator.Allocate(PageSummaries::Bytes(
                                           cache, p.page_size, config.dense_layers)));
     summaries =
-        std::make_unique<PageSummaries>(cache, p.page_size, std::move(mem), config.dense_layers);
+        std::make_unique<PageSummaries>(cache, p.page_size, std::move(mem), config.dense_layers,
+                                        ModeInfo(p.mode).summary_tile_pages);
   }
   return std::unique_ptr<DecodeSelector>(
       new SparseSelector(p, config.dense_layers, model, std::move(summaries)));
@@ -204,17 +222,15 @@ absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
 
 void TakePages(const std::vector<float>& score, int page, int len, int k, int32_t* out) {
   const int n_pages = static_cast<int>(score.size());
-  const BestFirst<float> better{score.data()};
-  std::vector<int32_t> order(n_pages);
-  std::iota(order.begin(), order.end(), 0);
   // Only the best pages are needed: ceil(k/page) of them, one more for a short last page.
-  int sorted = std::min(n_pages, (k + page - 1) / page + 1);
-  std::partial_sort(order.begin(), order.begin() + sorted, order.end(), better);
+  // Thread-local: this runs per head and step on the model's threads.
+  thread_local std::vector<int32_t> order;
+  BestFirstPrefix(score.data(), n_pages, (k + page - 1) / page + 1, &order);
   int n = 0;
-  for (int i = 0; i < n_pages && n < k; ++i) {
-    if (i == sorted) {  // more short pages than expected: rank the rest too
-      std::sort(order.begin() + sorted, order.end(), better);
-      sorted = n_pages;
+  for (size_t i = 0; n < k; ++i) {
+    if (i == order.size()) {  // more short pages than expected: rank them all
+      BestFirstPrefix(score.data(), n_pages, n_pages, &order);
+      KVWIRE_CHECK(i < order.size());
     }
     const int p = order[i];
     for (int t = p * page; t < std::min(len, (p + 1) * page) && n < k; ++t) out[n++] = t;

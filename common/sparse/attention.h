@@ -58,7 +58,10 @@ struct SparseParams {
   int top_k = 0, top_r = 0, page_size = 1;
 };
 
-// What a mode's selection sees for one KV head and writes: top_k cache slots.
+// What a mode's selection sees for one KV head and writes: top_k cache slots. The model runs
+// the selections of all heads of all sequences at once on its threads, so a mode's select
+// writes nothing but `out` (and scratch of its own thread), and reads only its head's
+// summaries, brought up to date for it.
 struct HeadQuery {
   int layer = 0, head = 0;
   const float* q = nullptr;  // the group's query heads [group, head_dim]
@@ -84,6 +87,9 @@ struct AttentionModeInfo {
   void (*select)(const HeadQuery& query);
   // Adjusts the parameters after explicit overrides (null: nothing to adjust).
   void (*finish)(SparseParams* params) = nullptr;
+  // How its page summaries are laid out for its reads (page_summaries.h): whole rows, or
+  // tiles of this many pages.
+  int summary_tile_pages = PageSummaries::kRows;
 };
 
 // The registry, in the order the docs list modes.
@@ -113,6 +119,7 @@ absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
 // Takes whole pages best first (common/base/ranking.h) until k slots are collected,
 // cutting the last page to its lowest slots: all slots of a page share its score, so
 // top-k tokens are whole pages plus part of one (docs §3.3). Page 1 gives token top-k.
+// The pages are found by partial selection (BestFirstPrefix), not a sort of all of them.
 void TakePages(const std::vector<float>& score, int page, int len, int k, int32_t* out);
 
 // --attention, --attention-budget, --attention-k, --attention-r, --attention-page.

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <limits>
 
+#include "common/base/status.h"
+
 namespace kvwire {
 
 int PageSummaries::MaxPages(const KvCacheShape& shape, int layer, int page, int dense_layers) {
@@ -10,8 +12,16 @@ int PageSummaries::MaxPages(const KvCacheShape& shape, int layer, int page, int 
 }
 
 PageSummaries::PageSummaries(const KvCacheShape& shape, int page, KvMemoryPtr memory,
-                             int dense_layers)
-    : shape_(shape), page_(page), memory_(std::move(memory)), built_(shape.capacity.size(), 0) {
+                             int dense_layers, int tile_pages)
+    : shape_(shape),
+      page_(page),
+      tile_pages_(tile_pages),
+      memory_(std::move(memory)),
+      base_(memory_->data()),
+      built_(shape.capacity.size() * shape.n_heads, 0) {
+  // Whole tiles are whole vectors of 8 pages: the scorers' vector and scalar parts then
+  // fall where row-at-a-time code puts them.
+  KVWIRE_CHECK(tile_pages_ > 0 && tile_pages_ % 8 == 0);
   size_t off = 0;
   for (size_t l = 0; l < shape.capacity.size(); ++l) {
     max_pages_.push_back(MaxPages(shape, static_cast<int>(l), page, dense_layers));
@@ -30,46 +40,54 @@ size_t PageSummaries::Bytes(const KvCacheShape& shape, int page, int dense_layer
   return total;
 }
 
-uint8_t* PageSummaries::Row(int layer, int head, bool max, int dim) {
-  const size_t row = static_cast<size_t>(max_pages_[layer]) * DTypeSize(shape_.dtype);
-  const int set = Sets(page_) == 2 && max ? 1 : 0;
-  return memory_->data() + offsets_[layer] +
-         ((static_cast<size_t>(head) * Sets(page_) + set) * shape_.head_dim + dim) * row;
+uint8_t* PageSummaries::MutableChunk(int layer, int head, bool max, int dim, int tile) {
+  return const_cast<uint8_t*>(Chunk(layer, head, max, dim, tile));
 }
 
-float PageSummaries::Value(int layer, int head, bool max, int dim, int page) {
+float PageSummaries::Value(int layer, int head, bool max, int dim, int page) const {
   float v;
-  ToFloat(shape_.dtype, Row(layer, head, max, dim) + page * DTypeSize(shape_.dtype), &v, 1);
+  ToFloat(shape_.dtype,
+          Chunk(layer, head, max, dim, page / tile_pages_) +
+              static_cast<size_t>(page % tile_pages_) * DTypeSize(shape_.dtype),
+          &v, 1);
   return v;
 }
 
 // The page holding the first token not yet summarized is recomputed from its slots, and
 // so is every later one: appending touches only the last page.
-void PageSummaries::Update(int layer, const LayerCache& lc) {
+void PageSummaries::Update(int layer, int head, const LayerCache& lc) {
+  int& built = built_[static_cast<size_t>(layer) * shape_.n_heads + head];
+  if (built == lc.len) return;
   const int d = shape_.head_dim;
-  const int first = built_[layer] / page_;
+  const int first = built / page_;
   const int last = pages(lc.len);
   std::vector<float> lo(d), hi(d), row(d);
   const size_t es = DTypeSize(shape_.dtype);
-  for (int h = 0; h < lc.n_heads; ++h) {
-    for (int p = first; p < last; ++p) {
-      std::fill(lo.begin(), lo.end(), std::numeric_limits<float>::infinity());
-      std::fill(hi.begin(), hi.end(), -std::numeric_limits<float>::infinity());
-      for (int t = p * page_; t < std::min(lc.len, (p + 1) * page_); ++t) {
-        ToFloat(lc.dtype, lc.k_row(h, t), row.data(), d);
-        for (int i = 0; i < d; ++i) {
-          lo[i] = std::min(lo[i], row[i]);
-          hi[i] = std::max(hi[i], row[i]);
-        }
-      }
-      // Min and max of values in the cache dtype are exact in it: they are stored so.
+  for (int p = first; p < last; ++p) {
+    std::fill(lo.begin(), lo.end(), std::numeric_limits<float>::infinity());
+    std::fill(hi.begin(), hi.end(), -std::numeric_limits<float>::infinity());
+    for (int t = p * page_; t < std::min(lc.len, (p + 1) * page_); ++t) {
+      ToFloat(lc.dtype, lc.k_row(head, t), row.data(), d);
       for (int i = 0; i < d; ++i) {
-        FromFloat(lc.dtype, &lo[i], Row(layer, h, false, i) + p * es, 1);
-        if (Sets(page_) == 2) FromFloat(lc.dtype, &hi[i], Row(layer, h, true, i) + p * es, 1);
+        lo[i] = std::min(lo[i], row[i]);
+        hi[i] = std::max(hi[i], row[i]);
+      }
+    }
+    // Min and max of values in the cache dtype are exact in it: they are stored so.
+    const int tile = p / tile_pages_;
+    const size_t at = static_cast<size_t>(p % tile_pages_) * es;
+    for (int i = 0; i < d; ++i) {
+      FromFloat(lc.dtype, &lo[i], MutableChunk(layer, head, false, i, tile) + at, 1);
+      if (Sets(page_) == 2) {
+        FromFloat(lc.dtype, &hi[i], MutableChunk(layer, head, true, i, tile) + at, 1);
       }
     }
   }
-  built_[layer] = lc.len;
+  built = lc.len;
+}
+
+void PageSummaries::Update(int layer, const LayerCache& lc) {
+  for (int h = 0; h < lc.n_heads; ++h) Update(layer, h, lc);
 }
 
 }  // namespace kvwire

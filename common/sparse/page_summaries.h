@@ -1,12 +1,18 @@
 // Page min/max summaries of one sequence's cache (RocketKV Algorithm 2 lines 1-2,
-// docs/algorithms.md §3.2), read by hybrid attention and Quest: per layer and cache head,
-// rows [2·d][max_pages] in the cache dtype (min rows first), transposed so that one head
-// dimension over all pages is contiguous — the gather of step 2 reads r such rows. Pages
-// are aligned to slot 0 of the compressed cache. With pages of one token min and max are the
-// token itself: one set of rows serves both. The first `dense_layers` layers (attended densely)
-// keep none.
+// docs/algorithms.md §3.2), read by hybrid attention and Quest. Pages are aligned to slot 0
+// of the compressed cache. With pages of one token min and max are the token itself: one set
+// of rows serves both. The first `dense_layers` layers (attended densely) keep none.
+//
+// Layout, for streaming reads, chosen by the mode that reads them: per layer and cache head,
+// transposed (each head dimension's min, then max, over consecutive pages contiguous:
+// [tile][dim][min, max][pages of the tile], the cache dtype), either as whole rows over every
+// page (one tile: hybrid attention reads r of the 2d rows, eight at a time, each a forward
+// stream) or cut into tiles of kTilePages pages (Quest reads every row: tile after tile,
+// one stream through the head's summaries). Each head's summaries are its own: heads update
+// and read theirs on different threads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -16,28 +22,54 @@ namespace kvwire {
 
 class PageSummaries {
  public:
-  PageSummaries(const KvCacheShape& shape, int page, KvMemoryPtr memory, int dense_layers = 0);
+  // Pages per tile: a multiple of 8, so that whole tiles are whole vectors of 8 floats.
+  static constexpr int kTilePages = 64;
+  // As tile_pages: one tile holds every page, each row of the transposed summary is whole.
+  static constexpr int kRows = 1 << 30;
+
+  PageSummaries(const KvCacheShape& shape, int page, KvMemoryPtr memory, int dense_layers = 0,
+                int tile_pages = kRows);
   static size_t Bytes(const KvCacheShape& shape, int page, int dense_layers = 0);
 
-  // Brings `layer` up to date with the cache (call after tokens were appended).
+  // Brings cache head `head` of `layer` up to date with the cache (call after tokens were
+  // appended). Calls for different heads may run at the same time.
+  void Update(int layer, int head, const LayerCache& lc);
+  // Every head, one after another.
   void Update(int layer, const LayerCache& lc);
   int page() const { return page_; }
+  int tile_pages() const { return tile_pages_; }
   int pages(int len) const { return (len + page_ - 1) / page_; }
-  // Dimension `dim` of the min (or max) summary of every page: max_pages elements.
-  uint8_t* Row(int layer, int head, bool max, int dim);
-  float Value(int layer, int head, bool max, int dim, int page);
+  // Dimension `dim` of the min (or max) summary of pages [tile·tile_pages, +tile_pages) (the
+  // last tile: up to the layer's last page), contiguous.
+  const uint8_t* Chunk(int layer, int head, bool max, int dim, int tile) const {
+    const size_t es = DTypeSize(shape_.dtype);
+    const size_t sets = Sets(page_), d = shape_.head_dim,
+                 first = static_cast<size_t>(tile_pages_) * tile;
+    const size_t width = std::min<size_t>(tile_pages_, max_pages_[layer] - first);
+    const size_t set = sets == 2 && max ? 1 : 0;
+    // The head's tiles, then the tiles before this one (each sets·d·tile_pages elements),
+    // then the rows before this one within the tile (each `width` elements).
+    return base_ + offsets_[layer] +
+           (static_cast<size_t>(head) * sets * d * max_pages_[layer] + first * sets * d +
+            (static_cast<size_t>(dim) * sets + set) * width) *
+               es;
+  }
+  float Value(int layer, int head, bool max, int dim, int page) const;
 
  private:
   // Rows of one page summary set per head: min and max, or one set for pages of one token.
   static int Sets(int page) { return page == 1 ? 1 : 2; }
   static int MaxPages(const KvCacheShape& shape, int layer, int page, int dense_layers);
+  uint8_t* MutableChunk(int layer, int head, bool max, int dim, int tile);
 
   KvCacheShape shape_;
   int page_;
+  int tile_pages_;
   KvMemoryPtr memory_;
+  uint8_t* base_;  // memory_->data()
   std::vector<int> max_pages_;
   std::vector<size_t> offsets_;
-  std::vector<int> built_;
+  std::vector<int> built_;  // [layer · n_heads + head]: tokens summarized
 };
 
 }  // namespace kvwire

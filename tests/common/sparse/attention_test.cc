@@ -1,7 +1,10 @@
 // Decode attention modes against naive references written from their definitions
 // (docs/algorithms.md §3-4): page summaries stay exact as tokens append; hybrid, quest and
-// exact top-k select what brute force selects; hybrid with every dimension and one-token
-// pages is exact top-k; and a budget covering the cache is dense attention.
+// exact top-k select what brute force selects; hybrid and quest equal, bit for bit, the
+// row-at-a-time formulation they were first written as; the parallel selection (heads and
+// sequences on several threads) equals the serial one, ties and odd head counts included;
+// hybrid with every dimension and one-token pages is exact top-k; and a budget covering the
+// cache is dense attention.
 #include "common/sparse/attention.h"
 
 #include <gtest/gtest.h>
@@ -9,12 +12,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
 
+#include "common/base/ranking.h"
 #include "common/engine/generate.h"
 #include "common/sparse/rocketkv.h"
+#include "kernels/simd.h"
+#include "kernels/thread_pool.h"
 #include "tests/test_util.h"
 
 namespace kvwire {
@@ -219,6 +226,321 @@ TEST(SparseAttention, ModesMatchNaiveReferences) {
   EXPECT_GE(exact, cases * 9 / 10) << "near-ties explain a few, not many";
 }
 
+// Hybrid attention as first written: lines 4-6 one summary row at a time down all pages
+// (simd::Axpy per dimension and query head), then scale, max, softmax and TakePages with a
+// partial sort. The tiled, register-blocked version must choose exactly this, in this order.
+std::vector<int32_t> HybridRowByRow(const PageSummaries& sums, const LayerCache& lc, int c,
+                                    const float* q, int group, int r, int k) {
+  const int d = lc.head_dim, n_pages = sums.pages(lc.len), page = sums.page();
+  std::vector<float> a(d, 0.f), sum(d, 0.f);
+  for (int g = 0; g < group; ++g) {
+    for (int i = 0; i < d; ++i) {
+      a[i] += std::fabs(q[g * d + i]);
+      sum[i] += q[g * d + i];
+    }
+  }
+  std::vector<int32_t> dims(d);
+  std::iota(dims.begin(), dims.end(), 0);
+  std::partial_sort(dims.begin(), dims.begin() + r, dims.end(), BestFirst<float>{a.data()});
+  std::vector<float> u(static_cast<size_t>(group) * n_pages, 0.f), row(n_pages);
+  for (int x = 0; x < r; ++x) {
+    const int i = dims[x];
+    for (int p = 0; p < n_pages; ++p) row[p] = sums.Value(0, c, sum[i] >= 0.f, i, p);
+    for (int g = 0; g < group; ++g) {
+      kernels::simd::Axpy(q[g * d + i], row.data(), DType::kF32, u.data() + g * n_pages, n_pages);
+    }
+  }
+  const int last_page_slots = lc.len - (n_pages - 1) * page;
+  std::vector<float> score(n_pages, 0.f);
+  for (int g = 0; g < group; ++g) {
+    const float* qh = q + g * d;
+    float num = 0.f, den = 0.f;
+    for (int x = 0; x < r; ++x) num += std::fabs(qh[dims[x]]);
+    for (int i = 0; i < d; ++i) den += std::fabs(qh[i]);
+    const float inv_scale = den > 0.f && num > 0.f ? 1.f / std::sqrt(d * num / den) : 1.f;
+    float* ug = u.data() + g * n_pages;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int p = 0; p < n_pages; ++p) {
+      ug[p] *= inv_scale;
+      mx = std::max(mx, ug[p]);
+    }
+    const float total = kernels::simd::ExpShiftSum(ug, n_pages, mx);
+    const float z = total * page - ug[n_pages - 1] * static_cast<float>(page - last_page_slots);
+    kernels::simd::Axpy(1.f / z, ug, DType::kF32, score.data(), n_pages);
+  }
+  std::vector<int32_t> order(n_pages), out;
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), BestFirst<float>{score.data()});
+  for (int p : order) {
+    for (int t = p * page; t < std::min(lc.len, (p + 1) * page); ++t) {
+      if (static_cast<int>(out.size()) < k) out.push_back(t);
+    }
+  }
+  return out;
+}
+
+// Quest as first written: the bound one summary row at a time (dimension, then query head).
+std::vector<int32_t> QuestRowByRow(const PageSummaries& sums, const LayerCache& lc, int c,
+                                   const float* q, int group, int k) {
+  const int d = lc.head_dim, n_pages = sums.pages(lc.len), page = sums.page();
+  std::vector<float> bound(n_pages, 0.f), hi(n_pages), lo(n_pages);
+  for (int i = 0; i < d; ++i) {
+    for (int p = 0; p < n_pages; ++p) {
+      hi[p] = sums.Value(0, c, true, i, p);
+      lo[p] = sums.Value(0, c, false, i, p);
+    }
+    for (int g = 0; g < group; ++g) {
+      const float qi = q[g * d + i];
+      kernels::simd::Axpy(qi, qi >= 0.f ? hi.data() : lo.data(), DType::kF32, bound.data(),
+                          n_pages);
+    }
+  }
+  std::vector<int32_t> order(n_pages), out;
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), BestFirst<float>{bound.data()});
+  for (int p : order) {
+    for (int t = p * page; t < std::min(lc.len, (p + 1) * page); ++t) {
+      if (static_cast<int>(out.size()) < k) out.push_back(t);
+    }
+  }
+  return out;
+}
+
+// Keys a few float32 ulps from one row per head: every page's score ties with the others' to
+// within rounding, so which pages win, and in which order, depends on every rounding — a
+// scorer that summed in another order would choose otherwise.
+std::unique_ptr<KvCache> NearTieCache(int heads, int d, int len, int capacity, std::mt19937& rng) {
+  auto cache = RandomCache(heads, d, len, capacity, DType::kF32, rng);
+  LayerCache& lc = cache->layer(0);
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::vector<float> base(d), row(d);
+  for (int h = 0; h < heads; ++h) {
+    for (float& x : base) x = n(rng);
+    for (int t = 0; t < capacity; ++t) {
+      for (int i = 0; i < d; ++i) {
+        row[i] = base[i];
+        const int steps = static_cast<int>(rng() % 7) - 3;
+        for (int s = 0; s < std::abs(steps); ++s) {
+          row[i] = std::nextafter(row[i], steps > 0 ? 1e30f : -1e30f);
+        }
+      }
+      FromFloat(DType::kF32, row.data(), lc.k_row(h, t), d);
+    }
+  }
+  return cache;
+}
+
+// Page counts on both sides of whole vectors (8) and tiles (64), every group size the vector
+// path is compiled for and some it is not, both dtypes, and scores tied to within rounding:
+// the same tokens in the same order.
+TEST(SparseAttention, HybridAndQuestEqualTheRowByRowFormulation) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0.f, 1.f);
+  int cases = 0;
+  for (int keys = 0; keys < 3; ++keys) {  // bf16, f32, f32 tied to within rounding
+    const DType dtype = keys == 0 ? DType::kBF16 : DType::kF32;
+    for (int group : {1, 2, 3, 4, 5, 8}) {
+      for (int len : {9, 63, 64, 65, 200, 517, 1031}) {
+        const int page = 1 + static_cast<int>(rng() % 4), d = group % 2 ? 16 : 32;
+        const int r = 1 + static_cast<int>(rng() % d), kv = 2;
+        const int k = 1 + static_cast<int>(rng() % (len - 1));
+        const ModelConfig mc = Shape(kv * group, kv, d);
+        auto cache = keys == 2 ? NearTieCache(kv, d, len, len + 3, rng)
+                               : RandomCache(kv, d, len, len + 3, dtype, rng);
+        std::vector<float> q(static_cast<size_t>(kv) * group * d);
+        for (float& x : q) x = n(rng);
+        for (AttentionMode mode : {AttentionMode::kHybrid, AttentionMode::kQuest}) {
+          DecodeAttentionConfig a;
+          a.mode = mode;
+          a.top_k = k;
+          a.page_size = page;
+          if (mode == AttentionMode::kHybrid) a.top_r = r;
+          auto sel = MakeDecodeSelector(a, mc, cache->shape(), HeapKvAllocator());
+          ASSERT_TRUE(sel.ok()) << sel.status();
+          std::vector<int32_t> idx;
+          int num = 0;
+          ASSERT_TRUE(*(*sel)->Select(0, q.data(), cache->layer(0), &idx, &num));
+          PageSummaries sums(
+              cache->shape(), page,
+              *HeapKvAllocator().Allocate(PageSummaries::Bytes(cache->shape(), page)));
+          sums.Update(0, cache->layer(0));
+          for (int c = 0; c < kv; ++c) {
+            const float* qc = q.data() + static_cast<size_t>(c) * group * d;
+            const std::vector<int32_t> want =
+                mode == AttentionMode::kHybrid
+                    ? HybridRowByRow(sums, cache->layer(0), c, qc, group, r, num)
+                    : QuestRowByRow(sums, cache->layer(0), c, qc, group, num);
+            const std::vector<int32_t> got(idx.begin() + static_cast<long>(c) * num,
+                                           idx.begin() + static_cast<long>(c + 1) * num);
+            ASSERT_EQ(got, want) << AttentionModeName(mode) << " group " << group << " len " << len
+                                 << " page " << page << " r " << r << " k " << k;
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 3 * 6 * 7 * 2 * 2);
+}
+
+// A cache whose keys take a few integer values: page summaries, bounds and scores tie
+// everywhere, so the selection is decided by the tie rule (the lower page first).
+std::unique_ptr<KvCache> TiedCache(int heads, int d, int len, int capacity, DType dtype,
+                                   std::mt19937& rng) {
+  auto cache = RandomCache(heads, d, len, capacity, dtype, rng);
+  LayerCache& lc = cache->layer(0);
+  std::vector<float> row(d);
+  for (int h = 0; h < heads; ++h) {
+    for (int t = 0; t < capacity; ++t) {
+      for (float& x : row) x = static_cast<float>(static_cast<int>(rng() % 3) - 1);
+      FromFloat(dtype, row.data(), lc.k_row(h, t), d);
+    }
+  }
+  return cache;
+}
+
+// Every head of several selectors at once on a pool of four threads, in whatever order the
+// pool runs them, while tokens are appended: the same indices as Select, head by head in
+// order on one thread. Odd head counts, groups of 1 to 8, tied and untied keys.
+TEST(SparseAttention, ParallelSelectionEqualsSerial) {
+  kernels::ThreadPool pool(4);
+  std::mt19937 rng(21);
+  std::normal_distribution<float> n(0.f, 1.f);
+  for (bool tied : {true, false}) {
+    for (int kv : {1, 3, 5, 7}) {
+      for (int group : {1, 3, 4, 8}) {
+        const int d = 16, len = 150 + static_cast<int>(rng() % 300), steps = 4;
+        const DType dtype = kv % 2 ? DType::kBF16 : DType::kF32;
+        const ModelConfig mc = Shape(kv * group, kv, d);
+        auto cache = tied ? TiedCache(kv, d, len, len + steps, dtype, rng)
+                          : RandomCache(kv, d, len, len + steps, dtype, rng);
+        std::vector<std::unique_ptr<DecodeSelector>> serial, parallel;
+        const std::vector<AttentionMode> modes = {AttentionMode::kHybrid, AttentionMode::kQuest,
+                                                  AttentionMode::kExactTopK};
+        for (AttentionMode mode : modes) {
+          DecodeAttentionConfig a;
+          a.mode = mode;
+          a.token_budget = 40;
+          serial.push_back(*MakeDecodeSelector(a, mc, cache->shape(), HeapKvAllocator()));
+          parallel.push_back(*MakeDecodeSelector(a, mc, cache->shape(), HeapKvAllocator()));
+        }
+        LayerCache& lc = cache->layer(0);
+        for (int step = 0; step < steps; ++step, ++lc.len) {
+          std::vector<float> q(static_cast<size_t>(kv) * group * d);
+          for (float& x : q)
+            x = tied ? static_cast<float>(static_cast<int>(rng() % 5) - 2) : n(rng);
+          std::vector<std::vector<int32_t>> got(modes.size());
+          std::vector<int> num(modes.size());
+          for (size_t m = 0; m < modes.size(); ++m) {
+            ASSERT_TRUE(*parallel[m]->Plan(0, lc, &num[m]));
+            got[m].assign(static_cast<size_t>(kv) * num[m], -1);
+          }
+          // All (mode, head) pairs as one job, as the model runs a batch.
+          const int64_t tasks = static_cast<int64_t>(modes.size()) * kv;
+          pool.ParallelFor(tasks, 1, [&](int64_t t0, int64_t t1) {
+            for (int64_t t = t0; t < t1; ++t) {
+              const size_t m = t / kv;
+              const int c = static_cast<int>(t % kv);
+              parallel[m]->SelectHead(0, q.data(), lc, c,
+                                      got[m].data() + static_cast<size_t>(c) * num[m]);
+            }
+          });
+          for (size_t m = 0; m < modes.size(); ++m) {
+            std::vector<int32_t> want;
+            int want_num = 0;
+            ASSERT_TRUE(*serial[m]->Select(0, q.data(), lc, &want, &want_num));
+            ASSERT_EQ(num[m], want_num);
+            ASSERT_EQ(got[m], want) << AttentionModeName(modes[m]) << (tied ? " tied" : "")
+                                    << " kv " << kv << " group " << group << " step " << step;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Wraps a sequence's selector inside the model and checks every layer's parallel selection
+// against a twin selector's serial one on the same query and cache.
+class SerialTwinCheck final : public DecodeSelector {
+ public:
+  SerialTwinCheck(std::unique_ptr<DecodeSelector> inner, std::unique_ptr<DecodeSelector> twin)
+      : inner_(std::move(inner)), twin_(std::move(twin)) {}
+  absl::StatusOr<bool> Plan(int layer, const LayerCache& lc, int* num) override {
+    return inner_->Plan(layer, lc, num);
+  }
+  void SelectHead(int layer, const float* q, const LayerCache& lc, int head,
+                  int32_t* out) override {
+    inner_->SelectHead(layer, q, lc, head, out);
+  }
+  void Done(int layer, const float* q, const LayerCache& lc, const int32_t* indices,
+            int num) override {
+    std::vector<int32_t> want;
+    int want_num = 0;
+    const bool sparse = *twin_->Select(layer, q, lc, &want, &want_num);
+    EXPECT_EQ(sparse, indices != nullptr);
+    if (sparse && indices != nullptr) {
+      EXPECT_EQ(num, want_num);
+      EXPECT_EQ(std::vector<int32_t>(indices, indices + static_cast<size_t>(lc.n_heads) * num),
+                want)
+          << "layer " << layer;
+      ++sparse_layers;
+    }
+  }
+  int sparse_layers = 0;
+
+ private:
+  std::unique_ptr<DecodeSelector> inner_, twin_;
+};
+
+// The model selects every sequence's heads at once on its threads: across batch sizes, odd
+// KV head counts and a mix of modes and cache lengths, each sequence gets the serial selection.
+TEST(SparseAttention, ModelBatchSelectsAsSerialAcrossBatchSizes) {
+  for (const char* spec : {"synthetic:tiny,heads=9,kv_heads=3,head_dim=16",
+                           "synthetic:tiny,heads=5,kv_heads=5,head_dim=16",
+                           "synthetic:tiny,heads=8,kv_heads=1,head_dim=16,dtype=bf16"}) {
+    LoadOptions lo;
+    lo.threads = 3;
+    auto model = LlamaModel::Load(spec, lo);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const ModelConfig& mc = (*model)->config();
+    std::mt19937 rng(31);
+    for (int bsz : {1, 2, 3, 5}) {
+      std::vector<std::unique_ptr<KvCache>> caches;
+      std::vector<std::unique_ptr<SerialTwinCheck>> selectors;
+      std::vector<DecodeInput> batch;
+      for (int b = 0; b < bsz; ++b) {
+        const int len = 100 + 37 * b;
+        KvCacheShape shape{mc.num_kv_heads, mc.head_dim, (*model)->kv_dtype(),
+                           std::vector<int>(mc.num_layers, len + 8)};
+        caches.push_back(*KvCache::Create(shape, HeapKvAllocator()));
+        for (int l = 0; l < mc.num_layers; ++l) {
+          auto one = RandomCache(mc.num_kv_heads, mc.head_dim, len, len + 8, shape.dtype, rng);
+          LayerCache& dst = caches.back()->layer(l);
+          const LayerCache& src = one->layer(0);
+          std::memcpy(dst.k, src.k, src.row_bytes() * src.n_heads * src.capacity);
+          std::memcpy(dst.v, src.v, src.row_bytes() * src.n_heads * src.capacity);
+          std::memcpy(dst.positions, src.positions, sizeof(int32_t) * src.n_heads * src.capacity);
+          dst.len = len;
+        }
+        DecodeAttentionConfig a;
+        a.mode = std::vector<AttentionMode>{AttentionMode::kHybrid, AttentionMode::kQuest,
+                                            AttentionMode::kExactTopK}[b % 3];
+        a.token_budget = 24 + 8 * b;
+        selectors.push_back(std::make_unique<SerialTwinCheck>(
+            *MakeDecodeSelector(a, mc, shape, HeapKvAllocator()),
+            *MakeDecodeSelector(a, mc, shape, HeapKvAllocator())));
+        batch.push_back(DecodeInput{5 + b, len, caches.back().get(), selectors.back().get()});
+      }
+      std::vector<float> logits(static_cast<size_t>(bsz) * mc.vocab_size);
+      for (int step = 0; step < 3; ++step) {
+        ASSERT_TRUE((*model)->DecodeStep(batch, logits.data()).ok());
+        for (DecodeInput& in : batch) ++in.position;
+      }
+      for (const auto& s : selectors) EXPECT_EQ(s->sparse_layers, 3 * mc.num_layers) << spec;
+    }
+  }
+}
+
 // Counts what a selector takes, so the decode node's reservation can be checked against it.
 class CountingAllocator : public KvAllocator {
  public:
@@ -279,28 +601,31 @@ TEST(SparseAttention, PageSummariesStayExactAcrossPageBoundaries) {
   std::mt19937 rng(3);
   for (DType dtype : {DType::kF32, DType::kBF16}) {
     for (int page : {1, 3, 4}) {
-      auto cache = RandomCache(2, 16, 5, 40, dtype, rng);
-      const KvCacheShape shape = cache->shape();
-      PageSummaries sums(shape, page,
-                         *HeapKvAllocator().Allocate(PageSummaries::Bytes(shape, page)));
-      // 2 heads × 16 dims × 40 slots: min and max rows per page, or, for pages of one token
-      // (the keys themselves), one set.
-      const size_t sets = page == 1 ? 1 : 2, pages = (40 + page - 1) / page;
-      EXPECT_EQ(PageSummaries::Bytes(shape, page), 2 * sets * 16 * pages * DTypeSize(dtype));
-      LayerCache& lc = cache->layer(0);
-      for (int len = 5; len <= 40; ++len) {  // one token appended at a time
-        lc.len = len;
-        sums.Update(0, lc);
-        for (int h = 0; h < 2; ++h) {
-          for (int p = 0; p < sums.pages(len); ++p) {
-            for (int i = 0; i < 16; ++i) {
-              float lo = 1e30f, hi = -1e30f;
-              for (int t = p * page; t < std::min(len, (p + 1) * page); ++t) {
-                lo = std::min(lo, RowOf(lc, h, t)[i]);
-                hi = std::max(hi, RowOf(lc, h, t)[i]);
+      // 150 slots: up to 150 pages, as whole rows and in tiles of 64 pages (a short last one).
+      for (int tile : {PageSummaries::kRows, PageSummaries::kTilePages}) {
+        auto cache = RandomCache(2, 16, 5, 150, dtype, rng);
+        const KvCacheShape shape = cache->shape();
+        PageSummaries sums(shape, page,
+                           *HeapKvAllocator().Allocate(PageSummaries::Bytes(shape, page)), 0, tile);
+        // 2 heads × 16 dims × 150 slots: min and max rows per page, or, for pages of one token
+        // (the keys themselves), one set.
+        const size_t sets = page == 1 ? 1 : 2, pages = (150 + page - 1) / page;
+        EXPECT_EQ(PageSummaries::Bytes(shape, page), 2 * sets * 16 * pages * DTypeSize(dtype));
+        LayerCache& lc = cache->layer(0);
+        for (int len = 5; len <= 150; len += len < 60 ? 1 : 7) {  // tokens appended
+          lc.len = len;
+          sums.Update(0, lc);
+          for (int h = 0; h < 2; ++h) {
+            for (int p = 0; p < sums.pages(len); ++p) {
+              for (int i = 0; i < 16; ++i) {
+                float lo = 1e30f, hi = -1e30f;
+                for (int t = p * page; t < std::min(len, (p + 1) * page); ++t) {
+                  lo = std::min(lo, RowOf(lc, h, t)[i]);
+                  hi = std::max(hi, RowOf(lc, h, t)[i]);
+                }
+                ASSERT_EQ(sums.Value(0, h, false, i, p), lo) << "len " << len << " page " << p;
+                ASSERT_EQ(sums.Value(0, h, true, i, p), hi) << "len " << len << " page " << p;
               }
-              ASSERT_EQ(sums.Value(0, h, false, i, p), lo) << "len " << len << " page " << p;
-              ASSERT_EQ(sums.Value(0, h, true, i, p), hi) << "len " << len << " page " << p;
             }
           }
         }
