@@ -71,7 +71,7 @@ class CpuBackend final : public HostMemoryBackend {
     constexpr int64_t kTile = 4;
     const int64_t tiles = (p.n + kTile - 1) / kTile;
     const int panel =
-        static_cast<int>(std::clamp<int64_t>((int64_t{256} << 10) / (2 * kp), 4, 64) / 4 * 4);
+        static_cast<int>(std::clamp<int64_t>((int64_t{512} << 10) / (2 * kp), 4, 256) / 4 * 4);
     for (int r0 = 0; r0 < p.m; r0 += panel) {
       const int rows = std::min(panel, p.m - r0);
       const int64_t grain = std::max<int64_t>(2, kMinWorkPerTask / (int64_t{p.k} * rows * kTile));
@@ -251,11 +251,10 @@ absl::Status CpuBackend::PrefillAttention(const PrefillAttentionParams& p) {
                 if (correction != 1.f) {
                   for (int x = 0; x < d; ++x) a[x] *= correction;
                 }
-                float sum = 0.f;
+                // The tile's exponentials eight at a time, then the weighted values.
+                const float sum = simd::ExpShiftSum(s.data(), jn - j0, m_new);
                 for (int j = j0; j < jn; ++j) {
-                  const float e = std::exp(s[j - j0] - m_new);
-                  sum += e;
-                  simd::Axpy(e, p.v + j * p.kv_stride + int64_t{g} * d, DType::kF32, a, d);
+                  simd::Axpy(s[j - j0], p.v + j * p.kv_stride + int64_t{g} * d, DType::kF32, a, d);
                 }
                 l[row] = l[row] * correction + sum;
                 m[row] = m_new;

@@ -91,17 +91,23 @@ void Tile(const float* x, int64_t xs, const void* w, int k, int64_t j, const flo
   int i = 0;
 #if KVWIRE_GEMM_VECTOR
   typename Isa::V acc[MR][NC];
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) acc[r][c] = Isa::Zero();
   }
   for (; i + Isa::kLanes <= k; i += Isa::kLanes) {
     typename Isa::V wv[NC];
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) wv[c] = Isa::template LoadW<T>(rows[c], i);
+#pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       const typename Isa::V xv = Isa::LoadX(x + r * xs + i);
+#pragma GCC unroll 4
       for (int c = 0; c < NC; ++c) acc[r][c] = Isa::Fma(xv, wv[c], acc[r][c]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
     if constexpr (NC == 4) {
       _mm_storeu_ps(sums[r], Isa::Sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
@@ -166,20 +172,26 @@ void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int64_t 
   const uint16_t* rows[NC];
   for (int c = 0; c < NC; ++c) rows[c] = w + (j + c) * k;
   __m512 acc[MR][NC];
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   }
-  auto step = [&](int i, __mmask32 mask) {
+  // The loops over the tile are unrolled so the accumulators stay in registers.
+  int i = 0;
+  for (; i < k; i += 32) {
+    const __mmask32 mask = k - i >= 32 ? ~__mmask32{0} : (__mmask32{1} << (k - i)) - 1;
     __m512bh wv[NC];
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[c] + i);
+#pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * kp + i);
+#pragma GCC unroll 4
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
-  };
-  int i = 0;
-  for (; i + 32 <= k; i += 32) step(i, ~__mmask32{0});
-  if (i < k) step(i, (__mmask32{1} << (k - i)) - 1);
+  }
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
     float sums[NC];
     if constexpr (NC == 4) {
