@@ -5,8 +5,8 @@
 #   bash bench/peers/run.sh [--runs 5] [--skip-1b] [--kvwire build/tools/kvwire] ...
 #
 # The first run builds llama.cpp from source, through llama-cpp-python with native CPU flags,
-# into a cached environment (build/peers/venv, 10-30 minutes on 2 cores), and writes the
-# models under build/peers/models (about 4 GB). Not run by CI: a full run takes 20-30 minutes.
+# into a cached environment (build/peers/venv, about 20 minutes on 2 cores), and writes the
+# models under build/peers/models (about 4 GB). Not run by CI: a run takes about 18 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LLAMA_CPP_PYTHON_VERSION=0.3.36
