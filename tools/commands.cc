@@ -16,6 +16,8 @@ const std::vector<Command>& Commands() {
       {"policies",
        "list the compression policies and decode attention modes, with their parameters",
        RunPolicies},
+      {"timing", "prefill and decode wall times of greedy generation from token ids, as JSON",
+       RunTiming},
   };
   return *commands;
 }

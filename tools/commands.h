@@ -29,6 +29,7 @@ int RunTokenize(int argc, char** argv);
 int RunSelect(int argc, char** argv);
 int RunEval(int argc, char** argv);
 int RunPolicies(int argc, char** argv);
+int RunTiming(int argc, char** argv);
 
 // Prints "kvwire COMMAND: message" and returns 1 (or 2 for InvalidArgument).
 int Fail(const char* command, const absl::Status& status);

@@ -1,0 +1,35 @@
+// Timed greedy generation, for comparing kvwire with other engines (bench/peers): the wall
+// time of the prefill and of the decode steps after it, with the ids, exactly as
+// `kvwire generate` runs them (Generate, full cache, dense attention, greedy).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "common/model/llama_model.h"
+
+namespace kvwire::tools {
+
+struct TimedGeneration {
+  // From the call to its first token: cache creation, the forward pass, the first argmax.
+  double prefill_seconds = 0;
+  // The `decode_steps` DecodeSteps after it, each with its argmax.
+  double decode_seconds = 0;
+  // The prefill's token, then one per decode step: decode_steps + 1 ids.
+  std::vector<int32_t> ids;
+};
+
+// Prefills `prompt` and runs `decode_steps` greedy decode steps, end-of-sequence ignored.
+// A prompt that is empty, has ids outside the vocabulary, or does not leave room for the
+// steps in the model's context is an InvalidArgumentError.
+absl::StatusOr<TimedGeneration> TimeGreedyGeneration(LlamaModel& model,
+                                                     absl::Span<const int32_t> prompt,
+                                                     int decode_steps);
+
+// "1,2,3" as token ids, each in [0, vocab_size); an empty list is an error.
+absl::StatusOr<std::vector<int32_t>> ParseTokenIds(absl::string_view list, int vocab_size);
+
+}  // namespace kvwire::tools
