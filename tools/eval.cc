@@ -36,21 +36,13 @@ class AttentionRecorder : public DecodeObserver {
 
 // Wraps a sequence's selector and records, per layer, the prompt positions each cache
 // head attended at the last step (all of its cache for dense attention).
-class RecordingSelector : public DecodeSelector {
+class RecordingSelector : public WrappingSelector {
  public:
   RecordingSelector(DecodeSelector* inner, int layers, int prompt_len)
-      : inner_(inner), prompt_len_(prompt_len), masks_(layers) {}
-  absl::StatusOr<bool> Plan(int layer, const LayerCache& lc, int* num) override {
-    if (inner_ == nullptr) return false;
-    return inner_->Plan(layer, lc, num);
-  }
-  void SelectHead(int layer, const float* q, const LayerCache& lc, int head,
-                  int32_t* out) override {
-    inner_->SelectHead(layer, q, lc, head, out);
-  }
+      : WrappingSelector(inner), prompt_len_(prompt_len), masks_(layers) {}
   void Done(int layer, const float* q, const LayerCache& lc, const int32_t* indices,
             int num) override {
-    if (inner_) inner_->Done(layer, q, lc, indices, num);
+    WrappingSelector::Done(layer, q, lc, indices, num);
     auto& m = masks_[layer];
     m.assign(lc.n_heads, std::vector<char>(prompt_len_, 0));
     for (int c = 0; c < lc.n_heads; ++c) {
@@ -65,7 +57,6 @@ class RecordingSelector : public DecodeSelector {
   const std::vector<char>& mask(int layer, int head) const { return masks_[layer][head]; }
 
  private:
-  DecodeSelector* inner_;
   int prompt_len_;
   std::vector<std::vector<std::vector<char>>> masks_;  // [layer][cache head][position]
 };

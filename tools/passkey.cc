@@ -101,25 +101,17 @@ void CheckNeedle(const Needle& needle, const KvCache& cache, const ModelConfig& 
 
 // Passes each step through to the method's selector (none: dense) and checks that the
 // retrieval head's cache heads attend the needle token the step is about to copy.
-class NeedleReader final : public DecodeSelector {
+class NeedleReader final : public WrappingSelector {
  public:
   NeedleReader(DecodeSelector* inner, int layer, int first_head, int heads)
-      : inner_(inner), layer_(layer), first_(first_head), heads_(heads) {}
+      : WrappingSelector(inner), layer_(layer), first_(first_head), heads_(heads) {}
   // The prompt position the next step should read (-1: none).
   void Expect(int32_t position) { target_ = position; }
   bool read_all() const { return read_all_; }
 
-  absl::StatusOr<bool> Plan(int layer, const LayerCache& lc, int* num) override {
-    if (inner_ == nullptr) return false;
-    return inner_->Plan(layer, lc, num);
-  }
-  void SelectHead(int layer, const float* q, const LayerCache& lc, int head,
-                  int32_t* out) override {
-    inner_->SelectHead(layer, q, lc, head, out);
-  }
   void Done(int layer, const float* q, const LayerCache& lc, const int32_t* indices,
             int num) override {
-    if (inner_) inner_->Done(layer, q, lc, indices, num);
+    WrappingSelector::Done(layer, q, lc, indices, num);
     if (layer != layer_ || target_ < 0) return;
     for (int c = first_; c < first_ + heads_; ++c) {
       const int n = indices ? num : lc.len;
@@ -133,7 +125,6 @@ class NeedleReader final : public DecodeSelector {
   }
 
  private:
-  DecodeSelector* inner_;
   int layer_, first_, heads_;
   int32_t target_ = -1;
   bool read_all_ = true;

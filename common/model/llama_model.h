@@ -97,6 +97,29 @@ class DecodeSelector {
                               std::vector<int32_t>* indices, int* num_indices);
 };
 
+// A selector that watches another (or, with none, dense attention): Plan and SelectHead are
+// the inner selector's; a subclass overrides Done, calling this one first, to see each
+// layer's selection.
+class WrappingSelector : public DecodeSelector {
+ public:
+  explicit WrappingSelector(DecodeSelector* inner) : inner_(inner) {}
+  absl::StatusOr<bool> Plan(int layer, const LayerCache& cache, int* num_indices) override {
+    if (inner_ == nullptr) return false;
+    return inner_->Plan(layer, cache, num_indices);
+  }
+  void SelectHead(int layer, const float* q, const LayerCache& cache, int head,
+                  int32_t* out) override {
+    inner_->SelectHead(layer, q, cache, head, out);
+  }
+  void Done(int layer, const float* q, const LayerCache& cache, const int32_t* indices,
+            int num_indices) override {
+    if (inner_) inner_->Done(layer, q, cache, indices, num_indices);
+  }
+
+ private:
+  DecodeSelector* inner_;
+};
+
 // Receives decode-time attention probabilities, for fidelity measurements.
 class DecodeObserver {
  public:
