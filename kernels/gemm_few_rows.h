@@ -1,5 +1,7 @@
-// Matrix products with few activation rows: a decode batch, a short prompt. Internal to the
-// CPU backend (kernels/cpu_backend.cc), which splits the weight rows between its threads.
+// Register-tiled matrix products of the CPU backend: few float32 activation rows (a decode
+// batch, a short prompt) against f32/bf16/f16 weights, and bf16 dot products over panels of
+// rows for bf16 weights. Internal to kernels/cpu_backend.cc, which splits the weight rows
+// between its threads.
 #pragma once
 
 #include <cstdint>
