@@ -292,22 +292,6 @@ absl::Status CpuBackend::PrefillAttention(const PrefillAttentionParams& p) {
 // over the values accumulates all heads' outputs (each V row widened once). Long caches
 // make this a streaming read of K and V, so the point is to keep up with memory. The
 // element type is a template parameter so the inner loops carry no dtype branches.
-#if KVWIRE_AVX2
-template <DType T>
-inline __m256 LoadKv8(const void* row, int i) {
-  if constexpr (T == DType::kF32) {
-    return _mm256_loadu_ps(static_cast<const float*>(row) + i);
-  } else if constexpr (T == DType::kBF16) {
-    const __m128i h =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i)));
-  }
-}
-#endif
-
 template <int G, DType T>
 void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float* s) {
   const int count = seq.indices ? seq.num_indices : seq.len;
@@ -341,7 +325,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
       __m256 acc[G];
       for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
       for (int i = 0; i < d; i += 8) {
-        const __m256 kv = LoadKv8<T>(krow, i);
+        const __m256 kv = simd::LoadAs8<T>(krow, i);
         for (int g = 0; g < G; ++g)
           acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), kv, acc[g]);
       }
@@ -383,7 +367,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
             }
           }
           __m256 vv[kVecs];
-          for (int j = 0; j < kVecs; ++j) vv[j] = LoadKv8<T>(vrow, i0 + 8 * j);
+          for (int j = 0; j < kVecs; ++j) vv[j] = simd::LoadAs8<T>(vrow, i0 + 8 * j);
           for (int g = 0; g < G; ++g) {
             const __m256 w = _mm256_set1_ps(s[int64_t{g} * count + x]);
             for (int j = 0; j < kVecs; ++j) acc[g][j] = _mm256_fmadd_ps(w, vv[j], acc[g][j]);

@@ -64,11 +64,7 @@ struct Isa {
   static V LoadX(const float* p) { return _mm256_loadu_ps(p); }
   template <DType T>
   static V LoadW(const void* row, int64_t i) {
-    if constexpr (T == DType::kF32) {
-      return _mm256_loadu_ps(static_cast<const float*>(row) + i);
-    } else {
-      return simd::Load8(static_cast<const uint16_t*>(row) + i, T);
-    }
+    return simd::LoadAs8<T>(row, i);
   }
   static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float Sum(V v) { return simd::HorizontalSum(v); }

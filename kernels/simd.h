@@ -22,6 +22,16 @@ inline __m256 Load8(const uint16_t* p, DType t) {
   if (t == DType::kF16) return _mm256_cvtph_ps(h);
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+// 8 floats of a row of dtype T from element i, T fixed at compile time so inner loops carry
+// no dtype branch (bf16 is the top half of a float32).
+template <DType T>
+inline __m256 LoadAs8(const void* row, int64_t i) {
+  if constexpr (T == DType::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + i);
+  } else {
+    return Load8(static_cast<const uint16_t*>(row) + i, T);
+  }
+}
 inline float HorizontalSum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
   __m128 hi = _mm256_extractf128_ps(v, 1);

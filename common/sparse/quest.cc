@@ -15,15 +15,6 @@ namespace kvwire {
 namespace {
 
 #if KVWIRE_AVX2
-template <DType T>
-inline __m256 LoadRow8(const uint8_t* row, int p) {
-  if constexpr (T == DType::kF32) {
-    return kernels::simd::Load8(reinterpret_cast<const float*>(row) + p);
-  } else {
-    return kernels::simd::Load8(reinterpret_cast<const uint16_t*>(row) + p, T);
-  }
-}
-
 // bound[p] for V vectors of 8 pages from p: Σ over the terms in order, in registers.
 template <DType T, int V>
 inline void BoundBlock(const uint8_t* const* rows, const float* w, int terms, int p, float* bound) {
@@ -32,7 +23,7 @@ inline void BoundBlock(const uint8_t* const* rows, const float* w, int terms, in
   for (int x = 0; x < terms; ++x) {
     const __m256 wx = _mm256_set1_ps(w[x]);
     for (int j = 0; j < V; ++j) {
-      acc[j] = _mm256_fmadd_ps(wx, LoadRow8<T>(rows[x], p + 8 * j), acc[j]);
+      acc[j] = _mm256_fmadd_ps(wx, kernels::simd::LoadAs8<T>(rows[x], p + 8 * j), acc[j]);
     }
   }
   for (int j = 0; j < V; ++j) _mm256_storeu_ps(bound + p + 8 * j, acc[j]);

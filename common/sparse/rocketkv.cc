@@ -39,15 +39,6 @@ struct LogitsArgs {
 };
 
 #if KVWIRE_AVX2
-template <DType T>
-inline __m256 LoadRow8(const uint8_t* row, int p) {
-  if constexpr (T == DType::kF32) {
-    return kernels::simd::Load8(reinterpret_cast<const float*>(row) + p);
-  } else {
-    return kernels::simd::Load8(reinterpret_cast<const uint16_t*>(row) + p, T);
-  }
-}
-
 // Summary rows read together: eight forward streams are what the hardware prefetchers follow
 // best here (r at once, 40 at 16K, read at half the bandwidth; one row at a time, at 60%).
 constexpr int kRowsPerPass = 8;
@@ -64,7 +55,7 @@ inline void LogitsBlock(const LogitsArgs& a, int p, int x0, int x1, __m256* vmx)
   }
   for (int x = x0; x < x1; ++x) {
     __m256 v[V];
-    for (int j = 0; j < V; ++j) v[j] = LoadRow8<T>(a.rows[x], p + 8 * j);
+    for (int j = 0; j < V; ++j) v[j] = kernels::simd::LoadAs8<T>(a.rows[x], p + 8 * j);
     for (int g = 0; g < G; ++g) {
       const __m256 wg = _mm256_set1_ps(a.w[x * G + g]);
       for (int j = 0; j < V; ++j) acc[g][j] = _mm256_fmadd_ps(wg, v[j], acc[g][j]);

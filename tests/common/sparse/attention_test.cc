@@ -461,19 +461,13 @@ TEST(SparseAttention, ParallelSelectionEqualsSerial) {
 
 // Wraps a sequence's selector inside the model and checks every layer's parallel selection
 // against a twin selector's serial one on the same query and cache.
-class SerialTwinCheck final : public DecodeSelector {
+class SerialTwinCheck final : public WrappingSelector {
  public:
   SerialTwinCheck(std::unique_ptr<DecodeSelector> inner, std::unique_ptr<DecodeSelector> twin)
-      : inner_(std::move(inner)), twin_(std::move(twin)) {}
-  absl::StatusOr<bool> Plan(int layer, const LayerCache& lc, int* num) override {
-    return inner_->Plan(layer, lc, num);
-  }
-  void SelectHead(int layer, const float* q, const LayerCache& lc, int head,
-                  int32_t* out) override {
-    inner_->SelectHead(layer, q, lc, head, out);
-  }
+      : WrappingSelector(inner.get()), inner_(std::move(inner)), twin_(std::move(twin)) {}
   void Done(int layer, const float* q, const LayerCache& lc, const int32_t* indices,
             int num) override {
+    WrappingSelector::Done(layer, q, lc, indices, num);
     std::vector<int32_t> want;
     int want_num = 0;
     const bool sparse = *twin_->Select(layer, q, lc, &want, &want_num);
