@@ -41,10 +41,11 @@ def percentile(values, q):
 
 
 class Record:
-  __slots__ = ("ttft", "itls", "e2e", "tokens", "error")
+  __slots__ = ("ttft", "itls", "e2e", "tokens", "chunks", "error")
 
   def __init__(self):
-    self.ttft, self.itls, self.e2e, self.tokens, self.error = None, [], None, 0, None
+    self.ttft, self.itls, self.e2e, self.tokens, self.chunks, self.error = \
+        None, [], None, 0, 0, None
 
 
 async def http_request(session, url, model, prompt, args):
@@ -77,6 +78,7 @@ async def http_request(session, url, model, prompt, args):
           # A token chunk (its text may be empty: part of a UTF-8 character, or random
           # weights' bytes), not the finishing one.
           if msg.get("choices") and msg["choices"][0].get("finish_reason") is None:
+            rec.chunks += 1
             if rec.ttft is None:
               rec.ttft = now - start
             else:
@@ -101,6 +103,7 @@ async def grpc_request(client, kvwire, prompt, args):
     async for chunk in client.stream(prompt, params):
       now = time.perf_counter()
       if chunk.token_ids:
+        rec.chunks += 1
         if rec.ttft is None:
           rec.ttft = now - start
         else:
@@ -145,6 +148,7 @@ def summarize(name, records, wall):
   row = {"side": name, "requests": len(records), "ok": len(ok), "errors": len(errors),
          "first_error": errors[0] if errors else None, "wall_s": wall,
          "output_tokens_per_s": tokens / wall if wall else 0.0,
+         "chunks_per_request": statistics.fmean(r.chunks for r in ok) if ok else float("nan"),
          "requests_per_s": len(ok) / wall if wall else 0.0}
   for label, values in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
     row[label] = {"mean": statistics.fmean(values) if values else float("nan"),
@@ -153,17 +157,21 @@ def summarize(name, records, wall):
 
 
 def print_table(rows):
-  print("%-7s %5s %4s %9s | %8s %8s %8s | %7s %7s %7s | %8s %8s %8s" %
-        ("side", "ok", "err", "out tok/s", "TTFT p50", "p90", "p99", "ITL p50", "p90", "p99",
+  print("%-7s %5s %4s %9s %6s | %8s %8s %8s | %7s %7s %7s | %8s %8s %8s" %
+        ("side", "ok", "err", "out tok/s", "chunks", "TTFT p50", "p90", "p99", "ITL p50", "p90", "p99",
          "E2E p50", "p90", "p99"))
   for r in rows:
-    print("%-7s %5d %4d %9.1f | %8.2f %8.2f %8.2f | %7.3f %7.3f %7.3f | %8.1f %8.1f %8.1f" %
-          (r["side"], r["ok"], r["errors"], r["output_tokens_per_s"],
+    print("%-7s %5d %4d %9.1f %6.1f | %8.2f %8.2f %8.2f | %7.3f %7.3f %7.3f | %8.1f %8.1f %8.1f" %
+          (r["side"], r["ok"], r["errors"], r["output_tokens_per_s"], r["chunks_per_request"],
            r["ttft_ms"]["p50"], r["ttft_ms"]["p90"], r["ttft_ms"]["p99"],
            r["itl_ms"]["p50"], r["itl_ms"]["p90"], r["itl_ms"]["p99"],
            r["e2e_ms"]["p50"], r["e2e_ms"]["p90"], r["e2e_ms"]["p99"]))
     if r["first_error"]:
       print("  first error: %s" % r["first_error"])
+  names = sorted({k for r in rows for k in r["cpu_ms_per_request"]})
+  print("CPU ms per request: " + ", ".join(
+      "%s %s" % (k, "/".join("%.2f" % r["cpu_ms_per_request"].get(k, 0.0) for r in rows))
+      for k in names) + "  (%s)" % "/".join(r["side"] for r in rows))
 
 
 def load_prompts(args):
@@ -179,13 +187,54 @@ def load_prompts(args):
   return [prompts[rng.randrange(len(prompts))] for _ in range(args.requests)]
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid):
+  """User + system CPU seconds of a process (/proc/PID/stat), 0 when it is gone."""
+  try:
+    with open("/proc/%d/stat" % pid) as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+  except OSError:
+    return 0.0
+  return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cluster_cpu_s(run_dir):
+  """CPU seconds so far of each cluster process (deploy/local/cluster.sh's pid files; nginx's
+  workers are counted with its master, as "router") and of this benchmark ("client")."""
+  cpu = {"client": sum(os.times()[:2])}
+  if not run_dir:
+    return cpu
+  pids = {}
+  pid_dir = os.path.join(run_dir, "pids")
+  for name in sorted(os.listdir(pid_dir)):
+    with open(os.path.join(pid_dir, name)) as f:
+      pids[int(f.read().strip())] = name[:-len(".pid")]
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open("/proc/%s/stat" % entry) as f:
+          parent = int(f.read().rsplit(")", 1)[1].split()[1])
+      except (OSError, ValueError, IndexError):
+        continue
+      if parent in pids and pids[parent] == "router":
+        cpu["router"] = cpu.get("router", 0.0) + process_cpu_s(int(entry))
+  for pid, name in pids.items():
+    cpu[name] = cpu.get(name, 0.0) + process_cpu_s(pid)
+  return cpu
+
+
 def start_cluster(args):
   run = tempfile.mkdtemp(prefix="kvwire-openai-bench-")
+  args.run_dir = run
   cluster = [os.path.join(REPO, "deploy", "local", "cluster.sh")]
   env = dict(os.environ, KVWIRE_PYTHON=sys.executable)
+  overrides = ["--set", "DECODE_STREAM_INTERVAL=%d" % args.stream_interval] \
+      if args.stream_interval else []
   base = str(args.base_port)
   subprocess.run(cluster + ["start", "--dir", run, "--base-port", base, "--model", args.model,
-                            "--build-dir", args.build_dir], check=True, env=env,
+                            "--build-dir", args.build_dir] + overrides, check=True, env=env,
                  stdout=subprocess.DEVNULL)
   subprocess.run(cluster + ["wait-ready", "--dir", run, "--timeout", "300"], check=True, env=env,
                  stdout=subprocess.DEVNULL)
@@ -213,15 +262,35 @@ async def bench(args, kvwire):
     for side in ("grpc", "openai"):
       await run_side(send[side], prompts[:max(2, args.clients)], args)
     results = {"grpc": ([], 0.0), "openai": ([], 0.0)}
+    per_round = []  # (round, side, records, wall) of each run, for the ratios of each round
+    cpu = {"grpc": {}, "openai": {}}
     rounds = max(1, args.rounds)
-    per_round = (len(prompts) + rounds - 1) // rounds
+    size = (len(prompts) + rounds - 1) // rounds
     for i in range(rounds):
-      chunk = prompts[i * per_round:(i + 1) * per_round]
+      chunk = prompts[i * size:(i + 1) * size]
       order = ("grpc", "openai") if i % 2 == 0 else ("openai", "grpc")
       for side in order:
+        before = cluster_cpu_s(args.run_dir)
         records, wall = await run_side(send[side], chunk, args)
+        after = cluster_cpu_s(args.run_dir)
         results[side] = (results[side][0] + records, results[side][1] + wall)
-  return [summarize(side, *results[side]) for side in ("grpc", "openai")]
+        per_round.append((i, side, records, wall))
+        for name, seconds in after.items():
+          cpu[side][name] = cpu[side].get(name, 0.0) + seconds - before.get(name, 0.0)
+  rows = [summarize(side, *results[side]) for side in ("grpc", "openai")]
+  # Each round's front ÷ gRPC ratios: their spread says how much of the difference is noise.
+  by_round = {}
+  for i, side, records, wall in per_round:
+    by_round.setdefault(i, {})[side] = summarize(side, records, wall)
+  rows[1]["round_ratios"] = [
+      {"ttft_p50": r["openai"]["ttft_ms"]["p50"] / r["grpc"]["ttft_ms"]["p50"],
+       "output_tokens_per_s": r["openai"]["output_tokens_per_s"] /
+                              r["grpc"]["output_tokens_per_s"]}
+      for _, r in sorted(by_round.items())]
+  for row in rows:
+    n = max(1, row["requests"])
+    row["cpu_ms_per_request"] = {k: 1e3 * v / n for k, v in sorted(cpu[row["side"]].items())}
+  return rows
 
 
 def main():
@@ -242,17 +311,23 @@ def main():
   p.add_argument("--max-tokens", type=int, default=32)
   p.add_argument("--prompt-chars", type=int, default=800, help="synthetic models' prompts")
   p.add_argument("--data", default="", help="JSONL with a prompt field")
+  p.add_argument("--stream-interval", type=int, default=0,
+                 help="with --start-cluster: the decode nodes' --stream-interval (default: "
+                      "node-flags.env's)")
   p.add_argument("--kv-policy", default="")
   p.add_argument("--kv-budget", type=int, default=0)
   p.add_argument("--seed", type=int, default=1)
   p.add_argument("--json", default="", help="write the rows to this file")
   p.add_argument("--quick", action="store_true", help="2 clients, 8 requests a side")
   args = p.parse_args()
+  if args.stream_interval and not args.start_cluster:
+    p.error("--stream-interval applies to a cluster this script starts (--start-cluster)")
   if args.quick:
     args.clients, args.requests, args.rounds = 2, 8, 2
   if args.model and not args.model.startswith("synthetic:") and os.path.isdir(args.model):
     args.model = os.path.abspath(args.model)
   args.extra = {}
+  args.run_dir = ""  # the cluster's, when this script starts it: CPU per process
   if args.kv_policy:
     args.extra["kv_policy"] = args.kv_policy
   if args.kv_budget:
@@ -273,6 +348,12 @@ def main():
   print("front vs gRPC: TTFT p50 %+.1f%% (%+.2f ms), output tokens/s %+.1f%%" % (
       100 * (o["ttft_ms"]["p50"] / g["ttft_ms"]["p50"] - 1), o["ttft_ms"]["p50"] - g["ttft_ms"]["p50"],
       100 * (o["output_tokens_per_s"] / g["output_tokens_per_s"] - 1)))
+  ratios = o.get("round_ratios", [])
+  if len(ratios) > 1:
+    for key, label in (("ttft_p50", "TTFT p50"), ("output_tokens_per_s", "output tokens/s")):
+      values = sorted(100 * (r[key] - 1) for r in ratios)
+      print("  per round (%d): %s median %+.1f%%, range %+.1f%% .. %+.1f%%" % (
+          len(values), label, statistics.median(values), values[0], values[-1]))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=2)

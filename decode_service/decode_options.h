@@ -16,6 +16,8 @@ namespace kvwire {
 
 class Telemetry;
 
+inline constexpr int kMaxStreamInterval = 1024;
+
 struct DecodeServerOptions {
   std::string listen = "0.0.0.0:0";
   std::string prefill_target;      // empty: every prompt prefills on this node
@@ -34,6 +36,9 @@ struct DecodeServerOptions {
   int max_tokens_limit = 4096;
   int max_prompt_tokens = 0;  // 0: the model's context
   size_t max_message_bytes = 4 << 20;
+  // Tokens per streamed message after the first (vLLM's and SGLang's --stream-interval):
+  // 1 streams every token as it comes; more sends fewer, larger messages.
+  int stream_interval = 1;
   Telemetry* telemetry = nullptr;
 };
 

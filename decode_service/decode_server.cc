@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -27,21 +28,75 @@ namespace {
 using Stream = StreamState<grpc::ByteBuffer>;
 
 // The client stream in the engine's terms.
+//
+// --stream-interval N (vLLM's and SGLang's flag of that name): the first token goes at once
+// (time to first token), then a message every N tokens, and what is left goes with the end.
+// Independently of it, tokens the writer has not caught up with are folded into the message
+// that waits for it (StreamState::SendFoldable), up to kMaxFoldedTokens a message: a reader
+// that is behind (a slow client, a busy front or router) takes the same tokens in fewer
+// messages, and a node that runs ahead holds a few messages per stream, not one per token.
 class GrpcSink final : public ResponseSink {
  public:
-  GrpcSink(std::shared_ptr<Stream> stream, std::string request_id)
-      : stream_(std::move(stream)), request_id_(std::move(request_id)) {}
+  static constexpr int kMaxFoldedTokens = 256;
+
+  GrpcSink(std::shared_ptr<Stream> stream, std::string request_id, int stream_interval)
+      : stream_(std::move(stream)),
+        request_id_(std::move(request_id)),
+        stream_interval_(stream_interval) {}
 
   bool Send(TokenDelta delta) override {
-    v1::GenerateResponse r;
-    r.set_request_id(request_id_);
-    for (int32_t id : delta.ids) r.add_token_ids(id);
-    r.set_text(std::move(delta.text));
-    for (float lp : delta.logprobs) r.add_logprobs(lp);
-    return stream_->Send(SerializeMessage(r));
+    Append(delta, &held_);
+    if (sent_any_ && held_.token_ids_size() < stream_interval_) return !stream_->cancelled();
+    sent_any_ = true;
+    return SendHeld();
   }
 
   void Finish(const absl::Status& status, const RequestFigures* f) override {
+    if (status.ok() && held_.token_ids_size() > 0) SendHeld();
+    FinishNow(status, f);
+  }
+
+  bool cancelled() const override { return stream_->cancelled(); }
+
+ private:
+  // Sends the tokens in `held_` as a message of their own, or folded into the one waiting.
+  bool SendHeld() {
+    const bool ok = stream_->SendFoldable(
+        [&] {  // a new message: `waiting_` is its contents from now on
+          waiting_.Clear();
+          waiting_.set_request_id(request_id_);
+          AppendTokens(held_, &waiting_);
+          return SerializeMessage(waiting_);
+        },
+        [&](grpc::ByteBuffer* queued) {  // `waiting_` is `queued`'s contents
+          if (waiting_.token_ids_size() + held_.token_ids_size() > kMaxFoldedTokens) return false;
+          AppendTokens(held_, &waiting_);
+          *queued = SerializeMessage(waiting_);
+          return true;
+        });
+    held_.Clear();
+    return ok;
+  }
+
+  // A delta's tokens, text and log-probabilities; with log-probabilities, each token's own
+  // text too (token_texts), which a message of several tokens would otherwise lose.
+  static void Append(const TokenDelta& delta, v1::GenerateResponse* r) {
+    for (int32_t id : delta.ids) r->add_token_ids(id);
+    r->mutable_text()->append(delta.text);
+    if (delta.logprobs.empty()) return;
+    for (float lp : delta.logprobs) r->add_logprobs(lp);
+    // A delta of several tokens ends a UTF-8 character the tokens before its last began.
+    for (size_t i = 1; i < delta.ids.size(); ++i) r->add_token_texts();
+    if (!delta.ids.empty()) r->add_token_texts(delta.text);
+  }
+  static void AppendTokens(const v1::GenerateResponse& from, v1::GenerateResponse* to) {
+    to->mutable_token_ids()->MergeFrom(from.token_ids());
+    to->mutable_text()->append(from.text());
+    to->mutable_logprobs()->MergeFrom(from.logprobs());
+    to->mutable_token_texts()->MergeFrom(from.token_texts());
+  }
+
+  void FinishNow(const absl::Status& status, const RequestFigures* f) {
     if (status.ok() && f != nullptr) {
       v1::GenerateResponse r;
       r.set_request_id(request_id_);
@@ -71,11 +126,12 @@ class GrpcSink final : public ResponseSink {
     stream_->Finish(ToGrpcStatus(status));
   }
 
-  bool cancelled() const override { return stream_->cancelled(); }
-
- private:
   std::shared_ptr<Stream> stream_;
   std::string request_id_;
+  const int stream_interval_;
+  bool sent_any_ = false;
+  v1::GenerateResponse held_;     // tokens not sent yet (--stream-interval), no request_id
+  v1::GenerateResponse waiting_;  // the last message queued, while SendFoldable may fold
 };
 
 }  // namespace
@@ -120,7 +176,7 @@ struct DecodeServer::Impl final
                      TranslateGenerateRequest(request, *model, options, next_id.fetch_add(1)));
     job.deadline = FromWallDeadline(*options.engine.clock, ctx.deadline(), options.max_deadline);
     job.trace = TraceFromMetadata(ctx.client_metadata());
-    auto sink = std::make_shared<GrpcSink>(stream, job.request_id);
+    auto sink = std::make_shared<GrpcSink>(stream, job.request_id, options.stream_interval);
     return engine->Submit(std::move(job), sink);
   }
 };
@@ -138,6 +194,11 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   }
   if (options.default_max_tokens < 1 || options.max_tokens_limit < options.default_max_tokens) {
     return absl::InvalidArgumentError("need 1 <= --default-max-tokens <= --max-tokens-limit");
+  }
+  if (options.stream_interval < 1 || options.stream_interval > kMaxStreamInterval) {
+    return absl::InvalidArgumentError(absl::StrCat("--stream-interval must be in [1, ",
+                                                   kMaxStreamInterval, "] tokens, got ",
+                                                   options.stream_interval));
   }
   if (options.engine.max_chunk_bytes < 1024 ||
       options.engine.max_chunk_bytes > kMaxChunkBytesLimit) {

@@ -53,6 +53,8 @@ absl::StatusOr<DecodeServerOptions> OptionsFromFlags(const Flags& f) {
   o.default_max_tokens = static_cast<int>(def_max);
   o.max_tokens_limit = static_cast<int>(max_limit);
   o.max_prompt_tokens = static_cast<int>(max_prompt);
+  ASSIGN_OR_RETURN(int64_t interval, f.GetInt("stream-interval", 1, kMaxStreamInterval));
+  o.stream_interval = static_cast<int>(interval);
   if (o.prefill_target.empty() && o.engine.local_prefill_below == 0) {
     o.engine.local_prefill_below = 1 << 30;  // no prefill nodes: everything is local
   }
@@ -102,6 +104,9 @@ int main(int argc, char** argv) {
   flags.Define("max-tokens-limit", "4096", "largest max_tokens a request may ask");
   flags.Define("max-prompt-tokens", "0", "longest prompt accepted (0: the model's context)");
   flags.Define("max-message-bytes", "4MiB", "largest request message accepted");
+  flags.Define("stream-interval", "1",
+               "tokens per streamed message after the first, which goes at once (vLLM's and "
+               "SGLang's --stream-interval); what is left goes with the last message");
   if (int rc = ParseFlagsOrExit(flags, "kvwire-decode",
                                 "kvwire-decode --model DIR --prefill TARGET [flags]", argc, argv);
       rc >= 0) {

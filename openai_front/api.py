@@ -418,10 +418,13 @@ def usage(final, front_ttft_ms) -> dict:
           "kvwire": kvwire_figures(final.stats, front_ttft_ms)}
 
 
-def token_texts(token_ids: List[int], text: str) -> List[str]:
-  """Per-token strings for log-probabilities. A message's text is never half a UTF-8
-  character, so the decode node may send several tokens with one text; it goes to the last."""
-  return [""] * (len(token_ids) - 1) + [text] if token_ids else []
+def token_texts(chunk) -> List[str]:
+  """Per-token strings for log-probabilities: the decode node's (token_texts, with
+  return_logprobs), else, from a node that predates them, the message's text on its last token
+  (a message's text is never half a UTF-8 character)."""
+  if len(chunk.token_texts) == len(chunk.token_ids):
+    return list(chunk.token_texts)
+  return [""] * (len(chunk.token_ids) - 1) + [chunk.text] if chunk.token_ids else []
 
 
 def completion_logprobs(tokens: List[str], logprobs: List[float], offset: int) -> dict:

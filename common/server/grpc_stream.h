@@ -4,6 +4,12 @@
 // until the queue drains. Producers keep a shared_ptr to the StreamState, which outlives
 // the reactor: after the RPC is done, Send and Finish are no-ops.
 //
+// Coalescing: SendFoldable lets a producer that runs ahead of the writer fold new content
+// into the last queued message while that one still waits, so a reader that is behind gets
+// fewer, larger messages instead of a queue that grows (vLLM's output collector does the same
+// with a request's outputs its consumer has not taken yet). It never delays a message: what
+// the writer can take at once is written at once.
+//
 // Backpressure: WaitForRoom blocks a producer (never a gRPC thread) while too many
 // messages are queued, so a slow client cannot make a node buffer a whole KV cache, and
 // for a bounded time only: a reader that takes nothing for that long has its call
@@ -69,8 +75,33 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
     std::lock_guard<std::mutex> lock(mu_);
     if (finishing_ || done_ || cancelled_) return false;
     queue_.push_back(std::move(msg));
+    last_foldable_ = false;
     if (!writing_) StartNextLocked();
     return true;
+  }
+
+  // Queues `make()`, or, while the last queued message came from SendFoldable too and still
+  // waits behind the write in progress, calls `fold(&that_message)` instead (true: folded;
+  // false: it refused, and `make()` is queued after it). Both run under the stream's lock,
+  // so they must be quick and must not call back into the stream.
+  template <typename Make, typename Fold>
+  bool SendFoldable(Make&& make, Fold&& fold) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finishing_ || done_ || cancelled_) return false;
+    if (writing_ && queue_.size() >= 2 && last_foldable_ && fold(&queue_.back())) {
+      ++folds_;
+      return true;
+    }
+    queue_.push_back(make());
+    last_foldable_ = true;
+    if (!writing_) StartNextLocked();
+    return true;
+  }
+
+  // Messages folded into a waiting one by SendFoldable, so far.
+  uint64_t folds() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return folds_;
   }
 
   // Finishes once every queued message is written (immediately if cancelled).
@@ -190,6 +221,8 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
   grpc::CallbackServerContext* ctx_;  // valid until OnDone
   std::function<void()> on_cancel_;
   uint64_t writes_done_ = 0;
+  uint64_t folds_ = 0;
+  bool last_foldable_ = false;  // queue_.back() came from SendFoldable
   grpc::Status status_;
   bool writing_ = false, finishing_ = false, finished_called_ = false;
   bool cancelled_ = false, done_ = false, cancelling_ = false;

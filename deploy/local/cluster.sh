@@ -6,7 +6,7 @@
 # directory.
 #
 #   deploy/local/cluster.sh start       [--dir DIR] [--base-port N] [--model M] [--build-dir B]
-#                                       [--insecure] [--no-openai]
+#                                       [--insecure] [--no-openai] [--set KEY=VALUE]...
 #   deploy/local/cluster.sh wait-ready  [--dir DIR] [--timeout S]
 #   deploy/local/cluster.sh status      [--dir DIR]
 #   deploy/local/cluster.sh stop        [--dir DIR] [--timeout S]
@@ -45,6 +45,8 @@ options:
   --insecure       start: plaintext between decode and prefill nodes, no certificates
                    (default: mutual TLS, with a CA and node certificates that
                    scripts/make_certs.sh makes in DIR/tls, kept across restarts)
+  --set KEY=VALUE  start: this value instead of node-flags.env's for one of its keys
+                   (e.g. --set DECODE_STREAM_INTERVAL=4); repeatable
   --no-openai      start: no OpenAI-compatible front (it needs KVWIRE_PYTHON with aiohttp
                    and jinja2: Debian's python3-aiohttp, python3-jinja2)
   --timeout S      wait-ready: seconds to wait (default 60); stop: seconds before SIGKILL
@@ -80,6 +82,7 @@ MODEL="${KVWIRE_MODEL:-}"
 TIMEOUT=""
 INSECURE=0
 OPENAI=1
+declare -A OVERRIDES=()
 while [[ $# -gt 0 ]]; do
   case $1 in
     --dir) DIR=${2:?--dir needs a value}; shift 2 ;;
@@ -89,6 +92,14 @@ while [[ $# -gt 0 ]]; do
     --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
     --insecure) INSECURE=1; shift ;;
     --no-openai) OPENAI=0; shift ;;
+    --set)
+      [[ ${2:-} =~ ^([A-Z][A-Z0-9_]*)=([^[:space:]\"\']*)$ ]] ||
+        die "--set takes KEY=VALUE (a key of node-flags.env, no quotes or spaces), got '${2:-}'"
+      grep -q "^${BASH_REMATCH[1]}=" "$FLAGS_FILE" ||
+        die "--set ${BASH_REMATCH[1]}: node-flags.env has no such key"
+      OVERRIDES[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}
+      shift 2
+      ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; die "unknown option '$1'" ;;
   esac
@@ -102,6 +113,7 @@ esac
 [[ -z $TIMEOUT || $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout takes whole seconds, got '$TIMEOUT'"
 ((!INSECURE)) || [[ $CMD == start ]] || die "--insecure is an option of start"
 ((OPENAI)) || [[ $CMD == start ]] || die "--no-openai is an option of start"
+((${#OVERRIDES[@]} == 0)) || [[ $CMD == start ]] || die "--set is an option of start"
 
 if [[ $CMD == start ]]; then
   mkdir -p "$DIR" 2>/dev/null || die "cannot create the run directory $DIR"
@@ -176,8 +188,8 @@ log_tail() {
   done
 }
 
-# Appends the flags of one role (PREFILL or DECODE) from node-flags.env to the array FLAGS:
-# DECODE_KV_POOL_BYTES=256MiB becomes --kv-pool-bytes=256MiB.
+# Appends the flags of one role (PREFILL or DECODE) from node-flags.env (with --set's values)
+# to the array FLAGS: DECODE_KV_POOL_BYTES=256MiB becomes --kv-pool-bytes=256MiB.
 role_flags() {
   local role=$1 line key value n=0
   while IFS= read -r line || [[ -n $line ]]; do
@@ -186,6 +198,7 @@ role_flags() {
     [[ $line =~ ^([A-Z][A-Z0-9_]*)=([^[:space:]\"\']*)$ ]] ||
       die "$FLAGS_FILE:$n: expected KEY=VALUE (no quotes, no spaces), got '$line'"
     key=${BASH_REMATCH[1]} value=${BASH_REMATCH[2]}
+    [[ -v OVERRIDES[$key] ]] && value=${OVERRIDES[$key]}
     [[ $key == "${role}_"* ]] || continue
     key=${key#"${role}_"}
     key=${key,,}

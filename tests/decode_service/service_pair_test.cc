@@ -36,6 +36,7 @@ struct Result {
   std::vector<float> logprobs;
   v1::Final final;
   int messages = 0;
+  std::vector<int> tokens_per_message;  // of the messages with tokens
 };
 
 Result Call(v1::Generation::Stub& stub, const v1::GenerateRequest& req, int deadline_ms = 30000,
@@ -47,6 +48,7 @@ Result Call(v1::Generation::Stub& stub, const v1::GenerateRequest& req, int dead
   v1::GenerateResponse msg;
   while (reader->Read(&msg)) {
     ++r.messages;
+    if (msg.token_ids_size() > 0) r.tokens_per_message.push_back(msg.token_ids_size());
     r.ids.insert(r.ids.end(), msg.token_ids().begin(), msg.token_ids().end());
     r.text += msg.text();
     r.logprobs.insert(r.logprobs.end(), msg.logprobs().begin(), msg.logprobs().end());
@@ -529,6 +531,84 @@ TEST_F(ServicePairTest, PrefillKilledWithNoOtherNodeFailsCleanly) {
     ok = Call(*stub_, Request(LongPrompt(120), 4));
   } while (!ok.status.ok() && SteadyClock::now() < until);
   EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
+}
+
+// A reader that falls behind (here: one that takes nothing for a while, over a channel whose
+// flow-control window is small, so the node's writes wait) gets the same tokens, text and
+// log-probabilities in fewer messages: the node folds what the writer has not caught up with
+// into the message that waits, rather than queueing a message per token.
+TEST_F(ServicePairTest, ReaderBehindGetsTheSameTokensInFewerMessages) {
+  AddPrefill();
+  StartDecode();
+  v1::GenerateRequest req = Request(LongPrompt(40), 400);
+  req.mutable_sampling()->set_ignore_eos(true);
+  req.set_return_logprobs(true);
+  const Result reader = Call(*stub_, req);
+  ASSERT_TRUE(reader.status.ok()) << reader.status.error_message();
+  ASSERT_EQ(reader.ids.size(), 400u);
+
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  auto slow_channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(decode_->port()),
+                                                grpc::InsecureChannelCredentials(), args);
+  auto slow_stub = v1::Generation::NewStub(slow_channel);
+  const Result behind = Call(*slow_stub, req, 30000, [](grpc::ClientContext&, int messages) {
+    if (messages == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  });
+  ASSERT_TRUE(behind.status.ok()) << behind.status.error_message();
+  EXPECT_EQ(behind.ids, reader.ids);
+  EXPECT_EQ(behind.text, reader.text);
+  EXPECT_EQ(behind.logprobs, reader.logprobs);
+  EXPECT_EQ(behind.final.usage().completion_tokens(), 400);
+  // A reader that keeps up gets up to a message per token and the final one.
+  EXPECT_LT(behind.messages, 200) << "tokens were not folded (" << reader.messages
+                                  << " messages for a reader that keeps up)";
+  ExpectPoolEmpty();
+}
+
+// --stream-interval 8: the first token alone (time to first token), then 8 tokens a message
+// (fewer if a message waited and took more), the rest with the end; the same tokens, text and
+// log-probabilities as streaming every token.
+TEST_F(ServicePairTest, StreamIntervalSendsTheFirstTokenThenEveryNTokens) {
+  AddPrefill();
+  DecodeServerOptions o;
+  o.stream_interval = 8;
+  StartDecode(o);
+  v1::GenerateRequest req = Request(LongPrompt(40), 50);
+  req.mutable_sampling()->set_ignore_eos(true);
+  req.set_return_logprobs(true);
+  const Result r = Call(*stub_, req);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_FALSE(r.tokens_per_message.empty());
+  EXPECT_EQ(r.tokens_per_message.front(), 1);
+  for (size_t i = 1; i + 1 < r.tokens_per_message.size(); ++i) {
+    EXPECT_EQ(r.tokens_per_message[i] % 8, 0) << "message " << i;
+  }
+  EXPECT_LE(r.tokens_per_message.size(), 8u);  // 1 + 6 x 8 + 1
+
+  decode_.reset();
+  StartDecode();  // --stream-interval 1
+  const Result every = Call(*stub_, req);
+  ASSERT_TRUE(every.status.ok()) << every.status.error_message();
+  EXPECT_EQ(r.ids, every.ids);
+  EXPECT_EQ(r.text, every.text);
+  EXPECT_EQ(r.logprobs, every.logprobs);
+  EXPECT_EQ(r.final.usage().completion_tokens(), 50);
+  ExpectPoolEmpty();
+}
+
+TEST_F(ServicePairTest, StreamIntervalOutOfRangeIsRefused) {
+  for (int bad : {0, -1, kMaxStreamInterval + 1}) {
+    DecodeServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.stream_interval = bad;
+    auto s = DecodeServer::Start(decode_model_.get(), std::move(o));
+    ASSERT_FALSE(s.ok()) << bad;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find("--stream-interval"), std::string::npos)
+        << s.status().message();
+  }
 }
 
 TEST_F(ServicePairTest, ClientCancellationFreesEverything) {

@@ -42,6 +42,7 @@ REPO = ""
 BUILD = ""
 BUDGET = 32
 MAX_TOKENS = 24
+STREAM_INTERVAL = 3
 FALLBACK_PROMPT = ("The little dog ran to the park with his ball and played with a big red kite "
                    "all day. ") * 6
 
@@ -73,7 +74,10 @@ class OpenAIFrontTest(LocalClusterCase):
     prompts = stories_prompts(REPO, cls.model, 2)
     cls.prompt = prompts[0] if prompts else FALLBACK_PROMPT
     try:
-      cls.start_cluster(cls.model, "kvwire-openai-")
+      # Every third token a message (the decode nodes' --stream-interval): the front turns
+      # messages of several tokens into chunks, log-probabilities included.
+      cls.start_cluster(cls.model, "kvwire-openai-",
+                        start_args=("--set", "DECODE_STREAM_INTERVAL=%d" % STREAM_INTERVAL))
       cls.cluster("wait-ready", "--timeout", "60")
     except BaseException:
       cls.failed = True
@@ -171,7 +175,19 @@ class OpenAIFrontTest(LocalClusterCase):
     for a, b in zip(lp.token_logprobs, want.logprobs):
       self.assertAlmostEqual(a, b, places=5)
     self.assertEqual("".join(lp.tokens), want.text)
+    self.assertEqual(lp.tokens, want.token_texts)
     self.assertTrue(ids.text)
+    # Streamed, in chunks of several tokens: the same tokens, log-probabilities and offsets.
+    chunks = list(self.client.completions.create(
+        model=self.model_id, prompt=[1, 400, 401, 402, 403], max_tokens=8, temperature=0,
+        logprobs=0, stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    self.assertEqual([t for p in parts for t in p.tokens], lp.tokens)
+    self.assertEqual([x for p in parts for x in p.text_offset], lp.text_offset)
+    for a, b in zip([x for p in parts for x in p.token_logprobs], lp.token_logprobs):
+      self.assertAlmostEqual(a, b, places=5)
+    self.assertEqual(len(parts[0].tokens), 1)  # the first token at once
+    self.assertGreaterEqual(max(len(p.tokens) for p in parts), STREAM_INTERVAL)
     chat = self.client.chat.completions.create(
         model=self.model_id, messages=[{"role": "user", "content": "Tom had a dog."}],
         max_tokens=6, temperature=0, logprobs=True)

@@ -48,12 +48,15 @@ class Final:
 
 @dataclasses.dataclass
 class Chunk:
-  """One streamed message: new tokens, their text (never half a UTF-8 character), their
-  log-probabilities (with logprobs=True), and on the last message `final`."""
+  """One streamed message: new tokens (one, or several under the decode node's
+  --stream-interval or when the reader is behind), their text (never half a UTF-8 character),
+  their log-probabilities and each token's own text (with logprobs=True; "" for a token that
+  ends inside a UTF-8 character), and on the last message `final`."""
   token_ids: List[int]
   text: str
   logprobs: List[float]
   final: Optional[Final] = None
+  token_texts: List[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -68,6 +71,7 @@ class Result:
   completion_tokens: int
   stats: Stats
   client_ttft_ms: float          # call start to the first token, seen by this client
+  token_texts: List[str] = dataclasses.field(default_factory=list)  # with logprobs=True
 
 
 class GenerationError(Exception):
@@ -91,7 +95,8 @@ def chunk_from_proto(r) -> Chunk:
     final = Final(finish_reason=FINISH_REASONS.get(f.finish_reason, "unspecified"),
                   prompt_tokens=f.usage.prompt_tokens,
                   completion_tokens=f.usage.completion_tokens, stats=Stats.from_proto(f.stats))
-  return Chunk(token_ids=list(r.token_ids), text=r.text, logprobs=list(r.logprobs), final=final)
+  return Chunk(token_ids=list(r.token_ids), text=r.text, logprobs=list(r.logprobs), final=final,
+               token_texts=list(r.token_texts))
 
 
 class Collector:
@@ -100,7 +105,7 @@ class Collector:
   def __init__(self, request_id: str, start: float):
     self.request_id, self.start = request_id, start
     self.first = None
-    self.text, self.ids, self.logprobs, self.final = [], [], [], None
+    self.text, self.ids, self.logprobs, self.token_texts, self.final = [], [], [], [], None
 
   def add(self, chunk: Chunk, now: float):
     if chunk.token_ids and self.first is None:
@@ -108,6 +113,7 @@ class Collector:
     self.ids.extend(chunk.token_ids)
     self.text.append(chunk.text)
     self.logprobs.extend(chunk.logprobs)
+    self.token_texts.extend(chunk.token_texts)
     if chunk.final is not None:
       self.final = chunk.final
 
@@ -119,4 +125,5 @@ class Collector:
     return Result(request_id=self.request_id, text="".join(self.text), token_ids=self.ids,
                   logprobs=self.logprobs, finish_reason=f.finish_reason,
                   prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
-                  stats=f.stats, client_ttft_ms=1e3 * ((self.first or now) - self.start))
+                  stats=f.stats, client_ttft_ms=1e3 * ((self.first or now) - self.start),
+                  token_texts=self.token_texts)
