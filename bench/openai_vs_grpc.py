@@ -225,6 +225,46 @@ def cluster_cpu_s(run_dir):
   return cpu
 
 
+def parse_cpus(value):
+  """A Linux CPU list ("1", "0,2", "2-3") as a set of CPU numbers."""
+  cpus = set()
+  try:
+    for part in value.split(","):
+      lo, _, hi = part.partition("-")
+      cpus.update(range(int(lo), int(hi or lo) + 1))
+  except ValueError:
+    raise argparse.ArgumentTypeError("expected a CPU list like 1 or 0,2 or 2-3, got '%s'" %
+                                     value) from None
+  if not cpus or not cpus <= os.sched_getaffinity(0):
+    raise argparse.ArgumentTypeError("CPUs %s are not all available here (%s)" % (
+        value, sorted(os.sched_getaffinity(0))))
+  return cpus
+
+
+def pin(run_dir, node_cpus, front_cpus):
+  """Every thread of the nodes and the router to `node_cpus`; the front's and this
+  benchmark's to `front_cpus`: the front's work then takes nothing from the nodes, as when it
+  runs in its own pod."""
+  pid_dir = os.path.join(run_dir, "pids")
+  masters = {}
+  for name in os.listdir(pid_dir):
+    with open(os.path.join(pid_dir, name)) as f:
+      masters[int(f.read().strip())] = name[:-len(".pid")]
+  pids = dict(masters)
+  for entry in os.listdir("/proc"):  # nginx's workers
+    if entry.isdigit():
+      try:
+        with open("/proc/%s/stat" % entry) as f:
+          parent = int(f.read().rsplit(")", 1)[1].split()[1])
+      except (OSError, ValueError, IndexError):
+        continue
+      if masters.get(parent) == "router":
+        pids[int(entry)] = "router"
+  for pid, name in list(pids.items()) + [(os.getpid(), "openai")]:
+    for task in os.listdir("/proc/%d/task" % pid):
+      os.sched_setaffinity(int(task), front_cpus if name == "openai" else node_cpus)
+
+
 def start_cluster(args):
   run = tempfile.mkdtemp(prefix="kvwire-openai-bench-")
   args.run_dir = run
@@ -240,6 +280,9 @@ def start_cluster(args):
                  stdout=subprocess.DEVNULL)
   args.openai = "http://127.0.0.1:%d" % (args.base_port + 9)
   args.grpc = "127.0.0.1:%d" % args.base_port
+
+  if args.node_cpus:
+    pin(run, args.node_cpus, args.front_cpus)
 
   def stop():
     subprocess.run(cluster + ["stop", "--dir", run], env=env, stdout=subprocess.DEVNULL,
@@ -314,6 +357,10 @@ def main():
   p.add_argument("--stream-interval", type=int, default=0,
                  help="with --start-cluster: the decode nodes' --stream-interval (default: "
                       "node-flags.env's)")
+  p.add_argument("--node-cpus", type=parse_cpus, default=None,
+                 help="with --start-cluster: run the nodes and the router on these CPUs and "
+                      "the front and this client on --front-cpus (the front in its own pod)")
+  p.add_argument("--front-cpus", type=parse_cpus, default=None)
   p.add_argument("--kv-policy", default="")
   p.add_argument("--kv-budget", type=int, default=0)
   p.add_argument("--seed", type=int, default=1)
@@ -322,6 +369,11 @@ def main():
   args = p.parse_args()
   if args.stream_interval and not args.start_cluster:
     p.error("--stream-interval applies to a cluster this script starts (--start-cluster)")
+  if (args.node_cpus is None) != (args.front_cpus is None) or \
+      (args.node_cpus and not args.start_cluster):
+    p.error("--node-cpus and --front-cpus go together, with --start-cluster")
+  if args.node_cpus and args.node_cpus & args.front_cpus:
+    p.error("--node-cpus and --front-cpus overlap")
   if args.quick:
     args.clients, args.requests, args.rounds = 2, 8, 2
   if args.model and not args.model.startswith("synthetic:") and os.path.isdir(args.model):
@@ -341,8 +393,10 @@ def main():
   finally:
     if stop:
       stop()
-  print("model %s; %d clients, rate %s/s, %d requests a side, %d output tokens each" %
-        (args.model, args.clients, args.rate, args.requests, args.max_tokens))
+  print("model %s; %d clients, rate %s/s, %d requests a side, %d output tokens each%s" %
+        (args.model, args.clients, args.rate, args.requests, args.max_tokens,
+         "; nodes on CPUs %s, the front and the client on %s" % (
+             sorted(args.node_cpus), sorted(args.front_cpus)) if args.node_cpus else ""))
   print_table(rows)
   g, o = rows
   print("front vs gRPC: TTFT p50 %+.1f%% (%+.2f ms), output tokens/s %+.1f%%" % (
