@@ -200,17 +200,15 @@ def process_cpu_s(pid):
   return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def cluster_cpu_s(run_dir):
-  """CPU seconds so far of each cluster process (deploy/local/cluster.sh's pid files; nginx's
-  workers are counted with its master, as "router") and of this benchmark ("client")."""
-  cpu = {"client": sum(os.times()[:2])}
-  if not run_dir:
-    return cpu
+def cluster_pids(run_dir):
+  """{pid: name} of the cluster's processes (deploy/local/cluster.sh's pid files), nginx's
+  workers included under its master's name, "router"."""
   pids = {}
   pid_dir = os.path.join(run_dir, "pids")
   for name in sorted(os.listdir(pid_dir)):
     with open(os.path.join(pid_dir, name)) as f:
       pids[int(f.read().strip())] = name[:-len(".pid")]
+  routers = {pid for pid, name in pids.items() if name == "router"}
   for entry in os.listdir("/proc"):
     if entry.isdigit():
       try:
@@ -218,9 +216,18 @@ def cluster_cpu_s(run_dir):
           parent = int(f.read().rsplit(")", 1)[1].split()[1])
       except (OSError, ValueError, IndexError):
         continue
-      if parent in pids and pids[parent] == "router":
-        cpu["router"] = cpu.get("router", 0.0) + process_cpu_s(int(entry))
-  for pid, name in pids.items():
+      if parent in routers:
+        pids[int(entry)] = "router"
+  return pids
+
+
+def cluster_cpu_s(run_dir):
+  """CPU seconds so far of each cluster process (nginx's workers with its master, as
+  "router") and of this benchmark ("client")."""
+  cpu = {"client": sum(os.times()[:2])}
+  if not run_dir:
+    return cpu
+  for pid, name in cluster_pids(run_dir).items():
     cpu[name] = cpu.get(name, 0.0) + process_cpu_s(pid)
   return cpu
 
@@ -245,24 +252,13 @@ def pin(run_dir, node_cpus, front_cpus):
   """Every thread of the nodes and the router to `node_cpus`; the front's and this
   benchmark's to `front_cpus`: the front's work then takes nothing from the nodes, as when it
   runs in its own pod."""
-  pid_dir = os.path.join(run_dir, "pids")
-  masters = {}
-  for name in os.listdir(pid_dir):
-    with open(os.path.join(pid_dir, name)) as f:
-      masters[int(f.read().strip())] = name[:-len(".pid")]
-  pids = dict(masters)
-  for entry in os.listdir("/proc"):  # nginx's workers
-    if entry.isdigit():
-      try:
-        with open("/proc/%s/stat" % entry) as f:
-          parent = int(f.read().rsplit(")", 1)[1].split()[1])
-      except (OSError, ValueError, IndexError):
-        continue
-      if masters.get(parent) == "router":
-        pids[int(entry)] = "router"
-  for pid, name in list(pids.items()) + [(os.getpid(), "openai")]:
+  def set_affinity(pid, cpus):
     for task in os.listdir("/proc/%d/task" % pid):
-      os.sched_setaffinity(int(task), front_cpus if name == "openai" else node_cpus)
+      os.sched_setaffinity(int(task), cpus)
+
+  for pid, name in cluster_pids(run_dir).items():
+    set_affinity(pid, front_cpus if name == "openai" else node_cpus)
+  set_affinity(os.getpid(), front_cpus)
 
 
 def start_cluster(args):
