@@ -4,9 +4,10 @@
 //              W read once per panel (kernels/gemm_few_rows.h). f32/f16 weights: up to 64 rows,
 //              register tiles with f16 widened in registers; more rows, OpenBLAS sgemm per
 //              thread on a slice of W (f16 slices widened to a thread-local float32 block).
-//   Attention  flash-style tiles with an online softmax (Dao et al.), the query heads of a
-//              GQA group sharing each key tile; decode reads each cached K/V row once for
-//              the whole group.
+//   Attention  prefill: flash-style tiles with an online softmax (Dao et al.), each key tile
+//              transposed once so scores are vector accumulators, the query heads of a GQA
+//              group sharing it (kernels/prefill_attention.h); decode reads each cached K/V
+//              row once for the whole group.
 // All parallelism comes from one ThreadPool; OpenBLAS runs single-threaded inside it.
 #include "kernels/cpu_backend.h"
 
@@ -20,6 +21,7 @@
 #include "common/base/status.h"
 #include "kernels/gemm_few_rows.h"
 #include "kernels/host_memory.h"
+#include "kernels/prefill_attention.h"
 #include "kernels/simd.h"
 #include "kernels/thread_pool.h"
 #include "kernels/validate.h"
@@ -200,90 +202,10 @@ class CpuBackend final : public HostMemoryBackend {
   ThreadPool pool_;
 };
 
-// Flash-style prefill attention. A task is (kv head, tile of kQueryTile query rows); it
-// walks key tiles of kKeyTile up to the diagonal, keeping per (row, group head) the
-// running max m, running sum l and the unnormalised output (Dao et al., Algorithm 1).
-// Window rows keep m and l, and a second pass turns their scores into probabilities.
+// Flash-style prefill attention: kernels/prefill_attention.h.
 absl::Status CpuBackend::PrefillAttention(const PrefillAttentionParams& p) {
   RETURN_IF_ERROR(ValidatePrefillAttention(p));
-  constexpr int kQueryTile = 16;
-  constexpr int kKeyTile = 64;
-  const int group = p.n_heads / p.n_kv_heads;
-  const int d = p.head_dim;
-  const int64_t q_tiles = (p.len + kQueryTile - 1) / kQueryTile;
-  const int64_t tasks = q_tiles * p.n_kv_heads;
-  // A task's multiply-adds, about: its query rows × the group × half the keys on average ×
-  // 2·head_dim; short prompts of small models run on the calling thread.
-  const int64_t work_per_task = std::max<int64_t>(
-      1, int64_t{std::min(p.len, kQueryTile)} * group * ((p.len + 1) / 2) * 2 * d);
-  pool_.ParallelFor(
-      tasks, std::max<int64_t>(1, kMinWorkPerTask / work_per_task), [&](int64_t t0, int64_t t1) {
-        const int rows_max = kQueryTile * group;
-        std::vector<float> m(rows_max), l(rows_max), acc(int64_t{rows_max} * d), s(kKeyTile);
-        for (int64_t task = t0; task < t1; ++task) {
-          // Interleave tiles from both ends so every chunk gets short and long rows.
-          const int64_t qt_raw = task / p.n_kv_heads;
-          const int64_t qt = (qt_raw % 2 == 0) ? qt_raw / 2 : q_tiles - 1 - qt_raw / 2;
-          const int g = static_cast<int>(task % p.n_kv_heads);
-          const int i0 = static_cast<int>(qt * kQueryTile);
-          const int i1 = std::min(p.len, i0 + kQueryTile);
-          std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-          std::fill(l.begin(), l.end(), 0.f);
-          std::fill(acc.begin(), acc.end(), 0.f);
-          for (int j0 = 0; j0 < i1; j0 += kKeyTile) {
-            const int j1 = std::min(i1, j0 + kKeyTile);
-            for (int i = i0; i < i1; ++i) {
-              const int jn = std::min(j1, i + 1);  // causal: keys 0..i
-              if (jn <= j0) continue;
-              for (int hg = 0; hg < group; ++hg) {
-                const int h = g * group + hg;
-                const int row = (i - i0) * group + hg;
-                const float* q = p.q + i * p.q_stride + int64_t{h} * d;
-                float tile_max = -std::numeric_limits<float>::infinity();
-                for (int j = j0; j < jn; ++j) {
-                  const float* k = p.k + j * p.kv_stride + int64_t{g} * d;
-                  s[j - j0] = simd::Dot(q, k, DType::kF32, d) * p.scale;
-                  tile_max = std::max(tile_max, s[j - j0]);
-                }
-                const float m_new = std::max(m[row], tile_max);
-                const float correction = std::exp(m[row] - m_new);
-                float* a = acc.data() + int64_t{row} * d;
-                if (correction != 1.f) {
-                  for (int x = 0; x < d; ++x) a[x] *= correction;
-                }
-                // The tile's exponentials eight at a time, then the weighted values.
-                const float sum = simd::ExpShiftSum(s.data(), jn - j0, m_new);
-                for (int j = j0; j < jn; ++j) {
-                  simd::Axpy(s[j - j0], p.v + j * p.kv_stride + int64_t{g} * d, DType::kF32, a, d);
-                }
-                l[row] = l[row] * correction + sum;
-                m[row] = m_new;
-              }
-            }
-          }
-          for (int i = i0; i < i1; ++i) {
-            for (int hg = 0; hg < group; ++hg) {
-              const int h = g * group + hg;
-              const int row = (i - i0) * group + hg;
-              float* o = p.out + i * p.out_stride + int64_t{h} * d;
-              const float inv = 1.f / l[row];
-              const float* a = acc.data() + int64_t{row} * d;
-              for (int x = 0; x < d; ++x) o[x] = a[x] * inv;
-              const int wrow = i - (p.len - p.window);
-              if (p.window > 0 && wrow >= 0) {
-                // Observation-window probabilities from the row's final max and sum.
-                float* ws = p.window_scores + (int64_t{h} * p.window + wrow) * p.len;
-                const float* q = p.q + i * p.q_stride + int64_t{h} * d;
-                for (int j = 0; j <= i; ++j) {
-                  const float* k = p.k + j * p.kv_stride + int64_t{g} * d;
-                  ws[j] = std::exp(simd::Dot(q, k, DType::kF32, d) * p.scale - m[row]) * inv;
-                }
-                std::fill(ws + i + 1, ws + p.len, 0.f);
-              }
-            }
-          }
-        }
-      });
+  CpuPrefillAttention(p, pool_, kMinWorkPerTask);
   return absl::OkStatus();
 }
 

@@ -143,10 +143,17 @@ class ServicePairTest : public ::testing::Test {
     EXPECT_EQ(r.ids.size(), 4u);
   }
 
-  // Shuts `node` down (on a helper thread) once a stream is held in its fault injector.
-  void ShutDownWhenHeld(PrefillNode* node) {
-    helpers_.emplace_back([node] {
-      if (node->faults->WaitHeld()) node->Shutdown();
+  // Shuts `node` down (on a helper thread) once a stream is held in its fault injector and
+  // `settle` has passed: time for the chunks before the held one to reach the decode node,
+  // which counts an attempt as one only once its stream's header arrived (a stream cut
+  // before that looks like a node that could not be reached).
+  void ShutDownWhenHeld(PrefillNode* node,
+                        std::chrono::milliseconds settle = std::chrono::milliseconds(0)) {
+    helpers_.emplace_back([node, settle] {
+      if (node->faults->WaitHeld()) {
+        std::this_thread::sleep_for(settle);
+        node->Shutdown();
+      }
     });
   }
 
@@ -483,8 +490,9 @@ TEST_F(ServicePairTest, PrefillKilledMidStreamRetriesOnAnotherNode) {
   AddPrefill("healthy");
   StartDecode();
   // When a stream reaches its third chunk on the doomed node, the node is shut down, which
-  // cancels the stream while that chunk is held back.
-  ShutDownWhenHeld(doomed);
+  // cancels the stream while that chunk is held back; the two chunks before it have reached
+  // the decode node by then, so the attempt counts.
+  ShutDownWhenHeld(doomed, std::chrono::milliseconds(200));
   // Round robin spreads requests over both nodes, so one meets the doomed node.
   v1::GenerateRequest req = Request(LongPrompt(200), 8);
   req.mutable_compression()->set_policy("snapkv");

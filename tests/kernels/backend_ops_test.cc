@@ -247,7 +247,7 @@ TEST_P(BackendOpsTest, PrefillAttention) {
   uint32_t seed = 400;
   for (int len : {1, 7, 37, 133}) {
     for (auto [heads, kv_heads] : std::vector<std::pair<int, int>>{{1, 1}, {4, 2}, {8, 1}}) {
-      for (int d : {8, 37, 64, 128}) {
+      for (int d : {8, 16, 32, 37, 64, 128}) {
         for (int window : {0, 1, 7, len}) {
           if (window > len) continue;
           SCOPED_TRACE(absl::StrCat("len=", len, " heads=", heads, "/", kv_heads, " d=", d,

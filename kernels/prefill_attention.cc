@@ -1,0 +1,235 @@
+#include "kernels/prefill_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kernels/simd.h"
+
+namespace kvwire::kernels {
+namespace {
+
+constexpr int kQueryTile = 16;
+constexpr int kKeyTile = 64;  // a multiple of 8: whole vectors of keys
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#if KVWIRE_AVX2
+// Rows r[0..8) of 8 floats become the columns.
+inline void Transpose8x8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+#endif
+
+// kt[x·kKeyTile + j] = k[j·stride + x] for the tile's n keys; keys past n are 0.
+void TransposeKeyTile(const float* k, int64_t stride, int n, int d, float* kt) {
+  int x = 0;
+#if KVWIRE_AVX2
+  for (; x + 8 <= d; x += 8) {
+    for (int j0 = 0; j0 < kKeyTile; j0 += 8) {
+      __m256 r[8];
+      for (int u = 0; u < 8; ++u) {
+        r[u] = j0 + u < n ? _mm256_loadu_ps(k + (j0 + u) * stride + x) : _mm256_setzero_ps();
+      }
+      Transpose8x8(r);
+      for (int u = 0; u < 8; ++u) _mm256_storeu_ps(kt + (x + u) * kKeyTile + j0, r[u]);
+    }
+  }
+#endif
+  for (; x < d; ++x) {
+    for (int j = 0; j < kKeyTile; ++j) kt[x * kKeyTile + j] = j < n ? k[j * stride + x] : 0.f;
+  }
+}
+
+// s[j] = scale · q·k_j for the kKeyTile keys of a transposed tile; returns max over j < n,
+// after setting s[j] = -inf for j ≥ n (keys past the diagonal or the tile's end).
+float ScoreRow(const float* q, const float* kt, int d, float scale, int n, float* s) {
+#if KVWIRE_AVX2
+  constexpr int kVecs = kKeyTile / 8;
+  __m256 acc[kVecs];
+  for (int v = 0; v < kVecs; ++v) acc[v] = _mm256_setzero_ps();
+  for (int x = 0; x < d; ++x) {
+    const __m256 qx = _mm256_broadcast_ss(q + x);
+    const float* row = kt + x * kKeyTile;
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v)
+      acc[v] = _mm256_fmadd_ps(qx, _mm256_loadu_ps(row + 8 * v), acc[v]);
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int v = 0; v < kVecs; ++v) _mm256_storeu_ps(s + 8 * v, _mm256_mul_ps(acc[v], sc));
+  std::fill(s + n, s + kKeyTile, kNegInf);
+  __m256 mx = _mm256_loadu_ps(s);
+  for (int v = 1; v < kVecs; ++v) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + 8 * v));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  return _mm_cvtss_f32(m4);
+#else
+  float mx = kNegInf;
+  for (int j = 0; j < kKeyTile; ++j) {
+    float acc = 0.f;
+    for (int x = 0; x < d; ++x) acc += q[x] * kt[x * kKeyTile + j];
+    s[j] = j < n ? acc * scale : kNegInf;
+    mx = std::max(mx, s[j]);
+  }
+  return mx;
+#endif
+}
+
+#if KVWIRE_AVX2
+// a[0..8·DV) += Σ_j p[j] · v_j over n value rows, in registers: S independent sets of
+// accumulators (keys j ≡ s mod S) for short rows, whose single chain would wait on each FMA.
+template <int DV>
+void AccumulateValues(const float* p, int n, const float* v, int64_t stride, float* a) {
+  constexpr int S = DV >= 8 ? 1 : (DV >= 4 ? 2 : 4);
+  __m256 acc[S][DV];
+  for (int u = 0; u < DV; ++u) acc[0][u] = _mm256_loadu_ps(a + 8 * u);
+  for (int t = 1; t < S; ++t) {
+    for (int u = 0; u < DV; ++u) acc[t][u] = _mm256_setzero_ps();
+  }
+  int j = 0;
+  for (; j + S <= n; j += S) {
+#pragma GCC unroll 4
+    for (int t = 0; t < S; ++t) {
+      const __m256 pj = _mm256_broadcast_ss(p + j + t);
+      const float* row = v + (j + t) * stride;
+#pragma GCC unroll 16
+      for (int u = 0; u < DV; ++u)
+        acc[t][u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(row + 8 * u), acc[t][u]);
+    }
+  }
+  for (; j < n; ++j) {
+    const __m256 pj = _mm256_broadcast_ss(p + j);
+    for (int u = 0; u < DV; ++u)
+      acc[0][u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * stride + 8 * u), acc[0][u]);
+  }
+  for (int t = 1; t < S; ++t) {
+    for (int u = 0; u < DV; ++u) acc[0][u] = _mm256_add_ps(acc[0][u], acc[t][u]);
+  }
+  for (int u = 0; u < DV; ++u) _mm256_storeu_ps(a + 8 * u, acc[0][u]);
+}
+#endif
+
+// a[0..d) += Σ_j p[j] · v_j over n value rows.
+void WeightedValues(const float* p, int n, const float* v, int64_t stride, int d, float* a) {
+#if KVWIRE_AVX2
+  switch (d) {
+    case 8:
+      return AccumulateValues<1>(p, n, v, stride, a);
+    case 16:
+      return AccumulateValues<2>(p, n, v, stride, a);
+    case 32:
+      return AccumulateValues<4>(p, n, v, stride, a);
+    case 64:
+      return AccumulateValues<8>(p, n, v, stride, a);
+    case 128:
+      return AccumulateValues<16>(p, n, v, stride, a);
+    default:
+      break;
+  }
+#endif
+  for (int j = 0; j < n; ++j) simd::Axpy(p[j], v + j * stride, DType::kF32, a, d);
+}
+
+}  // namespace
+
+void CpuPrefillAttention(const PrefillAttentionParams& p, ThreadPool& pool,
+                         int64_t min_work_per_task) {
+  const int group = p.n_heads / p.n_kv_heads;
+  const int d = p.head_dim;
+  const int64_t q_tiles = (p.len + kQueryTile - 1) / kQueryTile;
+  const int64_t tasks = q_tiles * p.n_kv_heads;
+  // A task's multiply-adds, about: its query rows × the group × half the keys on average ×
+  // 2·head_dim; short prompts of small models run on the calling thread.
+  const int64_t work_per_task = std::max<int64_t>(
+      1, int64_t{std::min(p.len, kQueryTile)} * group * ((p.len + 1) / 2) * 2 * d);
+  const int window_start = p.len - p.window;
+  pool.ParallelFor(
+      tasks, std::max<int64_t>(1, min_work_per_task / work_per_task), [&](int64_t t0, int64_t t1) {
+        const int rows_max = kQueryTile * group;
+        std::vector<float> m(rows_max), l(rows_max), acc(int64_t{rows_max} * d);
+        std::vector<float> kt(int64_t{d} * kKeyTile), s(kKeyTile);
+        for (int64_t task = t0; task < t1; ++task) {
+          // Interleave tiles from both ends so every chunk gets short and long rows.
+          const int64_t qt_raw = task / p.n_kv_heads;
+          const int64_t qt = (qt_raw % 2 == 0) ? qt_raw / 2 : q_tiles - 1 - qt_raw / 2;
+          const int g = static_cast<int>(task % p.n_kv_heads);
+          const int i0 = static_cast<int>(qt * kQueryTile);
+          const int i1 = std::min(p.len, i0 + kQueryTile);
+          std::fill(m.begin(), m.end(), kNegInf);
+          std::fill(l.begin(), l.end(), 0.f);
+          std::fill(acc.begin(), acc.end(), 0.f);
+          const float* kg = p.k + int64_t{g} * d;
+          const float* vg = p.v + int64_t{g} * d;
+          for (int j0 = 0; j0 < i1; j0 += kKeyTile) {
+            const int j1 = std::min(i1, j0 + kKeyTile);
+            TransposeKeyTile(kg + j0 * p.kv_stride, p.kv_stride, j1 - j0, d, kt.data());
+            for (int i = i0; i < i1; ++i) {
+              const int n = std::min(j1, i + 1) - j0;  // causal: keys j0..i
+              if (n <= 0) continue;
+              for (int hg = 0; hg < group; ++hg) {
+                const int h = g * group + hg;
+                const int row = (i - i0) * group + hg;
+                const float* q = p.q + i * p.q_stride + int64_t{h} * d;
+                const float tile_max = ScoreRow(q, kt.data(), d, p.scale, n, s.data());
+                if (p.window > 0 && i >= window_start) {  // raw scores, made probabilities below
+                  float* ws =
+                      p.window_scores + (int64_t{h} * p.window + (i - window_start)) * p.len;
+                  std::copy(s.begin(), s.begin() + n, ws + j0);
+                }
+                const float m_new = std::max(m[row], tile_max);
+                const float correction = std::exp(m[row] - m_new);
+                float* a = acc.data() + int64_t{row} * d;
+                if (correction != 1.f) {
+                  for (int x = 0; x < d; ++x) a[x] *= correction;
+                }
+                const float sum = simd::ExpShiftSum(s.data(), n, m_new);
+                WeightedValues(s.data(), n, vg + j0 * p.kv_stride, p.kv_stride, d, a);
+                l[row] = l[row] * correction + sum;
+                m[row] = m_new;
+              }
+            }
+          }
+          for (int i = i0; i < i1; ++i) {
+            for (int hg = 0; hg < group; ++hg) {
+              const int h = g * group + hg;
+              const int row = (i - i0) * group + hg;
+              float* o = p.out + i * p.out_stride + int64_t{h} * d;
+              const float inv = 1.f / l[row];
+              const float* a = acc.data() + int64_t{row} * d;
+              for (int x = 0; x < d; ++x) o[x] = a[x] * inv;
+              if (p.window > 0 && i >= window_start) {
+                // Observation-window probabilities from the row's final max and sum.
+                float* ws = p.window_scores + (int64_t{h} * p.window + (i - window_start)) * p.len;
+                const float shift = m[row];
+                simd::ExpShiftSum(ws, i + 1, shift);
+                for (int j = 0; j <= i; ++j) ws[j] *= inv;
+                std::fill(ws + i + 1, ws + p.len, 0.f);
+              }
+            }
+          }
+        }
+      });
+}
+
+}  // namespace kvwire::kernels
