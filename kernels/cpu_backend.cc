@@ -229,7 +229,34 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
 #else
   const bool vec = false;
 #endif
-  for (int x = 0; x < count; ++x) {
+  int x_start = 0;
+#if KVWIRE_AVX2
+  if (d == 8) {
+    // Heads of 8 (the 260K-parameter model): 8 keys transposed in registers, so each query
+    // head's 8 scores are one vector and no 8-lane sum is reduced per key.
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (; x_start + 8 <= count; x_start += 8) {
+      __m256 r[8];
+      for (int u = 0; u < 8; ++u) {
+        const int64_t tok = idx ? idx[x_start + u] : x_start + u;
+        r[u] = simd::LoadAs8<T>(simd::Offset(kbase, T, tok * 8), 0);
+      }
+      simd::Transpose8x8(r);  // r[i]: element i of the 8 keys
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + g * 8;
+        __m256 a0 = _mm256_mul_ps(_mm256_broadcast_ss(qg), r[0]);
+        __m256 a1 = _mm256_mul_ps(_mm256_broadcast_ss(qg + 1), r[1]);
+        for (int i = 2; i < 8; i += 2) {
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(qg + i), r[i], a0);
+          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(qg + i + 1), r[i + 1], a1);
+        }
+        _mm256_storeu_ps(s + int64_t{g} * count + x_start,
+                         _mm256_mul_ps(_mm256_add_ps(a0, a1), vscale));
+      }
+    }
+  }
+#endif
+  for (int x = x_start; x < count; ++x) {
     const int64_t tok = idx ? idx[x] : x;
     const void* krow = simd::Offset(kbase, T, tok * d);
     if (vec) {
@@ -268,8 +295,41 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
   // Values: tiles of tokens small enough to stay in L1, and for each tile blocks of head
   // dimensions whose outputs for all G heads fit in registers, so each V element is
   // widened and multiplied without an output load and store per token.
-  if (vec) {
+  bool values_done = false;
 #if KVWIRE_AVX2
+  if (d == 8) {
+    // Each V row is one vector; two sets of accumulators (even and odd tokens) when they fit,
+    // so consecutive tokens do not wait on each other's FMA.
+    constexpr int kSets = G <= 4 ? 2 : 1;
+    __m256 acc[kSets][G];
+    for (int t = 0; t < kSets; ++t) {
+      for (int g = 0; g < G; ++g) acc[t][g] = _mm256_setzero_ps();
+    }
+    int x = 0;
+    for (; x + kSets <= count; x += kSets) {
+      for (int t = 0; t < kSets; ++t) {
+        const int64_t tok = idx ? idx[x + t] : x + t;
+        const __m256 vv = simd::LoadAs8<T>(simd::Offset(vbase, T, tok * 8), 0);
+        for (int g = 0; g < G; ++g) {
+          acc[t][g] =
+              _mm256_fmadd_ps(_mm256_broadcast_ss(s + int64_t{g} * count + x + t), vv, acc[t][g]);
+        }
+      }
+    }
+    for (; x < count; ++x) {
+      const int64_t tok = idx ? idx[x] : x;
+      const __m256 vv = simd::LoadAs8<T>(simd::Offset(vbase, T, tok * 8), 0);
+      for (int g = 0; g < G; ++g) {
+        acc[0][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + int64_t{g} * count + x), vv, acc[0][g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      __m256 sum = acc[0][g];
+      for (int t = 1; t < kSets; ++t) sum = _mm256_add_ps(sum, acc[t][g]);
+      _mm256_storeu_ps(out + g * 8, sum);
+    }
+    values_done = true;
+  } else if (vec) {
     for (int x0 = 0; x0 < count; x0 += kTile) {
       const int x1 = std::min(count, x0 + kTile);
       for (int i0 = 0; i0 < d; i0 += 8 * kVecs) {
@@ -300,8 +360,10 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
         }
       }
     }
+    values_done = true;
+  }
 #endif
-  } else {
+  if (!values_done) {
     std::vector<float> row(d);
     for (int x = 0; x < count; ++x) {
       const int64_t tok = idx ? idx[x] : x;

@@ -338,7 +338,8 @@ TEST_P(BackendOpsTest, DecodeAttention) {
   uint32_t seed = 500;
   for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (int len : {1, 7, 37, 733}) {
-      for (auto [heads, cache_heads] : std::vector<std::pair<int, int>>{{1, 1}, {8, 2}, {4, 4}}) {
+      for (auto [heads, cache_heads] :
+           std::vector<std::pair<int, int>>{{1, 1}, {8, 2}, {4, 4}, {8, 4}, {8, 1}}) {
         for (int d : {8, 64, 128}) {
           for (bool sparse : {false, true}) {
             SCOPED_TRACE(absl::StrCat("dtype=", DTypeName(t), " len=", len, " heads=", heads, "/",
