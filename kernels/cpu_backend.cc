@@ -287,7 +287,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
   }
   for (int g = 0; g < G; ++g) {
     float* sh = s + int64_t{g} * count;
-    const float mx = *std::max_element(sh, sh + count);
+    const float mx = simd::Max(sh, count);
     const float inv = 1.f / simd::ExpShiftSum(sh, count, mx);
     for (int x = 0; x < count; ++x) sh[x] *= inv;
     std::fill(out + g * d, out + (g + 1) * d, 0.f);

@@ -52,12 +52,7 @@ float ScoreRow(const float* q, const float* kt, int d, float scale, int n, float
   const __m256 sc = _mm256_set1_ps(scale);
   for (int v = 0; v < kVecs; ++v) _mm256_storeu_ps(s + 8 * v, _mm256_mul_ps(acc[v], sc));
   std::fill(s + n, s + kKeyTile, kNegInf);
-  __m256 mx = _mm256_loadu_ps(s);
-  for (int v = 1; v < kVecs; ++v) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + 8 * v));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-  return _mm_cvtss_f32(m4);
+  return simd::Max(s, kKeyTile);
 #else
   float mx = kNegInf;
   for (int j = 0; j < kKeyTile; ++j) {

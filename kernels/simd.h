@@ -3,6 +3,7 @@
 // otherwise (the plain loops are also what the reference backend does).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -149,6 +150,30 @@ inline __m256 Exp8(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 #endif
+
+#if KVWIRE_AVX2
+inline float HorizontalMax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+#endif
+
+// max over x[0..n), n ≥ 1.
+inline float Max(const float* x, int n) {
+  int i = 0;
+  float mx = x[0];
+#if KVWIRE_AVX2
+  if (n >= 8) {
+    __m256 v = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+    mx = HorizontalMax(v);
+  }
+#endif
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  return mx;
+}
 
 // x[i] = exp(x[i] - shift); returns Σ x[i] (after the exp).
 inline float ExpShiftSum(float* x, int n, float shift) {
