@@ -62,10 +62,9 @@ class GrpcSink final : public ResponseSink {
   // Sends the tokens in `held_` as a message of their own, or folded into the one waiting.
   bool SendHeld() {
     const bool ok = stream_->SendFoldable(
-        [&] {  // a new message: `waiting_` is its contents from now on
-          waiting_.Clear();
+        [&] {                     // a new message: `waiting_` is its contents from now on
+          waiting_.Swap(&held_);  // held_ is cleared below
           waiting_.set_request_id(request_id_);
-          AppendTokens(held_, &waiting_);
           return SerializeMessage(waiting_);
         },
         [&](grpc::ByteBuffer* queued) {  // `waiting_` is `queued`'s contents

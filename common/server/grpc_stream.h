@@ -88,20 +88,11 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
   bool SendFoldable(Make&& make, Fold&& fold) {
     std::lock_guard<std::mutex> lock(mu_);
     if (finishing_ || done_ || cancelled_) return false;
-    if (writing_ && queue_.size() >= 2 && last_foldable_ && fold(&queue_.back())) {
-      ++folds_;
-      return true;
-    }
+    if (writing_ && queue_.size() >= 2 && last_foldable_ && fold(&queue_.back())) return true;
     queue_.push_back(make());
     last_foldable_ = true;
     if (!writing_) StartNextLocked();
     return true;
-  }
-
-  // Messages folded into a waiting one by SendFoldable, so far.
-  uint64_t folds() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return folds_;
   }
 
   // Finishes once every queued message is written (immediately if cancelled).
@@ -221,7 +212,6 @@ class StreamState : public std::enable_shared_from_this<StreamState<Msg>> {
   grpc::CallbackServerContext* ctx_;  // valid until OnDone
   std::function<void()> on_cancel_;
   uint64_t writes_done_ = 0;
-  uint64_t folds_ = 0;
   bool last_foldable_ = false;  // queue_.back() came from SendFoldable
   grpc::Status status_;
   bool writing_ = false, finishing_ = false, finished_called_ = false;
