@@ -126,3 +126,16 @@ class ChatTemplate:
                                   add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as e:
       raise TemplateError(str(e) or type(e).__name__) from None
+
+
+def render_prompt(template: ChatTemplate, messages_json: str, add_generation_prompt: bool) -> str:
+  """The prompt of a chat request, as the C++ front (chat_template_python.cc) asks for it:
+  `messages_json` is the checked messages as JSON text. A leading bos_token is dropped: the
+  decode node's tokenizer adds the BOS the model asks for, as transformers' encode does, and a
+  template that writes bos_token itself would give two (apply_chat_template tokenizes with
+  add_special_tokens=False for that reason)."""
+  text = template.render(json.loads(messages_json), add_generation_prompt)
+  bos = template.special_tokens.get("bos_token")
+  if bos and text.startswith(bos):
+    text = text[len(bos):]
+  return text

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A local kvwire cluster on loopback: the OpenAI-compatible HTTP front (openai_front/server.py)
+# A local kvwire cluster on loopback: the OpenAI-compatible HTTP front (kvwire-openai)
 # calling nginx, the gRPC router, with two decode nodes behind it, two prefill nodes behind those, the decode-to-prefill links in mutual TLS (certificates made
 # by scripts/make_certs.sh in the run directory; --insecure: plaintext). Every file it writes
 # (certificates, rendered config, logs, traces, pids, nginx temp dirs) lives under the run
@@ -47,8 +47,8 @@ options:
                    scripts/make_certs.sh makes in DIR/tls, kept across restarts)
   --set KEY=VALUE  start: this value instead of node-flags.env's for one of its keys
                    (e.g. --set DECODE_STREAM_INTERVAL=4); repeatable
-  --no-openai      start: no OpenAI-compatible front (it needs KVWIRE_PYTHON with aiohttp
-                   and jinja2: Debian's python3-aiohttp, python3-jinja2)
+  --no-openai      start: no OpenAI-compatible front (openai_front/kvwire-openai of the
+                   build, which needs Debian's python3-jinja2 for chat templates)
   --timeout S      wait-ready: seconds to wait (default 60); stop: seconds before SIGKILL
                    (default 30)
 
@@ -123,7 +123,7 @@ DIR=$(cd "$DIR" && pwd)
 if [[ -d $BUILD_DIR ]]; then BUILD_DIR=$(cd "$BUILD_DIR" && pwd); fi
 PREFILL_BIN="$BUILD_DIR/prefill_service/kvwire-prefill"
 DECODE_BIN="$BUILD_DIR/decode_service/kvwire-decode"
-OPENAI_SCRIPT="$REPO/openai_front/server.py"
+OPENAI_BIN="$BUILD_DIR/openai_front/kvwire-openai"
 PYTHON="${KVWIRE_PYTHON:-/usr/bin/python3}"
 if [[ -n ${KVWIRE_NGINX:-} ]]; then
   NGINX=$(command -v "$KVWIRE_NGINX" || echo "$KVWIRE_NGINX")
@@ -131,7 +131,6 @@ else
   NGINX=$(command -v nginx || echo /usr/sbin/nginx)  # /usr/sbin may not be on a user's PATH
 fi
 NODES_FILE="$DIR/nodes"    # one line per process: NAME KIND PORT METRICS_PORT EXECUTABLE
-                           # (for the OpenAI front, the script that $PYTHON runs)
 MODEL_FILE="$DIR/model"
 LINKS_FILE="$DIR/links"    # how decode nodes reach prefill nodes: mtls or insecure
 TLS_DIR="$DIR/tls"         # scripts/make_certs.sh's CA and prefill/, decode/ identities
@@ -252,7 +251,6 @@ launch() {
   done
   local log="$DIR/logs/$name.log"
   local -a cmd=("$exe")
-  [[ $exe == *.py ]] && cmd=("$PYTHON" "$exe")  # the OpenAI front
   echo "==== $(date -u +%FT%TZ) ${cmd[*]} $*" >>"$log"
   setsid "${cmd[@]}" "$@" </dev/null >>"$log" 2>&1 &
   echo "$!" >"$DIR/pids/$name.pid"
@@ -296,10 +294,9 @@ cmd_start() {
   [[ -x $NGINX ]] || die "nginx not found (looked for $NGINX): install Debian's nginx" \
     "('bash scripts/install_deps.sh' does) or set KVWIRE_NGINX"
   [[ -r $FLAGS_FILE ]] || die "missing $FLAGS_FILE"
-  if ((OPENAI)) && ! "$PYTHON" -c "import aiohttp, jinja2, grpc" 2>/dev/null; then
-    die "the OpenAI front needs $PYTHON with aiohttp, jinja2 and grpcio (Debian:" \
-      "python3-aiohttp python3-jinja2 python3-grpcio; 'bash scripts/install_deps.sh' installs" \
-      "them), or start with --no-openai"
+  if ((OPENAI)) && [[ ! -x $OPENAI_BIN ]]; then
+    die "the OpenAI front $OPENAI_BIN is not built: run 'bash scripts/build.sh', or start" \
+      "with --no-openai"
   fi
   mkdir -p "$DIR/logs" "$DIR/pids" "$DIR/traces"
 
@@ -349,7 +346,7 @@ cmd_start() {
       echo "decode-0 decode $1 $5 $DECODE_BIN"
       echo "decode-1 decode $2 $6 $DECODE_BIN"
       echo "router router $ROUTER_PORT - $NGINX"
-      if ((OPENAI)); then echo "openai openai $OPENAI_PORT - $OPENAI_SCRIPT"; fi
+      if ((OPENAI)); then echo "openai openai $OPENAI_PORT - $OPENAI_BIN"; fi
     } >"$NODES_FILE"
     echo "$HOST" >"$DIR/host"
     echo "$MODEL" >"$MODEL_FILE"
@@ -407,8 +404,7 @@ cmd_start() {
     [[ ${KINDS[$i]} == openai ]] || continue
     local model_flag=(--model="$MODEL")
     launch openai "${EXES[$i]}" "${PORTS[$i]}" - --listen="$HOST:${PORTS[$i]}" \
-      --target="$HOST:$(router_port)" "${model_flag[@]}" --stubs="$BUILD_DIR/python" \
-      --access-log
+      --target="$HOST:$(router_port)" "${model_flag[@]}" --access-log
     say "OpenAI-compatible front at http://$HOST:${PORTS[$i]}/v1"
   done
   say "router (nginx) at $HOST:$ROUTER_PORT; next: deploy/local/cluster.sh wait-ready --dir $DIR"
