@@ -8,9 +8,9 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/match.h"
 
 namespace kvwire::openai {
 namespace {
@@ -158,7 +158,8 @@ void SetField(Message* msg, const std::string& key, const Json& value, const std
   if (f->is_repeated()) {
     if (f->cpp_type() != FieldDescriptor::CPPTYPE_INT32) RefuseField(param, "not settable here");
     const Json items = value.is_array() ? value : Json::array({value});
-    for (const Json& x : items) r->AddInt32(msg, f, static_cast<int32_t>(int_of(x, kInt32Min, kInt32Max)));
+    for (const Json& x : items)
+      r->AddInt32(msg, f, static_cast<int32_t>(int_of(x, kInt32Min, kInt32Max)));
     return;
   }
   switch (f->cpp_type()) {
@@ -187,13 +188,13 @@ void SetField(Message* msg, const std::string& key, const Json& value, const std
 
 constexpr const char* kCompressionShortcuts[] = {"policy", "budget", "ratio", "window"};
 constexpr const char* kAttentionFields[] = {"mode", "token_budget", "top_k", "top_r", "page_size"};
-constexpr const char* kSamplingFields[] = {"max_tokens", "temperature", "top_p", "top_k",
-                                           "seed",       "stop",        "stop_token_ids",
-                                           "ignore_eos"};
+constexpr const char* kSamplingFields[] = {
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"};
 constexpr const char* kCompressionFields[] = {
-    "policy", "budget", "ratio", "window", "pool", "kernel", "gqa", "kernel_small",
-    "kernel_large", "kernel_threshold", "chunk", "reuse_layers", "block", "groups", "sinks",
-    "seed", "skip_layers"};
+    "policy", "budget",       "ratio",        "window",       "pool",
+    "kernel", "gqa",          "kernel_small", "kernel_large", "kernel_threshold",
+    "chunk",  "reuse_layers", "block",        "groups",       "sinks",
+    "seed",   "skip_layers"};
 constexpr const char* kChatRoles[] = {"system", "developer", "user", "assistant"};
 
 template <size_t N>
@@ -305,7 +306,8 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
     }
     for (const auto& [key, value] : params->items()) {
       const std::string param = "kv_params." + key;
-      if (OneOf(key, kCompressionShortcuts)) RefuseField(param, "use the top-level field kv_" + key);
+      if (OneOf(key, kCompressionShortcuts))
+        RefuseField(param, "use the top-level field kv_" + key);
       if (key == "params") RefuseField(param, "give each parameter by name");
       bool ok = value.is_string() || value.is_number();
       if (value.is_array()) {
@@ -324,7 +326,8 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
     for (const auto& [key, value] : a.items()) {
       const std::string field = key == "budget" ? "token_budget" : key;
       if (!OneOf(field, kAttentionFields)) {
-        RefuseField("attention." + key, "unknown field (mode, token_budget, top_k, top_r, page_size)");
+        RefuseField("attention." + key,
+                    "unknown field (mode, token_budget, top_k, top_r, page_size)");
       }
       if (value.is_null()) continue;
       SetField(req.mutable_attention(), field, value, "attention." + key, nullptr);
@@ -382,9 +385,12 @@ void ParseCompletionBody(const std::string& text, const std::string& model_id, P
                                          "sampled tokens' log-probabilities, got ",
                                          *logprobs));
   }
-  RefuseUnless(body, "echo", [](const Json& v) { return v == false; }, "not supported (only false)");
-  RefuseUnless(body, "best_of", [](const Json& v) { return AsInt(v) == 1; }, "not supported (only 1)");
-  RefuseUnless(body, "suffix", [](const Json& v) { return v == ""; }, "not supported");
+  RefuseUnless(
+      body, "echo", [](const Json& v) { return v == false; }, "not supported (only false)");
+  RefuseUnless(
+      body, "best_of", [](const Json& v) { return AsInt(v) == 1; }, "not supported (only 1)");
+  RefuseUnless(
+      body, "suffix", [](const Json& v) { return v == ""; }, "not supported");
   body.Rest();
   out->logprobs = logprobs.has_value();
   out->request.set_return_logprobs(out->logprobs);
@@ -395,9 +401,8 @@ Json CheckMessage(size_t i, const Json& m) {
   if (!m.is_object()) RefuseField(where, "expected an object with role and content");
   const auto role = m.find("role");
   if (role == m.end() || !role->is_string() || !OneOf(role->get<std::string>(), kChatRoles)) {
-    RefuseField(where + ".role",
-                "expected one of system, developer, user, assistant, got " +
-                    (role == m.end() ? std::string("nothing") : Show(*role)));
+    RefuseField(where + ".role", "expected one of system, developer, user, assistant, got " +
+                                     (role == m.end() ? std::string("nothing") : Show(*role)));
   }
   std::string content;
   const auto c = m.find("content");
@@ -439,12 +444,14 @@ void ParseChatBody(const std::string& text, const std::string& model_id, ParsedR
     RefuseField("messages", "expected a non-empty list of messages");
   }
   out->messages = Json::array();
-  for (size_t i = 0; i < messages->size(); ++i) out->messages.push_back(CheckMessage(i, (*messages)[i]));
+  for (size_t i = 0; i < messages->size(); ++i)
+    out->messages.push_back(CheckMessage(i, (*messages)[i]));
   out->logprobs = GetBool(body, "logprobs").value_or(false);
   const auto top = GetInt(body, "top_logprobs", 0);
   if (top && *top != 0) {
-    RefuseField("top_logprobs", "top alternatives are not served (only 0): logprobs: true gives "
-                                "the sampled tokens' log-probabilities");
+    RefuseField("top_logprobs",
+                "top alternatives are not served (only 0): logprobs: true gives "
+                "the sampled tokens' log-probabilities");
   }
   if (top && !out->logprobs) RefuseField("top_logprobs", "needs logprobs: true");
   if (const Json* fmt = body.Take("response_format"); fmt && *fmt != Json{{"type", "text"}}) {
@@ -453,13 +460,14 @@ void ParseChatBody(const std::string& text, const std::string& model_id, ParsedR
   if (const Json* tools = body.Take("tools"); tools && !(tools->is_array() && tools->empty())) {
     RefuseField("tools", "tool calling is not served");
   }
-  RefuseUnless(body, "tool_choice", [](const Json& v) { return v == "none"; },
-               "tool calling is not served");
+  RefuseUnless(
+      body, "tool_choice", [](const Json& v) { return v == "none"; }, "tool calling is not served");
   for (const char* name : {"functions", "function_call"}) {
     if (body.Take(name)) RefuseField(name, "function calling is not served");
   }
-  RefuseUnless(body, "parallel_tool_calls", [](const Json& v) { return v.is_boolean(); },
-               "expected true or false");
+  RefuseUnless(
+      body, "parallel_tool_calls", [](const Json& v) { return v.is_boolean(); },
+      "expected true or false");
   out->add_generation_prompt = GetBool(body, "add_generation_prompt").value_or(true);
   body.Rest();
   out->request.set_return_logprobs(out->logprobs);
@@ -596,9 +604,9 @@ Json Usage(const v1::Final& final, double front_ttft_ms) {
   k["decode_node"] = st.decode_node();
   k["attention"] = st.attention();
   k["prefill_attempts"] = st.prefill_attempts();
-  k["compression_ratio"] =
-      st.wire_bytes() > 0 ? Json(static_cast<double>(st.full_cache_bytes()) / st.wire_bytes())
-                          : Json();
+  k["compression_ratio"] = st.wire_bytes() > 0
+                               ? Json(static_cast<double>(st.full_cache_bytes()) / st.wire_bytes())
+                               : Json();
   k["front_ttft_ms"] = front_ttft_ms;
   Json u;
   u["prompt_tokens"] = final.usage().prompt_tokens();

@@ -9,11 +9,10 @@
 // vLLM's top_k, ignore_eos and stop_token_ids. docs/openai.md lists them.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "kvwire/v1/generation.pb.h"
 

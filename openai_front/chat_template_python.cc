@@ -29,10 +29,10 @@ std::string TakeException(PyObject* error_class, bool* is_error) {
   PyErr_Fetch(&type, &value, &trace);
   PyErr_NormalizeException(&type, &value, &trace);
   *is_error = error_class && value && PyObject_IsInstance(value, error_class) == 1;
-  std::string text = *is_error ? StrOf(value)
-                               : absl::StrCat(type ? reinterpret_cast<PyTypeObject*>(type)->tp_name
-                                                   : "error",
-                                              ": ", StrOf(value));
+  std::string text =
+      *is_error ? StrOf(value)
+                : absl::StrCat(type ? reinterpret_cast<PyTypeObject*>(type)->tp_name : "error",
+                               ": ", StrOf(value));
   Py_XDECREF(type);
   Py_XDECREF(value);
   Py_XDECREF(trace);
@@ -88,9 +88,9 @@ absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::Load(const std::stri
     t->render_ = PyObject_GetAttrString(module, "render_prompt");
     t->error_ = PyObject_GetAttrString(module, "TemplateError");
     PyObject* cls = PyObject_GetAttrString(module, "ChatTemplate");
-    PyObject* tpl = cls ? PyObject_CallMethod(cls, "for_model", "ss", model_dir.c_str(),
-                                              override_file.c_str())
-                        : nullptr;
+    PyObject* tpl =
+        cls ? PyObject_CallMethod(cls, "for_model", "ss", model_dir.c_str(), override_file.c_str())
+            : nullptr;
     if (tpl == nullptr || t->render_ == nullptr || t->error_ == nullptr) {
       status = absl::InvalidArgumentError(
           absl::StrCat("the chat template of '", override_file.empty() ? model_dir : override_file,
@@ -121,8 +121,7 @@ ChatTemplate::~ChatTemplate() {
 absl::StatusOr<std::string> ChatTemplate::Render(const std::string& messages_json,
                                                  bool add_generation_prompt) const {
   PyGILState_STATE gil = PyGILState_Ensure();
-  PyObject* text = PyObject_CallFunction(Obj(render_), "Os#O", Obj(template_),
-                                         messages_json.data(),
+  PyObject* text = PyObject_CallFunction(Obj(render_), "Os#O", Obj(template_), messages_json.data(),
                                          static_cast<Py_ssize_t>(messages_json.size()),
                                          add_generation_prompt ? Py_True : Py_False);
   absl::StatusOr<std::string> out;

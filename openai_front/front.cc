@@ -1,20 +1,17 @@
 #include "openai_front/front.h"
 
 #include <arpa/inet.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <httplib.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 
-#include <httplib.h>
-
 #include <cstdio>
-#include <future>
 #include <random>
 #include <vector>
-
-#include <grpcpp/generic/generic_stub.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -27,7 +24,7 @@ using Clock = std::chrono::steady_clock;
 struct Front::Call {
   grpc::ClientContext context;
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader;
-  int socket = -1;            // the client's connection (-1: not found, not watched)
+  int socket = -1;  // the client's connection (-1: not found, not watched)
   std::string path;
   std::atomic<bool> client_left{false};
   std::atomic<bool> ended{false};  // EndCall ran
@@ -53,8 +50,9 @@ std::string RequestId(bool chat) {
   return absl::StrFormat("%s%016x%016x", chat ? "chatcmpl-" : "cmpl-", rng(), rng());
 }
 
-std::string Sse(const Json& event) { return "data: " + event.dump(-1, ' ', false,
-                                                              Json::error_handler_t::replace) + "\n\n"; }
+std::string Sse(const Json& event) {
+  return "data: " + event.dump(-1, ' ', false, Json::error_handler_t::replace) + "\n\n";
+}
 
 void ReplyJson(httplib::Response& res, int status, const Json& body) {
   res.status = status;
@@ -155,7 +153,8 @@ absl::StatusOr<std::unique_ptr<Front>> Front::Start(const FrontOptions& options,
     const_cast<httplib::Request&>(req).headers.erase("Accept-Encoding");
     return httplib::Server::HandlerResponse::Unhandled;
   });
-  http->Get("/v1/models", [self](const httplib::Request& q, httplib::Response& r) { self->Models(q, r); });
+  http->Get("/v1/models",
+            [self](const httplib::Request& q, httplib::Response& r) { self->Models(q, r); });
   http->Get(R"(/v1/models/(.+))",
             [self](const httplib::Request& q, httplib::Response& r) { self->Models(q, r); });
   http->Post("/v1/completions", [self](const httplib::Request& q, httplib::Response& r) {
@@ -195,7 +194,20 @@ absl::StatusOr<std::unique_ptr<Front>> Front::Start(const FrontOptions& options,
         absl::StrCat("cannot listen on ", options.host, ":", options.port, " (in use?)"));
   }
   f->http_ = std::move(http);
-  f->listener_ = std::thread([self] { self->http_->listen_after_bind(); });
+  auto returned = std::make_shared<std::atomic<bool>>(false);
+  f->listener_ = std::thread([self, returned] {
+    self->http_->listen_after_bind();
+    *returned = true;
+  });
+  // httplib's stop() does nothing before the listener's loop has started (0.11 has no
+  // wait_until_ready), so a Shutdown right after Start would wait for it forever.
+  while (!f->http_->is_running() && !*returned) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (*returned) {
+    f->listener_.join();
+    return absl::InternalError("the HTTP listener stopped as it started");
+  }
   f->watcher_ = std::thread([self] { self->WatchLoop(); });
   return f;
 }
@@ -292,36 +304,51 @@ void Front::Health(httplib::Response& res) {
   context.set_deadline(std::chrono::system_clock::now() + options_.health_timeout);
   grpc::Slice empty;  // an empty HealthCheckRequest: the whole server
   grpc::ByteBuffer request(&empty, 1), reply;
-  std::promise<grpc::Status> done;
-  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &reply,
-                 [&done](grpc::Status st) { done.set_value(std::move(st)); });
-  const grpc::Status st = done.get_future().get();  // bounded by the deadline
+  // The completion-queue API, not the callback one: a callback call would start gRPC's
+  // callback thread, which then polls every connection and hands each Generate message to
+  // its worker thread, a thread switch per message.
+  grpc::CompletionQueue cq;
+  grpc::Status st;
+  auto call = stub.PrepareUnaryCall(&context, "/grpc.health.v1.Health/Check", request, &cq);
+  call->StartCall();
+  call->Finish(&reply, &st, &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  cq.Next(&tag, &ok);  // bounded by the deadline
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
   std::vector<grpc::Slice> slices;
   std::string bytes;
   if (st.ok() && reply.Dump(&slices).ok()) {
-    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    for (const grpc::Slice& s : slices)
+      bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
   }
   if (!st.ok()) {
-    return ReplyJson(res, 503, Json{{"status", "unavailable"}, {"target", options_.target},
-                                    {"reason", GrpcCodeName(st.error_code())}});
+    return ReplyJson(res, 503,
+                     Json{{"status", "unavailable"},
+                          {"target", options_.target},
+                          {"reason", GrpcCodeName(st.error_code())}});
   }
   if (bytes != std::string("\x08\x01", 2)) {  // HealthCheckResponse{status: SERVING}
     return ReplyJson(res, 503, Json{{"status", "not serving"}, {"target", options_.target}});
   }
-  ReplyJson(res, 200, Json{{"status", "ok"}, {"target", options_.target}, {"model", options_.model_id}});
+  ReplyJson(res, 200,
+            Json{{"status", "ok"}, {"target", options_.target}, {"model", options_.model_id}});
 }
 
 Json Front::Envelope(bool chat, bool chunk, const std::string& id, int64_t created) const {
-  return Json{{"id", id},
-              {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
-              {"created", created},
-              {"model", options_.model_id}};
+  return Json{
+      {"id", id},
+      {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+      {"created", created},
+      {"model", options_.model_id}};
 }
 
 void Front::Generate(const httplib::Request& req, httplib::Response& res, bool chat) {
   const Clock::time_point start = Clock::now();
-  ParseResult p = chat ? ParseChat(req.body, options_.model_id)
-                       : ParseCompletion(req.body, options_.model_id);
+  ParseResult p =
+      chat ? ParseChat(req.body, options_.model_id) : ParseCompletion(req.body, options_.model_id);
   if (p.error) return ReplyError(res, *p.error);
   ParsedRequest& parsed = p.parsed;
   if (chat) {
@@ -330,8 +357,8 @@ void Front::Generate(const httplib::Request& req, httplib::Response& res, bool c
                                parsed.add_generation_prompt);
     if (!prompt.ok()) {
       if (prompt.status().code() != absl::StatusCode::kInvalidArgument) {
-        return ReplyError(res, {500, std::string(prompt.status().message()), std::nullopt,
-                                "server_error"});
+        return ReplyError(
+            res, {500, std::string(prompt.status().message()), std::nullopt, "server_error"});
       }
       return ReplyError(res, BadField("messages", absl::StrCat("the chat template refused them: ",
                                                                prompt.status().message())));
@@ -379,14 +406,15 @@ void Front::AnswerWhole(std::unique_ptr<Call> call, const ParsedRequest& parsed,
   }
   const grpc::Status st = EndCall(*call, /*cancel=*/false);
   if (!st.ok()) {
-    return ReplyError(res, FromGrpc(GrpcCodeName(st.error_code()), st.error_message(), parsed.chat));
+    return ReplyError(res,
+                      FromGrpc(GrpcCodeName(st.error_code()), st.error_message(), parsed.chat));
   }
   if (!final) {
     return ReplyError(res, {502, "the decode tier ended the stream without its final message",
                             std::nullopt, "server_error"});
   }
-  const double ttft = std::chrono::duration<double, std::milli>(
-                          first.value_or(Clock::now()) - call->start).count();
+  const double ttft =
+      std::chrono::duration<double, std::milli>(first.value_or(Clock::now()) - call->start).count();
   const std::string& id = parsed.request.request_id();
   Json body = Envelope(parsed.chat, /*chunk=*/false, id, UnixNow());
   Json choice;
@@ -413,7 +441,8 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
   if (!call->reader->Read(first.get())) {
     const grpc::Status st = EndCall(*call, /*cancel=*/false);
     if (!st.ok()) {
-      return ReplyError(res, FromGrpc(GrpcCodeName(st.error_code()), st.error_message(), parsed.chat));
+      return ReplyError(res,
+                        FromGrpc(GrpcCodeName(st.error_code()), st.error_message(), parsed.chat));
     }
     return ReplyError(res, {502, "the decode tier ended the stream without any message",
                             std::nullopt, "server_error"});
@@ -439,8 +468,8 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
     return e;
   };
   const std::string mark = "\x01text\x01";
-  const std::string templ = Sse(event(chat ? Json{{"delta", {{"content", mark}}}} : Json{{"text", mark}},
-                                      nullptr, Json()));
+  const std::string templ = Sse(
+      event(chat ? Json{{"delta", {{"content", mark}}}} : Json{{"text", mark}}, nullptr, Json()));
   const size_t at = templ.find(QuoteJson(mark));
   const std::string before = templ.substr(0, at), after = templ.substr(at + QuoteJson(mark).size());
 
@@ -494,10 +523,10 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
           }
           if (msg.has_final()) {
             const v1::Final& f = msg.final();
-            Json fields = chat ? Json{{"delta", role_sent ? Json::object()
-                                                          : Json{{"role", "assistant"},
-                                                                 {"content", ""}}}}
-                               : Json{{"text", ""}};
+            Json fields =
+                chat ? Json{{"delta", role_sent ? Json::object()
+                                                : Json{{"role", "assistant"}, {"content", ""}}}}
+                     : Json{{"text", ""}};
             Json last = event(std::move(fields), FinishReason(f.finish_reason()), Json());
             std::string ending;
             if (include_usage) {
@@ -516,10 +545,10 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
           }
         }
         const grpc::Status st = EndCall(c, /*cancel=*/false);
-        const ApiError e = st.ok() ? ApiError{500, "the stream ended without its final message",
-                                              std::nullopt, "server_error", "internal"}
-                                   : FromGrpc(GrpcCodeName(st.error_code()), st.error_message(),
-                                              chat);
+        const ApiError e = st.ok()
+                               ? ApiError{500, "the stream ended without its final message",
+                                          std::nullopt, "server_error", "internal"}
+                               : FromGrpc(GrpcCodeName(st.error_code()), st.error_message(), chat);
         return finish(Sse(e.Body()));
       },
       // Normally the provider ends the call; this ends one whose response was abandoned

@@ -13,6 +13,8 @@
 // node frees its KV pages.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -21,8 +23,6 @@
 #include <set>
 #include <string>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "kvwire/v1/generation.grpc.pb.h"
@@ -39,16 +39,16 @@ namespace kvwire::openai {
 
 struct FrontOptions {
   std::string host = "127.0.0.1";
-  int port = 8000;            // 0: a free port, port() says which
-  std::string target;         // gRPC target of Generate
-  std::string tls_ca;         // CA certificate of the target (enables TLS)
-  std::string model_id;       // the model id clients name
-  std::chrono::milliseconds timeout{300000};         // deadline of each Generate call
-  std::chrono::milliseconds send_timeout{30000};     // longest wait for a client to take a write
+  int port = 8000;                                // 0: a free port, port() says which
+  std::string target;                             // gRPC target of Generate
+  std::string tls_ca;                             // CA certificate of the target (enables TLS)
+  std::string model_id;                           // the model id clients name
+  std::chrono::milliseconds timeout{300000};      // deadline of each Generate call
+  std::chrono::milliseconds send_timeout{30000};  // longest wait for a client to take a write
   std::chrono::milliseconds health_timeout{2000};
-  std::chrono::milliseconds disconnect_poll{200};    // how often hang-ups are looked for
-  int max_inflight = 256;     // requests in flight beyond which the front answers 429
-  int threads = 0;            // HTTP worker threads (0: max_inflight + 32)
+  std::chrono::milliseconds disconnect_poll{200};  // how often hang-ups are looked for
+  int max_inflight = 256;  // requests in flight beyond which the front answers 429
+  int threads = 0;         // HTTP worker threads (0: max_inflight + 32)
   size_t max_body_bytes = 4 << 20;
   bool access_log = false;
 };

@@ -61,7 +61,8 @@ absl::StatusOr<FrontOptions> OptionsFromFlags(const Flags& f) {
   FrontOptions o;
   RETURN_IF_ERROR(ParseListen(f.GetString("listen"), &o));
   o.target = f.GetString("target");
-  if (o.target.empty()) return absl::InvalidArgumentError("--target: the router or a decode node is required");
+  if (o.target.empty())
+    return absl::InvalidArgumentError("--target: the router or a decode node is required");
   o.tls_ca = f.GetString("tls-ca");
   const std::string model = f.GetString("model");
   o.model_id = f.GetString("model-name");
@@ -96,7 +97,8 @@ int main(int argc, char** argv) {
   LimitProtobufLogs();
 
   Flags flags;
-  flags.Define("listen", "127.0.0.1:8000", "HOST:PORT of the HTTP listener (port 0: a free port, printed)");
+  flags.Define("listen", "127.0.0.1:8000",
+               "HOST:PORT of the HTTP listener (port 0: a free port, printed)");
   flags.Define("target", "localhost:8080",
                "gRPC target of Generate: the router, a decode node, or ipv4:HOST:PORT,HOST:PORT");
   flags.Define("model", "",
@@ -110,9 +112,11 @@ int main(int argc, char** argv) {
   flags.Define("timeout-s", "300", "deadline of each Generate call, whole generation included");
   flags.Define("send-timeout-s", "30", "longest wait for a client to take one write");
   flags.Define("health-timeout-s", "2", "deadline of /health's check of the target");
-  flags.Define("disconnect-poll-s", "0.2", "how often the requests' connections are checked for hang-ups");
+  flags.Define("disconnect-poll-s", "0.2",
+               "how often the requests' connections are checked for hang-ups");
   flags.Define("max-inflight", "256", "requests in flight beyond which the front answers 429");
-  flags.Define("threads", "0", "HTTP worker threads, one per open connection (0: max-inflight + 32)");
+  flags.Define("threads", "0",
+               "HTTP worker threads, one per open connection (0: max-inflight + 32)");
   flags.Define("max-body-bytes", "4194304", "largest request body accepted (413 beyond)");
   flags.Define("grace-s", "20", "SIGTERM: how long requests in flight may finish");
   flags.Define("tls-ca", "", "CA certificate of the target (enables TLS)");
@@ -146,10 +150,10 @@ int main(int argc, char** argv) {
   const std::string origin = (*chat_template)->origin();
   auto front = Front::Start(*options, *std::move(chat_template));
   if (!front.ok()) return fail(front.status());
-  std::fprintf(stderr,
-               "kvwire-openai: listening on http://%s:%d (model %s, target %s, chat template: %s)\n",
-               options->host.c_str(), (*front)->port(), options->model_id.c_str(),
-               options->target.c_str(), origin.c_str());
+  std::fprintf(
+      stderr, "kvwire-openai: listening on http://%s:%d (model %s, target %s, chat template: %s)\n",
+      options->host.c_str(), (*front)->port(), options->model_id.c_str(), options->target.c_str(),
+      origin.c_str());
   WaitForTermination([&] {
     std::fprintf(stderr, "kvwire-openai: stopping: requests in flight get %.0f s\n",
                  grace->count() / 1000.0);

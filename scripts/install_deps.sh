@@ -13,7 +13,8 @@ PACKAGES=(
   clang-16 libclang-rt-16-dev  # libFuzzer with ASan/UBSan for scripts/fuzz.sh
   python3 python3-grpcio python3-protobuf python3-numpy python3-yaml python3-venv
   python3-matplotlib
-  python3-aiohttp python3-jinja2  # the OpenAI-compatible front (openai_front/)
+  libcpp-httplib-dev libpython3-dev python3-jinja2  # the OpenAI front: HTTP, chat templates
+  python3-aiohttp  # bench/openai_vs_grpc.py's HTTP client
 )
 # Installed when the package sources have them (kubectl is not in Debian's own archive);
 # the tests that need them skip with a message otherwise.

@@ -8,7 +8,8 @@ import os
 import re
 import sys
 
-GRPC_FOLDERS = {"common/server", "proto", "prefill_service", "decode_service", "tools", "bench"}
+GRPC_FOLDERS = {"common/server", "proto", "prefill_service", "decode_service", "openai_front",
+                "tools", "bench"}
 PROMETHEUS_FOLDERS = {"common/telemetry"}
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
 

@@ -1194,26 +1194,37 @@ class K8sRenderTest(unittest.TestCase):
   def test_openai_front(self):
     """Its Deployment, Service, probes and route to the router in every rendering; flags the
     server takes; the decode NetworkPolicy lets it (and the router) in; the image's layout."""
-    help_text = subprocess.run([sys.executable, os.path.join(REPO, "openai_front", "server.py"),
-                                "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, check=False)
-    # Without aiohttp (the front's dependency) the flags cannot be listed; the rest still is
-    # checked.
-    flags_known = help_text.returncode == 0
+    front_binary = os.path.join(BUILD, "openai_front", "kvwire-openai")
+    help_text = subprocess.run([front_binary, "--help"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, check=False)
+    self.assertEqual(help_text.returncode, 0, help_text.stdout)
+    # The image's layout, which the manifests name.
+    path = os.path.join(REPO, "deploy", "docker", "Dockerfile")
+    stages = dockerfile_stages(path)
+    names = [st[1] for st in stages]
+    self.assertIn("openai", names, path)
+    image, _, steps = stages[names.index("openai")]
+    copied = {}  # file name -> where the openai stage puts it
+    for k, t in steps:
+      if k == "COPY":
+        words = [w for w in t.split() if not w.startswith("--from")]
+        for src in words[:-1]:
+          copied[os.path.basename(src)] = words[-1].rstrip("/")
     for r in self.renderings.values():
       with self.subTest(rendering=r.name):
         self.assertIn("kvwire-openai", r.kind("Deployment"), r.name)
         fronts = [c for c in r.containers() if c.owner["metadata"]["name"] == "kvwire-openai"]
         self.assertEqual(len(fronts), 1, r.name)
         c = fronts[0]
-        self.assertEqual(c.argv[:2], ["/usr/bin/python3", "/opt/kvwire/openai_front/server.py"],
-                         c.what)
+        self.assertEqual(c.argv[0], os.path.join(copied.get("kvwire-openai", "(not copied)"),
+                                                 "kvwire-openai"), c.what)
         self.assertTrue(c.spec["image"].startswith("kvwire-openai:"), c.what)
-        flags = flag_map(c.argv[2:])
-        if flags_known:
-          for name in flags:
-            self.assertIn("--" + name, help_text.stdout, "%s: server.py has no --%s" % (c.what,
-                                                                                       name))
+        flags = flag_map(c.argv[1:])
+        for name in flags:
+          self.assertIn("--" + name, help_text.stdout, "%s: kvwire-openai has no --%s" %
+                        (c.what, name))
+        # Its embedded Python finds chat_template.py where the image puts it.
+        self.assertEqual(flags.get("python-dir"), copied.get("chat_template.py"), c.what)
         listen = port_of(flags["listen"], c.what + " --listen")
         self.assertEqual(c.port("http"), listen, c.what)
         for probe, path in (("readinessProbe", "/health"), ("livenessProbe", "/health/live")):
@@ -1259,27 +1270,27 @@ class K8sRenderTest(unittest.TestCase):
                 allowed.add(owner["metadata"]["name"])
         self.assertEqual(allowed, {"kvwire-router", "kvwire-openai"}, r.name)
         self.assertEqual(open_ports, {metrics_port}, r.name)
-    # The image: Debian's packages the front imports, the tree layout server.py expects.
-    path = os.path.join(REPO, "deploy", "docker", "Dockerfile")
-    stages = dockerfile_stages(path)
-    names = [st[1] for st in stages]
-    self.assertIn("openai", names, path)
-    image, _, steps = stages[names.index("openai")]
+    # The image: the packages of the libraries kvwire-openai links, and the jinja2 its
+    # embedded Python renders chat templates with.
     self.assertEqual(image, "debian:12-slim", path)
     packages = set(apt_packages(steps))
-    for pkg in ("python3", "python3-aiohttp", "python3-grpcio", "python3-protobuf",
-                "python3-jinja2"):
-      self.assertIn(pkg, packages, "%s: the openai stage lacks %s" % (path, pkg))
-    self.assertFalse(packages - install_deps_packages(), path)
-    copies = " ".join(t for k, t in steps if k == "COPY")
-    for where in ("/opt/kvwire/openai_front", "/opt/kvwire/clients/python/kvwire",
-                  "/opt/kvwire/build/python"):
-      self.assertIn(where, copies, "%s: the openai stage does not fill %s" % (path, where))
+    self.assertIn("python3-jinja2", packages, path)
+    self.assertFalse(packages - install_deps_packages() - {"ca-certificates"} -
+                     self.front_runtime_packages(front_binary), path)
+    for pkg in self.front_runtime_packages(front_binary):
+      self.assertIn(pkg, packages, "%s: kvwire-openai links a library of %s, which the openai "
+                    "stage does not install" % (path, pkg))
     self.assertTrue([t for k, t in steps if k == "USER" and t.startswith("10001")], path)
     with open(os.path.join(REPO, "deploy", "docker", "Dockerfile.dockerignore")) as f:
       ignore = f.read().split()
-    for folder in ("!openai_front", "!clients/python/kvwire"):
-      self.assertIn(folder, ignore, "the build context lacks " + folder)
+    self.assertIn("!openai_front", ignore, "the build context lacks openai_front")
+
+  @staticmethod
+  def front_runtime_packages(binary):
+    libs = needed_libraries(binary)
+    owners = packages_of(libs.values())
+    return {owners[p] for p in libs.values() if owners[p] and owners[p] not in
+            BASE_IMAGE_PACKAGES}
 
   def test_dockerfile_gpu(self):
     path = os.path.join(REPO, "deploy", "docker", "Dockerfile.gpu")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""End to end: the OpenAI-compatible front (openai_front/server.py) in the local cluster of
+"""End to end: the OpenAI-compatible front (kvwire-openai, openai_front/) in the local cluster of
 deploy/local/cluster.sh, driven by the real `openai` Python package (PyPI, in .venv):
 
   (a) GET /v1/models, /health;
