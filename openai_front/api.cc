@@ -338,7 +338,7 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
 Json ParseJson(const std::string& text) {
   try {
     return Json::parse(text);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // a syntax error, or a number out of range (1e400)
     Refuse({400, absl::StrCat("the request body is not JSON: ", e.what())});
   }
 }

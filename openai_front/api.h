@@ -31,7 +31,10 @@ struct ApiError {
   std::optional<std::string> code;
 
   Json Body() const;
-  std::string BodyText() const { return Body().dump(); }
+  // Invalid UTF-8 (a parse error quotes the bytes it stopped at) is replaced, never an error.
+  std::string BodyText() const {
+    return Body().dump(-1, ' ', false, Json::error_handler_t::replace);
+  }
 };
 
 // A 400 naming the field: "param: what".

@@ -18,7 +18,7 @@ shift || true
 TARGETS=("$@")
 if ((${#TARGETS[@]} == 0)); then
   TARGETS=(kv_stream_fuzz safetensors_fuzz model_config_fuzz tokenizer_load_fuzz
-           tokenizer_encode_fuzz generate_request_fuzz prefill_request_fuzz)
+           tokenizer_encode_fuzz generate_request_fuzz prefill_request_fuzz openai_body_fuzz)
 fi
 CC_BIN="${KVWIRE_FUZZ_CC:-clang-16}"
 CXX_BIN="${KVWIRE_FUZZ_CXX:-clang++-16}"

@@ -172,11 +172,13 @@ TEST(ParseCompletionTest, RefusesBadPromptsModelsAndBodies) {
   EXPECT_EQ(r.error->status, 404);
   EXPECT_EQ(r.error->code.value_or(""), "model_not_found");
   EXPECT_NE(r.error->message.find("stories260K-hf"), std::string::npos) << r.error->message;
-  for (const char* body : {"{not json", "[1, 2]", "\"text\"", "{\"model\": \"\xff\"}"}) {
+  for (const char* body : {"{not json", "[1, 2]", "\"text\"", "{\"model\": \"\xff\"}",
+                           "{\"att\xb4\": 1}", "{\"max_tokens\": 1e400}"}) {
     r = ParseCompletion(body, kModel);
     ASSERT_TRUE(r.error) << body;
     EXPECT_EQ(r.error->status, 400);
     EXPECT_FALSE(r.error->param) << body;
+    EXPECT_FALSE(r.error->BodyText().empty());  // quoted invalid UTF-8 is replaced
   }
 }
 
