@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <httplib.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -96,10 +97,18 @@ int ConnectionSocket(const httplib::Request& req) {
   auto matches = [&](int fd) {
     sockaddr_storage peer{}, local{};
     socklen_t n = sizeof(peer), m = sizeof(local);
-    return getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &n) == 0 &&
-           port_of(peer) == req.remote_port &&
-           getsockname(fd, reinterpret_cast<sockaddr*>(&local), &m) == 0 &&
-           port_of(local) == req.local_port;
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &n) != 0 ||
+        port_of(peer) != req.remote_port ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &m) != 0 ||
+        port_of(local) != req.local_port) {
+      return false;
+    }
+    // Two clients may use the same port: the peer's address decides (httplib writes it with
+    // getnameinfo too).
+    char host[NI_MAXHOST];
+    return getnameinfo(reinterpret_cast<sockaddr*>(&peer), n, host, sizeof(host), nullptr, 0,
+                       NI_NUMERICHOST) == 0 &&
+           req.remote_addr == host;
   };
   thread_local int last = -1;
   if (last >= 0 && matches(last)) return last;
@@ -143,7 +152,9 @@ absl::StatusOr<std::unique_ptr<Front>> Front::Start(const FrontOptions& options,
   http->set_payload_max_length(options.max_body_bytes);
   http->set_tcp_nodelay(true);
   http->set_keep_alive_max_count(100000);
-  http->set_read_timeout(std::chrono::seconds(60));
+  // A client has 30 s to send a request once it has begun (a 4 MiB body at 1 Mbit/s); one
+  // that stalls does not hold its worker longer. Idle keep-alive connections close after 5 s.
+  http->set_read_timeout(std::chrono::seconds(30));
   http->set_write_timeout(options.send_timeout);
   Front* self = f.get();
   http->set_pre_routing_handler([](const httplib::Request& req, httplib::Response&) {

@@ -17,6 +17,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -80,7 +82,7 @@ class FrontTest : public ::testing::Test {
  protected:
   void SetUp() override { StartFront(FrontOptions{}); }
 
-  void StartFront(FrontOptions o) {
+  void StartFront(FrontOptions o, const std::string& chat_template_file = "") {
     if (!grpc_) {
       grpc::EnableDefaultHealthCheckService(true);
       grpc::ServerBuilder b;
@@ -93,7 +95,7 @@ class FrontTest : public ::testing::Test {
     o.port = 0;
     o.target = "127.0.0.1:" + std::to_string(grpc_port_);
     o.model_id = "m";
-    auto t = ChatTemplate::Load(KVWIRE_SOURCE_DIR "/openai_front", "", "");
+    auto t = ChatTemplate::Load(KVWIRE_SOURCE_DIR "/openai_front", "", chat_template_file);
     ASSERT_TRUE(t.ok()) << t.status();
     auto f = Front::Start(o, *std::move(t));
     ASSERT_TRUE(f.ok()) << f.status();
@@ -222,6 +224,31 @@ TEST_F(FrontTest, RefusalsOfTheDecodeTierAreHttpStatuses) {
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 400);
   EXPECT_EQ(Json::parse(r->body)["error"]["param"], "n");
+}
+
+TEST_F(FrontTest, ChatGoesThroughTheTemplateWhichMayRefuse) {
+  const std::string path = ::testing::TempDir() + "/front_test_template.jinja";
+  {
+    std::ofstream f(path);
+    f << "{% for m in messages %}{% if m['role'] == 'system' %}"
+         "{{ raise_exception('System messages are not supported') }}{% endif %}"
+         "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}";
+  }
+  StartFront(FrontOptions{}, path);
+  auto r = Post("/v1/chat/completions",
+                R"({"model": "m", "messages": [{"role": "system", "content": "x"}]})");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  const Json e = Json::parse(r->body)["error"];
+  EXPECT_EQ(e["param"], "messages");
+  EXPECT_NE(e["message"].get<std::string>().find("System messages are not supported"),
+            std::string::npos)
+      << e;
+  r = Post("/v1/chat/completions",
+           R"({"model": "m", "messages": [{"role": "user", "content": "ok"}]})");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  std::remove(path.c_str());
 }
 
 TEST_F(FrontTest, DeadlineIsA504) {
