@@ -1,5 +1,6 @@
 #include "openai_front/api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -18,6 +19,10 @@ namespace {
 using google::protobuf::FieldDescriptor;
 using google::protobuf::Message;
 using google::protobuf::Reflection;
+// Request bodies: objects are std::maps (ordered_json's linear key lookup would make parsing
+// quadratic in the number of keys). Responses are Json, in OpenAI's field order.
+using In = nlohmann::json;
+constexpr int kMaxNesting = 32;
 
 // Inside this file a check that fails throws its ApiError, which the public entry points
 // catch and return: the parsing reads like the list of rules it is.
@@ -29,16 +34,19 @@ struct Refusal {
   Refuse(BadField(param, what));
 }
 
-std::string Show(const Json& v) { return v.dump(-1, ' ', false, Json::error_handler_t::replace); }
+template <typename J>
+std::string Show(const J& v) {
+  return v.dump(-1, ' ', false, J::error_handler_t::replace);
+}
 
 // A request body whose fields are taken one by one; what is left is refused.
 class Body {
  public:
-  explicit Body(const Json& raw) : raw_(raw) {
+  explicit Body(const In& raw) : raw_(raw) {
     if (!raw_.is_object()) Refuse({400, "the request body must be a JSON object"});
   }
   // The field's value, or nullptr when absent or null.
-  const Json* Take(const std::string& name) {
+  const In* Take(const std::string& name) {
     taken_.insert(name);
     auto it = raw_.find(name);
     return it == raw_.end() || it->is_null() ? nullptr : &*it;
@@ -52,12 +60,12 @@ class Body {
   }
 
  private:
-  const Json& raw_;
+  const In& raw_;
   std::set<std::string> taken_;
 };
 
 // An integer, or a float with an integral value (5.0), as JSON writers may give one.
-std::optional<int64_t> AsInt(const Json& v) {
+std::optional<int64_t> AsInt(const In& v) {
   if (v.is_number_unsigned()) {
     if (v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
       return std::nullopt;
@@ -75,7 +83,7 @@ std::optional<int64_t> AsInt(const Json& v) {
 std::optional<int64_t> GetInt(Body& body, const std::string& name,
                               std::optional<int64_t> lo = std::nullopt,
                               int64_t hi = std::numeric_limits<int32_t>::max()) {
-  const Json* v = body.Take(name);
+  const In* v = body.Take(name);
   if (!v) return std::nullopt;
   const std::optional<int64_t> i = AsInt(*v);
   if (!i) RefuseField(name, "expected an integer, got " + Show(*v));
@@ -86,7 +94,7 @@ std::optional<int64_t> GetInt(Body& body, const std::string& name,
 
 std::optional<double> GetNumber(Body& body, const std::string& name, double lo, double hi,
                                 bool lo_open = false) {
-  const Json* v = body.Take(name);
+  const In* v = body.Take(name);
   if (!v) return std::nullopt;
   if (!v->is_number()) RefuseField(name, "expected a number, got " + Show(*v));
   const double d = v->get<double>();
@@ -98,14 +106,14 @@ std::optional<double> GetNumber(Body& body, const std::string& name, double lo, 
 }
 
 std::optional<bool> GetBool(Body& body, const std::string& name) {
-  const Json* v = body.Take(name);
+  const In* v = body.Take(name);
   if (!v) return std::nullopt;
   if (!v->is_boolean()) RefuseField(name, "expected true or false, got " + Show(*v));
   return v->get<bool>();
 }
 
 std::optional<std::string> GetString(Body& body, const std::string& name) {
-  const Json* v = body.Take(name);
+  const In* v = body.Take(name);
   if (!v) return std::nullopt;
   if (!v->is_string()) RefuseField(name, "expected a string, got " + Show(*v));
   return v->get<std::string>();
@@ -114,16 +122,16 @@ std::optional<std::string> GetString(Body& body, const std::string& name) {
 // A field accepted only with a value that changes nothing (its default).
 template <typename Allowed>
 void RefuseUnless(Body& body, const std::string& name, Allowed allowed, const std::string& why) {
-  const Json* v = body.Take(name);
+  const In* v = body.Take(name);
   if (v && !allowed(*v)) RefuseField(name, why);
 }
 
-bool IsZero(const Json& v) { return v.is_number() && v.get<double>() == 0.0; }
+bool IsZero(const In& v) { return v.is_number() && v.get<double>() == 0.0; }
 
 // CompressionParams fields by name (kv_params), or DecodeAttentionParams fields (attention):
 // each value must have its field's type; a name without a field goes to `extra_map` as text
 // when the message has one (compression.params: policies added since), else it is refused.
-void SetField(Message* msg, const std::string& key, const Json& value, const std::string& param,
+void SetField(Message* msg, const std::string& key, const In& value, const std::string& param,
               const char* extra_map) {
   const FieldDescriptor* f = msg->GetDescriptor()->FindFieldByName(key);
   const Reflection* r = msg->GetReflection();
@@ -134,7 +142,7 @@ void SetField(Message* msg, const std::string& key, const Json& value, const std
       text = value.get<std::string>();
     } else if (value.is_array()) {
       std::vector<std::string> items;
-      for (const Json& x : value) items.push_back(Show(x));
+      for (const In& x : value) items.push_back(Show(x));
       text = "[" + absl::StrJoin(items, ", ") + "]";
     } else {
       text = Show(value);
@@ -145,8 +153,8 @@ void SetField(Message* msg, const std::string& key, const Json& value, const std
     (*compression->mutable_params())[key] = text;
     return;
   }
-  auto int_of = [&](const Json& v, int64_t lo, int64_t hi) -> int64_t {
-    const std::optional<int64_t> i = v.is_number_float() ? std::nullopt : AsInt(v);
+  auto int_of = [&](const In& v, int64_t lo, int64_t hi) -> int64_t {
+    const std::optional<int64_t> i = AsInt(v);
     if (!i) RefuseField(param, "expected an integer, got " + Show(v));
     if (*i < lo || *i > hi) {
       RefuseField(param, absl::StrCat("must be in [", lo, ", ", hi, "], got ", *i));
@@ -157,8 +165,8 @@ void SetField(Message* msg, const std::string& key, const Json& value, const std
   constexpr int64_t kInt32Min = std::numeric_limits<int32_t>::min();
   if (f->is_repeated()) {
     if (f->cpp_type() != FieldDescriptor::CPPTYPE_INT32) RefuseField(param, "not settable here");
-    const Json items = value.is_array() ? value : Json::array({value});
-    for (const Json& x : items)
+    const In items = value.is_array() ? value : In::array({value});
+    for (const In& x : items)
       r->AddInt32(msg, f, static_cast<int32_t>(int_of(x, kInt32Min, kInt32Max)));
     return;
   }
@@ -207,7 +215,7 @@ bool OneOf(const std::string& s, const char* const (&names)[N]) {
 
 // The fields both endpoints share, into `out`.
 void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
-  const Json* model = body.Take("model");
+  const In* model = body.Take("model");
   if (!model) RefuseField("model", "required");
   if (!model->is_string()) RefuseField("model", "expected a string");
   if (model->get<std::string>() != model_id) {
@@ -225,13 +233,15 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
       RefuseField("max_tokens", "give max_completion_tokens or max_tokens, not both");
     }
     max_tokens = b ? b : a;
+    // A refusal of the decode tier about max_tokens names the field the client used.
+    out->max_tokens_field = a && !b ? "max_tokens" : "max_completion_tokens";
   } else {
     max_tokens = GetInt(body, "max_tokens", 1);
   }
   if (max_tokens) s.set_max_tokens(static_cast<int32_t>(*max_tokens));
   if (auto t = GetNumber(body, "temperature", 0, 2)) s.set_temperature(static_cast<float>(*t));
   if (auto p = GetNumber(body, "top_p", 0, 1, true)) s.set_top_p(static_cast<float>(*p));
-  if (const Json* seed = body.Take("seed")) {
+  if (const In* seed = body.Take("seed")) {
     if (!seed->is_number_integer() && !AsInt(*seed)) {
       RefuseField("seed", "expected an integer, got " + Show(*seed));
     }
@@ -241,21 +251,21 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
     s.set_seed(seed->is_number_unsigned() ? seed->get<uint64_t>()
                                           : static_cast<uint64_t>(*AsInt(*seed)));
   }
-  if (const Json* stop = body.Take("stop")) {
-    const Json list = stop->is_string() ? Json::array({*stop}) : *stop;
+  if (const In* stop = body.Take("stop")) {
+    const In list = stop->is_string() ? In::array({*stop}) : *stop;
     bool ok = list.is_array();
-    for (const Json& x : list) ok = ok && x.is_string() && !x.get<std::string>().empty();
+    for (const In& x : list) ok = ok && x.is_string() && !x.get<std::string>().empty();
     if (!ok) RefuseField("stop", "expected a non-empty string or a list of them");
     if (list.size() > kMaxStopStrings) {
       RefuseField("stop", absl::StrCat("at most ", kMaxStopStrings, " strings, got ", list.size()));
     }
-    for (const Json& x : list) s.add_stop(x.get<std::string>());
+    for (const In& x : list) s.add_stop(x.get<std::string>());
   }
   if (auto n = GetInt(body, "n"); n && *n != 1) {
     RefuseField("n", absl::StrCat("only n = 1 is served (one completion per request), got ", *n));
   }
   out->stream = GetBool(body, "stream").value_or(false);
-  if (const Json* options = body.Take("stream_options")) {
+  if (const In* options = body.Take("stream_options")) {
     if (!out->stream) RefuseField("stream_options", "only allowed with stream: true");
     if (!options->is_object()) RefuseField("stream_options", "expected an object");
     for (const auto& [key, value] : options->items()) {
@@ -271,7 +281,7 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
   for (const char* name : {"frequency_penalty", "presence_penalty"}) {
     RefuseUnless(body, name, IsZero, "not supported (only 0)");
   }
-  if (const Json* bias = body.Take("logit_bias"); bias && !(bias->is_object() && bias->empty())) {
+  if (const In* bias = body.Take("logit_bias"); bias && !(bias->is_object() && bias->empty())) {
     RefuseField("logit_bias", "not supported");
   }
 
@@ -280,14 +290,14 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
     s.set_top_k(static_cast<int32_t>(std::max<int64_t>(*top_k, 0)));  // -1 and 0: no limit
   }
   if (GetBool(body, "ignore_eos").value_or(false)) s.set_ignore_eos(true);
-  if (const Json* ids = body.Take("stop_token_ids")) {
+  if (const In* ids = body.Take("stop_token_ids")) {
     bool ok = ids->is_array();
-    for (const Json& x : *ids) {
+    for (const In& x : *ids) {
       ok = ok && x.is_number_integer() && AsInt(x).value_or(-1) >= 0 &&
            *AsInt(x) <= std::numeric_limits<int32_t>::max();
     }
     if (!ok) RefuseField("stop_token_ids", "expected a list of token ids");
-    for (const Json& x : *ids) s.add_stop_token_ids(static_cast<int32_t>(*AsInt(x)));
+    for (const In& x : *ids) s.add_stop_token_ids(static_cast<int32_t>(*AsInt(x)));
   }
 
   // kvwire's knobs.
@@ -300,7 +310,7 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
   if (budget) c.set_budget(static_cast<int32_t>(*budget));
   if (ratio) c.set_ratio(*ratio);
   if (window) c.set_window(static_cast<int32_t>(*window));
-  if (const Json* params = body.Take("kv_params")) {
+  if (const In* params = body.Take("kv_params")) {
     if (!params->is_object()) {
       RefuseField("kv_params", "expected an object of compression parameters");
     }
@@ -312,14 +322,14 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
       bool ok = value.is_string() || value.is_number();
       if (value.is_array()) {
         ok = true;
-        for (const Json& x : value) ok = ok && x.is_number_integer();
+        for (const In& x : value) ok = ok && AsInt(x).has_value();
       }
       if (!ok) RefuseField(param, "expected a string, a number or a list of integers");
       SetField(&c, key, value, param, "params");
     }
   }
-  if (const Json* attention = body.Take("attention")) {
-    const Json a = attention->is_string() ? Json{{"mode", *attention}} : *attention;
+  if (const In* attention = body.Take("attention")) {
+    const In a = attention->is_string() ? In{{"mode", *attention}} : *attention;
     if (!a.is_object()) {
       RefuseField("attention", "expected an object (mode, token_budget, top_k, top_r, page_size)");
     }
@@ -335,28 +345,57 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
   }
 }
 
-Json ParseJson(const std::string& text) {
+// The deepest nesting of arrays and objects in `text`, strings skipped: checked before parsing
+// because nlohmann's dump and copies recurse (a body of 100,000 brackets would exhaust a
+// worker's stack).
+int NestingDepth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+In ParseJson(const std::string& text) {
+  if (NestingDepth(text) > kMaxNesting) {
+    Refuse({400, absl::StrCat("the request body nests arrays and objects deeper than ", kMaxNesting,
+                              " levels")});
+  }
   try {
-    return Json::parse(text);
-  } catch (const Json::exception& e) {  // a syntax error, or a number out of range (1e400)
+    return In::parse(text);
+  } catch (const In::exception& e) {  // a syntax error, or a number out of range (1e400)
     Refuse({400, absl::StrCat("the request body is not JSON: ", e.what())});
   }
 }
 
 void ParseCompletionBody(const std::string& text, const std::string& model_id, ParsedRequest* out) {
-  const Json raw = ParseJson(text);
+  const In raw = ParseJson(text);
   Body body(raw);
   ParseCommon(body, model_id, out);
-  const Json* prompt = body.Take("prompt");
+  const In* prompt = body.Take("prompt");
   if (!prompt) RefuseField("prompt", "required");
-  auto all_ints = [](const Json& list) {
+  auto all_ints = [](const In& list) {
     if (!list.is_array() || list.empty()) return false;
-    for (const Json& x : list) {
+    for (const In& x : list) {
       if (!x.is_number_integer()) return false;
     }
     return true;
   };
-  const Json* p = prompt;
+  const In* p = prompt;
   if (p->is_array() && !all_ints(*p)) {
     if (p->size() != 1) {
       RefuseField("prompt", absl::StrCat("one prompt per request (got a list of ", p->size(), ")"));
@@ -369,7 +408,7 @@ void ParseCompletionBody(const std::string& text, const std::string& model_id, P
   if (p->is_string() && !p->get<std::string>().empty()) {
     out->request.set_prompt(p->get<std::string>());
   } else if (p->is_array()) {
-    for (const Json& x : *p) {
+    for (const In& x : *p) {
       const std::optional<int64_t> id = AsInt(x);
       if (!id || *id < 0 || *id > std::numeric_limits<int32_t>::max()) {
         RefuseField("prompt", "token ids must be in [0, 2^31), got " + Show(x));
@@ -386,17 +425,17 @@ void ParseCompletionBody(const std::string& text, const std::string& model_id, P
                                          *logprobs));
   }
   RefuseUnless(
-      body, "echo", [](const Json& v) { return v == false; }, "not supported (only false)");
+      body, "echo", [](const In& v) { return v == false; }, "not supported (only false)");
   RefuseUnless(
-      body, "best_of", [](const Json& v) { return AsInt(v) == 1; }, "not supported (only 1)");
+      body, "best_of", [](const In& v) { return AsInt(v) == 1; }, "not supported (only 1)");
   RefuseUnless(
-      body, "suffix", [](const Json& v) { return v == ""; }, "not supported");
+      body, "suffix", [](const In& v) { return v == ""; }, "not supported");
   body.Rest();
   out->logprobs = logprobs.has_value();
   out->request.set_return_logprobs(out->logprobs);
 }
 
-Json CheckMessage(size_t i, const Json& m) {
+Json CheckMessage(size_t i, const In& m) {
   const std::string where = absl::StrCat("messages[", i, "]");
   if (!m.is_object()) RefuseField(where, "expected an object with role and content");
   const auto role = m.find("role");
@@ -408,7 +447,7 @@ Json CheckMessage(size_t i, const Json& m) {
   const auto c = m.find("content");
   if (c != m.end() && c->is_array()) {
     for (size_t j = 0; j < c->size(); ++j) {
-      const Json& part = (*c)[j];
+      const In& part = (*c)[j];
       const bool ok = part.is_object() && part.size() == 2 && part.contains("type") &&
                       part["type"] == "text" && part.contains("text") && part["text"].is_string();
       if (!ok) {
@@ -422,11 +461,11 @@ Json CheckMessage(size_t i, const Json& m) {
   } else {
     RefuseField(where + ".content", "expected a string or a list of text parts");
   }
-  Json out = {{"role", *role}, {"content", content}};
+  Json out = {{"role", role->get<std::string>()}, {"content", content}};
   for (const auto& [key, value] : m.items()) {
     if (key == "role" || key == "content") continue;
     if (key == "name" && value.is_string()) {
-      out["name"] = value;
+      out["name"] = value.get<std::string>();
       continue;
     }
     RefuseField(where + "." + key, "unknown or unsupported message field");
@@ -435,11 +474,11 @@ Json CheckMessage(size_t i, const Json& m) {
 }
 
 void ParseChatBody(const std::string& text, const std::string& model_id, ParsedRequest* out) {
-  const Json raw = ParseJson(text);
+  const In raw = ParseJson(text);
   Body body(raw);
   out->chat = true;
   ParseCommon(body, model_id, out);
-  const Json* messages = body.Take("messages");
+  const In* messages = body.Take("messages");
   if (!messages || !messages->is_array() || messages->empty()) {
     RefuseField("messages", "expected a non-empty list of messages");
   }
@@ -454,19 +493,19 @@ void ParseChatBody(const std::string& text, const std::string& model_id, ParsedR
                 "the sampled tokens' log-probabilities");
   }
   if (top && !out->logprobs) RefuseField("top_logprobs", "needs logprobs: true");
-  if (const Json* fmt = body.Take("response_format"); fmt && *fmt != Json{{"type", "text"}}) {
+  if (const In* fmt = body.Take("response_format"); fmt && *fmt != In{{"type", "text"}}) {
     RefuseField("response_format", "only {\"type\": \"text\"} is served");
   }
-  if (const Json* tools = body.Take("tools"); tools && !(tools->is_array() && tools->empty())) {
+  if (const In* tools = body.Take("tools"); tools && !(tools->is_array() && tools->empty())) {
     RefuseField("tools", "tool calling is not served");
   }
   RefuseUnless(
-      body, "tool_choice", [](const Json& v) { return v == "none"; }, "tool calling is not served");
+      body, "tool_choice", [](const In& v) { return v == "none"; }, "tool calling is not served");
   for (const char* name : {"functions", "function_call"}) {
     if (body.Take(name)) RefuseField(name, "function calling is not served");
   }
   RefuseUnless(
-      body, "parallel_tool_calls", [](const Json& v) { return v.is_boolean(); },
+      body, "parallel_tool_calls", [](const In& v) { return v.is_boolean(); },
       "expected true or false");
   out->add_generation_prompt = GetBool(body, "add_generation_prompt").value_or(true);
   body.Rest();
@@ -540,7 +579,8 @@ std::optional<std::string> GrpcParam(const std::string& details, bool chat) {
   return std::nullopt;
 }
 
-ApiError FromGrpc(const std::string& code, const std::string& details, bool chat) {
+ApiError FromGrpc(const std::string& code, const std::string& details, bool chat,
+                  const std::string& max_tokens_field) {
   struct Mapping {
     const char* grpc;
     int http;
@@ -569,7 +609,7 @@ ApiError FromGrpc(const std::string& code, const std::string& details, bool chat
     }
   }
   if (e.status == 400) e.param = GrpcParam(details, chat);
-  if (chat && e.param == "max_tokens") e.param = "max_completion_tokens";
+  if (e.param == "max_tokens") e.param = max_tokens_field;
   e.message = absl::StrCat(details, " (", code, " from the decode tier)");
   if (e.param) e.message = *e.param + ": " + e.message;
   return e;

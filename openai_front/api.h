@@ -48,6 +48,8 @@ struct ParsedRequest {
   bool include_usage = false;
   bool logprobs = false;
   bool add_generation_prompt = true;
+  // The body field of the generation length: chat has max_tokens and max_completion_tokens.
+  std::string max_tokens_field = "max_tokens";
   Json messages;  // chat: [{role, content[, name]}], content flattened to text
   v1::GenerateRequest request;
 };
@@ -64,7 +66,9 @@ ParseResult ParseChat(const std::string& body, const std::string& model_id);
 // A gRPC status from the decode tier as an OpenAI error: INVALID_ARGUMENT is a 400 naming the
 // body field its message is about, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
 // DEADLINE_EXCEEDED 504 ... `code` is the status name ("INVALID_ARGUMENT").
-ApiError FromGrpc(const std::string& code, const std::string& details, bool chat);
+// `max_tokens_field` is the body field a refusal about the generation length names.
+ApiError FromGrpc(const std::string& code, const std::string& details, bool chat,
+                  const std::string& max_tokens_field = "max_tokens");
 // The body field a decode node's INVALID_ARGUMENT message is about, if any.
 std::optional<std::string> GrpcParam(const std::string& details, bool chat);
 

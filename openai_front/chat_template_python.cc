@@ -92,6 +92,7 @@ absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::Load(const std::stri
         cls ? PyObject_CallMethod(cls, "for_model", "ss", model_dir.c_str(), override_file.c_str())
             : nullptr;
     if (tpl == nullptr || t->render_ == nullptr || t->error_ == nullptr) {
+      Py_XDECREF(tpl);
       status = absl::InvalidArgumentError(
           absl::StrCat("the chat template of '", override_file.empty() ? model_dir : override_file,
                        "' did not load: ", TakeException(nullptr, &is_error)));
@@ -126,10 +127,11 @@ absl::StatusOr<std::string> ChatTemplate::Render(const std::string& messages_jso
                                          add_generation_prompt ? Py_True : Py_False);
   absl::StatusOr<std::string> out;
   if (text == nullptr) {
+    // A template's raise_exception is a TemplateError; any other exception (a TypeError of an
+    // expression over unusual messages, say) is also these messages failing this template.
     bool is_error = false;
     std::string what = TakeException(Obj(error_), &is_error);
-    out = is_error ? absl::InvalidArgumentError(what)
-                   : absl::InternalError(absl::StrCat("the chat template failed: ", what));
+    out = absl::InvalidArgumentError(what);
   } else {
     Py_ssize_t n = 0;
     const char* utf8 = PyUnicode_AsUTF8AndSize(text, &n);

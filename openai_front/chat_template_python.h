@@ -25,8 +25,8 @@ class ChatTemplate {
   ~ChatTemplate();
 
   // The prompt of `messages_json` (the checked messages as JSON text), less a leading
-  // bos_token. InvalidArgument when the template refuses them (raise_exception, a Jinja
-  // error); safe from any thread.
+  // bos_token. InvalidArgument when the template fails on them (raise_exception, a Jinja
+  // error, any exception of its expressions); safe from any thread.
   absl::StatusOr<std::string> Render(const std::string& messages_json,
                                      bool add_generation_prompt) const;
   // Where the template came from: tokenizer_config.json's path, the override, or "plain

@@ -1,16 +1,17 @@
 #include "openai_front/front.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <httplib.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -112,13 +113,20 @@ int ConnectionSocket(const httplib::Request& req) {
   };
   thread_local int last = -1;
   if (last >= 0 && matches(last)) return last;
-  rlimit limit{};
-  getrlimit(RLIMIT_NOFILE, &limit);
-  const int highest = static_cast<int>(std::min<rlim_t>(limit.rlim_cur, 1 << 20));
-  for (int fd = 3; fd < highest; ++fd) {
-    if (matches(fd)) return last = fd;
+  // The open descriptors, not every number up to RLIMIT_NOFILE (a million in many containers).
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  int found = -1;
+  while (const dirent* e = readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end != e->d_name && *end == '\0' && fd != dirfd(dir) && matches(static_cast<int>(fd))) {
+      found = static_cast<int>(fd);
+      break;
+    }
   }
-  return -1;
+  closedir(dir);
+  return last = found;
 }
 
 // Linux's TCP_CORK: while set, writes wait in the kernel to leave together (the headers with
@@ -152,8 +160,10 @@ absl::StatusOr<std::unique_ptr<Front>> Front::Start(const FrontOptions& options,
   http->set_payload_max_length(options.max_body_bytes);
   http->set_tcp_nodelay(true);
   http->set_keep_alive_max_count(100000);
-  // A client has 30 s to send a request once it has begun (a 4 MiB body at 1 Mbit/s); one
-  // that stalls does not hold its worker longer. Idle keep-alive connections close after 5 s.
+  // Each read of a request may wait 30 s (a client that sends nothing for that long is
+  // dropped); idle keep-alive connections close after 5 s. A client that trickles bytes holds
+  // its worker longer: deployments put the front behind a proxy or a Service whose load
+  // balancer bounds whole requests.
   http->set_read_timeout(std::chrono::seconds(30));
   http->set_write_timeout(options.send_timeout);
   Front* self = f.get();
@@ -227,43 +237,54 @@ Front::~Front() { Shutdown(std::chrono::milliseconds(0)); }
 
 void Front::Shutdown(std::chrono::milliseconds grace) {
   if (!listener_.joinable()) return;
-  // stop() closes the listener and waits for every worker; requests in flight get `grace`
-  // to finish, then their calls are cancelled so that the workers return.
-  std::thread reaper([this, grace] {
+  // Drain first: new requests get 503 while those in flight have `grace` to finish; then the
+  // calls left are cancelled (a stream ends with an error event and [DONE], a whole answer
+  // with its 503), and only then does the listener stop. Stopping httplib first would end
+  // responses whose body has not begun (a stream still waiting for its first token) with no
+  // body at all.
+  {
     std::unique_lock<std::mutex> lock(mu_);
-    if (!wake_.wait_for(lock, grace, [this] { return http_stopped_; })) {
+    draining_ = true;
+    if (!drained_.wait_for(lock, grace, [this] { return inflight_ == 0; })) {
       cancel_all_ = true;
       for (Call* c : watched_) c->context.TryCancel();
+      drained_.wait_for(lock, std::chrono::seconds(10), [this] { return inflight_ == 0; });
     }
-  });
-  http_->stop();
-  listener_.join();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    http_stopped_ = true;
   }
-  wake_.notify_all();
-  reaper.join();
+  http_->stop();  // closes the listener; the workers end with their connections
+  listener_.join();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
-  wake_.notify_all();
+  watch_wake_.notify_all();
   watcher_.join();
 }
 
-void Front::Watch(Call* call) {
+std::optional<ApiError> Front::Watch(Call* call) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (draining_) {
+    return ApiError{503, "the front is shutting down (SIGTERM): retry on another replica",
+                    std::nullopt, "service_unavailable_error", "shutting_down"};
+  }
+  if (inflight_ >= options_.max_inflight) {
+    return ApiError{429,
+                    absl::StrCat("the front has ", options_.max_inflight,
+                                 " requests in flight (--max-inflight)"),
+                    std::nullopt, "rate_limit_error", "rate_limit_exceeded"};
+  }
+  ++inflight_;
   watched_.insert(call);
-  if (cancel_all_) call->context.TryCancel();
+  return std::nullopt;
 }
 
 void Front::Unwatch(Call* call) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     watched_.erase(call);
+    --inflight_;
   }
-  wake_.notify_all();
+  drained_.notify_all();
 }
 
 void Front::WatchLoop() {
@@ -271,7 +292,7 @@ void Front::WatchLoop() {
   std::vector<Call*> calls;
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
-    wake_.wait_for(lock, options_.disconnect_poll, [this] { return stopping_; });
+    watch_wake_.wait_for(lock, options_.disconnect_poll, [this] { return stopping_; });
     fds.clear();
     calls.clear();
     for (Call* c : watched_) {
@@ -309,6 +330,12 @@ void Front::Models(const httplib::Request& req, httplib::Response& res) {
 }
 
 void Front::Health(httplib::Response& res) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_) {  // not ready: the Service stops sending here
+      return ReplyJson(res, 503, Json{{"status", "draining"}, {"target", options_.target}});
+    }
+  }
   // Ready while the gRPC target answers grpc.health.v1.Health/Check with SERVING.
   grpc::GenericStub stub(channel_);
   grpc::ClientContext context;
@@ -367,21 +394,10 @@ void Front::Generate(const httplib::Request& req, httplib::Response& res, bool c
         chat_template_->Render(parsed.messages.dump(-1, ' ', false, Json::error_handler_t::replace),
                                parsed.add_generation_prompt);
     if (!prompt.ok()) {
-      if (prompt.status().code() != absl::StatusCode::kInvalidArgument) {
-        return ReplyError(
-            res, {500, std::string(prompt.status().message()), std::nullopt, "server_error"});
-      }
       return ReplyError(res, BadField("messages", absl::StrCat("the chat template refused them: ",
                                                                prompt.status().message())));
     }
     parsed.request.set_prompt(*std::move(prompt));
-  }
-  if (inflight_.fetch_add(1) >= options_.max_inflight) {
-    inflight_.fetch_sub(1);
-    return ReplyError(res, {429,
-                            absl::StrCat("the front has ", options_.max_inflight,
-                                         " requests in flight (--max-inflight)"),
-                            std::nullopt, "rate_limit_error", "rate_limit_exceeded"});
   }
   auto call = std::make_unique<Call>();
   call->start = start;
@@ -389,7 +405,10 @@ void Front::Generate(const httplib::Request& req, httplib::Response& res, bool c
   call->socket = ConnectionSocket(req);
   call->context.set_deadline(std::chrono::system_clock::now() + options_.timeout);
   parsed.request.set_request_id(RequestId(chat));
-  Watch(call.get());
+  if (std::optional<ApiError> refused = Watch(call.get())) {
+    if (refused->status == 503) res.set_header("Connection", "close");
+    return ReplyError(res, *refused);
+  }
   call->reader = stub_->Generate(&call->context, parsed.request);
   if (parsed.stream) {
     AnswerStream(std::move(call), parsed, res);
@@ -417,8 +436,8 @@ void Front::AnswerWhole(std::unique_ptr<Call> call, const ParsedRequest& parsed,
   }
   const grpc::Status st = EndCall(*call, /*cancel=*/false);
   if (!st.ok()) {
-    return ReplyError(res,
-                      FromGrpc(GrpcCodeName(st.error_code()), st.error_message(), parsed.chat));
+    return ReplyError(res, FromGrpc(GrpcCodeName(st.error_code()), st.error_message(), parsed.chat,
+                                    parsed.max_tokens_field));
   }
   if (!final) {
     return ReplyError(res, {502, "the decode tier ended the stream without its final message",
@@ -452,8 +471,8 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
   if (!call->reader->Read(first.get())) {
     const grpc::Status st = EndCall(*call, /*cancel=*/false);
     if (!st.ok()) {
-      return ReplyError(res,
-                        FromGrpc(GrpcCodeName(st.error_code()), st.error_message(), parsed.chat));
+      return ReplyError(res, FromGrpc(GrpcCodeName(st.error_code()), st.error_message(),
+                                      parsed.chat, parsed.max_tokens_field));
     }
     return ReplyError(res, {502, "the decode tier ended the stream without any message",
                             std::nullopt, "server_error"});
@@ -489,7 +508,7 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
   res.set_chunked_content_provider(
       "text/event-stream",
       [this, shared, first, event, before, after, id, created, chat, want_logprobs, include_usage,
-       ttft](size_t, httplib::DataSink& sink) {
+       ttft, max_tokens_field = parsed.max_tokens_field](size_t, httplib::DataSink& sink) {
         Call& c = *shared;
         size_t offset = 0;
         bool role_sent = false, corked = true;
@@ -556,10 +575,10 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
           }
         }
         const grpc::Status st = EndCall(c, /*cancel=*/false);
-        const ApiError e = st.ok()
-                               ? ApiError{500, "the stream ended without its final message",
-                                          std::nullopt, "server_error", "internal"}
-                               : FromGrpc(GrpcCodeName(st.error_code()), st.error_message(), chat);
+        const ApiError e = st.ok() ? ApiError{500, "the stream ended without its final message",
+                                              std::nullopt, "server_error", "internal"}
+                                   : FromGrpc(GrpcCodeName(st.error_code()), st.error_message(),
+                                              chat, max_tokens_field);
         return finish(Sse(e.Body()));
       },
       // Normally the provider ends the call; this ends one whose response was abandoned
@@ -574,8 +593,7 @@ grpc::Status Front::EndCall(Call& call, bool cancel) {
   while (call.reader->Read(&rest)) {
   }
   const grpc::Status st = call.reader->Finish();
-  Unwatch(&call);
-  inflight_.fetch_sub(1);
+  Unwatch(&call);  // and frees its slot
   return st;
 }
 

@@ -20,6 +20,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -78,8 +79,9 @@ class Front {
   // takes its status, unregisters it and frees its slot.
   grpc::Status EndCall(Call& call, bool cancel);
 
-  // The disconnect watcher's registry.
-  void Watch(Call* call);
+  // The registry of calls in flight, which the disconnect watcher and Shutdown read. Watch
+  // takes a slot (429 beyond --max-inflight, 503 while draining); Unwatch frees it.
+  std::optional<ApiError> Watch(Call* call);
   void Unwatch(Call* call);
   void WatchLoop();
 
@@ -90,15 +92,16 @@ class Front {
   std::unique_ptr<httplib::Server> http_;
   int port_ = 0;
   int64_t created_ = 0;
-  std::atomic<int> inflight_{0};
   std::thread listener_;
 
   std::mutex mu_;
-  std::condition_variable wake_;
+  std::condition_variable watch_wake_;  // the watcher: stop
+  std::condition_variable drained_;     // Shutdown: a call ended
   std::set<Call*> watched_;
-  bool stopping_ = false;
-  bool http_stopped_ = false;
+  int inflight_ = 0;
+  bool draining_ = false;
   bool cancel_all_ = false;
+  bool stopping_ = false;
   std::thread watcher_;
 };
 

@@ -182,6 +182,19 @@ TEST(ParseCompletionTest, RefusesBadPromptsModelsAndBodies) {
   }
 }
 
+TEST(ParseCompletionTest, RefusesDeepNestingBeforeParsing) {
+  const std::string deep =
+      With(R"("stop": )" + std::string(100000, '[') + std::string(100000, ']'));
+  ParseResult r = ParseCompletion(deep, kModel);
+  ASSERT_TRUE(r.error);
+  EXPECT_EQ(r.error->status, 400);
+  EXPECT_NE(r.error->message.find("deeper than"), std::string::npos) << r.error->message;
+  // Brackets inside strings are text.
+  r = ParseCompletion(With(R"("stop": ")" + std::string(100, '[') + R"(\"[")"), kModel);
+  ASSERT_FALSE(r.error) << r.error->message;
+  EXPECT_EQ(r.parsed.request.sampling().stop(0), std::string(100, '[') + "\"[");
+}
+
 TEST(ParseChatTest, FlattensTextPartsAndKeepsNames) {
   const ParseResult r = ParseChat(
       R"({"model": "stories260K-hf", "max_completion_tokens": 5, "logprobs": true,
@@ -244,12 +257,15 @@ TEST(FromGrpcTest, MapsStatusesAndNamesTheFieldOfANodesRefusal) {
     bool chat;
     int status;
     const char* param;  // "" for none
+    const char* max_tokens_field = "max_tokens";
   };
   const Case cases[] = {
       {"INVALID_ARGUMENT", "sampling.max_tokens: 9999 exceeds --max-tokens-limit 4096", false, 400,
        "max_tokens"},
       {"INVALID_ARGUMENT", "prompt (40 tokens) + max_tokens (600) exceeds the context of 512", true,
-       400, "max_completion_tokens"},
+       400, "max_completion_tokens", "max_completion_tokens"},
+      {"INVALID_ARGUMENT", "prompt (40 tokens) + max_tokens (600) exceeds the context of 512", true,
+       400, "max_tokens", "max_tokens"},
       {"INVALID_ARGUMENT", "compression.policy must be one of full, snapkv, ...", false, 400,
        "kv_policy"},
       {"INVALID_ARGUMENT", "compression: kernel (8) must be odd", false, 400, "kv_params.kernel"},
@@ -263,7 +279,7 @@ TEST(FromGrpcTest, MapsStatusesAndNamesTheFieldOfANodesRefusal) {
       {"INTERNAL", "bug", false, 500, ""},
   };
   for (const Case& c : cases) {
-    const ApiError e = FromGrpc(c.code, c.details, c.chat);
+    const ApiError e = FromGrpc(c.code, c.details, c.chat, c.max_tokens_field);
     EXPECT_EQ(e.status, c.status) << c.details;
     EXPECT_EQ(e.param.value_or(""), c.param) << c.details;
     EXPECT_NE(e.message.find(c.details), std::string::npos) << e.message;
