@@ -23,24 +23,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-absl::Status ParseListen(const std::string& value, FrontOptions* o) {
-  const size_t colon = value.rfind(':');
-  std::string host = colon == std::string::npos ? "" : value.substr(0, colon);
-  const std::string port = colon == std::string::npos ? "" : value.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  char* end = nullptr;
-  const long p = port.empty() ? -1 : std::strtol(port.c_str(), &end, 10);
-  if (host.empty() || p < 0 || p > 65535 || *end != '\0') {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--listen: expected HOST:PORT with a port in [0, 65535], got '", value, "'"));
-  }
-  o->host = host;
-  o->port = static_cast<int>(p);
-  return absl::OkStatus();
-}
-
 // The folder of chat_template.py: --python-dir, else beside the executable (an installed
 // front), else the source tree this binary was built from.
 std::string PythonDir(const std::string& flag) {
@@ -59,7 +41,13 @@ absl::StatusOr<std::chrono::milliseconds> Seconds(const Flags& f, const std::str
 
 absl::StatusOr<FrontOptions> OptionsFromFlags(const Flags& f) {
   FrontOptions o;
-  RETURN_IF_ERROR(ParseListen(f.GetString("listen"), &o));
+  ASSIGN_OR_RETURN(ListenAddress listen, ParseListenAddress("listen", f.GetString("listen")));
+  if (listen.host.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--listen: expected HOST:PORT with a host, got '", f.GetString("listen"), "'"));
+  }
+  o.host = listen.host;
+  o.port = listen.port;
   o.target = f.GetString("target");
   if (o.target.empty())
     return absl::InvalidArgumentError("--target: the router or a decode node is required");

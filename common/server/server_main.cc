@@ -52,9 +52,8 @@ int FailExit(const char* program, const absl::Status& status) {
   return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
 }
 
-namespace {
-
-absl::Status CheckListenAddress(const std::string& flag, const std::string& value) {
+absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& flag,
+                                                 const std::string& value) {
   const size_t colon = value.rfind(':');
   int port = -1;
   if (colon == std::string::npos || !absl::SimpleAtoi(value.substr(colon + 1), &port) || port < 0 ||
@@ -64,15 +63,17 @@ absl::Status CheckListenAddress(const std::string& flag, const std::string& valu
                                                    "[0, 65535], got '",
                                                    value, "'"));
   }
-  return absl::OkStatus();
+  ListenAddress a{value.substr(0, colon), port};
+  if (a.host.size() >= 2 && a.host.front() == '[' && a.host.back() == ']') {
+    a.host = a.host.substr(1, a.host.size() - 2);
+  }
+  return a;
 }
 
-}  // namespace
-
 absl::Status CheckServerAddresses(const Flags& flags) {
-  RETURN_IF_ERROR(CheckListenAddress("listen", flags.GetString("listen")));
+  RETURN_IF_ERROR(ParseListenAddress("listen", flags.GetString("listen")).status());
   if (flags.GetString("metrics-listen").empty()) return absl::OkStatus();
-  return CheckListenAddress("metrics-listen", flags.GetString("metrics-listen"));
+  return ParseListenAddress("metrics-listen", flags.GetString("metrics-listen")).status();
 }
 
 void DefineServerFlags(Flags& flags, const std::string& role, const std::string& metrics_default) {

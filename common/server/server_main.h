@@ -25,6 +25,14 @@ void LimitProtobufLogs();
 // (InvalidArgument), 1 otherwise.
 int FailExit(const char* program, const absl::Status& status);
 
+// A listen address, HOST:PORT with a port in [0, 65535]; the brackets of "[::1]:80" are
+// removed from `host`, which may be empty (":80"). InvalidArgument naming --`flag` otherwise.
+struct ListenAddress {
+  std::string host;
+  int port = 0;
+};
+absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& flag, const std::string& value);
+
 // --listen and (when set) --metrics-listen are HOST:PORT with a port in [0, 65535].
 absl::Status CheckServerAddresses(const Flags& flags);
 
