@@ -195,15 +195,14 @@ void SetField(Message* msg, const std::string& key, const In& value, const std::
 }
 
 constexpr const char* kCompressionShortcuts[] = {"policy", "budget", "ratio", "window"};
-constexpr const char* kAttentionFields[] = {"mode", "token_budget", "top_k", "top_r", "page_size"};
-constexpr const char* kSamplingFields[] = {
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"};
-constexpr const char* kCompressionFields[] = {
-    "policy", "budget",       "ratio",        "window",       "pool",
-    "kernel", "gqa",          "kernel_small", "kernel_large", "kernel_threshold",
-    "chunk",  "reuse_layers", "block",        "groups",       "sinks",
-    "seed",   "skip_layers"};
 constexpr const char* kChatRoles[] = {"system", "developer", "user", "assistant"};
+
+// Whether the proto message has a field of this name (the request's own field lists, so the
+// front's never drift from the proto).
+template <typename Msg>
+bool HasField(const std::string& name) {
+  return Msg::descriptor()->FindFieldByName(name) != nullptr;
+}
 
 template <size_t N>
 bool OneOf(const std::string& s, const char* const (&names)[N]) {
@@ -335,7 +334,7 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
     }
     for (const auto& [key, value] : a.items()) {
       const std::string field = key == "budget" ? "token_budget" : key;
-      if (!OneOf(field, kAttentionFields)) {
+      if (!HasField<v1::DecodeAttentionParams>(field)) {
         RefuseField("attention." + key,
                     "unknown field (mode, token_budget, top_k, top_r, page_size)");
       }
@@ -569,13 +568,15 @@ std::optional<std::string> GrpcParam(const std::string& details, bool chat) {
   }
   if (section == "sampling") {
     if (name == "prompt" || name == "prompt_ids") return chat ? "messages" : "prompt";
-    if (OneOf(name, kSamplingFields)) return name;
+    if (HasField<v1::SamplingParams>(name)) return name;
     return std::nullopt;
   }
-  if (section == "compression" && OneOf(name, kCompressionFields)) {
+  if (section == "compression" && name != "params" && HasField<v1::CompressionParams>(name)) {
     return OneOf(name, kCompressionShortcuts) ? "kv_" + name : "kv_params." + name;
   }
-  if (section == "attention" && OneOf(name, kAttentionFields)) return "attention." + name;
+  if (section == "attention" && HasField<v1::DecodeAttentionParams>(name)) {
+    return "attention." + name;
+  }
   return std::nullopt;
 }
 

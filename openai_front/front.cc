@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/server/grpc_util.h"
+#include "proto/convert.h"
 
 namespace kvwire::openai {
 
@@ -63,26 +64,9 @@ void ReplyJson(httplib::Response& res, int status, const Json& body) {
 
 void ReplyError(httplib::Response& res, const ApiError& e) { ReplyJson(res, e.status, e.Body()); }
 
-std::string GrpcCodeName(grpc::StatusCode code) {
-  static const char* kNames[] = {"OK",
-                                 "CANCELLED",
-                                 "UNKNOWN",
-                                 "INVALID_ARGUMENT",
-                                 "DEADLINE_EXCEEDED",
-                                 "NOT_FOUND",
-                                 "ALREADY_EXISTS",
-                                 "PERMISSION_DENIED",
-                                 "RESOURCE_EXHAUSTED",
-                                 "FAILED_PRECONDITION",
-                                 "ABORTED",
-                                 "OUT_OF_RANGE",
-                                 "UNIMPLEMENTED",
-                                 "INTERNAL",
-                                 "UNAVAILABLE",
-                                 "DATA_LOSS",
-                                 "UNAUTHENTICATED"};
-  const int i = static_cast<int>(code);
-  return i >= 0 && i < 17 ? kNames[i] : absl::StrCat("CODE_", i);
+// "RESOURCE_EXHAUSTED" ...: gRPC's codes are Abseil's.
+std::string GrpcCodeName(const grpc::Status& st) {
+  return absl::StatusCodeToString(FromGrpcStatus(st).code());
 }
 
 // The socket of the connection `req` came on. Debian's cpp-httplib (0.11) hands handlers no
@@ -363,10 +347,9 @@ void Front::Health(httplib::Response& res) {
       bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
   }
   if (!st.ok()) {
-    return ReplyJson(res, 503,
-                     Json{{"status", "unavailable"},
-                          {"target", options_.target},
-                          {"reason", GrpcCodeName(st.error_code())}});
+    return ReplyJson(
+        res, 503,
+        Json{{"status", "unavailable"}, {"target", options_.target}, {"reason", GrpcCodeName(st)}});
   }
   if (bytes != std::string("\x08\x01", 2)) {  // HealthCheckResponse{status: SERVING}
     return ReplyJson(res, 503, Json{{"status", "not serving"}, {"target", options_.target}});
@@ -436,8 +419,8 @@ void Front::AnswerWhole(std::unique_ptr<Call> call, const ParsedRequest& parsed,
   }
   const grpc::Status st = EndCall(*call, /*cancel=*/false);
   if (!st.ok()) {
-    return ReplyError(res, FromGrpc(GrpcCodeName(st.error_code()), st.error_message(), parsed.chat,
-                                    parsed.max_tokens_field));
+    return ReplyError(
+        res, FromGrpc(GrpcCodeName(st), st.error_message(), parsed.chat, parsed.max_tokens_field));
   }
   if (!final) {
     return ReplyError(res, {502, "the decode tier ended the stream without its final message",
@@ -471,8 +454,8 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
   if (!call->reader->Read(first.get())) {
     const grpc::Status st = EndCall(*call, /*cancel=*/false);
     if (!st.ok()) {
-      return ReplyError(res, FromGrpc(GrpcCodeName(st.error_code()), st.error_message(),
-                                      parsed.chat, parsed.max_tokens_field));
+      return ReplyError(res, FromGrpc(GrpcCodeName(st), st.error_message(), parsed.chat,
+                                      parsed.max_tokens_field));
     }
     return ReplyError(res, {502, "the decode tier ended the stream without any message",
                             std::nullopt, "server_error"});
@@ -500,8 +483,9 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
   const std::string mark = "\x01text\x01";
   const std::string templ = Sse(
       event(chat ? Json{{"delta", {{"content", mark}}}} : Json{{"text", mark}}, nullptr, Json()));
-  const size_t at = templ.find(QuoteJson(mark));
-  const std::string before = templ.substr(0, at), after = templ.substr(at + QuoteJson(mark).size());
+  const std::string quoted_mark = QuoteJson(mark);
+  const size_t at = templ.find(quoted_mark);
+  const std::string before = templ.substr(0, at), after = templ.substr(at + quoted_mark.size());
 
   Cork(call->socket, true);  // the headers leave with the first event
   std::shared_ptr<Call> shared(std::move(call));
@@ -575,10 +559,10 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
           }
         }
         const grpc::Status st = EndCall(c, /*cancel=*/false);
-        const ApiError e = st.ok() ? ApiError{500, "the stream ended without its final message",
-                                              std::nullopt, "server_error", "internal"}
-                                   : FromGrpc(GrpcCodeName(st.error_code()), st.error_message(),
-                                              chat, max_tokens_field);
+        const ApiError e =
+            st.ok() ? ApiError{500, "the stream ended without its final message", std::nullopt,
+                               "server_error", "internal"}
+                    : FromGrpc(GrpcCodeName(st), st.error_message(), chat, max_tokens_field);
         return finish(Sse(e.Body()));
       },
       // Normally the provider ends the call; this ends one whose response was abandoned
