@@ -1,6 +1,8 @@
 // Engine throughput beside the machine's memory bandwidth, measured in one run:
 //
 //   StreamCopy / StreamRead   STREAM-style bandwidth with the engine's thread count
+//   MatMulBf16/<m>/<n>/<k>    the CPU backend's y = x·Wᵀ with bf16 W: FLOP/s (2·m·n·k per
+//                             product), the work a prefill is bound by
 //   Prefill/<model>/<len>     prompt tokens per second
 //   Decode/<model>/<ctx>      tokens per second at batch 1 with a ctx-token cache, and the
 //                             bandwidth decode achieves: (weight bytes + KV bytes read) / step
@@ -17,6 +19,7 @@
 
 #include "common/engine/generate.h"
 #include "common/model/llama_model.h"
+#include "kernels/backend.h"
 #include "kernels/simd.h"  // immintrin.h
 #include "kernels/thread_pool.h"
 
@@ -107,6 +110,45 @@ void BM_StreamRead(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * int64_t(n * sizeof(float)));
 }
 BENCHMARK(BM_StreamRead)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The 1B model's products at a prefill of m tokens: attention's (n 2048, k 2048), the MLP's up
+// projections (n 8192, k 2048) and its down projection (n 2048, k 8192).
+void BM_MatMulBf16(benchmark::State& state) {
+  const int m = static_cast<int>(state.range(0));
+  const int n = static_cast<int>(state.range(1));
+  const int k = static_cast<int>(state.range(2));
+  auto backend = kernels::MakeBackend(kernels::BackendKind::kCpu, kThreads);
+  if (!backend.ok()) {
+    state.SkipWithError(std::string(backend.status().message()).c_str());
+    return;
+  }
+  std::vector<float> x(static_cast<size_t>(m) * k), y(static_cast<size_t>(m) * n);
+  std::vector<uint16_t> w(static_cast<size_t>(n) * k);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 17) / 17.f - 0.5f;
+  for (size_t i = 0; i < w.size(); ++i) w[i] = FloatToBf16(static_cast<float>(i % 13) / 13.f);
+  kernels::MatMulParams p;
+  p.x = x.data();
+  p.w = w.data();
+  p.w_dtype = DType::kBF16;
+  p.y = y.data();
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  for (auto _ : state) {
+    const absl::Status st = (*backend)->MatMul(p);
+    if (!st.ok()) state.SkipWithError(std::string(st.message()).c_str());
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["FLOP/s"] =
+      benchmark::Counter(2.0 * m * n * k * state.iterations(), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_MatMulBf16)
+    ->Args({512, 2048, 2048})
+    ->Args({512, 8192, 2048})
+    ->Args({512, 2048, 8192})
+    ->Args({16, 8192, 2048})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 void BM_Prefill(benchmark::State& state, const std::string& spec) {
   LlamaModel* m = GetModel(spec);

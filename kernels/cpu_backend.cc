@@ -1,7 +1,8 @@
 // The optimised CPU backend. What makes it fast, op by op:
 //   MatMul     bf16 weights: x rounded to bf16, then register tiles of bf16 dot products
 //              (AVX-512 BF16) over panels of up to 256 rows (512 KiB of bf16 x, so L2),
-//              W read once per panel (kernels/gemm_few_rows.h). f32/f16 weights: up to 64 rows,
+//              W read once per panel, the next tile prefetched; one row of x streams W a
+//              row at a time (kernels/gemm_few_rows.h). f32/f16 weights: up to 64 rows,
 //              register tiles with f16 widened in registers; more rows, OpenBLAS sgemm per
 //              thread on a slice of W (f16 slices widened to a thread-local float32 block).
 //   Attention  prefill: flash-style tiles with an online softmax (Dao et al.), each key tile

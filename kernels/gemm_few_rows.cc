@@ -1,5 +1,7 @@
 #include "kernels/gemm_few_rows.h"
 
+#include <algorithm>
+
 #include "kernels/simd.h"
 
 // GCC 12's AVX-512 intrinsics initialise their "undefined" vectors from themselves, which
@@ -159,12 +161,38 @@ void Gemm(const float* x, int64_t xs, int m, const void* w, int k, int64_t j0, i
 }
 
 #if KVWIRE_BF16_DOT
+// One 32-element step of TileBf16: NC vectors of W (the last, partial one of a row a masked
+// load), each multiplied with MR vectors of x.
+template <int MR, int NC, int PF, bool kMasked>
+[[gnu::always_inline]] inline void StepBf16(__m512 (&acc)[MR][NC],
+                                            const uint16_t* const (&rows)[NC], const uint16_t* xb,
+                                            int64_t kp, int i, __mmask32 mask,
+                                            const uint16_t* prefetch, int k) {
+#pragma GCC unroll 4
+  for (int c = 0; c < PF; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * k + i), _MM_HINT_T1);
+  }
+  __m512bh wv[NC];
+#pragma GCC unroll 4
+  for (int c = 0; c < NC; ++c) {
+    wv[c] = kMasked ? (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[c] + i)
+                    : (__m512bh)_mm512_loadu_si512(rows[c] + i);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * kp + i);
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+  }
+}
+
 // y[r, j + c] for r < MR, c < NC from bf16 rows: _mm512_dpbf16_ps multiplies 32 pairs
 // exactly and adds them into 16 float32 lanes. x rows are padded with zeros to a multiple
-// of 32 (RoundToBf16); the last, partial vector of a W row is a masked load.
-template <int MR, int NC>
+// of 32 (RoundToBf16); the last, partial vector of a W row is a masked load, outside the
+// main loop.
+template <int MR, int NC, int PF = 0>
 void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int64_t j,
-              const float* bias, float* y, int64_t ys) {
+              const float* bias, float* y, int64_t ys, const uint16_t* prefetch = nullptr) {
   const uint16_t* rows[NC];
   for (int c = 0; c < NC; ++c) rows[c] = w + (j + c) * k;
   __m512 acc[MR][NC];
@@ -175,17 +203,9 @@ void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int64_t 
   }
   // The loops over the tile are unrolled so the accumulators stay in registers.
   int i = 0;
-  for (; i < k; i += 32) {
-    const __mmask32 mask = k - i >= 32 ? ~__mmask32{0} : (__mmask32{1} << (k - i)) - 1;
-    __m512bh wv[NC];
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[c] + i);
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * kp + i);
-#pragma GCC unroll 4
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-    }
+  for (; i + 32 <= k; i += 32) StepBf16<MR, NC, PF, false>(acc, rows, xb, kp, i, 0, prefetch, k);
+  if (i < k) {
+    StepBf16<MR, NC, PF, true>(acc, rows, xb, kp, i, (__mmask32{1} << (k - i)) - 1, prefetch, k);
   }
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
@@ -199,20 +219,71 @@ void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int64_t 
   }
 }
 
+// One activation row (a decode step at batch 1): each weight row is read start to end
+// before the next, one forward stream per thread. Measured on Zen 4 with 4 KB rows (k 2048),
+// that reads W 13-15% faster than four rows interleaved as TileBf16 reads them, and at the
+// speed of a plain sequential read; with longer rows the two are equal. Two accumulators
+// hide the instruction's latency.
+void RowsBf16(const uint16_t* xb, const uint16_t* w, int k, int64_t j0, int64_t j1,
+              const float* bias, float* y) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint16_t* row = w + j * k;
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 64 <= k; i += 64) {
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xb + i),
+                           (__m512bh)_mm512_loadu_si512(row + i));
+      b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_loadu_si512(xb + i + 32),
+                           (__m512bh)_mm512_loadu_si512(row + i + 32));
+    }
+    // At most two vectors left, the last partial: masked loads of W (xb is zero-padded).
+    for (; i < k; i += 32) {
+      const __mmask32 mask = k - i >= 32 ? ~__mmask32{0} : (__mmask32{1} << (k - i)) - 1;
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(xb + i),
+                           (__m512bh)_mm512_maskz_loadu_epi16(mask, row + i));
+    }
+    y[j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) + (bias ? bias[j] : 0.f);
+  }
+}
+
+// MR rows of x against NC rows of W, prefetching PF rows of the next tile of W (at `prefetch`)
+// into L2 as it goes.
+template <int NC, int PF>
+void PassBf16(int mr, const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int64_t j,
+              const float* bias, float* y, int64_t ys, const uint16_t* prefetch) {
+  switch (mr) {
+    case 1:
+      return TileBf16<1, NC, PF>(xb, kp, w, k, j, bias, y, ys, prefetch);
+    case 2:
+      return TileBf16<2, NC, PF>(xb, kp, w, k, j, bias, y, ys, prefetch);
+    case 3:
+      return TileBf16<3, NC, PF>(xb, kp, w, k, j, bias, y, ys, prefetch);
+    default:
+      return TileBf16<4, NC, PF>(xb, kp, w, k, j, bias, y, ys, prefetch);
+  }
+}
+
+// Every row of x against W rows j .. j + NC, in passes of up to four x rows; the tile of W comes
+// from memory in the first pass and from cache after it. The next tile (when it is in this
+// task's range) is prefetched meanwhile, one row per pass where there are enough passes, else
+// all in the first: without it each tile's first pass waits on memory, which for short prompts
+// (a few passes a tile) was most of the time.
 template <int NC>
 void AllRowsBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int64_t j,
-                 const float* bias, float* y, int64_t ys) {
-  int r = 0;
-  for (; r + 4 <= m; r += 4) TileBf16<4, NC>(xb + r * kp, kp, w, k, j, bias, y + r * ys, ys);
-  xb += r * kp;
-  y += r * ys;
-  switch (m - r) {
-    case 1:
-      return TileBf16<1, NC>(xb, kp, w, k, j, bias, y, ys);
-    case 2:
-      return TileBf16<2, NC>(xb, kp, w, k, j, bias, y, ys);
-    case 3:
-      return TileBf16<3, NC>(xb, kp, w, k, j, bias, y, ys);
+                 int64_t j1, const float* bias, float* y, int64_t ys) {
+  const int passes = (m + 3) / 4;
+  const uint16_t* next = j + 2 * NC <= j1 ? w + (j + NC) * k : nullptr;
+  for (int p = 0; p < passes; ++p) {
+    const int r = 4 * p, mr = std::min(4, m - r);
+    const uint16_t* x = xb + r * kp;
+    float* yr = y + r * ys;
+    if (next != nullptr && passes >= NC && p < NC) {
+      PassBf16<NC, 1>(mr, x, kp, w, k, j, bias, yr, ys, next + p * k);
+    } else if (next != nullptr && passes < NC && p == 0) {
+      PassBf16<NC, NC>(mr, x, kp, w, k, j, bias, yr, ys, next);
+    } else {
+      PassBf16<NC, 0>(mr, x, kp, w, k, j, bias, yr, ys, nullptr);
+    }
   }
 }
 #endif
@@ -239,9 +310,10 @@ void RoundToBf16(const float* x, int64_t xs, int m, int k, uint16_t* out, int64_
 void GemmBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int64_t j0,
               int64_t j1, const float* bias, float* y, int64_t ys) {
 #if KVWIRE_BF16_DOT
+  if (m == 1) return RowsBf16(xb, w, k, j0, j1, bias, y);
   int64_t j = j0;
-  for (; j + 4 <= j1; j += 4) AllRowsBf16<4>(xb, kp, m, w, k, j, bias, y, ys);
-  for (; j < j1; ++j) AllRowsBf16<1>(xb, kp, m, w, k, j, bias, y, ys);
+  for (; j + 4 <= j1; j += 4) AllRowsBf16<4>(xb, kp, m, w, k, j, j1, bias, y, ys);
+  for (; j < j1; ++j) AllRowsBf16<1>(xb, kp, m, w, k, j, j1, bias, y, ys);
 #else
   // Without the instruction: the same products (exact in float32) widened.
   for (int r = 0; r < m; ++r) {

@@ -135,11 +135,13 @@ std::vector<float> RunMatMul(KernelBackend& b, const MatMulCase& c, const std::v
 TEST_P(BackendOpsTest, MatMul) {
   std::vector<MatMulCase> cases;
   // Odd sizes around the CPU backend's register tiles (4 weight rows x up to 4 activation
-  // rows, 8 or 16 lanes) and its switch to OpenBLAS above 64 rows.
+  // rows, 8 or 16 lanes), its one-row kernel (64 elements a step, then up to two 32-element
+  // vectors, the last masked) and its switch to OpenBLAS above 64 rows.
   const std::vector<std::tuple<int, int, int>> shapes = {
-      {1, 1, 1},    {1, 7, 37},   {2, 37, 733},  {3, 733, 37},  {4, 64, 64},   {5, 9, 48},
-      {6, 10, 17},  {7, 33, 100}, {16, 37, 733}, {17, 37, 733}, {33, 11, 129}, {37, 64, 128},
-      {63, 13, 50}, {64, 1, 7},   {64, 6, 33},   {65, 37, 100}};
+      {1, 1, 1},    {1, 7, 37},    {1, 37, 733},  {1, 9, 96},    {1, 6, 128},
+      {2, 37, 733}, {3, 733, 37},  {4, 64, 64},   {5, 9, 48},    {6, 10, 17},
+      {7, 33, 100}, {16, 37, 733}, {17, 37, 733}, {33, 11, 129}, {37, 64, 128},
+      {63, 13, 50}, {64, 1, 7},    {64, 6, 33},   {65, 37, 100}};
   for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (auto [m, n, k] : shapes) {
       cases.push_back({m, n, k, t, false});
