@@ -35,13 +35,23 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
+// Guided self-scheduling (Polychronopoulos and Kuck, 1987; OpenMP's schedule(guided)): each
+// grab takes the larger of the grain and 1/(2·threads) of what is left, so ranges start long
+// (long forward streams through W for a matrix product) and shrink towards the end, where
+// equal chunks left one thread idle while the other finished its last one. On the 2-core
+// development machine that idle tail was 8-20% of a 1B decode step and of a prefill
+// (docs/benchmarks.md).
 void ThreadPool::RunChunks() {
+  const int64_t parts = 2 * size();
+  int64_t begin = next_.load(std::memory_order_relaxed);
   for (;;) {
-    const int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed);
-    if (c >= num_chunks_) return;
-    const int64_t begin = c * chunk_;
-    const int64_t end = std::min(n_, begin + chunk_);
-    if (begin < end) (*fn_)(begin, end);
+    int64_t len;
+    do {
+      if (begin >= n_) return;
+      len = std::min(n_ - begin, std::max(grain_, (n_ - begin) / parts));
+    } while (!next_.compare_exchange_weak(begin, begin + len, std::memory_order_relaxed));
+    (*fn_)(begin, begin + len);
+    begin = next_.load(std::memory_order_relaxed);
   }
 }
 
@@ -54,14 +64,10 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
     return;
   }
   std::lock_guard<std::mutex> job_lock(job_mu_);
-  // A few chunks per thread balance uneven work (causal attention rows, say).
-  const int64_t max_chunks = (n + grain - 1) / grain;
-  num_chunks_ = std::min<int64_t>(max_chunks, 4 * size());
-  chunk_ = (n + num_chunks_ - 1) / num_chunks_;
-  num_chunks_ = (n + chunk_ - 1) / chunk_;
   n_ = n;
+  grain_ = grain;
   fn_ = &fn;
-  next_chunk_.store(0, std::memory_order_relaxed);
+  next_.store(0, std::memory_order_relaxed);
   pending_workers_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
   generation_.fetch_add(1, std::memory_order_release);
   { std::lock_guard<std::mutex> lock(mu_); }

@@ -25,8 +25,9 @@ class ThreadPool {
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
   // Calls fn(begin, end) over disjoint ranges covering [0, n), each at least `grain` long
-  // (except possibly the last). Safe to call from several threads (jobs take turns);
-  // fn must not call ParallelFor on this pool.
+  // (except possibly the last), in increasing order of begin as the threads take them:
+  // long ranges first, shorter ones as the work runs out (guided scheduling). Safe to call
+  // from several threads (jobs take turns); fn must not call ParallelFor on this pool.
   void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
  private:
@@ -40,14 +41,13 @@ class ThreadPool {
   std::condition_variable done_cv_;
   std::atomic<uint64_t> generation_{0};
   std::atomic<int> pending_workers_{0};
-  std::atomic<int64_t> next_chunk_{0};
+  std::atomic<int64_t> next_{0};  // the start of the range the next grab takes
   bool stop_ = false;
 
   // The job being run (valid while a generation is active).
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_ = 0;
-  int64_t chunk_ = 0;
-  int64_t num_chunks_ = 0;
+  int64_t grain_ = 1;
 };
 
 }  // namespace kvwire::kernels

@@ -2,8 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace kvwire::kernels {
@@ -19,6 +22,41 @@ TEST(ThreadPool, CoversEveryIndexExactlyOnce) {
         for (int64_t i = b; i < e; ++i) hits[i].fetch_add(1);
       });
       for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "n=" << n << " i=" << i;
+    }
+  }
+}
+
+// Guided scheduling: ranges shrink as the work runs out (each is the larger of the grain and a
+// share of what is left), so no thread is left with a long last range while the others wait.
+TEST(ThreadPool, RangesShrinkTowardsTheEndAndKeepTheGrain) {
+  ThreadPool pool(2);
+  for (int64_t n : {1, 9, 512, 100000}) {
+    for (int64_t grain : {1, 4, 64}) {
+      std::mutex mu;
+      std::vector<std::pair<int64_t, int64_t>> ranges;
+      pool.ParallelFor(n, grain, [&](int64_t b, int64_t e) {
+        std::lock_guard<std::mutex> lock(mu);
+        ranges.emplace_back(b, e);
+      });
+      std::sort(ranges.begin(), ranges.end());
+      SCOPED_TRACE(testing::Message() << "n=" << n << " grain=" << grain);
+      ASSERT_FALSE(ranges.empty());
+      EXPECT_EQ(ranges.front().first, 0);
+      EXPECT_EQ(ranges.back().second, n);
+      for (size_t i = 0; i < ranges.size(); ++i) {
+        const int64_t len = ranges[i].second - ranges[i].first;
+        if (ranges[i].second < n) {
+          EXPECT_GE(len, grain);
+        }
+        if (i == 0) continue;
+        EXPECT_EQ(ranges[i].first, ranges[i - 1].second);
+        EXPECT_LE(len, ranges[i - 1].second - ranges[i - 1].first);
+      }
+      // The first range is a quarter of the work (two threads, half each, guided), not all.
+      if (n >= 4 * grain) {
+        EXPECT_EQ(ranges.front().second, std::max(grain, n / 4));
+        EXPECT_GT(ranges.size(), 2u);
+      }
     }
   }
 }
