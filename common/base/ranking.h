@@ -14,6 +14,10 @@
 #include <numeric>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace kvwire {
 
 // a ranks before b: the larger number, a number before NaN.
@@ -92,11 +96,30 @@ inline void BestFirstPrefix(const float* score, int n, int m, std::vector<int32_
   for (int pass = 0; pass < 2; ++pass) {
     // Branch-free: every key is written, and the next write goes past it if it passed.
     passed = 0;
-    for (int32_t i = 0; i < n; ++i) {
+    const auto consider = [&](int32_t i) {
       const uint64_t k = BestFirstKey(score[i], i);
       keys[passed] = k;
       passed += k >= threshold;
+    };
+    int32_t i = 0;
+#if defined(__AVX2__)
+    // An item scored below the threshold's score cannot pass (its key is smaller whatever the
+    // index; NaN fails the compare as its key fails the threshold): eight scores at a time by
+    // one compare, and only the rest are keyed. The threshold's score is its key's high half
+    // mapped back to a float; a NaN threshold (every key passes it) is not filtered.
+    if (const uint32_t hi = static_cast<uint32_t>(threshold >> 32); hi != 0) {
+      const uint32_t bits = (hi & 0x80000000u) ? (hi & 0x7FFFFFFFu) : ~hi;
+      float floor;
+      std::memcpy(&floor, &bits, sizeof(floor));
+      const __m256 f = _mm256_set1_ps(floor);
+      for (; i + 8 <= n; i += 8) {
+        auto mask = static_cast<uint32_t>(
+            _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(score + i), f, _CMP_GE_OQ)));
+        for (; mask != 0; mask &= mask - 1) consider(i + __builtin_ctz(mask));
+      }
     }
+#endif
+    for (; i < n; ++i) consider(i);
     if (passed >= static_cast<size_t>(m)) break;
     threshold = 0;  // the sample misled: every item
   }

@@ -50,7 +50,7 @@ absl::StatusOr<KvMemoryPtr> KvPool::Allocate(size_t bytes) {
     }
     used_ += reserved;
   }
-  auto* data = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64));
+  uint8_t* data = AllocateKvBytes(bytes);
   if (data == nullptr) {
     Release(reserved);
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));

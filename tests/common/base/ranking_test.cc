@@ -1,6 +1,6 @@
 // The ranking order's partial selection: BestFirstPrefix is the prefix of the full sort
 // (RankBestFirst) whatever the count asked for, with and without its sampled threshold, when
-// the sample misleads it, with plateaus of tied scores, ±0 and NaNs.
+// the sample misleads it, with plateaus of tied scores of either sign, ±0 and NaNs.
 #include "common/base/ranking.h"
 
 #include <gtest/gtest.h>
@@ -27,7 +27,8 @@ TEST(Ranking, BestFirstPrefixIsThePrefixOfTheFullOrder) {
         } else if (v % 83 == 0) {
           s = -0.f;  // ties with +0
         } else {
-          s = static_cast<float>(v % levels);
+          // Both signs: the sampled threshold's score is mapped back from its key.
+          s = static_cast<float>(static_cast<int>(v % levels) - levels / 2);
         }
       }
       const std::vector<int32_t> full = RankBestFirst(score);
