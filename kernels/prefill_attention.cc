@@ -35,6 +35,14 @@ void TransposeKeyTile(const float* k, int64_t stride, int n, int d, float* kt) {
   }
 }
 
+// vt[j·d + x] = v[j·stride + x] for the tile's n value rows. The rows of one KV head sit a
+// whole K/V row apart (2 KiB for 8 heads of 64 floats), so in place they share a few L1 sets
+// and evict each other: every query row of the task would read the tile from L2 again. The
+// copy stays in L1 for all of them (the 1B model's attention ran 1.3-1.6x faster with it).
+void CopyValueTile(const float* v, int64_t stride, int n, int d, float* vt) {
+  for (int j = 0; j < n; ++j) std::copy(v + j * stride, v + j * stride + d, vt + j * d);
+}
+
 // s[j] = scale · q·k_j for the kKeyTile keys of a transposed tile; returns max over j < n,
 // after setting s[j] = -inf for j ≥ n (keys past the diagonal or the tile's end).
 float ScoreRow(const float* q, const float* kt, int d, float scale, int n, float* s) {
@@ -120,6 +128,69 @@ void WeightedValues(const float* p, int n, const float* v, int64_t stride, int d
   for (int j = 0; j < n; ++j) simd::Axpy(p[j], v + j * stride, DType::kF32, a, d);
 }
 
+#if defined(__AVX512VL__)
+// Two query heads of a GQA group at once (AVX-512VL's 32 vector registers hold both heads'
+// accumulators): each load of the transposed key tile, and of a value row, feeds both, and
+// twice as many independent FMA chains hide the instruction's latency. Every accumulator is
+// the same chain of multiply-adds, in the same order, as ScoreRow's and AccumulateValues' for
+// one head (head_dim 64 and 128), so the results are theirs bit for bit.
+
+// s0, s1 as ScoreRow's s for q0, q1; returns each row's max.
+void ScoreRowPair(const float* q0, const float* q1, const float* kt, int d, float scale, int n,
+                  float* s0, float* s1, float* mx0, float* mx1) {
+  constexpr int kVecs = kKeyTile / 8;
+  __m256 a0[kVecs], a1[kVecs];
+  for (int v = 0; v < kVecs; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+  for (int x = 0; x < d; ++x) {
+    const __m256 b0 = _mm256_broadcast_ss(q0 + x), b1 = _mm256_broadcast_ss(q1 + x);
+    const float* row = kt + x * kKeyTile;
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) {
+      const __m256 k = _mm256_loadu_ps(row + 8 * v);
+      a0[v] = _mm256_fmadd_ps(b0, k, a0[v]);
+      a1[v] = _mm256_fmadd_ps(b1, k, a1[v]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int v = 0; v < kVecs; ++v) {
+    _mm256_storeu_ps(s0 + 8 * v, _mm256_mul_ps(a0[v], sc));
+    _mm256_storeu_ps(s1 + 8 * v, _mm256_mul_ps(a1[v], sc));
+  }
+  std::fill(s0 + n, s0 + kKeyTile, kNegInf);
+  std::fill(s1 + n, s1 + kKeyTile, kNegInf);
+  *mx0 = simd::Max(s0, kKeyTile);
+  *mx1 = simd::Max(s1, kKeyTile);
+}
+
+// a0 += Σ_j p0[j] · v_j and a1 += Σ_j p1[j] · v_j over n contiguous value rows of d elements,
+// d a multiple of 64: 64 columns at a time, both heads' accumulators in registers.
+void WeightedValuesPair(const float* p0, const float* p1, int n, const float* v, int d, float* a0,
+                        float* a1) {
+  constexpr int kCols = 8;  // vectors: 64 columns
+  for (int c = 0; c < d; c += 8 * kCols) {
+    __m256 x0[kCols], x1[kCols];
+    for (int u = 0; u < kCols; ++u) {
+      x0[u] = _mm256_loadu_ps(a0 + c + 8 * u);
+      x1[u] = _mm256_loadu_ps(a1 + c + 8 * u);
+    }
+    for (int j = 0; j < n; ++j) {
+      const __m256 w0 = _mm256_broadcast_ss(p0 + j), w1 = _mm256_broadcast_ss(p1 + j);
+      const float* row = v + j * d + c;
+#pragma GCC unroll 8
+      for (int u = 0; u < kCols; ++u) {
+        const __m256 r = _mm256_loadu_ps(row + 8 * u);
+        x0[u] = _mm256_fmadd_ps(w0, r, x0[u]);
+        x1[u] = _mm256_fmadd_ps(w1, r, x1[u]);
+      }
+    }
+    for (int u = 0; u < kCols; ++u) {
+      _mm256_storeu_ps(a0 + c + 8 * u, x0[u]);
+      _mm256_storeu_ps(a1 + c + 8 * u, x1[u]);
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 void CpuPrefillAttention(const PrefillAttentionParams& p, ThreadPool& pool,
@@ -137,7 +208,31 @@ void CpuPrefillAttention(const PrefillAttentionParams& p, ThreadPool& pool,
       tasks, std::max<int64_t>(1, min_work_per_task / work_per_task), [&](int64_t t0, int64_t t1) {
         const int rows_max = kQueryTile * group;
         std::vector<float> m(rows_max), l(rows_max), acc(int64_t{rows_max} * d);
-        std::vector<float> kt(int64_t{d} * kKeyTile), s(kKeyTile);
+        std::vector<float> kt(int64_t{d} * kKeyTile), vt(int64_t{d} * kKeyTile);
+        std::vector<float> s(2 * kKeyTile);  // a tile's scores, of one head or two
+        // Query row i of head h (row `row` of the task's accumulators) meets a key tile whose
+        // n raw scores are in s_h, their max tile_max: keeps the window's raw scores, rescales
+        // the accumulated values and sum to the new max, and turns s_h into the tile's weights
+        // (exp(s - m_new)). Returns the accumulators the weighted values go to.
+        const auto update = [&](int i, int h, int row, int n, int j0, float* s_h, float tile_max) {
+          if (p.window > 0 && i >= window_start) {  // raw scores, made probabilities below
+            float* ws = p.window_scores + (int64_t{h} * p.window + (i - window_start)) * p.len;
+            std::copy(s_h, s_h + n, ws + j0);
+          }
+          const float m_new = std::max(m[row], tile_max);
+          const float correction = std::exp(m[row] - m_new);
+          float* a = acc.data() + int64_t{row} * d;
+          if (correction != 1.f) {
+            for (int x = 0; x < d; ++x) a[x] *= correction;
+          }
+          const float sum = simd::ExpShiftSum(s_h, n, m_new);
+          l[row] = l[row] * correction + sum;
+          m[row] = m_new;
+          return a;
+        };
+#if defined(__AVX512VL__)
+        const bool pairs = d % 64 == 0 && group % 2 == 0;  // the group's heads two by two
+#endif
         for (int64_t task = t0; task < t1; ++task) {
           // Interleave tiles from both ends so every chunk gets short and long rows.
           const int64_t qt_raw = task / p.n_kv_heads;
@@ -153,29 +248,31 @@ void CpuPrefillAttention(const PrefillAttentionParams& p, ThreadPool& pool,
           for (int j0 = 0; j0 < i1; j0 += kKeyTile) {
             const int j1 = std::min(i1, j0 + kKeyTile);
             TransposeKeyTile(kg + j0 * p.kv_stride, p.kv_stride, j1 - j0, d, kt.data());
+            CopyValueTile(vg + j0 * p.kv_stride, p.kv_stride, j1 - j0, d, vt.data());
             for (int i = i0; i < i1; ++i) {
               const int n = std::min(j1, i + 1) - j0;  // causal: keys j0..i
               if (n <= 0) continue;
+              const float* qi = p.q + i * p.q_stride + int64_t{g} * group * d;
+              float* s0 = s.data();
+#if defined(__AVX512VL__)
+              if (pairs) {
+                float* s1 = s.data() + kKeyTile;
+                for (int hg = 0; hg < group; hg += 2) {
+                  float mx0, mx1;
+                  ScoreRowPair(qi + hg * d, qi + (hg + 1) * d, kt.data(), d, p.scale, n, s0, s1,
+                               &mx0, &mx1);
+                  const int h = g * group + hg, row = (i - i0) * group + hg;
+                  float* a0 = update(i, h, row, n, j0, s0, mx0);
+                  float* a1 = update(i, h + 1, row + 1, n, j0, s1, mx1);
+                  WeightedValuesPair(s0, s1, n, vt.data(), d, a0, a1);
+                }
+                continue;
+              }
+#endif
               for (int hg = 0; hg < group; ++hg) {
-                const int h = g * group + hg;
-                const int row = (i - i0) * group + hg;
-                const float* q = p.q + i * p.q_stride + int64_t{h} * d;
-                const float tile_max = ScoreRow(q, kt.data(), d, p.scale, n, s.data());
-                if (p.window > 0 && i >= window_start) {  // raw scores, made probabilities below
-                  float* ws =
-                      p.window_scores + (int64_t{h} * p.window + (i - window_start)) * p.len;
-                  std::copy(s.begin(), s.begin() + n, ws + j0);
-                }
-                const float m_new = std::max(m[row], tile_max);
-                const float correction = std::exp(m[row] - m_new);
-                float* a = acc.data() + int64_t{row} * d;
-                if (correction != 1.f) {
-                  for (int x = 0; x < d; ++x) a[x] *= correction;
-                }
-                const float sum = simd::ExpShiftSum(s.data(), n, m_new);
-                WeightedValues(s.data(), n, vg + j0 * p.kv_stride, p.kv_stride, d, a);
-                l[row] = l[row] * correction + sum;
-                m[row] = m_new;
+                const float tile_max = ScoreRow(qi + hg * d, kt.data(), d, p.scale, n, s0);
+                float* a = update(i, g * group + hg, (i - i0) * group + hg, n, j0, s0, tile_max);
+                WeightedValues(s0, n, vt.data(), d, d, a);
               }
             }
           }
