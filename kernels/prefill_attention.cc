@@ -128,64 +128,76 @@ void WeightedValues(const float* p, int n, const float* v, int64_t stride, int d
   for (int j = 0; j < n; ++j) simd::Axpy(p[j], v + j * stride, DType::kF32, a, d);
 }
 
-#if defined(__AVX512VL__)
-// Two query heads of a GQA group at once (AVX-512VL's 32 vector registers hold both heads'
-// accumulators): each load of the transposed key tile, and of a value row, feeds both, and
-// twice as many independent FMA chains hide the instruction's latency. Every accumulator is
-// the same chain of multiply-adds, in the same order, as ScoreRow's and AccumulateValues' for
-// one head (head_dim 64 and 128), so the results are theirs bit for bit.
+#if defined(__AVX512F__)
+// NH query heads of a GQA group at once, in 512-bit vectors: each load of the transposed key
+// tile, and of a value row, feeds every head, and the heads' accumulators are independent FMA
+// chains that hide the instruction's latency. Where the vector units are 512 bits wide (Zen 5)
+// this is twice the FMA throughput of the 256-bit loops; where they split 512-bit operations
+// in two (Zen 4) it halves the instructions and loads. Every accumulator lane is the same chain
+// of multiply-adds, in the same order, as ScoreRow's and AccumulateValues' for one head (head_dim
+// 64 and 128), so the results are theirs bit for bit.
+constexpr int kKeyVecs = kKeyTile / 16;
 
-// s0, s1 as ScoreRow's s for q0, q1; returns each row's max.
-void ScoreRowPair(const float* q0, const float* q1, const float* kt, int d, float scale, int n,
-                  float* s0, float* s1, float* mx0, float* mx1) {
-  constexpr int kVecs = kKeyTile / 8;
-  __m256 a0[kVecs], a1[kVecs];
-  for (int v = 0; v < kVecs; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+// s + h·kKeyTile as ScoreRow's s for the query at q + h·d, each row's max in mx[h].
+template <int NH>
+void ScoreRows(const float* q, const float* kt, int d, float scale, int n, float* s, float* mx) {
+  __m512 acc[NH][kKeyVecs];
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kKeyVecs; ++v) acc[h][v] = _mm512_setzero_ps();
+  }
   for (int x = 0; x < d; ++x) {
-    const __m256 b0 = _mm256_broadcast_ss(q0 + x), b1 = _mm256_broadcast_ss(q1 + x);
     const float* row = kt + x * kKeyTile;
-#pragma GCC unroll 8
-    for (int v = 0; v < kVecs; ++v) {
-      const __m256 k = _mm256_loadu_ps(row + 8 * v);
-      a0[v] = _mm256_fmadd_ps(b0, k, a0[v]);
-      a1[v] = _mm256_fmadd_ps(b1, k, a1[v]);
+    __m512 k[kKeyVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kKeyVecs; ++v) k[v] = _mm512_loadu_ps(row + 16 * v);
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+      const __m512 b = _mm512_set1_ps(q[h * d + x]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kKeyVecs; ++v) acc[h][v] = _mm512_fmadd_ps(b, k[v], acc[h][v]);
     }
   }
-  const __m256 sc = _mm256_set1_ps(scale);
-  for (int v = 0; v < kVecs; ++v) {
-    _mm256_storeu_ps(s0 + 8 * v, _mm256_mul_ps(a0[v], sc));
-    _mm256_storeu_ps(s1 + 8 * v, _mm256_mul_ps(a1[v], sc));
+  const __m512 sc = _mm512_set1_ps(scale);
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+    float* sh = s + h * kKeyTile;
+#pragma GCC unroll 4
+    for (int v = 0; v < kKeyVecs; ++v) _mm512_storeu_ps(sh + 16 * v, _mm512_mul_ps(acc[h][v], sc));
+    std::fill(sh + n, sh + kKeyTile, kNegInf);
+    mx[h] = simd::Max(sh, kKeyTile);
   }
-  std::fill(s0 + n, s0 + kKeyTile, kNegInf);
-  std::fill(s1 + n, s1 + kKeyTile, kNegInf);
-  *mx0 = simd::Max(s0, kKeyTile);
-  *mx1 = simd::Max(s1, kKeyTile);
 }
 
-// a0 += Σ_j p0[j] · v_j and a1 += Σ_j p1[j] · v_j over n contiguous value rows of d elements,
-// d a multiple of 64: 64 columns at a time, both heads' accumulators in registers.
-void WeightedValuesPair(const float* p0, const float* p1, int n, const float* v, int d, float* a0,
-                        float* a1) {
-  constexpr int kCols = 8;  // vectors: 64 columns
-  for (int c = 0; c < d; c += 8 * kCols) {
-    __m256 x0[kCols], x1[kCols];
-    for (int u = 0; u < kCols; ++u) {
-      x0[u] = _mm256_loadu_ps(a0 + c + 8 * u);
-      x1[u] = _mm256_loadu_ps(a1 + c + 8 * u);
+// a[h] += Σ_j p[h·kKeyTile + j] · v_j for h < NH over n contiguous value rows of d elements, d a
+// multiple of 64: 64 columns at a time, every head's accumulators in registers.
+template <int NH>
+void WeightedValuesRows(const float* p, int n, const float* v, int d, float* const* a) {
+  constexpr int kCols = 4;  // vectors: 64 columns
+  for (int c = 0; c < d; c += 16 * kCols) {
+    __m512 acc[NH][kCols];
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+#pragma GCC unroll 4
+      for (int u = 0; u < kCols; ++u) acc[h][u] = _mm512_loadu_ps(a[h] + c + 16 * u);
     }
     for (int j = 0; j < n; ++j) {
-      const __m256 w0 = _mm256_broadcast_ss(p0 + j), w1 = _mm256_broadcast_ss(p1 + j);
       const float* row = v + j * d + c;
-#pragma GCC unroll 8
-      for (int u = 0; u < kCols; ++u) {
-        const __m256 r = _mm256_loadu_ps(row + 8 * u);
-        x0[u] = _mm256_fmadd_ps(w0, r, x0[u]);
-        x1[u] = _mm256_fmadd_ps(w1, r, x1[u]);
+      __m512 r[kCols];
+#pragma GCC unroll 4
+      for (int u = 0; u < kCols; ++u) r[u] = _mm512_loadu_ps(row + 16 * u);
+#pragma GCC unroll 4
+      for (int h = 0; h < NH; ++h) {
+        const __m512 w = _mm512_set1_ps(p[h * kKeyTile + j]);
+#pragma GCC unroll 4
+        for (int u = 0; u < kCols; ++u) acc[h][u] = _mm512_fmadd_ps(w, r[u], acc[h][u]);
       }
     }
-    for (int u = 0; u < kCols; ++u) {
-      _mm256_storeu_ps(a0 + c + 8 * u, x0[u]);
-      _mm256_storeu_ps(a1 + c + 8 * u, x1[u]);
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+#pragma GCC unroll 4
+      for (int u = 0; u < kCols; ++u) _mm512_storeu_ps(a[h] + c + 16 * u, acc[h][u]);
     }
   }
 }
@@ -209,7 +221,7 @@ void CpuPrefillAttention(const PrefillAttentionParams& p, ThreadPool& pool,
         const int rows_max = kQueryTile * group;
         std::vector<float> m(rows_max), l(rows_max), acc(int64_t{rows_max} * d);
         std::vector<float> kt(int64_t{d} * kKeyTile), vt(int64_t{d} * kKeyTile);
-        std::vector<float> s(2 * kKeyTile);  // a tile's scores, of one head or two
+        std::vector<float> s(4 * kKeyTile);  // a tile's scores, of up to four heads
         // Query row i of head h (row `row` of the task's accumulators) meets a key tile whose
         // n raw scores are in s_h, their max tile_max: keeps the window's raw scores, rescales
         // the accumulated values and sum to the new max, and turns s_h into the tile's weights
@@ -230,8 +242,9 @@ void CpuPrefillAttention(const PrefillAttentionParams& p, ThreadPool& pool,
           m[row] = m_new;
           return a;
         };
-#if defined(__AVX512VL__)
-        const bool pairs = d % 64 == 0 && group % 2 == 0;  // the group's heads two by two
+#if defined(__AVX512F__)
+        // The group's heads four or two at a time where the shapes allow.
+        const int together = d % 64 != 0 ? 1 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
 #endif
         for (int64_t task = t0; task < t1; ++task) {
           // Interleave tiles from both ends so every chunk gets short and long rows.
@@ -254,17 +267,26 @@ void CpuPrefillAttention(const PrefillAttentionParams& p, ThreadPool& pool,
               if (n <= 0) continue;
               const float* qi = p.q + i * p.q_stride + int64_t{g} * group * d;
               float* s0 = s.data();
-#if defined(__AVX512VL__)
-              if (pairs) {
-                float* s1 = s.data() + kKeyTile;
-                for (int hg = 0; hg < group; hg += 2) {
-                  float mx0, mx1;
-                  ScoreRowPair(qi + hg * d, qi + (hg + 1) * d, kt.data(), d, p.scale, n, s0, s1,
-                               &mx0, &mx1);
-                  const int h = g * group + hg, row = (i - i0) * group + hg;
-                  float* a0 = update(i, h, row, n, j0, s0, mx0);
-                  float* a1 = update(i, h + 1, row + 1, n, j0, s1, mx1);
-                  WeightedValuesPair(s0, s1, n, vt.data(), d, a0, a1);
+#if defined(__AVX512F__)
+              if (together > 1) {
+                for (int hg = 0; hg < group; hg += together) {
+                  float mx[4];
+                  float* a[4];
+                  const float* q = qi + hg * d;
+                  if (together == 4) {
+                    ScoreRows<4>(q, kt.data(), d, p.scale, n, s0, mx);
+                  } else {
+                    ScoreRows<2>(q, kt.data(), d, p.scale, n, s0, mx);
+                  }
+                  for (int u = 0; u < together; ++u) {
+                    a[u] = update(i, g * group + hg + u, (i - i0) * group + hg + u, n, j0,
+                                  s0 + u * kKeyTile, mx[u]);
+                  }
+                  if (together == 4) {
+                    WeightedValuesRows<4>(s0, n, vt.data(), d, a);
+                  } else {
+                    WeightedValuesRows<2>(s0, n, vt.data(), d, a);
+                  }
                 }
                 continue;
               }
