@@ -11,8 +11,8 @@
 // short heads so the FMA latency does not serialise them. Each value tile is copied to a
 // contiguous buffer first (a KV head's rows in place, a K/V row apart, fall into a few L1 sets
 // and evict each other), and with AVX-512 the query heads of a group go four (or two) at a
-// time in 512-bit vectors, each key-tile and value-row load feeding all of them. Observation-window rows keep their
-// raw scores in the caller's window_scores as the tiles pass and turn them into
+// time in 512-bit vectors, each key-tile and value-row load feeding all of them. Observation-window
+// rows keep their raw scores in the caller's window_scores as the tiles pass and turn them into
 // probabilities with the row's final max and sum: the same scores the output was made from.
 #pragma once
 
