@@ -73,15 +73,23 @@ class CpuBackend final : public HostMemoryBackend {
     }
     constexpr int64_t kTile = 4;
     const int64_t tiles = (p.n + kTile - 1) / kTile;
+    // Panels of x rows whose bf16 stretch (the whole row up to 4096) fits half an L2, each
+    // stretch over every tile of W before the next (GemmBf16).
+    const int stretch = Bf16Stretch(p.m, p.k);
+    const int64_t sp = (int64_t{stretch} + 31) / 32 * 32;
     const int panel =
-        static_cast<int>(std::clamp<int64_t>((int64_t{512} << 10) / (2 * kp), 4, 256) / 4 * 4);
+        static_cast<int>(std::clamp<int64_t>((int64_t{512} << 10) / (2 * sp), 4, 256) / 4 * 4);
     for (int r0 = 0; r0 < p.m; r0 += panel) {
       const int rows = std::min(panel, p.m - r0);
-      const int64_t grain = std::max<int64_t>(2, kMinWorkPerTask / (int64_t{p.k} * rows * kTile));
-      pool_.ParallelFor(tiles, grain, [&](int64_t t0, int64_t t1) {
-        GemmBf16(x16 + r0 * kp, kp, rows, static_cast<const uint16_t*>(p.w), p.k, t0 * kTile,
-                 std::min<int64_t>(p.n, t1 * kTile), p.bias, p.y + r0 * ys, ys);
-      });
+      for (int i0 = 0; i0 < p.k; i0 += stretch) {
+        const int i1 = std::min(p.k, i0 + stretch);
+        const int64_t grain =
+            std::max<int64_t>(2, kMinWorkPerTask / (int64_t{i1 - i0} * rows * kTile));
+        pool_.ParallelFor(tiles, grain, [&](int64_t t0, int64_t t1) {
+          GemmBf16(x16 + r0 * kp, kp, rows, static_cast<const uint16_t*>(p.w), p.k, i0, i1,
+                   t0 * kTile, std::min<int64_t>(p.n, t1 * kTile), p.bias, p.y + r0 * ys, ys);
+        });
+      }
     }
     return absl::OkStatus();
   }

@@ -190,8 +190,11 @@ template <int MR, int NC, int PF, bool kMasked>
 // exactly and adds them into 16 float32 lanes. x rows are padded with zeros to a multiple
 // of 32 (RoundToBf16); the last, partial vector of a W row is a masked load, outside the
 // main loop.
+//
+// Over elements [i0, i1) of the rows only (a multiple of 32 apart, but for the row's end):
+// from i0 = 0 y gets the sums plus the bias, after that the sums are added to it.
 template <int MR, int NC, int PF = 0>
-void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int64_t j,
+void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int i0, int i1, int64_t j,
               const float* bias, float* y, int64_t ys, const uint16_t* prefetch = nullptr) {
   const uint16_t* rows[NC];
   for (int c = 0; c < NC; ++c) rows[c] = w + (j + c) * k;
@@ -202,10 +205,10 @@ void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int64_t 
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   }
   // The loops over the tile are unrolled so the accumulators stay in registers.
-  int i = 0;
-  for (; i + 32 <= k; i += 32) StepBf16<MR, NC, PF, false>(acc, rows, xb, kp, i, 0, prefetch, k);
-  if (i < k) {
-    StepBf16<MR, NC, PF, true>(acc, rows, xb, kp, i, (__mmask32{1} << (k - i)) - 1, prefetch, k);
+  int i = i0;
+  for (; i + 32 <= i1; i += 32) StepBf16<MR, NC, PF, false>(acc, rows, xb, kp, i, 0, prefetch, k);
+  if (i < i1) {
+    StepBf16<MR, NC, PF, true>(acc, rows, xb, kp, i, (__mmask32{1} << (i1 - i)) - 1, prefetch, k);
   }
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
@@ -215,7 +218,10 @@ void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int64_t 
     } else {
       for (int c = 0; c < NC; ++c) sums[c] = Isa::Sum(acc[r][c]);
     }
-    for (int c = 0; c < NC; ++c) y[r * ys + j + c] = sums[c] + (bias ? bias[j + c] : 0.f);
+    for (int c = 0; c < NC; ++c) {
+      float& out = y[r * ys + j + c];
+      out = i0 == 0 ? sums[c] + (bias ? bias[j + c] : 0.f) : out + sums[c];
+    }
   }
 }
 
@@ -249,28 +255,28 @@ void RowsBf16(const uint16_t* xb, const uint16_t* w, int k, int64_t j0, int64_t 
 // MR rows of x against NC rows of W, prefetching PF rows of the next tile of W (at `prefetch`)
 // into L2 as it goes.
 template <int NC, int PF>
-void PassBf16(int mr, const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int64_t j,
-              const float* bias, float* y, int64_t ys, const uint16_t* prefetch) {
+void PassBf16(int mr, const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int i0, int i1,
+              int64_t j, const float* bias, float* y, int64_t ys, const uint16_t* prefetch) {
   switch (mr) {
     case 1:
-      return TileBf16<1, NC, PF>(xb, kp, w, k, j, bias, y, ys, prefetch);
+      return TileBf16<1, NC, PF>(xb, kp, w, k, i0, i1, j, bias, y, ys, prefetch);
     case 2:
-      return TileBf16<2, NC, PF>(xb, kp, w, k, j, bias, y, ys, prefetch);
+      return TileBf16<2, NC, PF>(xb, kp, w, k, i0, i1, j, bias, y, ys, prefetch);
     case 3:
-      return TileBf16<3, NC, PF>(xb, kp, w, k, j, bias, y, ys, prefetch);
+      return TileBf16<3, NC, PF>(xb, kp, w, k, i0, i1, j, bias, y, ys, prefetch);
     default:
-      return TileBf16<4, NC, PF>(xb, kp, w, k, j, bias, y, ys, prefetch);
+      return TileBf16<4, NC, PF>(xb, kp, w, k, i0, i1, j, bias, y, ys, prefetch);
   }
 }
 
-// Every row of x against W rows j .. j + NC, in passes of up to four x rows; the tile of W comes
-// from memory in the first pass and from cache after it. The next tile (when it is in this
-// task's range) is prefetched meanwhile, one row per pass where there are enough passes, else
-// all in the first: without it each tile's first pass waits on memory, which for short prompts
-// (a few passes a tile) was most of the time.
+// Every row of x against elements [i0, i1) of W rows j .. j + NC, in passes of up to four x
+// rows; the tile of W comes from memory in the first pass and from cache after it. The next
+// tile (when it is in this task's range) is prefetched meanwhile, one row per pass where there
+// are enough passes, else all in the first: without it each tile's first pass waits on memory,
+// which for short prompts (a few passes a tile) was most of the time.
 template <int NC>
-void AllRowsBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int64_t j,
-                 int64_t j1, const float* bias, float* y, int64_t ys) {
+void AllRowsBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int i0, int i1,
+                 int64_t j, int64_t j1, const float* bias, float* y, int64_t ys) {
   const int passes = (m + 3) / 4;
   const uint16_t* next = j + 2 * NC <= j1 ? w + (j + NC) * k : nullptr;
   for (int p = 0; p < passes; ++p) {
@@ -278,17 +284,23 @@ void AllRowsBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k
     const uint16_t* x = xb + r * kp;
     float* yr = y + r * ys;
     if (next != nullptr && passes >= NC && p < NC) {
-      PassBf16<NC, 1>(mr, x, kp, w, k, j, bias, yr, ys, next + p * k);
+      PassBf16<NC, 1>(mr, x, kp, w, k, i0, i1, j, bias, yr, ys, next + p * k);
     } else if (next != nullptr && passes < NC && p == 0) {
-      PassBf16<NC, NC>(mr, x, kp, w, k, j, bias, yr, ys, next);
+      PassBf16<NC, NC>(mr, x, kp, w, k, i0, i1, j, bias, yr, ys, next);
     } else {
-      PassBf16<NC, 0>(mr, x, kp, w, k, j, bias, yr, ys, nullptr);
+      PassBf16<NC, 0>(mr, x, kp, w, k, i0, i1, j, bias, yr, ys, nullptr);
     }
   }
 }
 #endif
 
 }  // namespace
+
+int Bf16Stretch(int m, int k) {
+  if (m == 1 || k <= 4096) return k;
+  const int stretches = (k + 2047) / 2048;
+  return ((k + stretches - 1) / stretches + 31) / 32 * 32;
+}
 
 void RoundToBf16(const float* x, int64_t xs, int m, int k, uint16_t* out, int64_t kp) {
   for (int r = 0; r < m; ++r) {
@@ -307,20 +319,21 @@ void RoundToBf16(const float* x, int64_t xs, int m, int k, uint16_t* out, int64_
   }
 }
 
-void GemmBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int64_t j0,
-              int64_t j1, const float* bias, float* y, int64_t ys) {
+void GemmBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int i0, int i1,
+              int64_t j0, int64_t j1, const float* bias, float* y, int64_t ys) {
 #if KVWIRE_BF16_DOT
-  if (m == 1) return RowsBf16(xb, w, k, j0, j1, bias, y);
+  if (m == 1 && i0 == 0 && i1 == k) return RowsBf16(xb, w, k, j0, j1, bias, y);
   int64_t j = j0;
-  for (; j + 4 <= j1; j += 4) AllRowsBf16<4>(xb, kp, m, w, k, j, j1, bias, y, ys);
-  for (; j < j1; ++j) AllRowsBf16<1>(xb, kp, m, w, k, j, j1, bias, y, ys);
+  for (; j + 4 <= j1; j += 4) AllRowsBf16<4>(xb, kp, m, w, k, i0, i1, j, j1, bias, y, ys);
+  for (; j < j1; ++j) AllRowsBf16<1>(xb, kp, m, w, k, i0, i1, j, j1, bias, y, ys);
 #else
   // Without the instruction: the same products (exact in float32) widened.
   for (int r = 0; r < m; ++r) {
     for (int64_t j = j0; j < j1; ++j) {
       float acc = 0.f;
-      for (int i = 0; i < k; ++i) acc += Bf16ToFloat(xb[r * kp + i]) * Bf16ToFloat(w[j * k + i]);
-      y[r * ys + j] = acc + (bias ? bias[j] : 0.f);
+      for (int i = i0; i < i1; ++i) acc += Bf16ToFloat(xb[r * kp + i]) * Bf16ToFloat(w[j * k + i]);
+      float& out = y[r * ys + j];
+      out = i0 == 0 ? acc + (bias ? bias[j] : 0.f) : out + acc;
     }
   }
 #endif

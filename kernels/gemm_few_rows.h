@@ -44,7 +44,17 @@ void RoundToBf16(const float* x, int64_t xs, int m, int k, uint16_t* out, int64_
 // the next tile of W into L2 while it computes; m is best a panel whose xb stays in the core's
 // L2 (cpu_backend.cc). One row of x (decode at batch 1) reads W a row at a time instead, one
 // sequential stream, which on Zen 4 reads faster than several rows interleaved.
-void GemmBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int64_t j0,
-              int64_t j1, const float* bias, float* y, int64_t ys);
+//
+// Over elements [i0, i1) of the rows only (i0 a multiple of 32): from i0 = 0, y gets the sums
+// plus the bias, after that the sums are added to y. A product with long rows goes stretch by
+// stretch (Bf16Stretch) over a panel of x rows sized by the stretch, so that the panel's
+// stretch stays in L2 and each tile of W in L1 while it is used.
+void GemmBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int i0, int i1,
+              int64_t j0, int64_t j1, const float* bias, float* y, int64_t ys);
+
+// Elements of a row GemmBf16 is best given at a time for m rows of x: whole rows for one row
+// (a decode step streams W row by row) and up to 4096, else stretches of about 2048 (a multiple
+// of 32).
+int Bf16Stretch(int m, int k);
 
 }  // namespace kvwire::kernels

@@ -136,12 +136,13 @@ TEST_P(BackendOpsTest, MatMul) {
   std::vector<MatMulCase> cases;
   // Odd sizes around the CPU backend's register tiles (4 weight rows x up to 4 activation
   // rows, 8 or 16 lanes), its one-row kernel (64 elements a step, then up to two 32-element
-  // vectors, the last masked) and its switch to OpenBLAS above 64 rows.
+  // vectors, the last masked), its switch to OpenBLAS above 64 rows, and bf16 rows longer than
+  // 4096 (taken in stretches, the last one ending in a masked vector; one row of x: whole rows).
   const std::vector<std::tuple<int, int, int>> shapes = {
-      {1, 1, 1},    {1, 7, 37},    {1, 37, 733},  {1, 9, 96},    {1, 6, 128},
-      {2, 37, 733}, {3, 733, 37},  {4, 64, 64},   {5, 9, 48},    {6, 10, 17},
-      {7, 33, 100}, {16, 37, 733}, {17, 37, 733}, {33, 11, 129}, {37, 64, 128},
-      {63, 13, 50}, {64, 1, 7},    {64, 6, 33},   {65, 37, 100}};
+      {1, 1, 1},     {1, 7, 37},    {1, 37, 733},  {1, 9, 96},   {1, 6, 128},  {2, 37, 733},
+      {3, 733, 37},  {4, 64, 64},   {5, 9, 48},    {6, 10, 17},  {7, 33, 100}, {16, 37, 733},
+      {17, 37, 733}, {33, 11, 129}, {37, 64, 128}, {63, 13, 50}, {64, 1, 7},   {64, 6, 33},
+      {65, 37, 100}, {1, 5, 8200},  {5, 9, 4133},  {70, 6, 6000}};
   for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (auto [m, n, k] : shapes) {
       cases.push_back({m, n, k, t, false});
@@ -157,7 +158,9 @@ TEST_P(BackendOpsTest, MatMul) {
     const auto bias = Random(c.n, seed++);
     const auto want = RunMatMul(*reference_, c, x, w, bias);
     const auto got = RunMatMul(*backend_, c, x, w, bias);
-    EXPECT_TRUE(AllClose(got, want, {1e-5f, 2e-4f}));
+    // float32 sums of k products whose result cancels to near zero: the absolute error grows
+    // with k (the reference sums in another order).
+    EXPECT_TRUE(AllClose(got, want, {1e-5f * std::max(1.f, c.k / 512.f), 2e-4f}));
   }
 }
 
