@@ -73,12 +73,16 @@ class CpuBackend final : public HostMemoryBackend {
     }
     constexpr int64_t kTile = 4;
     const int64_t tiles = (p.n + kTile - 1) / kTile;
-    // Panels of x rows whose bf16 stretch (the whole row up to 4096) fits half an L2, each
-    // stretch over every tile of W before the next (GemmBf16).
+    // Panels of x rows whose bf16 stretch (the whole row up to 4096) fits about half an L2,
+    // each stretch over every tile of W before the next (GemmBf16). Every panel reads all of
+    // W: the rows are split evenly into as few panels as fit, each a whole number of GemmBf16's
+    // passes (a last panel of a few rows would read W once more for almost nothing).
     const int stretch = Bf16Stretch(p.m, p.k);
     const int64_t sp = (int64_t{stretch} + 31) / 32 * 32;
-    const int panel =
-        static_cast<int>(std::clamp<int64_t>((int64_t{512} << 10) / (2 * sp), 4, 256) / 4 * 4);
+    const int64_t most = std::max<int64_t>(kBf16PassRows, (int64_t{512} << 10) / (2 * sp));
+    const int64_t panels = (p.m + most - 1) / most;
+    const int panel = static_cast<int>(((p.m + panels - 1) / panels + kBf16PassRows - 1) /
+                                       kBf16PassRows * kBf16PassRows);
     for (int r0 = 0; r0 < p.m; r0 += panel) {
       const int rows = std::min(panel, p.m - r0);
       for (int i0 = 0; i0 < p.k; i0 += stretch) {

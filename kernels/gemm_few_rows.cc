@@ -89,7 +89,7 @@ void Tile(const float* x, int64_t xs, const void* w, int k, int64_t j, const flo
   int i = 0;
 #if KVWIRE_GEMM_VECTOR
   typename Isa::V acc[MR][NC];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) acc[r][c] = Isa::Zero();
@@ -105,7 +105,7 @@ void Tile(const float* x, int64_t xs, const void* w, int k, int64_t j, const flo
       for (int c = 0; c < NC; ++c) acc[r][c] = Isa::Fma(xv, wv[c], acc[r][c]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     if constexpr (NC == 4) {
       _mm_storeu_ps(sums[r], Isa::Sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
@@ -178,7 +178,7 @@ template <int MR, int NC, int PF, bool kMasked>
     wv[c] = kMasked ? (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[c] + i)
                     : (__m512bh)_mm512_loadu_si512(rows[c] + i);
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * kp + i);
 #pragma GCC unroll 4
@@ -199,7 +199,7 @@ void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int i0, 
   const uint16_t* rows[NC];
   for (int c = 0; c < NC; ++c) rows[c] = w + (j + c) * k;
   __m512 acc[MR][NC];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -210,7 +210,7 @@ void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int i0, 
   if (i < i1) {
     StepBf16<MR, NC, PF, true>(acc, rows, xb, kp, i, (__mmask32{1} << (i1 - i)) - 1, prefetch, k);
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     float sums[NC];
     if constexpr (NC == 4) {
@@ -264,8 +264,12 @@ void PassBf16(int mr, const uint16_t* xb, int64_t kp, const uint16_t* w, int k, 
       return TileBf16<2, NC, PF>(xb, kp, w, k, i0, i1, j, bias, y, ys, prefetch);
     case 3:
       return TileBf16<3, NC, PF>(xb, kp, w, k, i0, i1, j, bias, y, ys, prefetch);
-    default:
+    case 4:
       return TileBf16<4, NC, PF>(xb, kp, w, k, i0, i1, j, bias, y, ys, prefetch);
+    case 5:
+      return TileBf16<5, NC, PF>(xb, kp, w, k, i0, i1, j, bias, y, ys, prefetch);
+    default:
+      return TileBf16<6, NC, PF>(xb, kp, w, k, i0, i1, j, bias, y, ys, prefetch);
   }
 }
 
@@ -277,10 +281,10 @@ void PassBf16(int mr, const uint16_t* xb, int64_t kp, const uint16_t* w, int k, 
 template <int NC>
 void AllRowsBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int i0, int i1,
                  int64_t j, int64_t j1, const float* bias, float* y, int64_t ys) {
-  const int passes = (m + 3) / 4;
+  const int passes = (m + kBf16PassRows - 1) / kBf16PassRows;
   const uint16_t* next = j + 2 * NC <= j1 ? w + (j + NC) * k : nullptr;
   for (int p = 0; p < passes; ++p) {
-    const int r = 4 * p, mr = std::min(4, m - r);
+    const int r = kBf16PassRows * p, mr = std::min(kBf16PassRows, m - r);
     const uint16_t* x = xb + r * kp;
     float* yr = y + r * ys;
     if (next != nullptr && passes >= NC && p < NC) {

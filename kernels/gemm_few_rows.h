@@ -52,6 +52,10 @@ void RoundToBf16(const float* x, int64_t xs, int m, int k, uint16_t* out, int64_
 void GemmBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int i0, int i1,
               int64_t j0, int64_t j1, const float* bias, float* y, int64_t ys);
 
+// Rows of x GemmBf16 takes in one pass over a tile of W (register tiles of 6 x rows × 4 W
+// rows: 24 accumulators, 4 vectors of W and one of x in AVX-512's 32 registers).
+inline constexpr int kBf16PassRows = 6;
+
 // Elements of a row GemmBf16 is best given at a time for m rows of x: whole rows for one row
 // (a decode step streams W row by row) and up to 4096, else stretches of about 2048 (a multiple
 // of 32).
