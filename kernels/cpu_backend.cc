@@ -1,13 +1,15 @@
 // The optimised CPU backend. What makes it fast, op by op:
 //   MatMul     bf16 weights: x rounded to bf16, then register tiles of bf16 dot products
-//              (AVX-512 BF16) over panels of up to 256 rows (512 KiB of bf16 x, so L2),
+//              (AVX-512 BF16, 6 x rows × 4 W rows) over even panels of x whose stretch of
+//              the rows (whole rows up to 4096, else about 2048) fits about 512 KiB, so L2;
 //              W read once per panel, the next tile prefetched; one row of x streams W a
 //              row at a time (kernels/gemm_few_rows.h). f32/f16 weights: up to 64 rows,
 //              register tiles with f16 widened in registers; more rows, OpenBLAS sgemm per
 //              thread on a slice of W (f16 slices widened to a thread-local float32 block).
 //   Attention  prefill: flash-style tiles with an online softmax (Dao et al.), each key tile
-//              transposed once so scores are vector accumulators, the query heads of a GQA
-//              group sharing it (kernels/prefill_attention.h); decode reads each cached K/V
+//              transposed once so scores are vector accumulators and each value tile copied
+//              contiguous, the query heads of a GQA group sharing both, four at a time in
+//              AVX-512 registers (kernels/prefill_attention.h); decode reads each cached K/V
 //              row once for the whole group.
 // All parallelism comes from one ThreadPool; OpenBLAS runs single-threaded inside it.
 #include "kernels/cpu_backend.h"

@@ -273,11 +273,11 @@ void PassBf16(int mr, const uint16_t* xb, int64_t kp, const uint16_t* w, int k, 
   }
 }
 
-// Every row of x against elements [i0, i1) of W rows j .. j + NC, in passes of up to four x
-// rows; the tile of W comes from memory in the first pass and from cache after it. The next
-// tile (when it is in this task's range) is prefetched meanwhile, one row per pass where there
-// are enough passes, else all in the first: without it each tile's first pass waits on memory,
-// which for short prompts (a few passes a tile) was most of the time.
+// Every row of x against elements [i0, i1) of W rows j .. j + NC, in passes of up to
+// kBf16PassRows x rows; the tile of W comes from memory in the first pass and from cache after it.
+// The next tile (when it is in this task's range) is prefetched meanwhile, one row per pass where
+// there are enough passes, else all in the first: without it each tile's first pass waits on
+// memory, which for short prompts (a few passes a tile) was most of the time.
 template <int NC>
 void AllRowsBf16(const uint16_t* xb, int64_t kp, int m, const uint16_t* w, int k, int i0, int i1,
                  int64_t j, int64_t j1, const float* bias, float* y, int64_t ys) {
