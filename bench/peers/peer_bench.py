@@ -6,9 +6,12 @@ stories260K (f32), each as a Hugging Face folder for kvwire and as GGUF for llam
 
 Greedy ids must agree between the engines (and, for stories260K, with REFERENCE.json): the
 first round's ids are compared before the other rounds run, and when no llama.cpp configuration
-agrees with kvwire on the first --min-agree ids, the conversion is wrong and the run stops (a
-conversion error shows in every configuration; later differences, or one configuration's alone,
-are rounding, and are reported). So that the check can be trusted, stories260K is also converted
+agrees with kvwire on the first --min-agree ids after each model's shortest prompt, the
+conversion is wrong and the run stops (a conversion error shows at once, in every
+configuration; later differences, or one configuration's alone, are rounding, and are
+reported). After the longer prompts the agreement is reported only: there the engines'
+attention differs in rounding (llama.cpp's f16 K/V, with flash attention its f16 accumulator),
+and a random model's near-tied logits let the ids part within a few tokens. So that the check can be trusted, stories260K is also converted
 without the Q/K row interleave (the wrong RoPE layout for llama.cpp), which must disagree within
 those ids.
 
@@ -150,22 +153,25 @@ def random_prompt(rng, n, vocab):
   return [1] + [int(x) for x in rng.integers(3, vocab, size=n - 1)]
 
 
-def check_greedy(label, got, min_agree, reference=None):
+def check_greedy(label, got, min_agree, reference=None, enforce=True):
   """Compares greedy ids {engine: ids} with kvwire's (and a reference's, if given); exits when
   no llama.cpp configuration agrees on the first min_agree ids (a conversion error shows in
-  all of them; one configuration's numerics may differ alone). Returns a record for the JSON."""
+  all of them; one configuration's numerics may differ alone), unless enforce is false (then
+  the agreement is only reported). Returns a record for the JSON."""
   of = len(got["kvwire"])
   want = min(min_agree, of)
-  rec = {"label": label, "of": of, "ids": got,
+  rec = {"label": label, "of": of, "ids": got, "enforced": enforce,
          "agree": {e: agreement(got["kvwire"], got[e]) for e in got if e != "kvwire"}}
   parts = [f"{e} {n}" for e, n in rec["agree"].items()]
-  bad = max(rec["agree"].values()) < want
+  bad = enforce and max(rec["agree"].values()) < want
   if reference is not None:
     rec["reference"] = reference
     rec["against_reference"] = {e: agreement(got[e], reference) for e in got}
     parts += [f"{e} {n} with REFERENCE.json" for e, n in rec["against_reference"].items()]
     bad = bad or rec["against_reference"]["kvwire"] < want
   line = f"greedy {label}: of {of} ids, kvwire agrees with " + ", ".join(parts)
+  if not enforce:
+    line += " (reported, not checked)"
   log(line)
   if bad:
     detail = "\n".join(f"  {e:<16} {v}" for e, v in got.items())
@@ -283,7 +289,8 @@ def main():
   p.add_argument("--flash-attn", default="on,off",
                  help="llama.cpp configurations to run: flash attention on, off, or both")
   p.add_argument("--min-agree", type=int, default=8,
-                 help="leading greedy ids that must agree (fewer fails the run)")
+                 help="leading greedy ids that must agree after each model's shortest prompt "
+                 "and stories260K from BOS (fewer fails the run)")
   p.add_argument("--seed", type=int, default=7, help="of the prompts' token ids")
   p.add_argument("--skip-1b", action="store_true", help="stories260K only (a minute)")
   a = p.parse_args()
@@ -331,10 +338,12 @@ def main():
       def check_first_round(raw, name=name, first=first):
         if not first:
           return
+        shortest = min(n for n, steps in cases if steps)
         for n, steps in cases:
           if steps:
             got = {e: runs[0]["ids"] for e, runs in raw[f"{n}+{steps}"].items()}
-            result["greedy"].append(check_greedy(f"{name}, {n}-token prompt", got, a.min_agree))
+            result["greedy"].append(check_greedy(f"{name}, {n}-token prompt", got, a.min_agree,
+                                                 enforce=n == shortest))
 
       if first and name == "stories260K":
         with open(os.path.join(hf, "REFERENCE.json"), encoding="utf-8") as f:
