@@ -138,6 +138,22 @@ void WeightedValues(const float* p, int n, const float* v, int64_t stride, int d
 // 64 and 128), so the results are theirs bit for bit.
 constexpr int kKeyVecs = kKeyTile / 16;
 
+// acc[h][u] += b[h·stride] · a[16u .. 16u + 16) for h < NH, u < V: V vectors loaded once, one
+// broadcast per head (both products below are sums of such rank-one updates).
+template <int NH, int V>
+[[gnu::always_inline]] inline void RankOneUpdate(__m512 (&acc)[NH][V], const float* a,
+                                                 const float* b, int64_t stride) {
+  __m512 av[V];
+#pragma GCC unroll 4
+  for (int u = 0; u < V; ++u) av[u] = _mm512_loadu_ps(a + 16 * u);
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+    const __m512 bh = _mm512_set1_ps(b[h * stride]);
+#pragma GCC unroll 4
+    for (int u = 0; u < V; ++u) acc[h][u] = _mm512_fmadd_ps(bh, av[u], acc[h][u]);
+  }
+}
+
 // s + h·kKeyTile as ScoreRow's s for the query at q + h·d, each row's max in mx[h].
 template <int NH>
 void ScoreRows(const float* q, const float* kt, int d, float scale, int n, float* s, float* mx) {
@@ -147,18 +163,7 @@ void ScoreRows(const float* q, const float* kt, int d, float scale, int n, float
 #pragma GCC unroll 4
     for (int v = 0; v < kKeyVecs; ++v) acc[h][v] = _mm512_setzero_ps();
   }
-  for (int x = 0; x < d; ++x) {
-    const float* row = kt + x * kKeyTile;
-    __m512 k[kKeyVecs];
-#pragma GCC unroll 4
-    for (int v = 0; v < kKeyVecs; ++v) k[v] = _mm512_loadu_ps(row + 16 * v);
-#pragma GCC unroll 4
-    for (int h = 0; h < NH; ++h) {
-      const __m512 b = _mm512_set1_ps(q[h * d + x]);
-#pragma GCC unroll 4
-      for (int v = 0; v < kKeyVecs; ++v) acc[h][v] = _mm512_fmadd_ps(b, k[v], acc[h][v]);
-    }
-  }
+  for (int x = 0; x < d; ++x) RankOneUpdate<NH, kKeyVecs>(acc, kt + x * kKeyTile, q + x, d);
   const __m512 sc = _mm512_set1_ps(scale);
 #pragma GCC unroll 4
   for (int h = 0; h < NH; ++h) {
@@ -182,18 +187,7 @@ void WeightedValuesRows(const float* p, int n, const float* v, int d, float* con
 #pragma GCC unroll 4
       for (int u = 0; u < kCols; ++u) acc[h][u] = _mm512_loadu_ps(a[h] + c + 16 * u);
     }
-    for (int j = 0; j < n; ++j) {
-      const float* row = v + j * d + c;
-      __m512 r[kCols];
-#pragma GCC unroll 4
-      for (int u = 0; u < kCols; ++u) r[u] = _mm512_loadu_ps(row + 16 * u);
-#pragma GCC unroll 4
-      for (int h = 0; h < NH; ++h) {
-        const __m512 w = _mm512_set1_ps(p[h * kKeyTile + j]);
-#pragma GCC unroll 4
-        for (int u = 0; u < kCols; ++u) acc[h][u] = _mm512_fmadd_ps(w, r[u], acc[h][u]);
-      }
-    }
+    for (int j = 0; j < n; ++j) RankOneUpdate<NH, kCols>(acc, v + j * d + c, p + j, kKeyTile);
 #pragma GCC unroll 4
     for (int h = 0; h < NH; ++h) {
 #pragma GCC unroll 4
