@@ -6,7 +6,8 @@
 #
 # The first run builds llama.cpp from source, through llama-cpp-python with native CPU flags,
 # into a cached environment (build/peers/venv, about 20 minutes on 2 cores), and writes the
-# models under build/peers/models (about 4 GB). Not run by CI: a run takes about 18 minutes.
+# models under build/peers/models (about 4 GB). Not run by CI: a run of 3 rounds (--runs 3) took
+# 5-6 minutes on a 2-core Zen 4 and 3 on a 2-core Zen 5; the default of 5 rounds, longer.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LLAMA_CPP_PYTHON_VERSION=0.3.36
