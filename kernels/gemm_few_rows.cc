@@ -89,7 +89,7 @@ void Tile(const float* x, int64_t xs, const void* w, int k, int64_t j, const flo
   int i = 0;
 #if KVWIRE_GEMM_VECTOR
   typename Isa::V acc[MR][NC];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) acc[r][c] = Isa::Zero();
@@ -105,7 +105,7 @@ void Tile(const float* x, int64_t xs, const void* w, int k, int64_t j, const flo
       for (int c = 0; c < NC; ++c) acc[r][c] = Isa::Fma(xv, wv[c], acc[r][c]);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
     if constexpr (NC == 4) {
       _mm_storeu_ps(sums[r], Isa::Sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));

@@ -66,6 +66,9 @@ TEST(KvPool, LargeCachesAskForHugePagesSmallOnesDoNot) {
   ASSERT_TRUE(large.ok()) << large.status();
   EXPECT_EQ(reinterpret_cast<uintptr_t>((*large)->data()) % kHugePageBytes, 0u);
   const std::string flags = VmFlagsOf((*large)->data());
+  if (flags.empty() && VmFlagsOf(&flags).empty()) {
+    GTEST_SKIP() << "/proc/self/smaps shows no VmFlags here (not even for the stack)";
+  }
   ASSERT_FALSE(flags.empty()) << "no mapping in /proc/self/smaps holds the cache";
   EXPECT_NE(flags.find(" hg"), std::string::npos) << flags;  // MADV_HUGEPAGE
   std::memset((*large)->data(), 1, size_t{9} << 20);
