@@ -4,16 +4,16 @@
 Models (made once under --out by make_models.py): a random Llama of the 1B class (bf16) and
 stories260K (f32), each as a Hugging Face folder for kvwire and as GGUF for llama.cpp.
 
-Greedy ids must agree between the engines (and, for stories260K, with REFERENCE.json): the
-first round's ids are compared before the other rounds run, and when no llama.cpp configuration
-agrees with kvwire on the first --min-agree ids after each model's shortest prompt, the
-conversion is wrong and the run stops (a conversion error shows at once, in every
-configuration; later differences, or one configuration's alone, are rounding, and are
-reported). After the longer prompts the agreement is reported only: there the engines'
-attention differs in rounding (llama.cpp's f16 K/V, with flash attention its f16 accumulator),
-and a random model's near-tied logits let the ids part within a few tokens. So that the check can be trusted, stories260K is also converted
-without the Q/K row interleave (the wrong RoPE layout for llama.cpp), which must disagree within
-those ids.
+Greedy ids must agree between the engines (and, for stories260K, with REFERENCE.json): the first
+round's ids are compared before the other rounds run, and when no llama.cpp configuration agrees
+with kvwire on the first --min-agree ids after each model's shortest prompt, the conversion is
+wrong and the run stops (a conversion error shows at once, in every configuration; later
+differences, or one configuration's alone, are rounding, and are reported). After the longer
+prompts the agreement is reported only: there the engines round differently (llama.cpp's f16
+K/V, with flash attention its f16 accumulator; the orders of long sums), and a random model's
+near-tied logits let the ids part within a few tokens. So that the check can be trusted, stories260K is
+also converted without the Q/K row interleave (the wrong RoPE layout for llama.cpp), which must
+disagree within those ids.
 
 Then each measurement runs --runs times with the engines interleaved (the order reversed every
 other round). llama.cpp runs twice, with flash attention on and off (its default, "auto", is on
