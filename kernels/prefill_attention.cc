@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/simd.h"
@@ -107,25 +108,25 @@ void AccumulateValues(const float* p, int n, const float* v, int64_t stride, flo
 }
 #endif
 
-// a[0..d) += Σ_j p[j] · v_j over n value rows.
-void WeightedValues(const float* p, int n, const float* v, int64_t stride, int d, float* a) {
+// a[0..d) += Σ_j p[j] · v_j over n contiguous value rows of d elements (CopyValueTile's).
+void WeightedValues(const float* p, int n, const float* v, int d, float* a) {
 #if KVWIRE_AVX2
   switch (d) {
     case 8:
-      return AccumulateValues<1>(p, n, v, stride, a);
+      return AccumulateValues<1>(p, n, v, d, a);
     case 16:
-      return AccumulateValues<2>(p, n, v, stride, a);
+      return AccumulateValues<2>(p, n, v, d, a);
     case 32:
-      return AccumulateValues<4>(p, n, v, stride, a);
+      return AccumulateValues<4>(p, n, v, d, a);
     case 64:
-      return AccumulateValues<8>(p, n, v, stride, a);
+      return AccumulateValues<8>(p, n, v, d, a);
     case 128:
-      return AccumulateValues<16>(p, n, v, stride, a);
+      return AccumulateValues<16>(p, n, v, d, a);
     default:
       break;
   }
 #endif
-  for (int j = 0; j < n; ++j) simd::Axpy(p[j], v + j * stride, DType::kF32, a, d);
+  for (int j = 0; j < n; ++j) simd::Axpy(p[j], v + j * d, DType::kF32, a, d);
 }
 
 #if defined(__AVX512F__)
@@ -262,33 +263,33 @@ void CpuPrefillAttention(const PrefillAttentionParams& p, ThreadPool& pool,
               const float* qi = p.q + i * p.q_stride + int64_t{g} * group * d;
               float* s0 = s.data();
 #if defined(__AVX512F__)
-              if (together > 1) {
-                for (int hg = 0; hg < group; hg += together) {
-                  float mx[4];
-                  float* a[4];
-                  const float* q = qi + hg * d;
-                  if (together == 4) {
-                    ScoreRows<4>(q, kt.data(), d, p.scale, n, s0, mx);
-                  } else {
-                    ScoreRows<2>(q, kt.data(), d, p.scale, n, s0, mx);
-                  }
-                  for (int u = 0; u < together; ++u) {
+              // NH heads of the group at a time (NH a compile-time 4 or 2).
+              const auto heads = [&](auto nh) {
+                constexpr int NH = decltype(nh)::value;
+                for (int hg = 0; hg < group; hg += NH) {
+                  float mx[NH];
+                  float* a[NH];
+                  ScoreRows<NH>(qi + hg * d, kt.data(), d, p.scale, n, s0, mx);
+                  for (int u = 0; u < NH; ++u) {
                     a[u] = update(i, g * group + hg + u, (i - i0) * group + hg + u, n, j0,
                                   s0 + u * kKeyTile, mx[u]);
                   }
-                  if (together == 4) {
-                    WeightedValuesRows<4>(s0, n, vt.data(), d, a);
-                  } else {
-                    WeightedValuesRows<2>(s0, n, vt.data(), d, a);
-                  }
+                  WeightedValuesRows<NH>(s0, n, vt.data(), d, a);
                 }
+              };
+              if (together == 4) {
+                heads(std::integral_constant<int, 4>{});
+                continue;
+              }
+              if (together == 2) {
+                heads(std::integral_constant<int, 2>{});
                 continue;
               }
 #endif
               for (int hg = 0; hg < group; ++hg) {
                 const float tile_max = ScoreRow(qi + hg * d, kt.data(), d, p.scale, n, s0);
                 float* a = update(i, g * group + hg, (i - i0) * group + hg, n, j0, s0, tile_max);
-                WeightedValues(s0, n, vt.data(), d, d, a);
+                WeightedValues(s0, n, vt.data(), d, a);
               }
             }
           }
