@@ -34,18 +34,7 @@ struct Isa {
   static V LoadX(const float* p) { return _mm512_loadu_ps(p); }
   template <DType T>
   static V LoadW(const void* row, int64_t i) {
-    if constexpr (T == DType::kF32) {
-      return _mm512_loadu_ps(static_cast<const float*>(row) + i);
-    } else {
-      const __m256i h = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
-      if constexpr (T == DType::kF16) {
-        return _mm512_cvtph_ps(h);
-      } else {
-        // bf16 is the top half of a float32.
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      }
-    }
+    return simd::LoadAs16<T>(row, i);
   }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float Sum(V v) { return _mm512_reduce_add_ps(v); }

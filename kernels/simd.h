@@ -33,6 +33,23 @@ inline __m256 LoadAs8(const void* row, int64_t i) {
     return Load8(static_cast<const uint16_t*>(row) + i, T);
   }
 }
+#if defined(__AVX512F__)
+// 16 floats of a row of dtype T from element i, as LoadAs8 does 8.
+template <DType T>
+inline __m512 LoadAs16(const void* row, int64_t i) {
+  if constexpr (T == DType::kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(row) + i);
+  } else {
+    const __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+    if constexpr (T == DType::kF16) {
+      return _mm512_cvtph_ps(h);
+    } else {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+#endif
 // Rows r[0..8) of 8 floats become the columns.
 inline void Transpose8x8(__m256 r[8]) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -191,6 +208,41 @@ inline float ExpShiftSum(float* x, int n, float shift) {
 #endif
   for (; i < n; ++i) sum += x[i] = std::exp(x[i] - shift);
   return sum;
+}
+
+// ExpShiftSum of `rows` rows at once (row j: x + j·stride, shifted by shift[j], its sum in
+// sums[j]), each row's exps and sum bit for bit ExpShiftSum's: the same vectors and the same
+// order of adds per row. Up to eight rows go through each vector pass together, so their
+// add chains overlap instead of one row's chain setting the pace.
+inline void ExpShiftSumRows(float* x, int64_t stride, int rows, int n, const float* shift,
+                            float* sums) {
+  for (int j0 = 0; j0 < rows; j0 += 8) {
+    const int nr = std::min(8, rows - j0);
+    int i = 0;
+#if KVWIRE_AVX2
+    __m256 vs[8], acc[8];
+    for (int j = 0; j < nr; ++j) {
+      vs[j] = _mm256_set1_ps(shift[j0 + j]);
+      acc[j] = _mm256_setzero_ps();
+    }
+    for (; i + 8 <= n; i += 8) {
+      for (int j = 0; j < nr; ++j) {
+        float* xj = x + (j0 + j) * stride + i;
+        const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(xj), vs[j]));
+        _mm256_storeu_ps(xj, e);
+        acc[j] = _mm256_add_ps(acc[j], e);
+      }
+    }
+    for (int j = 0; j < nr; ++j) sums[j0 + j] = HorizontalSum(acc[j]);
+#else
+    for (int j = 0; j < nr; ++j) sums[j0 + j] = 0.f;
+#endif
+    for (int j = 0; j < nr; ++j) {
+      float* xj = x + (j0 + j) * stride;
+      const float sh = shift[j0 + j];
+      for (int t = i; t < n; ++t) sums[j0 + j] += xj[t] = std::exp(xj[t] - sh);
+    }
+  }
 }
 
 // Pointer to element i of a row of dtype t.

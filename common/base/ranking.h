@@ -14,7 +14,7 @@
 #include <numeric>
 #include <vector>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -70,7 +70,7 @@ inline uint64_t BestFirstKey(float s, int32_t i) {
 // found without sorting all n. For a few of many (pages from thousands), a threshold from a
 // strided sample of keys, set so that about 2m items pass it, filters the items in one
 // branch-free pass; when fewer than m pass, all do. The m best of
-// the candidates (nth_element) are then sorted. Exact whatever the sample: every key of the m
+// the candidates (nth_element) are then ranked. Exact whatever the sample: every key of the m
 // best is at least the m-th best key, which is at least the threshold once m items pass it.
 // `out` is resized to min(m, n).
 inline void BestFirstPrefix(const float* score, int n, int m, std::vector<int32_t>* out) {
@@ -78,6 +78,7 @@ inline void BestFirstPrefix(const float* score, int n, int m, std::vector<int32_
   out->resize(m);
   if (m == 0) return;
   thread_local std::vector<uint64_t> keys;
+  thread_local std::vector<int32_t> candidates;
   const auto greater = std::greater<uint64_t>();
   constexpr int kSample = 128;
   uint64_t threshold = 0;  // keys are distinct: an item passes when its key is at least this
@@ -91,48 +92,77 @@ inline void BestFirstPrefix(const float* score, int n, int m, std::vector<int32_
     std::nth_element(keys.begin(), keys.begin() + (t - 1), keys.end(), greater);
     threshold = keys[t - 1];
   }
-  keys.resize(n);
+  // Room past n for the vector loops: 16 candidates stored at a time, and the ranking's last
+  // vector of 8 keys.
+  keys.resize(static_cast<size_t>(n) + 8);
+  candidates.resize(static_cast<size_t>(n) + 16);
   size_t passed = 0;
   for (int pass = 0; pass < 2; ++pass) {
-    // Branch-free: every key is written, and the next write goes past it if it passed.
-    passed = 0;
-    const auto consider = [&](int32_t i) {
-      const uint64_t k = BestFirstKey(score[i], i);
-      keys[passed] = k;
-      passed += k >= threshold;
-    };
-    int32_t i = 0;
-#if defined(__AVX2__)
     // An item scored below the threshold's score cannot pass (its key is smaller whatever the
-    // index; NaN fails the compare as its key fails the threshold): eight scores at a time by
-    // one compare, and only the rest are keyed. The threshold's score is its key's high half
-    // mapped back to a float; a NaN threshold (every key passes it) is not filtered.
+    // index; NaN fails the compare as its key fails the threshold), so a vector compare of
+    // the scores picks the candidates and only they are keyed. The threshold's score is its
+    // key's high half mapped back to a float; a NaN threshold (every key passes it) is not
+    // filtered.
+    int32_t i = 0;
+    size_t count = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
     if (const uint32_t hi = static_cast<uint32_t>(threshold >> 32); hi != 0) {
       const uint32_t bits = (hi & 0x80000000u) ? (hi & 0x7FFFFFFFu) : ~hi;
       float floor;
       std::memcpy(&floor, &bits, sizeof(floor));
+#if defined(__AVX512F__)
+      // Sixteen at a time, the passing indices packed into place (branch-free).
+      const __m512 f = _mm512_set1_ps(floor);
+      __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      for (; i + 16 <= n; i += 16, index = _mm512_add_epi32(index, _mm512_set1_epi32(16))) {
+        const __mmask16 pass_mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(score + i), f, _CMP_GE_OQ);
+        _mm512_storeu_si512(candidates.data() + count,
+                            _mm512_maskz_compress_epi32(pass_mask, index));
+        count += static_cast<size_t>(__builtin_popcount(pass_mask));
+      }
+#else
       const __m256 f = _mm256_set1_ps(floor);
       for (; i + 8 <= n; i += 8) {
         auto mask = static_cast<uint32_t>(
             _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(score + i), f, _CMP_GE_OQ)));
-        for (; mask != 0; mask &= mask - 1) consider(i + __builtin_ctz(mask));
+        for (; mask != 0; mask &= mask - 1) candidates[count++] = i + __builtin_ctz(mask);
       }
+#endif
     }
 #endif
-    for (; i < n; ++i) consider(i);
+    for (; i < n; ++i) candidates[count++] = i;
+    // Branch-free: every key is written, and the next write goes past it if it passed.
+    passed = 0;
+    for (size_t c = 0; c < count; ++c) {
+      const int32_t j = candidates[c];
+      const uint64_t k = BestFirstKey(score[j], j);
+      keys[passed] = k;
+      passed += k >= threshold;
+    }
     if (passed >= static_cast<size_t>(m)) break;
     threshold = 0;  // the sample misled: every item
   }
-  keys.resize(passed);
-  std::nth_element(keys.begin(), keys.begin() + (m - 1), keys.end(), greater);
+  std::nth_element(keys.begin(), keys.begin() + (m - 1), keys.begin() + passed, greater);
   if (m <= 512) {
     // Each key's place is the count of keys above it: branch-free (and vectorized), where a
     // comparison sort of scores in random order mispredicts half its branches.
+#if defined(__AVX512F__)
+    std::fill(keys.begin() + m, keys.begin() + ((m + 7) & ~7), 0);  // below every key
+    for (int i = 0; i < m; ++i) {
+      const __m512i key = _mm512_set1_epi64(static_cast<long long>(keys[i]));
+      int above = 0;
+      for (int j = 0; j < m; j += 8) {
+        above += __builtin_popcount(_mm512_cmpgt_epu64_mask(_mm512_loadu_si512(&keys[j]), key));
+      }
+      (*out)[above] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(keys[i]));
+    }
+#else
     for (int i = 0; i < m; ++i) {
       int above = 0;
       for (int j = 0; j < m; ++j) above += keys[j] > keys[i];
       (*out)[above] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(keys[i]));
     }
+#endif
     return;
   }
   std::sort(keys.begin(), keys.begin() + m, greater);
