@@ -50,76 +50,76 @@ struct LogitsArgs {
 // best here (r at once, 40 at 16K, read at half the bandwidth; one row at a time, at 60%).
 constexpr int kRowsPerPass = 8;
 
-// V vectors of 8 pages from page p of the tile, rows [x0, x1): every head's accumulators in
-// registers, from zero (x0 = 0) or from u; the last pass scales them and keeps the max.
-template <int G, DType T, int V>
-inline void LogitsBlock(const LogitsArgs& a, int p, int x0, int x1, __m256* vmx) {
-  __m256 acc[G][V];
-  for (int g = 0; g < G; ++g) {
-    float* ug = a.u + g * a.n_pages + a.tile + p;
-    for (int j = 0; j < V; ++j)
-      acc[g][j] = x0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(ug + 8 * j);
+// The vector widths the scorer runs in: 8 lanes, and 16 where the CPU has AVX-512 (there
+// twice the multiply-adds per cycle where the units are 512 bits wide, as on Zen 5, and half
+// the loads and widenings of the summary rows anywhere).
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Broadcast(float x) { return _mm256_set1_ps(x); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  template <DType T>
+  static V LoadRow(const uint8_t* row, int64_t i) {
+    return kernels::simd::LoadAs8<T>(row, i);
   }
-  for (int x = x0; x < x1; ++x) {
-    __m256 v[V];
-    for (int j = 0; j < V; ++j) v[j] = kernels::simd::LoadAs8<T>(a.rows[x], p + 8 * j);
-    for (int g = 0; g < G; ++g) {
-      const __m256 wg = _mm256_set1_ps(a.w[x * G + g]);
-      for (int j = 0; j < V; ++j) acc[g][j] = _mm256_fmadd_ps(wg, v[j], acc[g][j]);
-    }
-  }
-  const bool last = x1 == a.r;
-  for (int g = 0; g < G; ++g) {
-    const __m256 s = _mm256_set1_ps(a.inv_scale[g]);
-    float* ug = a.u + g * a.n_pages + a.tile + p;
-    for (int j = 0; j < V; ++j) {
-      if (!last) {
-        _mm256_storeu_ps(ug + 8 * j, acc[g][j]);
-        continue;
-      }
-      const __m256 y = _mm256_mul_ps(acc[g][j], s);
-      _mm256_storeu_ps(ug + 8 * j, y);
-      vmx[g] = _mm256_max_ps(y, vmx[g]);  // a NaN y leaves the max, as std::max(mx, y) does
-    }
-  }
-}
-
+  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V Max(V a, V b) { return _mm256_max_ps(a, b); }
+};
 #if defined(__AVX512F__)
-// LogitsBlock in vectors of 16 pages: each page's logit is the same chain of multiply-adds,
-// so the same roundings. Where the vector units are 512 bits wide (Zen 5) this is twice the
-// multiply-adds per cycle, and half the loads and widenings of the summary rows anywhere.
-template <int G, DType T, int V>
-inline void LogitsBlock16(const LogitsArgs& a, int p, int x0, int x1, __m512* vmx) {
-  __m512 acc[G][V];
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V Zero() { return _mm512_setzero_ps(); }
+  static V Broadcast(float x) { return _mm512_set1_ps(x); }
+  static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  template <DType T>
+  static V LoadRow(const uint8_t* row, int64_t i) {
+    return kernels::simd::LoadAs16<T>(row, i);
+  }
+  static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V Max(V a, V b) { return _mm512_max_ps(a, b); }
+};
+#endif
+
+// NV vectors of L::kLanes pages from page p of the tile, rows [x0, x1): every head's
+// accumulators in registers, from zero (x0 = 0) or from u; the last pass scales them and keeps
+// the max. Each page's logit is the same chain of multiply-adds whatever the width.
+template <class L, int G, DType T, int NV>
+inline void LogitsBlock(const LogitsArgs& a, int p, int x0, int x1, typename L::V* vmx) {
+  using V = typename L::V;
+  V acc[G][NV];
   for (int g = 0; g < G; ++g) {
     float* ug = a.u + g * a.n_pages + a.tile + p;
-    for (int j = 0; j < V; ++j)
-      acc[g][j] = x0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(ug + 16 * j);
+    for (int j = 0; j < NV; ++j) acc[g][j] = x0 == 0 ? L::Zero() : L::Load(ug + L::kLanes * j);
   }
   for (int x = x0; x < x1; ++x) {
-    __m512 v[V];
-    for (int j = 0; j < V; ++j) v[j] = kernels::simd::LoadAs16<T>(a.rows[x], p + 16 * j);
+    V v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = L::template LoadRow<T>(a.rows[x], p + L::kLanes * j);
     for (int g = 0; g < G; ++g) {
-      const __m512 wg = _mm512_set1_ps(a.w[x * G + g]);
-      for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(wg, v[j], acc[g][j]);
+      const V wg = L::Broadcast(a.w[x * G + g]);
+      for (int j = 0; j < NV; ++j) acc[g][j] = L::Fma(wg, v[j], acc[g][j]);
     }
   }
   const bool last = x1 == a.r;
   for (int g = 0; g < G; ++g) {
-    const __m512 s = _mm512_set1_ps(a.inv_scale[g]);
+    const V s = L::Broadcast(a.inv_scale[g]);
     float* ug = a.u + g * a.n_pages + a.tile + p;
-    for (int j = 0; j < V; ++j) {
+    for (int j = 0; j < NV; ++j) {
       if (!last) {
-        _mm512_storeu_ps(ug + 16 * j, acc[g][j]);
+        L::Store(ug + L::kLanes * j, acc[g][j]);
         continue;
       }
-      const __m512 y = _mm512_mul_ps(acc[g][j], s);
-      _mm512_storeu_ps(ug + 16 * j, y);
-      vmx[g] = _mm512_max_ps(y, vmx[g]);  // a NaN y leaves the max, as below
+      const V y = L::Mul(acc[g][j], s);
+      L::Store(ug + L::kLanes * j, y);
+      vmx[g] = L::Max(y, vmx[g]);  // a NaN y leaves the max, as std::max(mx, y) does
     }
   }
 }
-#endif
 
 template <int G, DType T>
 void LogitsTile(const LogitsArgs& a, __m256* vmx) {
@@ -135,12 +135,12 @@ void LogitsTile(const LogitsArgs& a, __m256* vmx) {
     const int x1 = std::min(a.r, x0 + kRowsPerPass);
     int p = 0;
 #if defined(__AVX512F__)
-    for (; p + 16 * kV <= a.n; p += 16 * kV) LogitsBlock16<G, T, kV>(a, p, x0, x1, wide);
-    for (; p + 16 <= a.n; p += 16) LogitsBlock16<G, T, 1>(a, p, x0, x1, wide);
+    for (; p + 16 * kV <= a.n; p += 16 * kV) LogitsBlock<Lanes16, G, T, kV>(a, p, x0, x1, wide);
+    for (; p + 16 <= a.n; p += 16) LogitsBlock<Lanes16, G, T, 1>(a, p, x0, x1, wide);
 #else
-    for (; p + 8 * kV <= a.n; p += 8 * kV) LogitsBlock<G, T, kV>(a, p, x0, x1, vmx);
+    for (; p + 8 * kV <= a.n; p += 8 * kV) LogitsBlock<Lanes8, G, T, kV>(a, p, x0, x1, vmx);
 #endif
-    for (; p + 8 <= a.n; p += 8) LogitsBlock<G, T, 1>(a, p, x0, x1, vmx);
+    for (; p + 8 <= a.n; p += 8) LogitsBlock<Lanes8, G, T, 1>(a, p, x0, x1, vmx);
   }
 #if defined(__AVX512F__)
   // The wide maxima join the 8-lane ones (neither holds a NaN: see LogitsBlock).
