@@ -11,9 +11,9 @@ wrong and the run stops (a conversion error shows at once, in every configuratio
 differences, or one configuration's alone, are rounding, and are reported). After the longer
 prompts the agreement is reported only: there the engines round differently (llama.cpp's f16
 K/V, with flash attention its f16 accumulator; the orders of long sums), and a random model's
-near-tied logits let the ids part within a few tokens. So that the check can be trusted, stories260K is
-also converted without the Q/K row interleave (the wrong RoPE layout for llama.cpp), which must
-disagree within those ids.
+near-tied logits let the ids part within a few tokens. So that the check can be trusted,
+stories260K is also converted without the Q/K row interleave (the wrong RoPE layout for
+llama.cpp), which must disagree within those ids.
 
 Then each measurement runs --runs times with the engines interleaved (the order reversed every
 other round). llama.cpp runs twice, with flash attention on and off (its default, "auto", is on
