@@ -1,10 +1,12 @@
 #include "common/model/llama_model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <mutex>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -634,14 +636,63 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
       s.probs = probs[b].data();
     }
   }
+  // On a host backend each sparse head is selected and attended in one task, on one thread:
+  // the rows its selection chose (and prefetched) are still in that core's L2 when the kernel
+  // reads them. Attended in a second pass they were mostly gone by then (the other heads'
+  // summaries streamed through since), or in the other core's cache. A device backend attends
+  // every sequence in one call after the host selection.
+  const bool per_head = !heads.empty() && backend_->kind() != kernels::BackendKind::kCuda;
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  std::mutex error_mu;
+  absl::Status error;
+  std::atomic<int64_t> select_ns{0}, attend_ns{0};  // thread time, with `times`
   backend_->HostParallelFor(static_cast<int64_t>(heads.size()), [&](int64_t h0, int64_t h1) {
+    int64_t selecting = 0, attending = 0;
     for (int64_t h = h0; h < h1; ++h) {
       const auto [b, ch] = heads[h];
-      batch[b].selector->SelectHead(
-          li, seqs[b].q, batch[b].cache->layer(li), ch,
-          indices[b].data() + static_cast<size_t>(ch) * seqs[b].num_indices);
+      const LayerCache& lc = batch[b].cache->layer(li);
+      const DecodeSequence& s = seqs[b];
+      int32_t* out = indices[b].data() + static_cast<size_t>(ch) * s.num_indices;
+      const Clock::time_point h_start = times ? Clock::now() : Clock::time_point();
+      batch[b].selector->SelectHead(li, s.q, lc, ch, out);
+      if (!per_head) continue;
+      const Clock::time_point h_selected = times ? Clock::now() : h_start;
+      // Cache head ch alone: its query heads, its rows, its selection.
+      const int group = c.num_heads / lc.n_heads;
+      DecodeSequence one;
+      one.q = s.q + int64_t{ch} * group * d;
+      one.out = s.out + int64_t{ch} * group * d;
+      one.k = lc.k_row(ch, 0);
+      one.v = lc.v_row(ch, 0);
+      one.head_stride = lc.head_stride();
+      one.len = s.len;
+      one.indices = out;
+      one.num_indices = s.num_indices;
+      one.probs = s.probs ? s.probs + int64_t{ch} * group * s.len : nullptr;
+      DecodeAttentionParams dp;
+      dp.seqs = &one;
+      dp.batch = 1;
+      dp.n_heads = group;
+      dp.n_cache_heads = 1;
+      dp.head_dim = d;
+      dp.kv_dtype = lc.dtype;
+      dp.scale = scale;
+      if (absl::Status st = backend_->DecodeAttention(dp); !st.ok()) {
+        std::lock_guard<std::mutex> lock(error_mu);
+        if (error.ok()) error = st;
+      }
+      if (times) {
+        const Clock::time_point h_end = Clock::now();
+        selecting +=
+            std::chrono::duration_cast<std::chrono::nanoseconds>(h_selected - h_start).count();
+        attending +=
+            std::chrono::duration_cast<std::chrono::nanoseconds>(h_end - h_selected).count();
+      }
     }
+    select_ns += selecting;
+    attend_ns += attending;
   });
+  RETURN_IF_ERROR(error);
   for (int b = 0; b < bsz; ++b) {
     if (batch[b].selector) {
       batch[b].selector->Done(li, seqs[b].q, batch[b].cache->layer(li), seqs[b].indices,
@@ -649,39 +700,58 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
     }
   }
   const Clock::time_point t1 = times ? Clock::now() : t0;
-  DecodeAttentionParams dp;
-  dp.seqs = seqs.data();
-  dp.batch = bsz;
-  dp.n_heads = c.num_heads;
-  dp.n_cache_heads = batch[0].cache->shape().n_heads;
-  dp.head_dim = d;
-  dp.kv_dtype = batch[0].cache->shape().dtype;
-  dp.scale = 1.f / std::sqrt(static_cast<float>(d));
-  bool uniform = true;
-  for (int b = 1; b < bsz; ++b) {
-    uniform &= batch[b].cache->shape().n_heads == dp.n_cache_heads &&
-               batch[b].cache->shape().dtype == dp.kv_dtype;
+  if (times && per_head) {
+    // The fused pass's wall time, split between selection and attention as its threads' time
+    // was.
+    const double wall = std::chrono::duration<double>(t1 - t0).count();
+    const double sel = static_cast<double>(select_ns.load());
+    const double all = sel + static_cast<double>(attend_ns.load());
+    const double share = all > 0 ? sel / all : 1.0;
+    times->selection_s += wall * share;
+    times->attention_s += wall * (1 - share);
+  } else if (times) {
+    times->selection_s += std::chrono::duration<double>(t1 - t0).count();
   }
-  if (uniform) {
-    RETURN_IF_ERROR(backend_->DecodeAttention(dp));
-  } else {
-    // Mixed cache layouts (per-KV-head and per-query-head) in one batch: one call each.
-    for (int b = 0; b < bsz; ++b) {
-      dp.seqs = &seqs[b];
-      dp.batch = 1;
-      dp.n_cache_heads = batch[b].cache->shape().n_heads;
-      dp.kv_dtype = batch[b].cache->shape().dtype;
+  // The sequences not attended above: all of them, or the dense ones.
+  std::vector<int> rest;
+  for (int b = 0; b < bsz; ++b) {
+    if (!per_head || seqs[b].indices == nullptr) rest.push_back(b);
+  }
+  if (!rest.empty()) {
+    std::vector<DecodeSequence> rest_seqs;
+    for (int b : rest) rest_seqs.push_back(seqs[b]);
+    DecodeAttentionParams dp;
+    dp.seqs = rest_seqs.data();
+    dp.batch = static_cast<int>(rest.size());
+    dp.n_heads = c.num_heads;
+    dp.n_cache_heads = batch[rest[0]].cache->shape().n_heads;
+    dp.head_dim = d;
+    dp.kv_dtype = batch[rest[0]].cache->shape().dtype;
+    dp.scale = scale;
+    bool uniform = true;
+    for (int b : rest) {
+      uniform &= batch[b].cache->shape().n_heads == dp.n_cache_heads &&
+                 batch[b].cache->shape().dtype == dp.kv_dtype;
+    }
+    if (uniform) {
       RETURN_IF_ERROR(backend_->DecodeAttention(dp));
+    } else {
+      // Mixed cache layouts (per-KV-head and per-query-head) in one batch: one call each.
+      for (size_t i = 0; i < rest.size(); ++i) {
+        dp.seqs = &rest_seqs[i];
+        dp.batch = 1;
+        dp.n_cache_heads = batch[rest[i]].cache->shape().n_heads;
+        dp.kv_dtype = batch[rest[i]].cache->shape().dtype;
+        RETURN_IF_ERROR(backend_->DecodeAttention(dp));
+      }
+    }
+    if (times) {
+      RETURN_IF_ERROR(backend_->Synchronize());
+      times->attention_s += std::chrono::duration<double>(Clock::now() - t1).count();
     }
   }
-  if (times) {
-    RETURN_IF_ERROR(backend_->Synchronize());
-    const Clock::time_point t2 = Clock::now();
-    times->selection_s += std::chrono::duration<double>(t1 - t0).count();
-    times->attention_s += std::chrono::duration<double>(t2 - t1).count();
-  }
   if (observer) {
-    for (int b = 0; b < bsz; ++b) observer->OnAttention(b, li, probs[b].data(), seqs[b].len);
+    for (int b = 0; b < bsz; ++b) observer->OnAttention(b, li, seqs[b].probs, seqs[b].len);
   }
   return absl::OkStatus();
 }

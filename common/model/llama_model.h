@@ -83,7 +83,8 @@ class DecodeSelector {
   virtual absl::StatusOr<bool> Plan(int layer, const LayerCache& cache, int* num_indices) = 0;
   // After Plan returned true: writes cache head `head`'s *num_indices token indices to `out`.
   // q: [n_heads, head_dim] after RoPE. Calls for different heads may run at the same time
-  // (and alongside other selectors' calls), never alongside Plan or Done.
+  // (and alongside other selectors' calls, and other heads' attention), never alongside Plan
+  // or Done.
   virtual void SelectHead(int layer, const float* q, const LayerCache& cache, int head,
                           int32_t* out) = 0;
   // After the heads were selected (or Plan returned false: indices null), with the whole

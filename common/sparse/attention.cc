@@ -60,10 +60,11 @@ class SparseSelector final : public DecodeSelector {
     hq.params = &p_;
     hq.out = out;
     info_.select(hq);
-    // The attention kernel reads the chosen rows next. Short runs of rows scattered over the
-    // cache (pages of a few tokens) it reads at a fraction of the streaming rate, waiting on
-    // each; asking for them now overlaps those misses with the other heads' selection. (Runs
-    // of many rows, Quest's pages, it streams well enough: no need.)
+    // The attention kernel reads the chosen rows next (on a host backend, on this thread right
+    // after: llama_model.cc). Short runs of rows scattered over the cache (pages of a few
+    // tokens) it reads at a fraction of the streaming rate, waiting on each; asking for all of
+    // them now overlaps those misses with one another. (Runs of many rows, Quest's pages, it
+    // streams well enough: no need.)
     if (p_.page_size > kShortRun) return;
     const size_t row = lc.row_bytes();
     for (int x = 0; x < p_.top_k; ++x) {

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <random>
 #include <set>
@@ -531,6 +532,87 @@ TEST(SparseAttention, ModelBatchSelectsAsSerialAcrossBatchSizes) {
         for (DecodeInput& in : batch) ++in.position;
       }
       for (const auto& s : selectors) EXPECT_EQ(s->sparse_layers, 3 * mc.num_layers) << spec;
+    }
+  }
+}
+
+// Sparse attention over every token of every head, in order: the same sums as dense attention.
+class AllTokensSelector : public DecodeSelector {
+ public:
+  absl::StatusOr<bool> Plan(int, const LayerCache& cache, int* num_indices) override {
+    *num_indices = cache.len;
+    return true;
+  }
+  void SelectHead(int, const float*, const LayerCache& cache, int, int32_t* out) override {
+    std::iota(out, out + cache.len, 0);
+  }
+};
+
+class ProbsRecorder : public DecodeObserver {
+ public:
+  void OnAttention(int seq, int layer, const float* probs, int len) override {
+    got[{seq, layer}].assign(probs, probs + static_cast<size_t>(heads) * len);
+  }
+  int heads = 0;
+  std::map<std::pair<int, int>, std::vector<float>> got;
+};
+
+// On a host backend the model selects and attends each sparse cache head in one task (on
+// one-head views of the sequence); dense sequences go to one batched call. Selecting every
+// token must then give dense attention's logits and probabilities bit for bit, in a batch that
+// mixes sparse and dense sequences and caches kept per KV head and per query head: a view
+// pointing at the wrong head's query, output, rows or probabilities would differ.
+TEST(SparseAttention, HeadsAttendedAsSelectedEqualTheBatchedKernel) {
+  for (const char* spec : {"synthetic:tiny,heads=8,kv_heads=2,head_dim=16",
+                           "synthetic:tiny,heads=6,kv_heads=3,head_dim=16,dtype=bf16"}) {
+    LoadOptions lo;
+    lo.threads = 3;
+    auto model = LlamaModel::Load(spec, lo);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const ModelConfig& mc = (*model)->config();
+    std::mt19937 rng(7);
+    // Two copies of each sequence's cache: one decoded with the all-tokens selector (where
+    // the sequence is sparse in the mixed batch), one densely.
+    std::vector<std::unique_ptr<KvCache>> caches[2];
+    std::vector<DecodeInput> batch[2];
+    AllTokensSelector all_tokens;
+    const bool sparse[] = {true, false, true, true, false};
+    const bool per_query_head[] = {false, false, true, false, true};
+    for (int b = 0; b < 5; ++b) {
+      const int len = 40 + 23 * b;
+      const int cache_heads = per_query_head[b] ? mc.num_heads : mc.num_kv_heads;
+      KvCacheShape shape{cache_heads, mc.head_dim, (*model)->kv_dtype(),
+                         std::vector<int>(mc.num_layers, len + 8)};
+      std::vector<std::unique_ptr<KvCache>> layers;
+      for (int l = 0; l < mc.num_layers; ++l) {
+        layers.push_back(RandomCache(cache_heads, mc.head_dim, len, len + 8, shape.dtype, rng));
+      }
+      for (int copy = 0; copy < 2; ++copy) {
+        caches[copy].push_back(*KvCache::Create(shape, HeapKvAllocator()));
+        for (int l = 0; l < mc.num_layers; ++l) {
+          LayerCache& dst = caches[copy].back()->layer(l);
+          const LayerCache& src = layers[l]->layer(0);
+          std::memcpy(dst.k, src.k, src.row_bytes() * src.n_heads * src.capacity);
+          std::memcpy(dst.v, src.v, src.row_bytes() * src.n_heads * src.capacity);
+          std::memcpy(dst.positions, src.positions, sizeof(int32_t) * src.n_heads * src.capacity);
+          dst.len = len;
+        }
+        DecodeSelector* selector = copy == 0 && sparse[b] ? &all_tokens : nullptr;
+        batch[copy].push_back(DecodeInput{9 + b, len, caches[copy].back().get(), selector});
+      }
+    }
+    std::vector<float> logits[2];
+    ProbsRecorder probs[2];
+    for (int step = 0; step < 3; ++step) {
+      for (int copy = 0; copy < 2; ++copy) {
+        logits[copy].assign(batch[copy].size() * mc.vocab_size, 0.f);
+        probs[copy].heads = mc.num_heads;
+        ASSERT_TRUE((*model)->DecodeStep(batch[copy], logits[copy].data(), &probs[copy]).ok());
+        for (DecodeInput& in : batch[copy]) ++in.position;
+      }
+      ASSERT_EQ(logits[0], logits[1]) << spec << " step " << step;
+      ASSERT_EQ(probs[0].got.size(), 5u * mc.num_layers);
+      ASSERT_EQ(probs[0].got, probs[1].got) << spec << " step " << step;
     }
   }
 }
