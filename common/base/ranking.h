@@ -66,11 +66,68 @@ inline uint64_t BestFirstKey(float s, int32_t i) {
   return (uint64_t{nan ? 0u : ordered} << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
 }
 
+#if defined(__AVX512F__)
+// Moves the m largest of keys[0, count) (distinct; 1 ≤ m ≤ count) to keys[0, m), in no
+// particular order. A quickselect whose partitions are vector compares and compresses of 8
+// keys at a time, with no branch per key: std::nth_element's comparisons mispredict about every
+// other time on scores in random order, and it took half of a page selection's top-k. Pivots
+// are medians of three; a run of bad ones ends in std::nth_element on what is left.
+inline void SelectLargestKeys(uint64_t* keys, size_t count, size_t m) {
+  thread_local std::vector<uint64_t> buffer[3];
+  for (auto& b : buffer) b.resize(count + 8);  // a compress stores 8 keys past its count
+  std::copy(keys, keys + count, buffer[0].data());
+  int in = 0;  // the range still to split: buffer[in][0, n)
+  size_t n = count, need = m, taken = 0;
+  for (int round = 0;; ++round) {
+    uint64_t* range = buffer[in].data();
+    if (n <= 32 || round == 48) {
+      std::nth_element(range, range + (need - 1), range + n, std::greater<uint64_t>());
+      std::copy(range, range + need, keys + taken);
+      return;
+    }
+    const uint64_t a = range[0], b = range[n / 2], c = range[n - 1];
+    const uint64_t pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));
+    const int gt_buf = (in + 1) % 3, lt_buf = (in + 2) % 3;
+    uint64_t* gt = buffer[gt_buf].data();
+    uint64_t* lt = buffer[lt_buf].data();
+    size_t ng = 0, nl = 0, i = 0;
+    const __m512i vp = _mm512_set1_epi64(static_cast<long long>(pivot));
+    for (; i + 8 <= n; i += 8) {
+      const __m512i v = _mm512_loadu_si512(range + i);
+      const __mmask8 above = _mm512_cmpgt_epu64_mask(v, vp);
+      const __mmask8 below = _mm512_cmplt_epu64_mask(v, vp);
+      _mm512_storeu_si512(gt + ng, _mm512_maskz_compress_epi64(above, v));
+      _mm512_storeu_si512(lt + nl, _mm512_maskz_compress_epi64(below, v));
+      ng += static_cast<size_t>(__builtin_popcount(above));
+      nl += static_cast<size_t>(__builtin_popcount(below));
+    }
+    for (; i < n; ++i) {
+      if (range[i] > pivot) gt[ng++] = range[i];
+      if (range[i] < pivot) lt[nl++] = range[i];
+    }
+    if (ng >= need) {  // the m largest are all above the pivot
+      in = gt_buf;
+      n = ng;
+      continue;
+    }
+    // Everything above the pivot and the pivot itself are among them; the rest is below.
+    std::copy(gt, gt + ng, keys + taken);
+    taken += ng;
+    keys[taken++] = pivot;
+    need -= ng + 1;
+    if (need == 0) return;
+    in = lt_buf;
+    n = nl;
+  }
+}
+#endif
+
 // The `m` best indices of score[0, n), best first: the first m of RankBestFirst's order,
 // found without sorting all n. For a few of many (pages from thousands), a threshold from a
 // strided sample of keys, set so that about 2m items pass it, filters the items in one
-// branch-free pass; when fewer than m pass, all do. The m best of
-// the candidates (nth_element) are then ranked. Exact whatever the sample: every key of the m
+// branch-free pass; when fewer than m pass, all do. The m best of the candidates (a vector
+// quickselect with AVX-512, else nth_element) are then ranked. Exact whatever the sample and
+// whatever the selection's pivots (the m best keys are one set): every key of the m
 // best is at least the m-th best key, which is at least the threshold once m items pass it.
 // `out` is resized to min(m, n).
 inline void BestFirstPrefix(const float* score, int n, int m, std::vector<int32_t>* out) {
@@ -142,11 +199,11 @@ inline void BestFirstPrefix(const float* score, int n, int m, std::vector<int32_
     if (passed >= static_cast<size_t>(m)) break;
     threshold = 0;  // the sample misled: every item
   }
-  std::nth_element(keys.begin(), keys.begin() + (m - 1), keys.begin() + passed, greater);
   if (m <= 512) {
     // Each key's place is the count of keys above it: branch-free (and vectorized), where a
     // comparison sort of scores in random order mispredicts half its branches.
 #if defined(__AVX512F__)
+    SelectLargestKeys(keys.data(), passed, static_cast<size_t>(m));
     std::fill(keys.begin() + m, keys.begin() + ((m + 7) & ~7), 0);  // below every key
     for (int i = 0; i < m; ++i) {
       const __m512i key = _mm512_set1_epi64(static_cast<long long>(keys[i]));
@@ -157,6 +214,7 @@ inline void BestFirstPrefix(const float* score, int n, int m, std::vector<int32_
       (*out)[above] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(keys[i]));
     }
 #else
+    std::nth_element(keys.begin(), keys.begin() + (m - 1), keys.begin() + passed, greater);
     for (int i = 0; i < m; ++i) {
       int above = 0;
       for (int j = 0; j < m; ++j) above += keys[j] > keys[i];
@@ -165,6 +223,7 @@ inline void BestFirstPrefix(const float* score, int n, int m, std::vector<int32_
 #endif
     return;
   }
+  std::nth_element(keys.begin(), keys.begin() + (m - 1), keys.begin() + passed, greater);
   std::sort(keys.begin(), keys.begin() + m, greater);
   for (int j = 0; j < m; ++j) {
     (*out)[j] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(keys[j]));

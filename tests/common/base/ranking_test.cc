@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -56,6 +57,44 @@ TEST(Ranking, BestFirstPrefixSurvivesAMisleadingSample) {
     std::vector<int32_t> got;
     BestFirstPrefix(score.data(), n, m, &got);
     EXPECT_EQ(got, std::vector<int32_t>(full.begin(), full.begin() + m)) << "m " << m;
+  }
+}
+
+// The best m of the candidates are found by a quickselect (with AVX-512): whatever the order
+// the scores come in (sorted either way, organ pipe, one plateau, random) and however many of
+// the candidates are wanted, the set is the m best and the ranking the full order's prefix.
+TEST(Ranking, BestFirstPrefixWhateverTheInputOrder) {
+  std::mt19937 rng(11);
+  for (int n : {33, 40, 100, 513, 3284, 10000}) {
+    for (int pattern = 0; pattern < 5; ++pattern) {
+      std::vector<float> score(n);
+      for (int i = 0; i < n; ++i) {
+        switch (pattern) {
+          case 0:
+            score[i] = static_cast<float>(i);
+            break;
+          case 1:
+            score[i] = static_cast<float>(n - i);
+            break;
+          case 2:
+            score[i] = static_cast<float>(std::min(i, n - i));
+            break;
+          case 3:
+            score[i] = 0.5f;
+            break;
+          default:
+            score[i] = std::uniform_real_distribution<float>(-1.f, 1.f)(rng);
+        }
+      }
+      const std::vector<int32_t> full = RankBestFirst(score);
+      for (int m : {1, 2, 31, 32, 33, 104, 256, 511, 512}) {
+        if (m > n) continue;
+        std::vector<int32_t> got;
+        BestFirstPrefix(score.data(), n, m, &got);
+        ASSERT_EQ(got, std::vector<int32_t>(full.begin(), full.begin() + m))
+            << "n " << n << " m " << m << " pattern " << pattern;
+      }
+    }
   }
 }
 
