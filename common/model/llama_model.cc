@@ -582,8 +582,9 @@ absl::StatusOr<bool> DecodeSelector::Select(int layer, const float* q, const Lay
 
 // One layer's attention for a batch of sequences: each appends its new K/V row to its own
 // cache (at its original position), its selector picks what it attends to (every sequence's
-// cache heads at once, on the backend's threads), and decode attention runs over every
-// sequence at once.
+// cache heads at once, on the backend's threads; on a host backend each head is attended in
+// the same task), and decode attention runs over the rest (every sequence, on a device
+// backend; the dense ones on a host backend) in one call.
 absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInput> batch,
                                               Activations& a, DecodeObserver* observer,
                                               DecodeTimes* times) {
