@@ -646,7 +646,8 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   std::mutex error_mu;
   absl::Status error;
-  std::atomic<int64_t> select_ns{0}, attend_ns{0};  // thread time, with `times`
+  const bool timed = times && per_head;
+  std::atomic<int64_t> select_ns{0}, attend_ns{0};  // thread time, when timed
   backend_->HostParallelFor(static_cast<int64_t>(heads.size()), [&](int64_t h0, int64_t h1) {
     int64_t selecting = 0, attending = 0;
     for (int64_t h = h0; h < h1; ++h) {
@@ -654,10 +655,10 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
       const LayerCache& lc = batch[b].cache->layer(li);
       const DecodeSequence& s = seqs[b];
       int32_t* out = indices[b].data() + static_cast<size_t>(ch) * s.num_indices;
-      const Clock::time_point h_start = times ? Clock::now() : Clock::time_point();
+      const Clock::time_point h_start = timed ? Clock::now() : Clock::time_point();
       batch[b].selector->SelectHead(li, s.q, lc, ch, out);
       if (!per_head) continue;
-      const Clock::time_point h_selected = times ? Clock::now() : h_start;
+      const Clock::time_point h_selected = timed ? Clock::now() : h_start;
       // Cache head ch alone: its query heads, its rows, its selection.
       const int group = c.num_heads / lc.n_heads;
       DecodeSequence one;
@@ -682,7 +683,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
         std::lock_guard<std::mutex> lock(error_mu);
         if (error.ok()) error = st;
       }
-      if (times) {
+      if (timed) {
         const Clock::time_point h_end = Clock::now();
         selecting +=
             std::chrono::duration_cast<std::chrono::nanoseconds>(h_selected - h_start).count();
@@ -701,7 +702,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
     }
   }
   const Clock::time_point t1 = times ? Clock::now() : t0;
-  if (times && per_head) {
+  if (timed) {
     // The fused pass's wall time, split between selection and attention as its threads' time
     // was.
     const double wall = std::chrono::duration<double>(t1 - t0).count();

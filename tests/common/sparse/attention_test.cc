@@ -57,6 +57,14 @@ std::unique_ptr<KvCache> RandomCache(int heads, int d, int len, int capacity, DT
   return cache;
 }
 
+// Copies a layer's rows, positions and length into another of the same shape.
+void CopyLayer(const LayerCache& src, LayerCache* dst) {
+  std::memcpy(dst->k, src.k, src.row_bytes() * src.n_heads * src.capacity);
+  std::memcpy(dst->v, src.v, src.row_bytes() * src.n_heads * src.capacity);
+  std::memcpy(dst->positions, src.positions, sizeof(int32_t) * src.n_heads * src.capacity);
+  dst->len = src.len;
+}
+
 std::vector<float> RowOf(const LayerCache& lc, int h, int t) {
   std::vector<float> r(lc.head_dim);
   ToFloat(lc.dtype, lc.k_row(h, t), r.data(), lc.head_dim);
@@ -510,12 +518,7 @@ TEST(SparseAttention, ModelBatchSelectsAsSerialAcrossBatchSizes) {
         caches.push_back(*KvCache::Create(shape, HeapKvAllocator()));
         for (int l = 0; l < mc.num_layers; ++l) {
           auto one = RandomCache(mc.num_kv_heads, mc.head_dim, len, len + 8, shape.dtype, rng);
-          LayerCache& dst = caches.back()->layer(l);
-          const LayerCache& src = one->layer(0);
-          std::memcpy(dst.k, src.k, src.row_bytes() * src.n_heads * src.capacity);
-          std::memcpy(dst.v, src.v, src.row_bytes() * src.n_heads * src.capacity);
-          std::memcpy(dst.positions, src.positions, sizeof(int32_t) * src.n_heads * src.capacity);
-          dst.len = len;
+          CopyLayer(one->layer(0), &caches.back()->layer(l));
         }
         DecodeAttentionConfig a;
         a.mode = std::vector<AttentionMode>{AttentionMode::kHybrid, AttentionMode::kQuest,
@@ -590,12 +593,7 @@ TEST(SparseAttention, HeadsAttendedAsSelectedEqualTheBatchedKernel) {
       for (int copy = 0; copy < 2; ++copy) {
         caches[copy].push_back(*KvCache::Create(shape, HeapKvAllocator()));
         for (int l = 0; l < mc.num_layers; ++l) {
-          LayerCache& dst = caches[copy].back()->layer(l);
-          const LayerCache& src = layers[l]->layer(0);
-          std::memcpy(dst.k, src.k, src.row_bytes() * src.n_heads * src.capacity);
-          std::memcpy(dst.v, src.v, src.row_bytes() * src.n_heads * src.capacity);
-          std::memcpy(dst.positions, src.positions, sizeof(int32_t) * src.n_heads * src.capacity);
-          dst.len = len;
+          CopyLayer(layers[l]->layer(0), &caches[copy].back()->layer(l));
         }
         DecodeSelector* selector = copy == 0 && sparse[b] ? &all_tokens : nullptr;
         batch[copy].push_back(DecodeInput{9 + b, len, caches[copy].back().get(), selector});
