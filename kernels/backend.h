@@ -109,6 +109,32 @@ struct DecodeSequence {
   float* probs = nullptr;
 };
 
+// y[i] += x[i] for i < n: the residual connections. x and y do not overlap.
+struct AddParams {
+  const float* x = nullptr;
+  float* y = nullptr;
+  int64_t n = 0;
+};
+
+// One sequence's new token for AppendKv: its K (after RoPE) and V rows in float32, one per
+// KV head, to be stored in the cache's dtype as token t of every cache head (a cache kept per
+// query head stores its KV head's row once per query head), laid out as DecodeSequence's.
+struct KvAppend {
+  const float* k = nullptr;  // [n_kv_heads, head_dim]
+  const float* v = nullptr;
+  void* k_cache = nullptr;  // cache head c, token t at c·head_stride + t·head_dim
+  void* v_cache = nullptr;
+  int64_t head_stride = 0;
+  int t = 0;
+};
+
+struct AppendKvParams {
+  const KvAppend* seqs = nullptr;
+  int batch = 0;
+  int n_kv_heads = 0, n_cache_heads = 0, head_dim = 0;
+  DType kv_dtype = DType::kF32;
+};
+
 struct DecodeAttentionParams {
   const DecodeSequence* seqs = nullptr;
   int batch = 0;
@@ -139,6 +165,8 @@ class KernelBackend {
   virtual absl::Status SwiGlu(const SwiGluParams& p) = 0;
   virtual absl::Status PrefillAttention(const PrefillAttentionParams& p) = 0;
   virtual absl::Status DecodeAttention(const DecodeAttentionParams& p) = 0;
+  virtual absl::Status Add(const AddParams& p) = 0;
+  virtual absl::Status AppendKv(const AppendKvParams& p) = 0;
 
   // Host work between ops that splits into independent tasks (sparse decode selection, per
   // sequence and KV head): calls fn(begin, end) over disjoint ranges covering [0, n), on the

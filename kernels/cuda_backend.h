@@ -2,6 +2,8 @@
 // CUDA (KVWIRE_CUDA), and as a stub that reports UnimplementedError otherwise.
 #pragma once
 
+#include <string>
+
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 
@@ -9,5 +11,12 @@ namespace kvwire::kernels {
 
 absl::StatusOr<KernelBackendPtr> MakeCudaBackend();
 bool CudaDevicePresent();
+
+// The device's ceilings, for benchmarks that set a measurement against them in the same run:
+// a device-to-device copy of `bytes` (bytes read plus bytes written per second), and cuBLAS's
+// bf16 GEMM with float32 accumulation (FLOP/s, 2·m·n·k per product).
+absl::StatusOr<std::string> CudaDeviceName();
+absl::StatusOr<double> CudaCopyBandwidth(size_t bytes);
+absl::StatusOr<double> CudaBf16GemmFlops(int m, int n, int k);
 
 }  // namespace kvwire::kernels

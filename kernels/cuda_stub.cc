@@ -11,4 +11,8 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend() {
 
 bool CudaDevicePresent() { return false; }
 
+absl::StatusOr<std::string> CudaDeviceName() { return MakeCudaBackend().status(); }
+absl::StatusOr<double> CudaCopyBandwidth(size_t) { return MakeCudaBackend().status(); }
+absl::StatusOr<double> CudaBf16GemmFlops(int, int, int) { return MakeCudaBackend().status(); }
+
 }  // namespace kvwire::kernels

@@ -1,11 +1,14 @@
-// Memory management shared by the backends that compute on host memory.
+// Memory management, and the element-wise ops, shared by the backends that compute on host
+// memory (the reference and the CPU backend: plain loops, the same for both).
 #pragma once
 
 #include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/status.h"
 #include "kernels/backend.h"
+#include "kernels/validate.h"
 
 namespace kvwire::kernels {
 
@@ -29,6 +32,27 @@ class HostMemoryBackend : public KernelBackend {
     return absl::OkStatus();
   }
   absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  absl::Status Add(const AddParams& p) override {
+    RETURN_IF_ERROR(ValidateAdd(p));
+    for (int64_t i = 0; i < p.n; ++i) p.y[i] += p.x[i];
+    return absl::OkStatus();
+  }
+  absl::Status AppendKv(const AppendKvParams& p) override {
+    RETURN_IF_ERROR(ValidateAppendKv(p));
+    const int per_kv = p.n_cache_heads / p.n_kv_heads;
+    const size_t elem = DTypeSize(p.kv_dtype);
+    for (int b = 0; b < p.batch; ++b) {
+      const KvAppend& s = p.seqs[b];
+      for (int c = 0; c < p.n_cache_heads; ++c) {
+        const int64_t src = int64_t{c / per_kv} * p.head_dim;
+        const int64_t dst = (c * s.head_stride + int64_t{s.t} * p.head_dim) * elem;
+        FromFloat(p.kv_dtype, s.k + src, static_cast<uint8_t*>(s.k_cache) + dst, p.head_dim);
+        FromFloat(p.kv_dtype, s.v + src, static_cast<uint8_t*>(s.v_cache) + dst, p.head_dim);
+      }
+    }
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace kvwire::kernels

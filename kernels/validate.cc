@@ -106,4 +106,32 @@ absl::Status ValidateDecodeAttention(const DecodeAttentionParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateAdd(const AddParams& p) {
+  return Require(p.n >= 0 && (p.n == 0 || (p.x && p.y)), "Add",
+                 "x and y must be set and n must be >= 0");
+}
+
+absl::Status ValidateAppendKv(const AppendKvParams& p) {
+  constexpr absl::string_view kOp = "AppendKv";
+  RETURN_IF_ERROR(Require(p.batch >= 0 && (p.batch == 0 || p.seqs), kOp, "seqs must be set"));
+  RETURN_IF_ERROR(Require(p.head_dim > 0 && p.n_kv_heads > 0 && p.n_cache_heads >= p.n_kv_heads &&
+                              p.n_cache_heads % p.n_kv_heads == 0,
+                          kOp, [&] {
+                            return absl::StrCat(
+                                "n_cache_heads must be a multiple of n_kv_heads, got ",
+                                p.n_cache_heads, " and ", p.n_kv_heads);
+                          }));
+  for (int b = 0; b < p.batch; ++b) {
+    const KvAppend& s = p.seqs[b];
+    RETURN_IF_ERROR(Require(s.k && s.v && s.k_cache && s.v_cache, kOp, [&] {
+      return absl::StrCat("sequence ", b, ": k, v, k_cache and v_cache must be set");
+    }));
+    RETURN_IF_ERROR(Require(s.t >= 0 && s.head_stride >= (int64_t{s.t} + 1) * p.head_dim, kOp, [&] {
+      return absl::StrCat("sequence ", b, ": token ", s.t, " does not fit a head_stride of ",
+                          s.head_stride, " elements");
+    }));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvwire::kernels

@@ -13,5 +13,7 @@ absl::Status ValidateRope(const RopeParams& p);
 absl::Status ValidateSwiGlu(const SwiGluParams& p);
 absl::Status ValidatePrefillAttention(const PrefillAttentionParams& p);
 absl::Status ValidateDecodeAttention(const DecodeAttentionParams& p);
+absl::Status ValidateAdd(const AddParams& p);
+absl::Status ValidateAppendKv(const AppendKvParams& p);
 
 }  // namespace kvwire::kernels

@@ -15,7 +15,12 @@
 namespace kvwire::testing {
 namespace fs = std::filesystem;
 
-std::string SourceDir() { return KVWIRE_SOURCE_DIR; }
+// The checkout the tests were built from; KVWIRE_SOURCE_DIR in the environment names another
+// copy of it (the GPU machine's, where scripts/device_run.sh runs the bundled binaries).
+std::string SourceDir() {
+  if (const char* env = std::getenv("KVWIRE_SOURCE_DIR"); env && *env) return env;
+  return KVWIRE_SOURCE_DIR;
+}
 
 std::string SharedDir() {
   if (const char* env = std::getenv("KVWIRE_SHARED_DIR"); env && *env) return env;

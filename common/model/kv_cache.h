@@ -101,11 +101,22 @@ class KvCache {
   int prompt_len() const { return prompt_len_; }
   void set_prompt_len(int n) { prompt_len_ = n; }
 
+  // What a model keeps beside this cache, destroyed with it: a model on a GPU keeps a copy of
+  // the rows in device memory, where it appends the generated tokens' rows (their host rows
+  // are then not written; positions and len are).
+  class Attachment {
+   public:
+    virtual ~Attachment() = default;
+  };
+  Attachment* attachment() const { return attachment_.get(); }
+  void set_attachment(std::unique_ptr<Attachment> a) { attachment_ = std::move(a); }
+
  private:
   KvCacheShape shape_;
   KvMemoryPtr memory_;
   std::vector<LayerCache> layers_;
   int prompt_len_ = 0;
+  std::unique_ptr<Attachment> attachment_;
 };
 
 }  // namespace kvwire

@@ -33,10 +33,6 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-void AddInPlace(float* x, const float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
-}
-
 // SplitMix64: a tiny, good-enough generator for synthetic weights, seekable by index so
 // that any slice of a tensor can be filled independently and deterministically.
 uint64_t SplitMix(uint64_t x) {
@@ -86,14 +82,6 @@ std::string LlamaModel::SyntheticSpecHelp() {
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& spec,
                                                              const LoadOptions& options) {
-  if (options.backend == kernels::BackendKind::kCuda) {
-    // The engine hands kernels host pointers; the CUDA kernels are built and tested against
-    // the reference (tests/kernels), but weights, activations and caches are not yet kept in
-    // device memory, so the model cannot run on them.
-    return absl::UnimplementedError(
-        "the Llama engine runs on the cpu (or reference) backend in this version; the CUDA "
-        "backend provides the kernels, not yet a device-resident model");
-  }
   std::unique_ptr<LlamaModel> model(new LlamaModel());
   ASSIGN_OR_RETURN(model->backend_, kernels::MakeBackend(options.backend, options.threads));
   if (spec.rfind("synthetic:", 0) == 0) {
@@ -103,7 +91,81 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
   }
   model->inv_freq_ = model->config_.RopeInvFreq();
   model->ComputeFingerprint();
+  RETURN_IF_ERROR(model->PlaceWeights());
   return model;
+}
+
+absl::StatusOr<LlamaModel::BackendPtr> LlamaModel::AllocateOnBackend(size_t bytes) {
+  ASSIGN_OR_RETURN(void* p, backend_->Allocate(bytes));
+  return BackendPtr(p, BackendFree{backend_.get()});
+}
+
+absl::Status LlamaModel::PlaceWeights() {
+  embed_host_ = embed_.w;
+  if (!on_device()) {
+    for (Layer& l : layers_) {
+      l.attn_norm_w = l.attn_norm.data();
+      l.mlp_norm_w = l.mlp_norm.data();
+    }
+    final_norm_w_ = final_norm_.data();
+    inv_freq_w_ = inv_freq_.data();
+    return absl::OkStatus();
+  }
+  // Each host array once (the LM head may be the embedding).
+  std::map<const void*, const void*> placed;
+  const int64_t total = WeightBytes();
+  auto upload = [&](const void* host, size_t bytes) -> absl::StatusOr<const void*> {
+    if (auto it = placed.find(host); it != placed.end()) return it->second;
+    auto buffer = AllocateOnBackend(bytes);
+    if (!buffer.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the model's ", total >> 20, " MiB of weights do not fit in ",
+          kernels::BackendName(backend_->kind()), " device memory: ", buffer.status().message()));
+    }
+    RETURN_IF_ERROR(backend_->CopyToDevice(buffer->get(), host, bytes));
+    placed[host] = buffer->get();
+    placed_.push_back(std::move(*buffer));
+    return placed_.back().get();
+  };
+  auto place_linear = [&](Linear& l) -> absl::Status {
+    ASSIGN_OR_RETURN(l.w, upload(l.w, static_cast<size_t>(l.out) * l.in * DTypeSize(l.dtype)));
+    if (l.bias) {
+      ASSIGN_OR_RETURN(const void* b, upload(l.bias, l.out * sizeof(float)));
+      l.bias = static_cast<const float*>(b);
+    }
+    return absl::OkStatus();
+  };
+  auto place_floats = [&](const std::vector<float>& v) -> absl::StatusOr<const float*> {
+    ASSIGN_OR_RETURN(const void* p, upload(v.data(), v.size() * sizeof(float)));
+    return static_cast<const float*>(p);
+  };
+  for (Layer& l : layers_) {
+    for (Linear* x : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down}) {
+      RETURN_IF_ERROR(place_linear(*x));
+    }
+    ASSIGN_OR_RETURN(l.attn_norm_w, place_floats(l.attn_norm));
+    ASSIGN_OR_RETURN(l.mlp_norm_w, place_floats(l.mlp_norm));
+  }
+  RETURN_IF_ERROR(place_linear(lm_head_));
+  ASSIGN_OR_RETURN(final_norm_w_, place_floats(final_norm_));
+  ASSIGN_OR_RETURN(inv_freq_w_, place_floats(inv_freq_));
+  // The embedding stays on the host (EmbedRow reads one row a token); embed_.w now names the
+  // device copy where it is also the LM head.
+  if (auto it = placed.find(embed_.w); it != placed.end()) embed_.w = it->second;
+  // The host copies of the projections are no longer read: the synthetic ones are freed (a
+  // mapped file's pages are the page cache's).
+  for (auto it = owned_.begin(); it != owned_.end();) {
+    it = it->data() == embed_host_ ? std::next(it) : owned_.erase(it);
+  }
+  return backend_->Synchronize();
+}
+
+absl::StatusOr<const float*> LlamaModel::HostView(const float* p, size_t n,
+                                                  std::vector<float>* staging) {
+  if (!on_device()) return p;
+  staging->resize(n);
+  RETURN_IF_ERROR(backend_->CopyToHost(staging->data(), p, n * sizeof(float)));
+  return staging->data();
 }
 
 void LlamaModel::ComputeFingerprint() {
@@ -401,25 +463,53 @@ absl::Status LlamaModel::MatMul(const Linear& l, const float* x, int m, float* y
 
 void LlamaModel::EmbedRow(int32_t token, float* out) const {
   const size_t row = static_cast<size_t>(token) * config_.hidden_size * DTypeSize(embed_.dtype);
-  ToFloat(embed_.dtype, static_cast<const uint8_t*>(embed_.w) + row, out, config_.hidden_size);
+  ToFloat(embed_.dtype, static_cast<const uint8_t*>(embed_host_) + row, out, config_.hidden_size);
 }
 
-// Scratch of one forward pass over `rows` token rows; the MLP runs `chunk` rows at a time.
+// Scratch of one forward pass over `rows` token rows, in the backend's memory; the MLP runs
+// `chunk` rows at a time. `logits` holds logit_rows rows of logits on a GPU (on a host backend
+// they are written to the caller's array directly).
 struct LlamaModel::Activations {
-  Activations(const ModelConfig& c, int rows, int chunk)
-      : rows(rows),
-        chunk(chunk),
-        x(int64_t{rows} * c.hidden_size),
-        h(x.size()),
-        qkv(int64_t{rows} * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
-        attn(int64_t{rows} * c.num_heads * c.head_dim),
-        gate_up(int64_t{chunk} * 2 * c.intermediate_size),
-        act(int64_t{chunk} * c.intermediate_size),
-        positions(rows) {}
-  int rows, chunk;
-  std::vector<float> x, h, qkv, attn, gate_up, act;
-  std::vector<int32_t> positions;
+  int rows = 0, chunk = 0;
+  float *x = nullptr, *h = nullptr, *qkv = nullptr, *attn = nullptr, *gate_up = nullptr,
+        *act = nullptr, *logits = nullptr;
+  int32_t* positions = nullptr;
+  // The host side of the inputs: token embeddings and positions, uploaded by Upload().
+  std::vector<float> x_host;
+  std::vector<int32_t> positions_host;
+  std::vector<BackendPtr> owned;
 };
+
+absl::StatusOr<std::unique_ptr<LlamaModel::Activations>> LlamaModel::MakeActivations(
+    int rows, int chunk, int logit_rows) {
+  const ModelConfig& c = config_;
+  auto a = std::make_unique<Activations>();
+  a->rows = rows;
+  a->chunk = chunk;
+  auto floats = [&](int64_t n) -> absl::StatusOr<float*> {
+    auto buffer = AllocateOnBackend(static_cast<size_t>(n) * sizeof(float));
+    if (!buffer.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("activations of ", rows, " rows: ", buffer.status().message()));
+    }
+    a->owned.push_back(std::move(*buffer));
+    return static_cast<float*>(a->owned.back().get());
+  };
+  ASSIGN_OR_RETURN(a->x, floats(int64_t{rows} * c.hidden_size));
+  ASSIGN_OR_RETURN(a->h, floats(int64_t{rows} * c.hidden_size));
+  ASSIGN_OR_RETURN(a->qkv, floats(int64_t{rows} * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim));
+  ASSIGN_OR_RETURN(a->attn, floats(int64_t{rows} * c.num_heads * c.head_dim));
+  ASSIGN_OR_RETURN(a->gate_up, floats(int64_t{chunk} * 2 * c.intermediate_size));
+  ASSIGN_OR_RETURN(a->act, floats(int64_t{chunk} * c.intermediate_size));
+  ASSIGN_OR_RETURN(float* positions, floats(rows));  // int32 in a float's room
+  a->positions = reinterpret_cast<int32_t*>(positions);
+  if (on_device() && logit_rows > 0) {
+    ASSIGN_OR_RETURN(a->logits, floats(int64_t{logit_rows} * c.vocab_size));
+  }
+  a->x_host.resize(int64_t{rows} * c.hidden_size);
+  a->positions_host.resize(rows);
+  return a;
+}
 
 absl::Status LlamaModel::CheckTokens(absl::Span<const int32_t> ids) const {
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -438,15 +528,14 @@ absl::Status LlamaModel::AttentionIn(const Layer& L, Activations& a) {
   const ModelConfig& c = config_;
   const int d = c.head_dim, qd = c.num_heads * d, kvd = c.num_kv_heads * d;
   const int64_t stride = qd + 2 * kvd;
-  RETURN_IF_ERROR(backend_->RmsNorm(
-      {a.x.data(), L.attn_norm.data(), a.h.data(), a.rows, c.hidden_size, c.rms_norm_eps}));
-  RETURN_IF_ERROR(MatMul(L.q, a.h.data(), a.rows, a.qkv.data(), stride));
-  RETURN_IF_ERROR(MatMul(L.k, a.h.data(), a.rows, a.qkv.data() + qd, stride));
-  RETURN_IF_ERROR(MatMul(L.v, a.h.data(), a.rows, a.qkv.data() + qd + kvd, stride));
-  RETURN_IF_ERROR(backend_->Rope(
-      {a.qkv.data(), stride, a.positions.data(), inv_freq_.data(), a.rows, c.num_heads, d}));
-  return backend_->Rope(
-      {a.qkv.data() + qd, stride, a.positions.data(), inv_freq_.data(), a.rows, c.num_kv_heads, d});
+  RETURN_IF_ERROR(
+      backend_->RmsNorm({a.x, L.attn_norm_w, a.h, a.rows, c.hidden_size, c.rms_norm_eps}));
+  RETURN_IF_ERROR(MatMul(L.q, a.h, a.rows, a.qkv, stride));
+  RETURN_IF_ERROR(MatMul(L.k, a.h, a.rows, a.qkv + qd, stride));
+  RETURN_IF_ERROR(MatMul(L.v, a.h, a.rows, a.qkv + qd + kvd, stride));
+  RETURN_IF_ERROR(
+      backend_->Rope({a.qkv, stride, a.positions, inv_freq_w_, a.rows, c.num_heads, d}));
+  return backend_->Rope({a.qkv + qd, stride, a.positions, inv_freq_w_, a.rows, c.num_kv_heads, d});
 }
 
 // After attention: the output projection and the residual, then the SwiGLU MLP block and
@@ -454,30 +543,39 @@ absl::Status LlamaModel::AttentionIn(const Layer& L, Activations& a) {
 absl::Status LlamaModel::AttentionOutAndMlp(const Layer& L, Activations& a) {
   const ModelConfig& c = config_;
   const int hd = c.hidden_size, ffn = c.intermediate_size;
-  RETURN_IF_ERROR(MatMul(L.o, a.attn.data(), a.rows, a.h.data()));
-  AddInPlace(a.x.data(), a.h.data(), int64_t{a.rows} * hd);
+  RETURN_IF_ERROR(MatMul(L.o, a.attn, a.rows, a.h));
+  RETURN_IF_ERROR(backend_->Add({a.h, a.x, int64_t{a.rows} * hd}));
   for (int r0 = 0; r0 < a.rows; r0 += a.chunk) {
     const int rows = std::min(a.chunk, a.rows - r0);
-    float* xr = a.x.data() + int64_t{r0} * hd;
-    float* hr = a.h.data() + int64_t{r0} * hd;
-    RETURN_IF_ERROR(backend_->RmsNorm({xr, L.mlp_norm.data(), hr, rows, hd, c.rms_norm_eps}));
-    RETURN_IF_ERROR(MatMul(L.gate, hr, rows, a.gate_up.data(), 2 * ffn));
-    RETURN_IF_ERROR(MatMul(L.up, hr, rows, a.gate_up.data() + ffn, 2 * ffn));
-    RETURN_IF_ERROR(backend_->SwiGlu({a.gate_up.data(), a.act.data(), rows, ffn}));
-    RETURN_IF_ERROR(MatMul(L.down, a.act.data(), rows, hr));
-    AddInPlace(xr, hr, int64_t{rows} * hd);
+    float* xr = a.x + int64_t{r0} * hd;
+    float* hr = a.h + int64_t{r0} * hd;
+    RETURN_IF_ERROR(backend_->RmsNorm({xr, L.mlp_norm_w, hr, rows, hd, c.rms_norm_eps}));
+    RETURN_IF_ERROR(MatMul(L.gate, hr, rows, a.gate_up, 2 * ffn));
+    RETURN_IF_ERROR(MatMul(L.up, hr, rows, a.gate_up + ffn, 2 * ffn));
+    RETURN_IF_ERROR(backend_->SwiGlu({a.gate_up, a.act, rows, ffn}));
+    RETURN_IF_ERROR(MatMul(L.down, a.act, rows, hr));
+    RETURN_IF_ERROR(backend_->Add({hr, xr, int64_t{rows} * hd}));
   }
   return absl::OkStatus();
 }
 
-// The final norm and the LM head over rows [first, a.rows).
+// The final norm and the LM head over rows [first, a.rows), into host memory at `logits`.
 absl::Status LlamaModel::Logits(Activations& a, int first, float* logits) {
   const ModelConfig& c = config_;
   const int rows = a.rows - first;
-  RETURN_IF_ERROR(
-      backend_->RmsNorm({a.x.data() + int64_t{first} * c.hidden_size, final_norm_.data(),
-                         a.h.data(), rows, c.hidden_size, c.rms_norm_eps}));
-  return MatMul(lm_head_, a.h.data(), rows, logits);
+  RETURN_IF_ERROR(backend_->RmsNorm({a.x + int64_t{first} * c.hidden_size, final_norm_w_, a.h, rows,
+                                     c.hidden_size, c.rms_norm_eps}));
+  if (!on_device()) return MatMul(lm_head_, a.h, rows, logits);
+  RETURN_IF_ERROR(MatMul(lm_head_, a.h, rows, a.logits));
+  return backend_->CopyToHost(logits, a.logits,
+                              static_cast<size_t>(rows) * c.vocab_size * sizeof(float));
+}
+
+// The inputs filled in on the host (embeddings, positions) into the backend's memory.
+absl::Status LlamaModel::UploadInputs(Activations& a) {
+  RETURN_IF_ERROR(backend_->CopyToDevice(a.x, a.x_host.data(), a.x_host.size() * sizeof(float)));
+  return backend_->CopyToDevice(a.positions, a.positions_host.data(),
+                                a.positions_host.size() * sizeof(int32_t));
 }
 
 absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
@@ -493,20 +591,30 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
   const int d = c.head_dim, qd = c.num_heads * d, kvd = c.num_kv_heads * d;
   const int64_t stride = qd + 2 * kvd;
   const int window = observer ? std::min(observer->window(len), len) : 0;
-  Activations a(c, len, std::min(len, kMlpRowChunk));
-  std::vector<float> scores(int64_t{c.num_heads} * window * len);
-  for (int i = 0; i < len; ++i) {
-    a.positions[i] = i;
-    EmbedRow(ids[i], a.x.data() + int64_t{i} * c.hidden_size);
+  const int first = all_logits ? 0 : len - 1;
+  ASSIGN_OR_RETURN(std::unique_ptr<Activations> acts,
+                   MakeActivations(len, std::min(len, kMlpRowChunk), len - first));
+  Activations& a = *acts;
+  const size_t n_scores = static_cast<size_t>(c.num_heads) * window * len;
+  BackendPtr scores_buffer;
+  if (n_scores > 0) {
+    ASSIGN_OR_RETURN(scores_buffer, AllocateOnBackend(n_scores * sizeof(float)));
   }
+  float* scores = static_cast<float*>(scores_buffer.get());
+  for (int i = 0; i < len; ++i) {
+    a.positions_host[i] = i;
+    EmbedRow(ids[i], a.x_host.data() + int64_t{i} * c.hidden_size);
+  }
+  RETURN_IF_ERROR(UploadInputs(a));
+  std::vector<float> qkv_host, scores_host;  // what the observer reads, on a GPU
   for (int li = 0; li < c.num_layers; ++li) {
     const Layer& L = layers_[li];
     RETURN_IF_ERROR(AttentionIn(L, a));
     PrefillAttentionParams ap;
-    ap.q = a.qkv.data();
-    ap.k = a.qkv.data() + qd;
-    ap.v = a.qkv.data() + qd + kvd;
-    ap.out = a.attn.data();
+    ap.q = a.qkv;
+    ap.k = a.qkv + qd;
+    ap.v = a.qkv + qd + kvd;
+    ap.out = a.attn;
     ap.q_stride = ap.kv_stride = stride;
     ap.out_stride = qd;
     ap.len = len;
@@ -515,22 +623,27 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
     ap.head_dim = d;
     ap.scale = 1.f / std::sqrt(static_cast<float>(d));
     ap.window = window > 0 && observer->NeedsScores(li, len) ? window : 0;
-    ap.window_scores = ap.window > 0 ? scores.data() : nullptr;
+    ap.window_scores = ap.window > 0 ? scores : nullptr;
     RETURN_IF_ERROR(backend_->PrefillAttention(ap));
     if (observer) {
+      // On a GPU the observer reads host copies of the layer's K/V and scores (the compressor
+      // runs on the host).
+      ASSIGN_OR_RETURN(const float* qkv,
+                       HostView(a.qkv, static_cast<size_t>(len) * stride, &qkv_host));
       PrefillLayer pl;
       pl.layer = li;
       pl.len = len;
-      pl.k = ap.k;
-      pl.v = ap.v;
+      pl.k = qkv + qd;
+      pl.v = qkv + qd + kvd;
       pl.kv_stride = stride;
-      pl.window_scores = ap.window_scores;
+      if (ap.window > 0) {
+        ASSIGN_OR_RETURN(pl.window_scores, HostView(scores, n_scores, &scores_host));
+      }
       pl.window = ap.window;
       RETURN_IF_ERROR(observer->OnLayer(pl));
     }
     RETURN_IF_ERROR(AttentionOutAndMlp(L, a));
   }
-  const int first = all_logits ? 0 : len - 1;
   PrefillResult result;
   result.logits.resize(int64_t{len - first} * c.vocab_size);
   RETURN_IF_ERROR(Logits(a, first, result.logits.data()));
@@ -600,7 +713,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
   std::vector<std::pair<int, int>> heads;  // (sequence, cache head) to select for
   for (int b = 0; b < bsz; ++b) {
     LayerCache& lc = batch[b].cache->layer(li);
-    const float* kr = a.qkv.data() + b * stride + qd;
+    const float* kr = a.qkv + b * stride + qd;
     const float* vr = kr + kvd;
     // A cache kept per query head stores its KV head's row once per query head.
     const int heads_per_kv = lc.n_heads / c.num_kv_heads;
@@ -613,8 +726,8 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
     }
     lc.len = t + 1;
     DecodeSequence& s = seqs[b];
-    s.q = a.qkv.data() + b * stride;
-    s.out = a.attn.data() + int64_t{b} * qd;
+    s.q = a.qkv + b * stride;
+    s.out = a.attn + int64_t{b} * qd;
     s.k = lc.k;
     s.v = lc.v;
     s.head_stride = lc.head_stride();
@@ -763,19 +876,195 @@ absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* 
   const int bsz = static_cast<int>(batch.size());
   if (bsz == 0) return absl::OkStatus();
   RETURN_IF_ERROR(CheckDecodeBatch(batch));
-  std::lock_guard<std::mutex> lock(decode_mu_);
-  Activations a(config_, bsz, bsz);
-  for (int b = 0; b < bsz; ++b) {
-    a.positions[b] = batch[b].position;
-    EmbedRow(batch[b].token, a.x.data() + int64_t{b} * config_.hidden_size);
+  if (on_device()) {
+    for (const DecodeInput& in : batch) {
+      if (in.selector != nullptr) {
+        return absl::UnimplementedError(
+            "sparse decode attention (a decode selector) runs on the cpu and reference "
+            "backends; on cuda this version decodes dense over the (compressed) cache");
+      }
+    }
+    if (observer != nullptr) {
+      return absl::UnimplementedError(
+          "decode attention probabilities (a DecodeObserver) are measured on the cpu and "
+          "reference backends; on cuda this version does not return them");
+    }
   }
+  std::lock_guard<std::mutex> lock(decode_mu_);
+  if (decode_activations_ == nullptr || decode_activations_->rows != bsz) {
+    decode_activations_.reset();
+    ASSIGN_OR_RETURN(decode_activations_, MakeActivations(bsz, bsz, bsz));
+  }
+  Activations& a = *decode_activations_;
+  for (int b = 0; b < bsz; ++b) {
+    a.positions_host[b] = batch[b].position;
+    EmbedRow(batch[b].token, a.x_host.data() + int64_t{b} * config_.hidden_size);
+  }
+  RETURN_IF_ERROR(UploadInputs(a));
+  if (on_device()) RETURN_IF_ERROR(SyncDeviceCaches(batch));
   for (int li = 0; li < config_.num_layers; ++li) {
     const Layer& L = layers_[li];
     RETURN_IF_ERROR(AttentionIn(L, a));
-    RETURN_IF_ERROR(DecodeAttentionLayer(li, batch, a, observer, times));
+    if (on_device()) {
+      RETURN_IF_ERROR(DecodeAttentionLayerOnDevice(li, batch, a, times));
+    } else {
+      RETURN_IF_ERROR(DecodeAttentionLayer(li, batch, a, observer, times));
+    }
     RETURN_IF_ERROR(AttentionOutAndMlp(L, a));
   }
   return Logits(a, 0, logits);
+}
+
+namespace {
+
+// A cache's rows in device memory, for a model on a GPU: per layer, K and V laid out as the
+// host cache's ([n_heads, capacity, head_dim] in its dtype), and how many tokens per head
+// are there. Rows the host cache holds beyond that (the prompt, written by the wire) are
+// uploaded before the next step; rows appended by decode steps are written here only.
+class DeviceKv final : public KvCache::Attachment {
+ public:
+  struct Layer {
+    void* k = nullptr;
+    void* v = nullptr;
+    int len = 0;
+  };
+  explicit DeviceKv(std::shared_ptr<kernels::KernelBackend> backend)
+      : backend_(std::move(backend)) {}
+  ~DeviceKv() override {
+    for (Layer& l : layers) {
+      backend_->Free(l.k);
+      backend_->Free(l.v);
+    }
+  }
+  const kernels::KernelBackend* backend() const { return backend_.get(); }
+  std::vector<Layer> layers;
+
+ private:
+  std::shared_ptr<kernels::KernelBackend> backend_;
+};
+
+}  // namespace
+
+absl::Status LlamaModel::SyncDeviceCaches(absl::Span<const DecodeInput> batch) {
+  for (const DecodeInput& in : batch) {
+    KvCache& cache = *in.cache;
+    auto* dev = dynamic_cast<DeviceKv*>(cache.attachment());
+    if (cache.attachment() != nullptr && (dev == nullptr || dev->backend() != backend_.get())) {
+      return absl::FailedPreconditionError(
+          "this KV cache has been decoded by another model; a cache belongs to one model");
+    }
+    if (dev == nullptr) {
+      auto fresh = std::make_unique<DeviceKv>(backend_);
+      const size_t bytes = KvCache::BytesFor(cache.shape());
+      for (int li = 0; li < cache.num_layers(); ++li) {
+        const LayerCache& lc = cache.layer(li);
+        const size_t half =
+            static_cast<size_t>(lc.n_heads) * lc.head_stride() * DTypeSize(lc.dtype);
+        DeviceKv::Layer l;
+        for (void** p : {&l.k, &l.v}) {
+          auto buffer = backend_->Allocate(half);
+          if (!buffer.ok()) {
+            // What was allocated so far is freed with `fresh`.
+            fresh->layers.push_back(l);
+            return absl::ResourceExhaustedError(absl::StrCat("no device memory for a KV cache of ",
+                                                             bytes >> 20,
+                                                             " MiB: ", buffer.status().message()));
+          }
+          *p = *buffer;
+        }
+        fresh->layers.push_back(l);
+      }
+      dev = fresh.get();
+      cache.set_attachment(std::move(fresh));
+    }
+    // The host rows the device does not have yet, one contiguous run per cache head.
+    for (int li = 0; li < cache.num_layers(); ++li) {
+      const LayerCache& lc = cache.layer(li);
+      DeviceKv::Layer& l = dev->layers[li];
+      if (lc.len < l.len) {
+        return absl::FailedPreconditionError("a KV cache lost rows that its device copy holds");
+      }
+      if (lc.len == l.len) continue;
+      const size_t elem = DTypeSize(lc.dtype);
+      const size_t offset = static_cast<size_t>(l.len) * lc.head_dim * elem;
+      const size_t bytes = static_cast<size_t>(lc.len - l.len) * lc.row_bytes();
+      for (int ch = 0; ch < lc.n_heads; ++ch) {
+        const size_t head = static_cast<size_t>(ch) * lc.head_stride() * elem;
+        RETURN_IF_ERROR(backend_->CopyToDevice(static_cast<uint8_t*>(l.k) + head + offset,
+                                               lc.k + head + offset, bytes));
+        RETURN_IF_ERROR(backend_->CopyToDevice(static_cast<uint8_t*>(l.v) + head + offset,
+                                               lc.v + head + offset, bytes));
+      }
+      l.len = lc.len;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One layer's attention for a batch on a GPU: each sequence's new K/V row appended to its
+// device cache (AppendKv), then decode attention over it, every sequence of one cache layout in
+// one call each.
+absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const DecodeInput> batch,
+                                                      Activations& a, DecodeTimes* times) {
+  const ModelConfig& c = config_;
+  const int bsz = static_cast<int>(batch.size()), d = c.head_dim;
+  const int qd = c.num_heads * d, kvd = c.num_kv_heads * d;
+  const int64_t stride = qd + 2 * kvd;
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t0 = Clock::now();
+  std::vector<kernels::KvAppend> appends(bsz);
+  std::vector<DecodeSequence> seqs(bsz);
+  for (int b = 0; b < bsz; ++b) {
+    LayerCache& lc = batch[b].cache->layer(li);
+    DeviceKv::Layer& l = static_cast<DeviceKv*>(batch[b].cache->attachment())->layers[li];
+    const int t = lc.len;
+    for (int ch = 0; ch < lc.n_heads; ++ch) {
+      lc.positions[int64_t{ch} * lc.capacity + t] = batch[b].position;
+    }
+    lc.len = t + 1;
+    l.len = lc.len;
+    const float* kr = a.qkv + b * stride + qd;
+    appends[b] = {kr, kr + kvd, l.k, l.v, lc.head_stride(), t};
+    DecodeSequence& s = seqs[b];
+    s.q = a.qkv + b * stride;
+    s.out = a.attn + int64_t{b} * qd;
+    s.k = l.k;
+    s.v = l.v;
+    s.head_stride = lc.head_stride();
+    s.len = lc.len;
+  }
+  // Sequences grouped by cache layout (per KV head or per query head, dtype).
+  std::vector<bool> done(bsz, false);
+  for (int b0 = 0; b0 < bsz; ++b0) {
+    if (done[b0]) continue;
+    const KvCacheShape& shape = batch[b0].cache->shape();
+    std::vector<kernels::KvAppend> group_appends;
+    std::vector<DecodeSequence> group_seqs;
+    for (int b = b0; b < bsz; ++b) {
+      const KvCacheShape& sb = batch[b].cache->shape();
+      if (done[b] || sb.n_heads != shape.n_heads || sb.dtype != shape.dtype) continue;
+      done[b] = true;
+      group_appends.push_back(appends[b]);
+      group_seqs.push_back(seqs[b]);
+    }
+    const int n = static_cast<int>(group_seqs.size());
+    RETURN_IF_ERROR(backend_->AppendKv(
+        {group_appends.data(), n, c.num_kv_heads, shape.n_heads, d, shape.dtype}));
+    DecodeAttentionParams dp;
+    dp.seqs = group_seqs.data();
+    dp.batch = n;
+    dp.n_heads = c.num_heads;
+    dp.n_cache_heads = shape.n_heads;
+    dp.head_dim = d;
+    dp.kv_dtype = shape.dtype;
+    dp.scale = 1.f / std::sqrt(static_cast<float>(d));
+    RETURN_IF_ERROR(backend_->DecodeAttention(dp));
+  }
+  if (times) {
+    RETURN_IF_ERROR(backend_->Synchronize());
+    times->attention_s += std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvwire

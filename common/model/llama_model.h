@@ -185,8 +185,16 @@ class LlamaModel {
   };
   struct Layer {
     std::vector<float> attn_norm, mlp_norm;
+    const float* attn_norm_w = nullptr;  // the norms in the backend's memory
+    const float* mlp_norm_w = nullptr;
     Linear q, k, v, o, gate, up, down;
   };
+  // Memory of the backend (device memory on a GPU), freed with the model.
+  struct BackendFree {
+    kernels::KernelBackend* backend;
+    void operator()(void* p) const { backend->Free(p); }
+  };
+  using BackendPtr = std::unique_ptr<void, BackendFree>;
 
   LlamaModel() = default;
   absl::Status LoadFromFolder(const std::string& dir, const LoadOptions& options);
@@ -197,6 +205,17 @@ class LlamaModel {
   const float* OwnFloats(std::vector<float> values);
   absl::Status MatMul(const Linear& l, const float* x, int m, float* y, int64_t y_stride = 0);
   void EmbedRow(int32_t token, float* out) const;
+  bool on_device() const { return backend_->kind() == kernels::BackendKind::kCuda; }
+  absl::StatusOr<BackendPtr> AllocateOnBackend(size_t bytes);
+  // Makes the weights, norms and RoPE frequencies the kernels read backend memory: uploads
+  // them once on a GPU; on the host backends they are used where they are.
+  absl::Status PlaceWeights();
+  // `n` floats at p (backend memory) as host memory: p itself on a host backend, else a copy
+  // into *staging.
+  absl::StatusOr<const float*> HostView(const float* p, size_t n, std::vector<float>* staging);
+  // On a GPU: the device copy of each input's cache, created and filled up to the rows the
+  // host holds (a prompt received from prefill) as needed.
+  absl::Status SyncDeviceCaches(absl::Span<const DecodeInput> batch);
 
   // The forward pass, in the pieces Prefill and DecodeStep share (llama_model.cc).
   struct Activations;
@@ -207,6 +226,10 @@ class LlamaModel {
   absl::Status DecodeAttentionLayer(int layer, absl::Span<const DecodeInput> batch, Activations& a,
                                     DecodeObserver* observer, DecodeTimes* times);
   absl::Status Logits(Activations& a, int first_row, float* logits);
+  absl::StatusOr<std::unique_ptr<Activations>> MakeActivations(int rows, int chunk, int logit_rows);
+  absl::Status UploadInputs(Activations& a);
+  absl::Status DecodeAttentionLayerOnDevice(int layer, absl::Span<const DecodeInput> batch,
+                                            Activations& a, DecodeTimes* times);
 
   void ComputeFingerprint();
 
@@ -222,8 +245,15 @@ class LlamaModel {
   std::vector<float> final_norm_;
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;
-  kernels::KernelBackendPtr backend_;
+  const float* final_norm_w_ = nullptr;  // backend memory, as Layer's norms
+  const float* inv_freq_w_ = nullptr;
+  const void* embed_host_ = nullptr;  // the embedding rows on the host (EmbedRow)
+  // Shared with the device copies of caches (KvCache attachments), which free their memory
+  // through it and may outlive the model.
+  std::shared_ptr<kernels::KernelBackend> backend_;
+  std::vector<BackendPtr> placed_;  // what PlaceWeights uploaded
   std::mutex decode_mu_;
+  std::unique_ptr<Activations> decode_activations_;  // under decode_mu_, reused across steps
 };
 
 }  // namespace kvwire

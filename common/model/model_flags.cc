@@ -12,7 +12,9 @@ void DefineModelFlags(Flags& flags) {
                "synthetic:attn-8kv)");
   flags.Define("dtype", "", "convert weights to f32, bf16 or f16 at load (default: as stored)");
   flags.Define("threads", "0", "CPU threads (0: all cores)");
-  flags.Define("backend", "cpu", "kernel backend of the engine: cpu or reference");
+  flags.Define("backend", "cpu",
+               "kernel backend of the engine: cpu, reference or cuda (a GPU build on a machine "
+               "with an NVIDIA GPU: weights, activations and KV caches in device memory)");
 }
 
 absl::StatusOr<LoadOptions> LoadOptionsFromFlags(const Flags& flags) {
@@ -24,11 +26,6 @@ absl::StatusOr<LoadOptions> LoadOptionsFromFlags(const Flags& flags) {
   ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0, 1024));
   options.threads = static_cast<int>(threads);
   ASSIGN_OR_RETURN(options.backend, kernels::ParseBackendKind(flags.GetString("backend")));
-  if (options.backend == kernels::BackendKind::kCuda) {
-    return absl::UnimplementedError(
-        "--backend=cuda: the Llama engine runs on the cpu (or reference) backend in this "
-        "version; the CUDA backend provides the kernels, not yet a device-resident model");
-  }
   return options;
 }
 

@@ -18,7 +18,8 @@ class CudaBackend final : public KernelBackend {
   CudaBackend(cudaStream_t stream, cublasHandle_t cublas) : stream_(stream), cublas_(cublas) {}
   ~CudaBackend() override {
     if (scratch_) cudaFree(scratch_);
-    if (seqs_) cudaFree(seqs_);
+    if (seqs_.data) cudaFree(seqs_.data);
+    if (append_.data) cudaFree(append_.data);
     cublasDestroy(cublas_);
     cudaStreamDestroy(stream_);
   }
@@ -45,11 +46,16 @@ class CudaBackend final : public KernelBackend {
   }
 
   absl::Status MatMul(const MatMulParams& p) override {
-    float* scratch = nullptr;
-    if (p.w_dtype != DType::kF32) {
-      ASSIGN_OR_RETURN(scratch, Scratch(static_cast<size_t>(p.n) * p.k * sizeof(float)));
+    void* scratch = nullptr;
+    if (const size_t bytes = cuda::MatMulScratchBytes(p); bytes > 0) {
+      ASSIGN_OR_RETURN(scratch, Scratch(bytes));
     }
     return cuda::LaunchMatMul(p, cublas_, scratch, stream_);
+  }
+  absl::Status Add(const AddParams& p) override { return cuda::LaunchAdd(p, stream_); }
+  absl::Status AppendKv(const AppendKvParams& p) override {
+    ASSIGN_OR_RETURN(void* table, Table(&append_, p.seqs, sizeof(KvAppend) * p.batch));
+    return cuda::LaunchAppendKv(p, static_cast<const KvAppend*>(table), stream_);
   }
   absl::Status RmsNorm(const RmsNormParams& p) override { return cuda::LaunchRmsNorm(p, stream_); }
   absl::Status Rope(const RopeParams& p) override { return cuda::LaunchRope(p, stream_); }
@@ -58,23 +64,37 @@ class CudaBackend final : public KernelBackend {
     return cuda::LaunchPrefillAttention(p, stream_);
   }
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
-    const size_t bytes = sizeof(DecodeSequence) * std::max(p.batch, 1);
-    if (bytes > seqs_bytes_) {
-      if (seqs_) cudaFree(seqs_);
-      seqs_ = nullptr;
-      seqs_bytes_ = 0;
-      RETURN_IF_ERROR(CudaStatus(cudaMalloc(&seqs_, bytes), "cudaMalloc"));
-      seqs_bytes_ = bytes;
-    }
-    if (p.batch > 0) {
-      RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(seqs_, p.seqs, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpy"));
-    }
-    return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(seqs_), stream_);
+    ASSIGN_OR_RETURN(void* table, Table(&seqs_, p.seqs, sizeof(DecodeSequence) * p.batch));
+    return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table), stream_);
   }
 
  private:
-  absl::StatusOr<float*> Scratch(size_t bytes) {
+  // A per-op table of host structs (the batch's sequences) copied to the device for a launch.
+  // The copy is queued on the stream, after the kernels that read the previous table. The
+  // caller's array may go once this returns: cudaMemcpyAsync from pageable host memory has
+  // staged it by then.
+  struct DeviceTable {
+    void* data = nullptr;
+    size_t bytes = 0;
+  };
+  absl::StatusOr<void*> Table(DeviceTable* t, const void* host, size_t bytes) {
+    if (bytes > t->bytes) {
+      RETURN_IF_ERROR(Synchronize());  // the old table may still be read by a queued kernel
+      if (t->data) cudaFree(t->data);
+      t->data = nullptr;
+      t->bytes = 0;
+      RETURN_IF_ERROR(CudaStatus(cudaMalloc(&t->data, bytes), "cudaMalloc (op table)"));
+      t->bytes = bytes;
+    }
+    if (bytes > 0) {
+      RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(t->data, host, bytes, cudaMemcpyHostToDevice, stream_),
+                     "cudaMemcpy (op table)"));
+    }
+    return t->data;
+  }
+
+  absl::StatusOr<void*> Scratch(size_t bytes) {
     if (bytes > scratch_bytes_) {
       RETURN_IF_ERROR(Synchronize());  // the old buffer may still be in use
       if (scratch_) cudaFree(scratch_);
@@ -83,15 +103,14 @@ class CudaBackend final : public KernelBackend {
       RETURN_IF_ERROR(CudaStatus(cudaMalloc(&scratch_, bytes), "cudaMalloc scratch"));
       scratch_bytes_ = bytes;
     }
-    return static_cast<float*>(scratch_);
+    return scratch_;
   }
 
   cudaStream_t stream_;
   cublasHandle_t cublas_;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
-  void* seqs_ = nullptr;
-  size_t seqs_bytes_ = 0;
+  DeviceTable seqs_, append_;
 };
 
 }  // namespace

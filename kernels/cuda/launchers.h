@@ -12,9 +12,14 @@ namespace kvwire::kernels::cuda {
 absl::Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream);
 absl::Status LaunchRope(const RopeParams& p, cudaStream_t stream);
 absl::Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream);
-// `scratch` is a device buffer of at least n·k floats when W is not float32 and m > 16.
-absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, float* scratch,
+// `scratch` is a device buffer of at least MatMulScratchBytes(p) bytes.
+size_t MatMulScratchBytes(const MatMulParams& p);
+absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* scratch,
                           cudaStream_t stream);
+absl::Status LaunchAdd(const AddParams& p, cudaStream_t stream);
+// `seqs_device` is p.seqs copied to device memory.
+absl::Status LaunchAppendKv(const AppendKvParams& p, const KvAppend* seqs_device,
+                            cudaStream_t stream);
 absl::Status LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_t stream);
 // `seqs_device` is p.seqs copied to device memory.
 absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p,

@@ -76,6 +76,11 @@ class Arena {
     EXPECT_TRUE(b_.CopyToHost(v.data(), p, n * sizeof(float)).ok());
     return v;
   }
+  std::vector<uint8_t> DownloadBytes(const void* p, size_t n) {
+    std::vector<uint8_t> v(n);
+    EXPECT_TRUE(b_.CopyToHost(v.data(), p, n).ok());
+    return v;
+  }
 
  private:
   void* Alloc(size_t bytes) {
@@ -179,6 +184,93 @@ TEST_P(BackendOpsTest, Bf16WeightsMultiplyXRoundedToBf16) {
       EXPECT_FLOAT_EQ(y, 64.f * (1.f + 0x1p-10f));
     }
   }
+}
+
+// ---------------------------------------------------------------- Add, AppendKv
+
+TEST_P(BackendOpsTest, Add) {
+  uint32_t seed = 50;
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{37}, int64_t{70001}}) {
+    SCOPED_TRACE(absl::StrCat("n=", n));
+    const auto x = Random(n, seed++), y = Random(n, seed++);
+    auto run = [&](KernelBackend& b) {
+      Arena a(b);
+      float* yd = a.Upload(y);
+      const absl::Status st = b.Add({a.Upload(x), yd, n});
+      EXPECT_TRUE(st.ok()) << st;
+      return a.Download(yd, n);
+    };
+    // One float addition per element: equal bit for bit.
+    EXPECT_EQ(run(*backend_), run(*reference_));
+  }
+}
+
+// Each sequence's new rows land at its own token of every cache head, in the cache's dtype
+// (bit for bit: one rounding), and nothing else of the cache changes.
+TEST_P(BackendOpsTest, AppendKv) {
+  uint32_t seed = 70;
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (auto [kv_heads, cache_heads] : std::vector<std::pair<int, int>>{{1, 1}, {2, 2}, {2, 8}}) {
+      for (int d : {8, 64, 128, 300}) {
+        SCOPED_TRACE(
+            absl::StrCat("dtype=", DTypeName(t), " heads=", kv_heads, "/", cache_heads, " d=", d));
+        const int batch = 3, capacity = 9;
+        const int64_t hs = int64_t{capacity} * d;
+        const size_t cache_bytes = cache_heads * hs * DTypeSize(t);
+        std::vector<std::vector<float>> ks, vs;
+        std::vector<std::vector<uint8_t>> kc, vc;
+        for (int b = 0; b < batch; ++b) {
+          ks.push_back(Random(kv_heads * d, seed++, -3.f, 3.f));
+          vs.push_back(Random(kv_heads * d, seed++, -3.f, 3.f));
+          kc.push_back(Encode(Random(cache_heads * hs, seed++), t));
+          vc.push_back(Encode(Random(cache_heads * hs, seed++), t));
+        }
+        auto run = [&](KernelBackend& be) {
+          Arena a(be);
+          std::vector<KvAppend> seqs(batch);
+          for (int b = 0; b < batch; ++b) {
+            seqs[b] = {a.Upload(ks[b]),   a.Upload(vs[b]), a.Upload(kc[b]), a.Upload(vc[b]), hs,
+                       (b * 4) % capacity};
+          }
+          AppendKvParams p{seqs.data(), batch, kv_heads, cache_heads, d, t};
+          const absl::Status st = be.AppendKv(p);
+          EXPECT_TRUE(st.ok()) << st;
+          std::vector<uint8_t> all;
+          for (const KvAppend& s : seqs) {
+            for (const void* c : {s.k_cache, s.v_cache}) {
+              const auto bytes = a.DownloadBytes(c, cache_bytes);
+              all.insert(all.end(), bytes.begin(), bytes.end());
+            }
+          }
+          return all;
+        };
+        const auto got = run(*backend_);
+        const auto want = run(*reference_);
+        EXPECT_EQ(got, want);
+        // The reference itself: sequence 1's token 4 of its last cache head holds its last KV
+        // head's K row, and its token 5 is untouched.
+        std::vector<uint8_t> row(d * DTypeSize(t));
+        FromFloat(t, ks[1].data() + (kv_heads - 1) * d, row.data(), d);
+        const size_t seq1 = 2 * cache_bytes;
+        const size_t at = seq1 + ((cache_heads - 1) * hs + 4 * d) * DTypeSize(t);
+        EXPECT_TRUE(std::equal(row.begin(), row.end(), want.begin() + at));
+        const size_t next = at + row.size();
+        EXPECT_TRUE(std::equal(kc[1].begin() + (next - seq1),
+                               kc[1].begin() + (next - seq1) + row.size(), want.begin() + next));
+      }
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, AppendKvRejectsATokenPastTheCache) {
+  Arena a(*backend_);
+  float* row = a.Zeros(16);
+  float* cache = a.Zeros(16 * 4);
+  KvAppend s{row, row, cache, cache, /*head_stride=*/16, /*t=*/1};  // room for token 0 only
+  AppendKvParams p{&s, 1, 1, 1, 16, DType::kF32};
+  const absl::Status st = backend_->AppendKv(p);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("does not fit"), std::string::npos) << st;
 }
 
 // ---------------------------------------------------------------- RmsNorm, Rope, SwiGlu

@@ -1,0 +1,208 @@
+// The engine on the GPU against the device's own ceilings, measured in the same run:
+//
+//   decode   tokens/s at each --batches size over caches of --ctx tokens, and the bytes one
+//            step must read (every weight once, plus each sequence's K/V) per second, as a
+//            fraction of a device-to-device copy's bytes (read + written) per second;
+//   prefill  tokens/s for each --prefill length, and its FLOP/s (2 per weight per token,
+//            plus causal attention's 2·len²·heads·head_dim per layer) as a fraction of
+//            cuBLAS's bf16 GEMM (8192³, float32 accumulation: the engine's own call).
+//
+// Medians of --runs. Needs a CUDA build on a machine with a GPU (scripts/device_run.sh).
+// Run: gpu_bench [--model synthetic:llama-1b --batches 1,8,32 --ctx 512 --steps 32
+//                 --prefill 2048,16384 --runs 3]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "common/base/flags.h"
+#include "common/engine/generate.h"
+#include "common/model/kv_cache.h"
+#include "common/model/llama_model.h"
+#include "kernels/cuda_backend.h"
+
+namespace kvwire {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+absl::StatusOr<std::vector<int>> ParseList(const std::string& flag, const std::string& text, int lo,
+                                           int hi) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int v = 0;
+    if (!absl::SimpleAtoi(part, &v) || v < lo || v > hi) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, ": '", part, "' is not an integer in [", lo, ", ", hi, "]"));
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+// `len` tokens of random K/V rows in every layer and head, as a prefill would leave them.
+void Fill(KvCache& cache, int len, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.f, 1.f);
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    LayerCache& lc = cache.layer(l);
+    std::vector<float> row(static_cast<size_t>(lc.head_dim) * len);
+    for (int h = 0; h < lc.n_heads; ++h) {
+      for (float& x : row) x = n(rng);
+      FromFloat(lc.dtype, row.data(), lc.k_row(h, 0), row.size());
+      for (float& x : row) x = n(rng);
+      FromFloat(lc.dtype, row.data(), lc.v_row(h, 0), row.size());
+      for (int t = 0; t < len; ++t) lc.positions[int64_t{h} * lc.capacity + t] = t;
+    }
+    lc.len = len;
+  }
+  cache.set_prompt_len(len);
+}
+
+int Fail(const absl::Status& st) {
+  std::fprintf(stderr, "gpu_bench: %s\n", std::string(st.message()).c_str());
+  return 1;
+}
+
+}  // namespace
+}  // namespace kvwire
+
+int main(int argc, char** argv) {
+  using namespace kvwire;
+  Flags f;
+  f.Define("model", "synthetic:llama-1b", "model (synthetic spec or folder)");
+  f.Define("batches", "1,8,32", "decode batch sizes");
+  f.Define("ctx", "512", "tokens in each decode sequence's cache");
+  f.Define("steps", "32", "timed decode steps per run");
+  f.Define("prefill", "2048,16384", "prefill prompt lengths (empty: none)");
+  f.Define("runs", "3", "timed runs of each measurement (the median is reported)");
+  if (int rc = ParseFlagsOrExit(f, "gpu_bench", "gpu_bench [flags]", argc, argv); rc >= 0) {
+    return rc;
+  }
+  auto batches = ParseList("batches", f.GetString("batches"), 1, 4096);
+  if (!batches.ok()) return Fail(batches.status());
+  std::vector<int> prefills;
+  if (!f.GetString("prefill").empty()) {
+    auto p = ParseList("prefill", f.GetString("prefill"), 1, 1 << 20);
+    if (!p.ok()) return Fail(p.status());
+    prefills = *p;
+  }
+  auto ctx_or = f.GetInt("ctx", 1, 1 << 20), steps_or = f.GetInt("steps", 1, 100000),
+       runs_or = f.GetInt("runs", 1, 1000);
+  for (const auto* v : {&ctx_or, &steps_or, &runs_or}) {
+    if (!v->ok()) return Fail(v->status());
+  }
+  const int ctx = static_cast<int>(*ctx_or), steps = static_cast<int>(*steps_or),
+            runs = static_cast<int>(*runs_or);
+  auto name = kernels::CudaDeviceName();
+  if (!name.ok()) return Fail(name.status());
+
+  const auto copy = kernels::CudaCopyBandwidth(size_t{1} << 30);
+  if (!copy.ok()) return Fail(copy.status());
+  const auto gemm = kernels::CudaBf16GemmFlops(8192, 8192, 8192);
+  if (!gemm.ok()) return Fail(gemm.status());
+
+  LoadOptions lo;
+  lo.backend = kernels::BackendKind::kCuda;
+  int max_prefill = 0;
+  for (int p : prefills) max_prefill = std::max(max_prefill, p);
+  const int context = std::max(ctx + steps * (runs + 1) + 8, max_prefill + 8);
+  std::string spec = f.GetString("model");
+  if (spec.rfind("synthetic:", 0) == 0) spec += ",context=" + std::to_string(context);
+  const Clock::time_point load0 = Clock::now();
+  auto model_or = LlamaModel::Load(spec, lo);
+  if (!model_or.ok()) return Fail(model_or.status());
+  LlamaModel& m = **model_or;
+  const ModelConfig& c = m.config();
+  std::printf("device: %s\nmodel: %s (loaded and uploaded in %.1f s)\n", name->c_str(),
+              m.description().c_str(), Seconds(load0, Clock::now()));
+  std::printf(
+      "ceilings: device-to-device copy %.0f GB/s (read + written); bf16 GEMM 8192^3 "
+      "%.0f TFLOP/s\n\n",
+      *copy / 1e9, *gemm / 1e12);
+
+  std::printf("decode, %d-token caches, %d steps, median of %d runs\n", ctx, steps, runs);
+  std::printf("%6s %10s %10s %12s %14s %10s\n", "batch", "ms/step", "tokens/s", "MB/step",
+              "GB/s read", "of copy");
+  const int64_t kv_row = int64_t{2} * c.num_kv_heads * c.head_dim * DTypeSize(m.kv_dtype());
+  for (int bsz : *batches) {
+    std::vector<std::unique_ptr<KvCache>> caches;
+    for (int b = 0; b < bsz; ++b) {
+      KvCacheShape shape{c.num_kv_heads, c.head_dim, m.kv_dtype(),
+                         std::vector<int>(c.num_layers, ctx + steps * (runs + 1) + 4)};
+      auto cache = KvCache::Create(shape, HeapKvAllocator());
+      if (!cache.ok()) return Fail(cache.status());
+      Fill(**cache, ctx, 100 + b);
+      caches.push_back(std::move(*cache));
+    }
+    std::vector<float> logits(static_cast<size_t>(bsz) * c.vocab_size);
+    auto step = [&](int s) {
+      std::vector<DecodeInput> in;
+      for (int b = 0; b < bsz; ++b) {
+        in.push_back({static_cast<int32_t>(3 + (b * 131 + s * 17) % (c.vocab_size - 3)),
+                      caches[b]->layer(0).len, caches[b].get(), nullptr});
+      }
+      return m.DecodeStep(in, logits.data());  // returns once the logits are on the host
+    };
+    if (absl::Status st = step(0); !st.ok()) return Fail(st);  // uploads the caches
+    std::vector<double> per_step;
+    int64_t kv_tokens = 0;
+    for (int r = 0; r < runs; ++r) {
+      kv_tokens = 0;
+      const Clock::time_point t0 = Clock::now();
+      for (int s = 0; s < steps; ++s) {
+        for (auto& cache : caches) kv_tokens += cache->layer(0).len + 1;
+        if (absl::Status st = step(1 + r * steps + s); !st.ok()) return Fail(st);
+      }
+      per_step.push_back(Seconds(t0, Clock::now()) / steps);
+    }
+    const double t = Median(per_step);
+    const double bytes = static_cast<double>(m.WeightBytes()) +
+                         static_cast<double>(kv_tokens) / steps * c.num_layers * kv_row;
+    std::printf("%6d %10.3f %10.0f %12.1f %14.0f %10.2f\n", bsz, t * 1e3, bsz / t, bytes / 1e6,
+                bytes / t / 1e9, bytes / t / *copy);
+  }
+
+  if (!prefills.empty()) {
+    std::printf("\nprefill, median of %d runs (after one warm-up)\n", runs);
+    std::printf("%8s %10s %12s %12s %10s\n", "tokens", "ms", "tokens/s", "TFLOP/s", "of GEMM");
+  }
+  // The projections of every layer (embedding, LM head and norms aside).
+  const double h = c.hidden_size;
+  const double linear_params =
+      c.num_layers * (2.0 * h * c.num_heads * c.head_dim + 2.0 * h * c.num_kv_heads * c.head_dim +
+                      3.0 * h * c.intermediate_size);
+  for (int len : prefills) {
+    std::vector<int32_t> ids(len);
+    for (int i = 0; i < len; ++i) ids[i] = 3 + (i * 7919) % (c.vocab_size - 3);
+    std::vector<double> secs;
+    for (int r = 0; r <= runs; ++r) {
+      const Clock::time_point t0 = Clock::now();
+      auto res = m.Prefill(ids, nullptr);
+      if (!res.ok()) return Fail(res.status());
+      if (r > 0) secs.push_back(Seconds(t0, Clock::now()));
+    }
+    const double t = Median(secs);
+    // Every linear layer once per token (the LM head for the last one), and causal
+    // attention's QK and PV products over len²/2 pairs per query head.
+    const double flops =
+        2.0 * linear_params * len + 2.0 * c.vocab_size * c.hidden_size +
+        2.0 * 2.0 * len * (len + 1) / 2.0 * c.num_heads * c.head_dim * c.num_layers;
+    std::printf("%8d %10.1f %12.0f %12.1f %10.3f\n", len, t * 1e3, len / t, flops / t / 1e12,
+                flops / t / *gemm);
+  }
+  return 0;
+}
