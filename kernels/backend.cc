@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/cuda_backend.h"
+#include "kernels/guarded_backend.h"
 #include "kernels/reference.h"
 
 namespace kvwire::kernels {
@@ -15,6 +16,8 @@ absl::string_view BackendName(BackendKind kind) {
       return "cpu";
     case BackendKind::kCuda:
       return "cuda";
+    case BackendKind::kGuarded:
+      return "guarded";
   }
   return "?";
 }
@@ -23,8 +26,9 @@ absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view name) {
   if (name == "reference") return BackendKind::kReference;
   if (name == "cpu") return BackendKind::kCpu;
   if (name == "cuda") return BackendKind::kCuda;
+  if (name == "guarded") return BackendKind::kGuarded;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown backend '", name, "'; expected reference, cpu or cuda"));
+      absl::StrCat("unknown backend '", name, "'; expected reference, cpu, cuda or guarded"));
 }
 
 absl::StatusOr<KernelBackendPtr> MakeBackend(BackendKind kind, int threads) {
@@ -35,6 +39,8 @@ absl::StatusOr<KernelBackendPtr> MakeBackend(BackendKind kind, int threads) {
       return MakeCpuBackend(threads);
     case BackendKind::kCuda:
       return MakeCudaBackend();
+    case BackendKind::kGuarded:
+      return MakeGuardedBackend(threads);
   }
   return absl::InvalidArgumentError("unknown backend kind");
 }

@@ -3,6 +3,8 @@
 //   reference  naive loops, fp32 accumulation, no threads: the specification.
 //   cpu        the production CPU path (OpenBLAS, AVX2 GEMV, threads), tested against reference.
 //   cuda       the GPU path (nvcc), tested against reference when a GPU is present.
+//   guarded    cpu's kernels on memory the host cannot touch between ops (guarded_backend.h):
+//              runs the engine's device path without a GPU, for tests.
 //
 // Ops take plain parameter structs of pointers, sizes and strides (FlashInfer style) so
 // the same struct describes host and device memory. Pointers refer to memory that the
@@ -22,7 +24,7 @@
 
 namespace kvwire::kernels {
 
-enum class BackendKind { kReference, kCpu, kCuda };
+enum class BackendKind { kReference, kCpu, kCuda, kGuarded };
 
 absl::string_view BackendName(BackendKind kind);
 absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view name);
@@ -151,6 +153,9 @@ class KernelBackend {
   // kernels' head_dim above 256) is an InvalidArgument from the op saying so, as FlashInfer's
   // dispatch does, rather than a capability query nobody would keep true.
   virtual BackendKind kind() const = 0;
+  // Whether the host may read and write the memory Allocate returns (the CPU backends), or
+  // must go through CopyToDevice / CopyToHost (a GPU; the guarded backend).
+  virtual bool host_addressable() const { return true; }
 
   // Memory the ops operate on: host memory for the CPU backends, device memory for CUDA.
   virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;

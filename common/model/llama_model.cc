@@ -755,7 +755,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
   // reads them. Attended in a second pass they were mostly gone by then (the other heads'
   // summaries streamed through since), or in the other core's cache. A device backend attends
   // every sequence in one call after the host selection.
-  const bool per_head = !heads.empty() && backend_->kind() != kernels::BackendKind::kCuda;
+  const bool per_head = !heads.empty() && !on_device();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   std::mutex error_mu;
   absl::Status error;
@@ -879,15 +879,18 @@ absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* 
   if (on_device()) {
     for (const DecodeInput& in : batch) {
       if (in.selector != nullptr) {
-        return absl::UnimplementedError(
+        return absl::UnimplementedError(absl::StrCat(
             "sparse decode attention (a decode selector) runs on the cpu and reference "
-            "backends; on cuda this version decodes dense over the (compressed) cache");
+            "backends; on ",
+            kernels::BackendName(backend_->kind()),
+            " this version decodes dense over the (compressed) cache"));
       }
     }
     if (observer != nullptr) {
-      return absl::UnimplementedError(
+      return absl::UnimplementedError(absl::StrCat(
           "decode attention probabilities (a DecodeObserver) are measured on the cpu and "
-          "reference backends; on cuda this version does not return them");
+          "reference backends; on ",
+          kernels::BackendName(backend_->kind()), " this version does not return them"));
     }
   }
   std::lock_guard<std::mutex> lock(decode_mu_);

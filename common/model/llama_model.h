@@ -205,7 +205,9 @@ class LlamaModel {
   const float* OwnFloats(std::vector<float> values);
   absl::Status MatMul(const Linear& l, const float* x, int m, float* y, int64_t y_stride = 0);
   void EmbedRow(int32_t token, float* out) const;
-  bool on_device() const { return backend_->kind() == kernels::BackendKind::kCuda; }
+  // The device path: weights, activations and caches in memory the host reaches only through
+  // copies (a GPU; the guarded backend, which runs it on the CPU for tests).
+  bool on_device() const { return !backend_->host_addressable(); }
   absl::StatusOr<BackendPtr> AllocateOnBackend(size_t bytes);
   // Makes the weights, norms and RoPE frequencies the kernels read backend memory: uploads
   // them once on a GPU; on the host backends they are used where they are.

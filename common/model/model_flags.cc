@@ -13,8 +13,10 @@ void DefineModelFlags(Flags& flags) {
   flags.Define("dtype", "", "convert weights to f32, bf16 or f16 at load (default: as stored)");
   flags.Define("threads", "0", "CPU threads (0: all cores)");
   flags.Define("backend", "cpu",
-               "kernel backend of the engine: cpu, reference or cuda (a GPU build on a machine "
-               "with an NVIDIA GPU: weights, activations and KV caches in device memory)");
+               "kernel backend of the engine: cpu, reference, cuda (a GPU build on a machine "
+               "with an NVIDIA GPU: weights, activations and KV caches in device memory) or "
+               "guarded (the cpu kernels on memory only ops may touch: the device path without "
+               "a GPU, for tests)");
 }
 
 absl::StatusOr<LoadOptions> LoadOptionsFromFlags(const Flags& flags) {

@@ -25,6 +25,7 @@ class CudaBackend final : public KernelBackend {
   }
 
   BackendKind kind() const override { return BackendKind::kCuda; }
+  bool host_addressable() const override { return false; }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     void* p = nullptr;

@@ -545,10 +545,37 @@ TEST_P(BackendOpsTest, RejectsBadShapes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackendOpsTest,
-                         ::testing::Values(BackendKind::kCpu, BackendKind::kCuda),
+                         ::testing::Values(BackendKind::kCpu, BackendKind::kCuda,
+                                           BackendKind::kGuarded),
                          [](const ::testing::TestParamInfo<BackendKind>& info) {
                            return std::string(BackendName(info.param));
                          });
+
+// The guarded backend's memory is the host's only inside its ops: a direct read or write of
+// it between ops dies (that is what makes it a test of the engine's device path), while
+// copies and ops see it.
+TEST(GuardedBackend, HostAccessBetweenOpsDies) {
+  auto b = MakeBackend(BackendKind::kGuarded, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_FALSE((*b)->host_addressable());
+  auto mem = (*b)->Allocate(64 * sizeof(float));
+  ASSERT_TRUE(mem.ok()) << mem.status();
+  auto* p = static_cast<float*>(*mem);
+  const std::vector<float> ones(64, 1.f);
+  ASSERT_TRUE((*b)->CopyToDevice(p, ones.data(), 64 * sizeof(float)).ok());
+  ASSERT_TRUE((*b)->Add({p, p + 32, 32}).ok());
+  std::vector<float> back(64);
+  ASSERT_TRUE((*b)->CopyToHost(back.data(), p, 64 * sizeof(float)).ok());
+  EXPECT_EQ(back[40], 2.f);
+  EXPECT_DEATH(
+      {
+        volatile float x = p[3];
+        (void)x;
+      },
+      "");
+  EXPECT_DEATH(p[3] = 5.f, "");
+  (*b)->Free(p);
+}
 
 TEST(BackendFactory, CudaWithoutGpuSaysWhy) {
   if (CudaAvailable()) GTEST_SKIP() << "a GPU is present";

@@ -1,9 +1,14 @@
-// The engine on the CUDA backend against the CPU engine (the specification) and
+// The engine's device path (weights, activations and KV caches in backend memory the host
+// reaches only through copies) against the CPU engine (the specification) and
 // ../shared/models/stories260K-hf/REFERENCE.json: greedy ids equal to the reference's,
 // decode steps that reproduce prefill logits, batches of mixed cache layouts, compressed
-// prefill into GPU decode, and on synthetic:llama-1b (bf16, 16 layers) 32 greedy steps that
-// agree with the CPU engine's. Runs where a GPU is present (scripts/device_run.sh) and skips
-// elsewhere, saying why.
+// prefill into device decode, and on synthetic:llama-1b (bf16, 16 layers) 32 greedy steps
+// that agree with the CPU engine's.
+//
+// Each test runs on two backends: `guarded` (the CPU kernels on memory the host cannot touch
+// between ops, so any direct host access to device memory crashes the test: the path's
+// bookkeeping, on every machine) and `cuda` (the GPU kernels too, where a GPU is present:
+// scripts/device_run.sh; elsewhere it skips, saying why).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -22,13 +27,16 @@ namespace {
 
 using nlohmann::json;
 
-#define KVWIRE_REQUIRE_GPU()                                                      \
-  do {                                                                            \
-    if (!kernels::CudaAvailable()) {                                              \
-      GTEST_SKIP() << "no GPU: the engine's CUDA path runs where one is present " \
-                      "(scripts/device_run.sh)";                                  \
-    }                                                                             \
-  } while (0)
+class DeviceEngine : public ::testing::TestWithParam<kernels::BackendKind> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == kernels::BackendKind::kCuda && !kernels::CudaAvailable()) {
+      GTEST_SKIP() << "no GPU: the engine's CUDA path runs where one is present "
+                      "(scripts/device_run.sh)";
+    }
+  }
+  kernels::BackendKind device() const { return GetParam(); }
+};
 
 LoadOptions On(kernels::BackendKind backend, std::optional<DType> dtype = std::nullopt) {
   LoadOptions o;
@@ -54,22 +62,21 @@ std::vector<int32_t> Greedy(LlamaModel& m, const std::vector<int32_t>& prompt, i
   return r.ok() ? r->ids : std::vector<int32_t>{};
 }
 
-TEST(GpuEngine, StoriesGreedyIdsEqualTheReference) {
+TEST_P(DeviceEngine, StoriesGreedyIdsEqualTheReference) {
   KVWIRE_REQUIRE_SHARED();
-  KVWIRE_REQUIRE_GPU();
-  auto gpu = Load(testing::StoriesModelDir(), On(kernels::BackendKind::kCuda));
-  ASSERT_NE(gpu, nullptr);
+  auto dev = Load(testing::StoriesModelDir(), On(device()));
+  ASSERT_NE(dev, nullptr);
   const json ref = json::parse(testing::ReadFile(testing::StoriesModelDir() + "/REFERENCE.json"));
   for (const char* run : {"greedy_from_bos", "greedy_from_prompt"}) {
-    EXPECT_EQ(Greedy(*gpu, Ids(ref[run]["prompt_ids"]), ref[run]["max_new_tokens"].get<int>()),
+    EXPECT_EQ(Greedy(*dev, Ids(ref[run]["prompt_ids"]), ref[run]["max_new_tokens"].get<int>()),
               Ids(ref[run]["ids"]))
         << run;
   }
   // Teacher-forced NLL within 1e-3 of the reference's.
   const auto ids = Ids(ref["teacher_forced"]["ids"]);
-  auto r = gpu->Prefill(ids, nullptr, /*all_logits=*/true);
+  auto r = dev->Prefill(ids, nullptr, /*all_logits=*/true);
   ASSERT_TRUE(r.ok()) << r.status();
-  const int vocab = gpu->config().vocab_size;
+  const int vocab = dev->config().vocab_size;
   double nll = 0;
   for (size_t i = 0; i + 1 < ids.size(); ++i) {
     const float* l = r->logits.data() + i * vocab;
@@ -81,7 +88,7 @@ TEST(GpuEngine, StoriesGreedyIdsEqualTheReference) {
   EXPECT_NEAR(nll, ref["teacher_forced"]["sum_nll"].get<double>(), 1e-3);
 
   // bf16 weights (uploaded as stored after the conversion): the first 32 greedy tokens.
-  auto bf16 = Load(testing::StoriesModelDir(), On(kernels::BackendKind::kCuda, DType::kBF16));
+  auto bf16 = Load(testing::StoriesModelDir(), On(device(), DType::kBF16));
   ASSERT_NE(bf16, nullptr);
   for (const char* run : {"greedy_from_bos", "greedy_from_prompt"}) {
     const auto want = Ids(ref[run]["ids"]);
@@ -91,51 +98,59 @@ TEST(GpuEngine, StoriesGreedyIdsEqualTheReference) {
   }
 }
 
-// Token-by-token decode on the GPU gives the logits of the CPU engine's prefill over the whole
-// sequence; prefill logits agree between the engines.
-TEST(GpuEngine, DecodeStepsReproduceTheCpuPrefill) {
-  KVWIRE_REQUIRE_GPU();
+// Prefill logits agree between the engines, and token-by-token decode on the device gives the
+// CPU engine's decode logits (and, with f32 caches, its prefill's over the whole sequence; bf16
+// caches round K and V, which prefill attention does not).
+TEST_P(DeviceEngine, DecodeStepsEqualTheCpuEngine) {
   for (const char* spec : {"synthetic:tiny", "synthetic:tiny,dtype=bf16"}) {
     SCOPED_TRACE(spec);
     auto cpu = Load(spec, On(kernels::BackendKind::kCpu));
-    auto gpu = Load(spec, On(kernels::BackendKind::kCuda));
-    ASSERT_TRUE(cpu && gpu);
-    EXPECT_EQ(cpu->fingerprint(), gpu->fingerprint());
+    auto dev = Load(spec, On(device()));
+    ASSERT_TRUE(cpu && dev);
+    EXPECT_EQ(cpu->fingerprint(), dev->fingerprint());
     const int vocab = cpu->config().vocab_size;
+    const bool f32 = cpu->kv_dtype() == DType::kF32;
     std::vector<int32_t> ids;
     for (int i = 0; i < 40; ++i) ids.push_back(3 + (i * 37) % (vocab - 3));
     auto full = cpu->Prefill(ids, nullptr, true);
-    auto full_gpu = gpu->Prefill(ids, nullptr, true);
-    ASSERT_TRUE(full.ok() && full_gpu.ok());
+    auto full_dev = dev->Prefill(ids, nullptr, true);
+    ASSERT_TRUE(full.ok() && full_dev.ok());
     for (size_t i = 0; i < full->logits.size(); ++i) {
-      ASSERT_NEAR(full_gpu->logits[i], full->logits[i], 2e-4 + 2e-3 * std::fabs(full->logits[i]))
+      ASSERT_NEAR(full_dev->logits[i], full->logits[i], 2e-4 + 2e-3 * std::fabs(full->logits[i]))
           << i;
     }
     const int p = 25;
-    auto seq =
-        PrefillSequence(*gpu, absl::MakeConstSpan(ids).subspan(0, p), CompressionConfig{}, 64);
-    ASSERT_TRUE(seq.ok()) << seq.status();
-    std::vector<float> logits(vocab);
+    auto prompt = absl::MakeConstSpan(ids).subspan(0, p);
+    auto seq_cpu = PrefillSequence(*cpu, prompt, CompressionConfig{}, 64);
+    auto seq_dev = PrefillSequence(*dev, prompt, CompressionConfig{}, 64);
+    ASSERT_TRUE(seq_cpu.ok() && seq_dev.ok()) << seq_cpu.status() << seq_dev.status();
+    std::vector<float> want(vocab), got(vocab);
     for (int i = p; i < 40; ++i) {
-      DecodeInput in{ids[i], i, seq->cache.get(), nullptr};
-      ASSERT_TRUE(gpu->DecodeStep({&in, 1}, logits.data()).ok());
+      DecodeInput a{ids[i], i, seq_cpu->cache.get(), nullptr};
+      DecodeInput b{ids[i], i, seq_dev->cache.get(), nullptr};
+      ASSERT_TRUE(cpu->DecodeStep({&a, 1}, want.data()).ok());
+      const absl::Status st = dev->DecodeStep({&b, 1}, got.data());
+      ASSERT_TRUE(st.ok()) << st;
       for (int v = 0; v < vocab; ++v) {
-        const float want = full->logits[int64_t{i} * vocab + v];
-        ASSERT_NEAR(logits[v], want, 2e-4 + 2e-3 * std::fabs(want))
+        ASSERT_NEAR(got[v], want[v], 2e-4 + 2e-3 * std::fabs(want[v]))
             << "position " << i << " token " << v;
+        if (f32) {
+          const float whole = full->logits[int64_t{i} * vocab + v];
+          ASSERT_NEAR(got[v], whole, 2e-4 + 2e-3 * std::fabs(whole))
+              << "position " << i << " token " << v;
+        }
       }
     }
   }
 }
 
 // A batch mixing caches compressed per KV head and per query head (SnapKV under GQA), of
-// different lengths, prefilled on the host engine and decoded on the GPU: each sequence's
+// different lengths, prefilled on the host engine and decoded on the device: each sequence's
 // logits equal the CPU engine's decode of the same cache.
-TEST(GpuEngine, MixedBatchOfCompressedCachesEqualsTheCpuEngine) {
-  KVWIRE_REQUIRE_GPU();
+TEST_P(DeviceEngine, MixedBatchOfCompressedCachesEqualsTheCpuEngine) {
   auto cpu = Load("synthetic:tiny", On(kernels::BackendKind::kCpu));
-  auto gpu = Load("synthetic:tiny", On(kernels::BackendKind::kCuda));
-  ASSERT_TRUE(cpu && gpu);
+  auto dev = Load("synthetic:tiny", On(device()));
+  ASSERT_TRUE(cpu && dev);
   const int vocab = cpu->config().vocab_size;
   struct Case {
     const char* policy;
@@ -144,7 +159,7 @@ TEST(GpuEngine, MixedBatchOfCompressedCachesEqualsTheCpuEngine) {
   };
   const std::vector<Case> cases = {
       {"snapkv", {}, 90}, {"snapkv", {{"gqa", "per_query_head"}}, 70}, {"full", {}, 33}};
-  std::vector<std::unique_ptr<KvCache>> on_cpu, on_gpu;
+  std::vector<std::unique_ptr<KvCache>> on_cpu, on_dev;
   std::vector<int> lens;
   for (const Case& c : cases) {
     CompressionConfig cc;
@@ -154,26 +169,26 @@ TEST(GpuEngine, MixedBatchOfCompressedCachesEqualsTheCpuEngine) {
     cc.budget = c.policy == std::string("full") ? 0 : 24;
     std::vector<int32_t> ids;
     for (int i = 0; i < c.len; ++i) ids.push_back(5 + (i * 13 + c.len) % (vocab - 5));
-    // The GPU model prefills and compresses (its observer reads host copies of K/V); the
+    // The device model prefills and compresses (its observer reads host copies of K/V); the
     // CPU model does the same from its own prefill.
     auto a = PrefillSequence(*cpu, ids, cc, 8);
-    auto b = PrefillSequence(*gpu, ids, cc, 8);
+    auto b = PrefillSequence(*dev, ids, cc, 8);
     ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
     on_cpu.push_back(std::move(a->cache));
-    on_gpu.push_back(std::move(b->cache));
+    on_dev.push_back(std::move(b->cache));
     lens.push_back(c.len);
   }
-  EXPECT_NE(on_gpu[0]->shape().n_heads, on_gpu[1]->shape().n_heads);
+  EXPECT_NE(on_dev[0]->shape().n_heads, on_dev[1]->shape().n_heads);
   const int bsz = static_cast<int>(cases.size());
   std::vector<float> want(bsz * vocab), got(bsz * vocab);
   for (int step = 0; step < 6; ++step) {
     std::vector<DecodeInput> a, b;
     for (int i = 0; i < bsz; ++i) {
       a.push_back({40 + step + i, lens[i] + step, on_cpu[i].get(), nullptr});
-      b.push_back({40 + step + i, lens[i] + step, on_gpu[i].get(), nullptr});
+      b.push_back({40 + step + i, lens[i] + step, on_dev[i].get(), nullptr});
     }
     ASSERT_TRUE(cpu->DecodeStep(a, want.data()).ok());
-    const absl::Status st = gpu->DecodeStep(b, got.data());
+    const absl::Status st = dev->DecodeStep(b, got.data());
     ASSERT_TRUE(st.ok()) << st;
     for (int i = 0; i < bsz * vocab; ++i) {
       ASSERT_NEAR(got[i], want[i], 2e-4 + 2e-3 * std::fabs(want[i]))
@@ -182,30 +197,45 @@ TEST(GpuEngine, MixedBatchOfCompressedCachesEqualsTheCpuEngine) {
   }
 }
 
-TEST(GpuEngine, SparseSelectionAndObserversAreRefusedSayingWhy) {
-  KVWIRE_REQUIRE_GPU();
-  auto gpu = Load("synthetic:tiny", On(kernels::BackendKind::kCuda));
-  ASSERT_NE(gpu, nullptr);
+TEST_P(DeviceEngine, SparseSelectionAndObserversAreRefusedSayingWhy) {
+  auto dev = Load("synthetic:tiny", On(device()));
+  ASSERT_NE(dev, nullptr);
   GenerationRequest req;
   req.prompt_ids = {1, 2, 3, 4, 5, 6, 7, 8};
   req.max_tokens = 4;
   req.attention.mode = AttentionMode::kQuest;
   req.attention.top_k = 4;
   req.attention.page_size = 2;
-  auto r = Generate(*gpu, req);
+  auto r = Generate(*dev, req);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(r.status().message().find("cuda"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find(kernels::BackendName(device())), std::string::npos)
+      << r.status();
+  // A decode observer (attention probabilities) likewise.
+  auto seq = PrefillSequence(*dev, req.prompt_ids, CompressionConfig{}, 4);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  struct Probe : DecodeObserver {
+    void OnAttention(int, int, const float*, int) override {}
+  } probe;
+  std::vector<float> logits(dev->config().vocab_size);
+  DecodeInput in{5, 8, seq->cache.get(), nullptr};
+  const absl::Status st = dev->DecodeStep({&in, 1}, logits.data(), &probe);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  // The refused steps appended nothing: the sequence still decodes.
+  EXPECT_TRUE(dev->DecodeStep({&in, 1}, logits.data()).ok());
 }
 
-// The agreement check at the 1B shape: 32 greedy steps on the GPU and the CPU engine,
-// the same ids, or where bf16 rounding makes them part, teacher-forced top-1 agreement of at
-// least 99% and a mean KL of at most 1e-3 over the generated positions.
-TEST(GpuEngine, Llama1bGreedyAgreesWithTheCpuEngine) {
-  KVWIRE_REQUIRE_GPU();
+// The agreement check at the 1B shape: 32 greedy steps on the GPU and the CPU engine, the same
+// ids, or where bf16 rounding makes them part, teacher-forced top-1 agreement of at least 99%
+// and a mean KL of at most 1e-3 over the generated positions.
+TEST_P(DeviceEngine, Llama1bGreedyAgreesWithTheCpuEngine) {
+  if (device() != kernels::BackendKind::kCuda) {
+    GTEST_SKIP() << "the guarded backend runs the CPU kernels: the 1B shape is compared where "
+                    "the GPU's kernels run";
+  }
   const std::string spec = "synthetic:llama-1b";
   auto cpu = Load(spec, On(kernels::BackendKind::kCpu));
-  auto gpu = Load(spec, On(kernels::BackendKind::kCuda));
+  auto gpu = Load(spec, On(device()));
   ASSERT_TRUE(cpu && gpu);
   std::vector<int32_t> prompt = {1};
   for (int i = 0; i < 63; ++i) prompt.push_back(300 + (i * 7919) % 20000);
@@ -252,6 +282,13 @@ TEST(GpuEngine, Llama1bGreedyAgreesWithTheCpuEngine) {
     EXPECT_LE(kl, 1e-3);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, DeviceEngine,
+                         ::testing::Values(kernels::BackendKind::kGuarded,
+                                           kernels::BackendKind::kCuda),
+                         [](const auto& info) {
+                           return std::string(kernels::BackendName(info.param));
+                         });
 
 }  // namespace
 }  // namespace kvwire
