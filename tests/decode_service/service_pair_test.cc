@@ -59,13 +59,23 @@ Result Call(v1::Generation::Stub& stub, const v1::GenerateRequest& req, int dead
   return r;
 }
 
+v1::GenerateRequest Request(const std::vector<int32_t>& ids, int max_tokens) {
+  v1::GenerateRequest req;
+  for (int32_t id : ids) req.mutable_prompt_ids()->add_ids(id);
+  req.mutable_sampling()->set_max_tokens(max_tokens);
+  return req;
+}
+
 class ServicePairTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    prefill_model_ = Load();
-    decode_model_ = Load();
-    ASSERT_NE(prefill_model_, nullptr);
-    ASSERT_NE(decode_model_, nullptr);
+  void SetUp() override { LoadNodeModels({}); }
+  // The models of the prefill and the decode node, on `options`' backend.
+  void LoadNodeModels(const LoadOptions& options) {
+    for (auto* m : {&prefill_model_, &decode_model_}) {
+      auto model = LlamaModel::Load(ModelSpec(), options);
+      ASSERT_TRUE(model.ok()) << model.status();
+      *m = std::move(*model);
+    }
   }
   void TearDown() override {
     for (auto& t : helpers_) t.join();
@@ -171,6 +181,101 @@ class ServicePairTest : public ::testing::Test {
     return ids;
   }
 
+  // Tokens through the pair (prefill node, then decode node over gRPC) equal `reference`'s
+  // single-process generation for each compression, greedy and sampled; logprobs within
+  // `logprob_tol`.
+  void ExpectTokensEqualSingleProcess(LlamaModel& reference, double logprob_tol) {
+    AddPrefill();
+    StartDecode();
+    const std::vector<int32_t> prompt = LongPrompt(300);
+    struct Case {
+      std::string name;
+      std::function<void(v1::CompressionParams*)> compression;
+      std::string policy;
+      int budget;
+      ParamValues params = {};
+    };
+    const std::vector<Case> cases = {
+        {"full", [](auto* c) { c->set_policy("full"); }, "full", 0},
+        {"snapkv",
+         [](auto* c) {
+           c->set_policy("snapkv");
+           c->set_budget(64);
+         },
+         "snapkv", 64},
+        {"snapkv per query head",
+         [](auto* c) {
+           c->set_policy("snapkv");
+           c->set_budget(48);
+           c->set_gqa("per_query_head");
+         },
+         "snapkv",
+         48,
+         {{"gqa", "per_query_head"}}},
+        {"chunkkv",
+         [](auto* c) {
+           c->set_policy("chunkkv");
+           c->set_budget(80);
+         },
+         "chunkkv", 80},
+    };
+    for (const Case& c : cases) {
+      for (bool sampled : {false, true}) {
+        SCOPED_TRACE(c.name + (sampled ? " sampled" : " greedy"));
+        v1::GenerateRequest req = Request(prompt, 24);
+        c.compression(req.mutable_compression());
+        req.set_return_logprobs(true);
+        GenerationRequest local;
+        local.prompt_ids = prompt;
+        local.max_tokens = 24;
+        local.compression.policy = *MakePolicy(c.policy, c.params);
+        local.compression.budget = c.budget;
+        local.stop_ids = decode_model_->config().eos_token_ids;
+        if (sampled) {
+          req.mutable_sampling()->set_temperature(0.8f);
+          req.mutable_sampling()->set_top_p(0.9f);
+          req.mutable_sampling()->set_seed(7);
+          local.sampling = {0.8f, 0, 0.9f};
+          local.seed = 7;
+        } else {
+          local.sampling.temperature = 0;
+        }
+        const Result r = Call(*stub_, req);
+        ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+        auto want = Generate(reference, local);
+        ASSERT_TRUE(want.ok()) << want.status();
+        EXPECT_EQ(r.ids, want->ids);
+        ASSERT_EQ(r.logprobs.size(), want->logprobs.size());
+        for (size_t i = 0; i < r.logprobs.size(); ++i)
+          EXPECT_NEAR(r.logprobs[i], want->logprobs[i], logprob_tol);
+        auto text = decode_model_->tokenizer().Decode(want->ids);
+        StreamingDecoder expect_text(decode_model_->tokenizer());
+        ASSERT_TRUE(expect_text.Prime(prompt).ok());
+        std::string streamed;
+        for (int32_t id : want->ids) streamed += *expect_text.Push(id);
+        streamed += expect_text.Flush();
+        EXPECT_EQ(r.text, streamed);
+        // The request's own figures.
+        const v1::RequestStats& st = r.final.stats();
+        const int64_t per_token =
+            decode_model_->config().KvBytesPerToken(decode_model_->kv_dtype());
+        EXPECT_EQ(r.final.usage().prompt_tokens(), 300);
+        EXPECT_EQ(r.final.usage().completion_tokens(), static_cast<int>(want->ids.size()));
+        EXPECT_EQ(st.full_cache_bytes(), 300 * per_token);
+        EXPECT_EQ(st.kept_tokens(), c.budget ? c.budget : 300);
+        EXPECT_GT(st.wire_bytes(), 0);
+        if (c.policy != "full") {
+          EXPECT_LT(st.wire_bytes(), st.full_cache_bytes());
+        }
+        EXPECT_EQ(st.prefill_node(), "prefill");
+        EXPECT_EQ(st.decode_node(), "decode-test");
+        EXPECT_GT(st.ttft_ms(), 0);
+        EXPECT_EQ(st.prefill_attempts(), 1);
+      }
+    }
+    ExpectPoolEmpty();
+  }
+
   std::unique_ptr<LlamaModel> prefill_model_, decode_model_;
   std::vector<std::unique_ptr<PrefillNode>> prefills_;
   std::unique_ptr<DecodeServer> decode_;
@@ -179,103 +284,40 @@ class ServicePairTest : public ::testing::Test {
   std::vector<std::thread> helpers_;  // joined before the servers go
 };
 
-v1::GenerateRequest Request(const std::vector<int32_t>& ids, int max_tokens) {
-  v1::GenerateRequest req;
-  for (int32_t id : ids) req.mutable_prompt_ids()->add_ids(id);
-  req.mutable_sampling()->set_max_tokens(max_tokens);
-  return req;
+TEST_F(ServicePairTest, TokensEqualSingleProcessGeneration) {
+  ExpectTokensEqualSingleProcess(*decode_model_, 1e-4);
 }
 
-TEST_F(ServicePairTest, TokensEqualSingleProcessGeneration) {
-  AddPrefill();
-  StartDecode();
-  const std::vector<int32_t> prompt = LongPrompt(300);
-  struct Case {
-    std::string name;
-    std::function<void(v1::CompressionParams*)> compression;
-    std::string policy;
-    int budget;
-    ParamValues params = {};
-  };
-  const std::vector<Case> cases = {
-      {"full", [](auto* c) { c->set_policy("full"); }, "full", 0},
-      {"snapkv",
-       [](auto* c) {
-         c->set_policy("snapkv");
-         c->set_budget(64);
-       },
-       "snapkv", 64},
-      {"snapkv per query head",
-       [](auto* c) {
-         c->set_policy("snapkv");
-         c->set_budget(48);
-         c->set_gqa("per_query_head");
-       },
-       "snapkv",
-       48,
-       {{"gqa", "per_query_head"}}},
-      {"chunkkv",
-       [](auto* c) {
-         c->set_policy("chunkkv");
-         c->set_budget(80);
-       },
-       "chunkkv", 80},
-  };
-  for (const Case& c : cases) {
-    for (bool sampled : {false, true}) {
-      SCOPED_TRACE(c.name + (sampled ? " sampled" : " greedy"));
-      v1::GenerateRequest req = Request(prompt, 24);
-      c.compression(req.mutable_compression());
-      req.set_return_logprobs(true);
-      GenerationRequest local;
-      local.prompt_ids = prompt;
-      local.max_tokens = 24;
-      local.compression.policy = *MakePolicy(c.policy, c.params);
-      local.compression.budget = c.budget;
-      local.stop_ids = decode_model_->config().eos_token_ids;
-      if (sampled) {
-        req.mutable_sampling()->set_temperature(0.8f);
-        req.mutable_sampling()->set_top_p(0.9f);
-        req.mutable_sampling()->set_seed(7);
-        local.sampling = {0.8f, 0, 0.9f};
-        local.seed = 7;
-      } else {
-        local.sampling.temperature = 0;
-      }
-      const Result r = Call(*stub_, req);
-      ASSERT_TRUE(r.status.ok()) << r.status.error_message();
-      auto want = Generate(*decode_model_, local);
-      ASSERT_TRUE(want.ok()) << want.status();
-      EXPECT_EQ(r.ids, want->ids);
-      ASSERT_EQ(r.logprobs.size(), want->logprobs.size());
-      for (size_t i = 0; i < r.logprobs.size(); ++i)
-        EXPECT_NEAR(r.logprobs[i], want->logprobs[i], 1e-4);
-      auto text = decode_model_->tokenizer().Decode(want->ids);
-      StreamingDecoder expect_text(decode_model_->tokenizer());
-      ASSERT_TRUE(expect_text.Prime(prompt).ok());
-      std::string streamed;
-      for (int32_t id : want->ids) streamed += *expect_text.Push(id);
-      streamed += expect_text.Flush();
-      EXPECT_EQ(r.text, streamed);
-      // The request's own figures.
-      const v1::RequestStats& st = r.final.stats();
-      const int64_t per_token = decode_model_->config().KvBytesPerToken(decode_model_->kv_dtype());
-      EXPECT_EQ(r.final.usage().prompt_tokens(), 300);
-      EXPECT_EQ(r.final.usage().completion_tokens(), static_cast<int>(want->ids.size()));
-      EXPECT_EQ(st.full_cache_bytes(), 300 * per_token);
-      EXPECT_EQ(st.kept_tokens(), c.budget ? c.budget : 300);
-      EXPECT_GT(st.wire_bytes(), 0);
-      if (c.policy != "full") {
-        EXPECT_LT(st.wire_bytes(), st.full_cache_bytes());
-      }
-      EXPECT_EQ(st.prefill_node(), "prefill");
-      EXPECT_EQ(st.decode_node(), "decode-test");
-      EXPECT_GT(st.ttft_ms(), 0);
-      EXPECT_EQ(st.prefill_attempts(), 1);
+// Both nodes on a device backend (guarded everywhere; cuda where a GPU is present): the pair's
+// tokens equal the CPU engine's single-process generation.
+class ServicePairOnDevice : public ServicePairTest,
+                            public ::testing::WithParamInterface<kernels::BackendKind> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == kernels::BackendKind::kCuda && !kernels::CudaAvailable()) {
+      GTEST_SKIP() << "no GPU: the pair on cuda runs where one is present (scripts/device_run.sh)";
     }
+    LoadOptions o;
+    o.backend = GetParam();
+    LoadNodeModels(o);
+    cpu_model_ = Load();
+    ASSERT_NE(cpu_model_, nullptr);
   }
-  ExpectPoolEmpty();
+  std::unique_ptr<LlamaModel> cpu_model_;
+};
+
+TEST_P(ServicePairOnDevice, TokensEqualTheCpuEngine) {
+  // The GPU sums in other orders (and on tensor cores): logprobs agree to 1e-3 there.
+  ExpectTokensEqualSingleProcess(*cpu_model_,
+                                 GetParam() == kernels::BackendKind::kCuda ? 1e-3 : 1e-4);
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, ServicePairOnDevice,
+                         ::testing::Values(kernels::BackendKind::kGuarded,
+                                           kernels::BackendKind::kCuda),
+                         [](const auto& info) {
+                           return std::string(kernels::BackendName(info.param));
+                         });
 
 TEST_F(ServicePairTest, ConcurrentRequestsShareTheBatch) {
   AddPrefill();
