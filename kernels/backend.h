@@ -160,6 +160,7 @@ class KernelBackend {
   // Memory the ops operate on: host memory for the CPU backends, device memory for CUDA.
   virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
   virtual void Free(void* ptr) = 0;
+  // `src` may change or go once CopyToDevice returns; CopyToHost returns with `dst` filled.
   virtual absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status Synchronize() = 0;

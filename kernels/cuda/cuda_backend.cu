@@ -1,12 +1,14 @@
 /* The CUDA backend: device memory, one stream, a cuBLAS handle, and the op launchers of
  * this folder. Ops are asynchronous on the stream; Synchronize (or a copy to the host)
  * waits and surfaces any error raised inside a kernel. */
+#include <cstring>
 #include <memory>
 #include <mutex>
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda_backend.h"
+#include "kernels/validate.h"
 
 namespace kvwire::kernels {
 namespace {
@@ -17,9 +19,15 @@ class CudaBackend final : public KernelBackend {
  public:
   CudaBackend(cudaStream_t stream, cublasHandle_t cublas) : stream_(stream), cublas_(cublas) {}
   ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
     if (scratch_) cudaFree(scratch_);
-    if (seqs_.data) cudaFree(seqs_.data);
-    if (append_.data) cudaFree(append_.data);
+    for (DeviceTable* t : {&seqs_, &append_}) {
+      if (t->data) cudaFree(t->data);
+    }
+    for (Staging& slot : staging_) {
+      if (slot.host) cudaFreeHost(slot.host);
+      if (slot.done) cudaEventDestroy(slot.done);
+    }
     cublasDestroy(cublas_);
     cudaStreamDestroy(stream_);
   }
@@ -33,9 +41,13 @@ class CudaBackend final : public KernelBackend {
     return p;
   }
   void Free(void* ptr) override { cudaFree(ptr); }
+  // Returns once the copy is done, so `src` may change or go right after (the runtime stages
+  // pageable memory for an asynchronous copy only "may"). Uploads are weights, a step's
+  // inputs and a sequence's prompt rows, not per-op traffic; op tables go through Table().
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_),
-                      "cudaMemcpy to device");
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_),
+                               "cudaMemcpy to device"));
+    return Synchronize();
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_),
@@ -47,6 +59,7 @@ class CudaBackend final : public KernelBackend {
   }
 
   absl::Status MatMul(const MatMulParams& p) override {
+    RETURN_IF_ERROR(ValidateMatMul(p));  // before sizing scratch from p
     void* scratch = nullptr;
     if (const size_t bytes = cuda::MatMulScratchBytes(p); bytes > 0) {
       ASSIGN_OR_RETURN(scratch, Scratch(bytes));
@@ -55,6 +68,7 @@ class CudaBackend final : public KernelBackend {
   }
   absl::Status Add(const AddParams& p) override { return cuda::LaunchAdd(p, stream_); }
   absl::Status AppendKv(const AppendKvParams& p) override {
+    RETURN_IF_ERROR(ValidateAppendKv(p));  // before sizing the table from p.batch
     ASSIGN_OR_RETURN(void* table, Table(&append_, p.seqs, sizeof(KvAppend) * p.batch));
     return cuda::LaunchAppendKv(p, static_cast<const KvAppend*>(table), stream_);
   }
@@ -65,20 +79,30 @@ class CudaBackend final : public KernelBackend {
     return cuda::LaunchPrefillAttention(p, stream_);
   }
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
+    RETURN_IF_ERROR(ValidateDecodeAttention(p));
     ASSIGN_OR_RETURN(void* table, Table(&seqs_, p.seqs, sizeof(DecodeSequence) * p.batch));
     return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table), stream_);
   }
 
  private:
-  // A per-op table of host structs (the batch's sequences) copied to the device for a launch.
-  // The copy is queued on the stream, after the kernels that read the previous table. The
-  // caller's array may go once this returns: cudaMemcpyAsync from pageable host memory has
-  // staged it by then.
+  // A per-op table of host structs (the batch's sequences) copied to the device for a launch,
+  // queued on the stream after the kernels that read the previous table. The copy goes from
+  // a pinned staging slot, so it is truly asynchronous and the caller's array may go at once;
+  // a ring of slots, each reused only after its last copy finished (an event), lets the host
+  // run ahead of the device by that many ops.
   struct DeviceTable {
     void* data = nullptr;
     size_t bytes = 0;
   };
+  struct Staging {
+    void* host = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t done = nullptr;
+    bool pending = false;
+  };
+  static constexpr int kStagingSlots = 64;
   absl::StatusOr<void*> Table(DeviceTable* t, const void* host, size_t bytes) {
+    if (bytes == 0) return t->data;
     if (bytes > t->bytes) {
       RETURN_IF_ERROR(Synchronize());  // the old table may still be read by a queued kernel
       if (t->data) cudaFree(t->data);
@@ -87,11 +111,29 @@ class CudaBackend final : public KernelBackend {
       RETURN_IF_ERROR(CudaStatus(cudaMalloc(&t->data, bytes), "cudaMalloc (op table)"));
       t->bytes = bytes;
     }
-    if (bytes > 0) {
-      RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpyAsync(t->data, host, bytes, cudaMemcpyHostToDevice, stream_),
-                     "cudaMemcpy (op table)"));
+    Staging& slot = staging_[next_slot_];
+    next_slot_ = (next_slot_ + 1) % kStagingSlots;
+    if (slot.pending) {
+      RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(slot.done), "cudaEventSynchronize"));
+      slot.pending = false;
     }
+    if (slot.done == nullptr) {
+      RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming),
+                                 "cudaEventCreate"));
+    }
+    if (bytes > slot.bytes) {
+      if (slot.host) cudaFreeHost(slot.host);
+      slot.host = nullptr;
+      slot.bytes = 0;
+      RETURN_IF_ERROR(CudaStatus(cudaMallocHost(&slot.host, bytes), "cudaMallocHost (op table)"));
+      slot.bytes = bytes;
+    }
+    std::memcpy(slot.host, host, bytes);
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(t->data, slot.host, bytes, cudaMemcpyHostToDevice, stream_),
+                   "cudaMemcpy (op table)"));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(slot.done, stream_), "cudaEventRecord"));
+    slot.pending = true;
     return t->data;
   }
 
@@ -112,6 +154,8 @@ class CudaBackend final : public KernelBackend {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   DeviceTable seqs_, append_;
+  Staging staging_[kStagingSlots];
+  int next_slot_ = 0;
 };
 
 }  // namespace

@@ -15,8 +15,13 @@
 
 namespace kvwire::kernels::cuda {
 
+// A failed call's error also stays in the runtime's last-error slot, where the next launch's
+// check (LaunchStatus) would find it and blame that kernel: a non-sticky error (an allocation
+// that failed) is cleared here, once reported. A sticky one (a fault inside a kernel) stays
+// and fails every later call, as it must.
 inline absl::Status CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
 }
 

@@ -10,8 +10,9 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void RmsNormKernel(const float* __restrict__ x, const float* __restrict__ w,
-                              float* __restrict__ y, int dim, float eps) {
+// x and y may alias (backend.h): no __restrict__ on them.
+__global__ void RmsNormKernel(const float* x, const float* __restrict__ w, float* y, int dim,
+                              float eps) {
   const float* xr = x + static_cast<int64_t>(blockIdx.x) * dim;
   float* yr = y + static_cast<int64_t>(blockIdx.x) * dim;
   float ss = 0.f;
