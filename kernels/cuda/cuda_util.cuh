@@ -1,4 +1,5 @@
-// Helpers shared by the CUDA kernels: status conversion, element loads, warp reductions.
+// Helpers shared by the CUDA kernels: status conversion, element loads and stores, warp
+// reductions.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,6 +44,22 @@ __device__ __forceinline__ float ToF32<__nv_bfloat16>(__nv_bfloat16 v) {
 template <>
 __device__ __forceinline__ float ToF32<__half>(__half v) {
   return __half2float(v);
+}
+
+// Float32 to an element type, rounding to nearest even (as FromFloat on the host).
+template <typename T>
+__device__ __forceinline__ T FromF32(float v);
+template <>
+__device__ __forceinline__ float FromF32<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half FromF32<__half>(float v) {
+  return __float2half_rn(v);
 }
 
 __device__ __forceinline__ float WarpSum(float v) {

@@ -17,21 +17,6 @@ __global__ void AddKernel(const float* __restrict__ x, float* __restrict__ y, in
 }
 
 template <typename T>
-__device__ __forceinline__ T FromF32(float v);
-template <>
-__device__ __forceinline__ float FromF32<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF32<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half FromF32<__half>(float v) {
-  return __float2half_rn(v);
-}
-
-template <typename T>
 __global__ void AppendKvKernel(const KvAppend* __restrict__ seqs, int n_kv_heads, int n_cache_heads,
                                int d) {
   const int item = blockIdx.x;  // ((b · n_cache_heads) + c) · 2 + (0: K, 1: V)
