@@ -7,10 +7,12 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
 #include "kernels/cpu_backend.h"
+#include "kernels/validate.h"
 
 namespace kvwire::kernels {
 namespace {
@@ -46,49 +48,102 @@ class GuardedBackend final : public KernelBackend {
     regions_.erase(it);
   }
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    return Run([&] {
+    return Run("CopyToDevice", {{dst, "dst"}}, [&] {
       if (bytes > 0) std::memcpy(dst, src, bytes);  // data() of an empty array may be null
       return absl::OkStatus();
     });
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
-    return Run([&] {
-      if (bytes > 0) std::memcpy(dst, src, bytes);  // data() of an empty array may be null
+    return Run("CopyToHost", {{src, "src"}}, [&] {
+      if (bytes > 0) std::memcpy(dst, src, bytes);
       return absl::OkStatus();
     });
   }
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
+  // Every pointer an op's parameters carry must be this backend's memory, as a GPU kernel's
+  // must be device memory (the tables of sequences themselves are host arrays, as the CUDA
+  // backend uploads them).
   absl::Status MatMul(const MatMulParams& p) override {
-    return Run([&] { return inner_->MatMul(p); });
+    RETURN_IF_ERROR(ValidateMatMul(p));  // shapes first, as the CUDA backend
+    return Run("MatMul", {{p.x, "x"}, {p.w, "w"}, {p.bias, "bias"}, {p.y, "y"}},
+               [&] { return inner_->MatMul(p); });
   }
   absl::Status RmsNorm(const RmsNormParams& p) override {
-    return Run([&] { return inner_->RmsNorm(p); });
+    RETURN_IF_ERROR(ValidateRmsNorm(p));  // shapes first, as the CUDA backend
+    return Run("RmsNorm", {{p.x, "x"}, {p.weight, "weight"}, {p.y, "y"}},
+               [&] { return inner_->RmsNorm(p); });
   }
   absl::Status Rope(const RopeParams& p) override {
-    return Run([&] { return inner_->Rope(p); });
+    RETURN_IF_ERROR(ValidateRope(p));  // shapes first, as the CUDA backend
+    return Run("Rope", {{p.x, "x"}, {p.positions, "positions"}, {p.inv_freq, "inv_freq"}},
+               [&] { return inner_->Rope(p); });
   }
   absl::Status SwiGlu(const SwiGluParams& p) override {
-    return Run([&] { return inner_->SwiGlu(p); });
+    RETURN_IF_ERROR(ValidateSwiGlu(p));  // shapes first, as the CUDA backend
+    return Run("SwiGlu", {{p.gate_up, "gate_up"}, {p.out, "out"}},
+               [&] { return inner_->SwiGlu(p); });
   }
   absl::Status PrefillAttention(const PrefillAttentionParams& p) override {
-    return Run([&] { return inner_->PrefillAttention(p); });
+    RETURN_IF_ERROR(ValidatePrefillAttention(p));  // shapes first, as the CUDA backend
+    return Run("PrefillAttention",
+               {{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.out, "out"}, {p.window_scores, "scores"}},
+               [&] { return inner_->PrefillAttention(p); });
   }
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
-    return Run([&] { return inner_->DecodeAttention(p); });
+    RETURN_IF_ERROR(ValidateDecodeAttention(p));  // shapes first, as the CUDA backend
+    std::vector<Pointer> ptrs;
+    for (int b = 0; b < p.batch && p.seqs; ++b) {
+      const DecodeSequence& s = p.seqs[b];
+      ptrs.insert(ptrs.end(), {{s.q, "q"},
+                               {s.out, "out"},
+                               {s.k, "k"},
+                               {s.v, "v"},
+                               {s.indices, "indices"},
+                               {s.probs, "probs"}});
+    }
+    return Run("DecodeAttention", ptrs, [&] { return inner_->DecodeAttention(p); });
   }
   absl::Status Add(const AddParams& p) override {
-    return Run([&] { return inner_->Add(p); });
+    RETURN_IF_ERROR(ValidateAdd(p));  // shapes first, as the CUDA backend
+    return Run("Add", {{p.x, "x"}, {p.y, "y"}}, [&] { return inner_->Add(p); });
   }
   absl::Status AppendKv(const AppendKvParams& p) override {
-    return Run([&] { return inner_->AppendKv(p); });
+    RETURN_IF_ERROR(ValidateAppendKv(p));  // shapes first, as the CUDA backend
+    std::vector<Pointer> ptrs;
+    for (int b = 0; b < p.batch && p.seqs; ++b) {
+      const KvAppend& s = p.seqs[b];
+      ptrs.insert(ptrs.end(),
+                  {{s.k, "k"}, {s.v, "v"}, {s.k_cache, "k_cache"}, {s.v_cache, "v_cache"}});
+    }
+    return Run("AppendKv", ptrs, [&] { return inner_->AppendKv(p); });
   }
 
  private:
-  // Opens every buffer for the duration of one op, then closes them again.
+  struct Pointer {
+    const void* p;
+    const char* name;
+  };
+  // Null, or inside one of this backend's buffers.
+  bool Owned(const void* p) const {
+    if (p == nullptr) return true;
+    auto it = regions_.upper_bound(const_cast<void*>(p));
+    if (it == regions_.begin()) return false;
+    --it;
+    return static_cast<const char*>(p) < static_cast<const char*>(it->first) + it->second;
+  }
+  // Checks `ptrs`, then opens every buffer for the duration of one op and closes them again.
   template <typename F>
-  absl::Status Run(F&& op) {
+  absl::Status Run(const char* op_name, const std::vector<Pointer>& ptrs, F&& op) {
     std::lock_guard<std::mutex> lock(mu_);
+    for (const Pointer& x : ptrs) {
+      if (!Owned(x.p)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("guarded backend: ", op_name, "'s ", x.name,
+                         " is not memory of this backend (a host pointer where a device one is "
+                         "needed)"));
+      }
+    }
     RETURN_IF_ERROR(Protect(PROT_READ | PROT_WRITE));
     const absl::Status st = op();
     RETURN_IF_ERROR(Protect(PROT_NONE));

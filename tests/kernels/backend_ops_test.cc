@@ -577,6 +577,34 @@ TEST(GuardedBackend, HostAccessBetweenOpsDies) {
   (*b)->Free(p);
 }
 
+// Its ops take only its own memory, as GPU kernels take only device memory: a host array
+// passed where the op reads or writes is refused, naming the parameter.
+TEST(GuardedBackend, OpsRefuseHostPointers) {
+  auto b = MakeBackend(BackendKind::kGuarded, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  Arena a(**b);
+  std::vector<float> host_x(8, 1.f);
+  float* y = a.Zeros(8);
+  absl::Status st = (*b)->Add({host_x.data(), y, 8});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("Add's x"), std::string::npos) << st;
+  st = (*b)->Add({y, host_x.data(), 8});
+  EXPECT_NE(st.message().find("Add's y"), std::string::npos) << st;
+  DecodeSequence seq;
+  seq.q = a.Zeros(8);
+  seq.out = a.Zeros(8);
+  seq.k = seq.v = a.Zeros(8);
+  seq.head_stride = 8;
+  seq.len = 1;
+  std::vector<int32_t> host_indices = {0};
+  seq.indices = host_indices.data();
+  seq.num_indices = 1;
+  st = (*b)->DecodeAttention({&seq, 1, 1, 1, 8, DType::kF32, 1.f});
+  EXPECT_NE(st.message().find("DecodeAttention's indices"), std::string::npos) << st;
+  seq.indices = a.Upload(host_indices);
+  EXPECT_TRUE((*b)->DecodeAttention({&seq, 1, 1, 1, 8, DType::kF32, 1.f}).ok());
+}
+
 TEST(BackendFactory, CudaWithoutGpuSaysWhy) {
   if (CudaAvailable()) GTEST_SKIP() << "a GPU is present";
   auto b = MakeBackend(BackendKind::kCuda);
