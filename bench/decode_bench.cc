@@ -15,10 +15,16 @@
 //   rocketkv          both stages from --t: SnapKV++ capacity by the α rule, then hybrid
 //   quest             the full cache, Quest pages at --t
 //
-// Run: build/bench/decode_bench [--ctx 16384 --kept 2048 --t 1024 --steps 24 --threads 2]
+// `--batch` decodes that many sequences per step (each its own cache and selector, the same
+// rows), and `--backend cuda` runs it on a GPU (selection on the host, attention on the device;
+// KV bytes then count the whole batch).
+//
+// Run: build/bench/decode_bench [--ctx 16384 --kept 2048 --t 1024 --steps 24 --threads 2
+//                                --batch 1 --backend cpu]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -37,10 +43,26 @@ struct Mode {
   std::string name;
   int prompt_kept;  // tokens per KV head in the cache before decoding
   DecodeAttentionConfig attention;
-  std::unique_ptr<KvCache> cache;
-  std::unique_ptr<DecodeSelector> selector;
+  std::vector<std::unique_ptr<KvCache>> caches;  // one per sequence of the batch
+  std::vector<std::unique_ptr<DecodeSelector>> selectors;
   std::vector<double> ms, attn_ms, sel_ms;
 };
+
+// The first `len` tokens of `from`'s rows and positions, into `to` (of the same shape).
+void CopyRows(const KvCache& from, KvCache& to, int len) {
+  for (int l = 0; l < from.num_layers(); ++l) {
+    const LayerCache& a = from.layer(l);
+    LayerCache& b = to.layer(l);
+    for (int h = 0; h < a.n_heads; ++h) {
+      std::memcpy(b.k_row(h, 0), a.k_row(h, 0), a.row_bytes() * len);
+      std::memcpy(b.v_row(h, 0), a.v_row(h, 0), a.row_bytes() * len);
+      std::memcpy(b.positions + int64_t{h} * b.capacity, a.positions + int64_t{h} * a.capacity,
+                  sizeof(int32_t) * len);
+    }
+    b.len = len;
+  }
+  to.set_prompt_len(from.prompt_len());
+}
 
 void Fill(KvCache& cache, int len, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -73,13 +95,15 @@ int main(int argc, char** argv) {
   f.Define("t", "1024", "per-step token budget of the sparse modes");
   f.Define("steps", "24", "timed decode steps per mode");
   f.Define("threads", "2", "CPU threads");
+  f.Define("batch", "1", "sequences decoded together in each step (each with its own cache)");
+  f.Define("backend", "cpu", "kernel backend: cpu, reference, cuda or guarded");
   if (int rc = ParseFlagsOrExit(f, "decode_bench", "decode_bench [flags]", argc, argv); rc >= 0) {
     return rc;
   }
   auto ctx_or = f.GetInt("ctx", 16, 1 << 20), kept_or = f.GetInt("kept", 16, 1 << 20),
        t_or = f.GetInt("t", 2, 1 << 20), steps_or = f.GetInt("steps", 1, 10000),
-       threads_or = f.GetInt("threads", 1, 256);
-  for (const auto* v : {&ctx_or, &kept_or, &t_or, &steps_or, &threads_or}) {
+       threads_or = f.GetInt("threads", 1, 256), batch_or = f.GetInt("batch", 1, 1024);
+  for (const auto* v : {&ctx_or, &kept_or, &t_or, &steps_or, &threads_or, &batch_or}) {
     if (!v->ok()) {
       std::fprintf(stderr, "decode_bench: %s\n", std::string(v->status().message()).c_str());
       return 2;
@@ -87,8 +111,16 @@ int main(int argc, char** argv) {
   }
   const int ctx = static_cast<int>(*ctx_or), kept = static_cast<int>(*kept_or);
   const int t = static_cast<int>(*t_or), steps = static_cast<int>(*steps_or);
+  const int batch = static_cast<int>(*batch_or);
   LoadOptions lo;
   lo.threads = static_cast<int>(*threads_or);
+  auto backend = kernels::ParseBackendKind(f.GetString("backend"));
+  if (!backend.ok()) {
+    std::fprintf(stderr, "decode_bench: --backend: %s\n",
+                 std::string(backend.status().message()).c_str());
+    return 2;
+  }
+  lo.backend = *backend;
   auto model_or =
       LlamaModel::Load(f.GetString("model") + ",context=" + std::to_string(ctx + steps + 8), lo);
   if (!model_or.ok()) {
@@ -98,9 +130,10 @@ int main(int argc, char** argv) {
   LlamaModel& m = **model_or;
   const ModelConfig& c = m.config();
   std::printf(
-      "model: %s\ncontext %d tokens, compressed cache %d, token budget t=%d, %d steps, %d "
-      "threads\n",
-      m.description().c_str(), ctx, kept, t, steps, lo.threads);
+      "model: %s\ncontext %d tokens, compressed cache %d, token budget t=%d, %d steps, batch %d, "
+      "%s backend, %d threads\n",
+      m.description().c_str(), ctx, kept, t, steps, batch,
+      std::string(kernels::BackendName(lo.backend)).c_str(), lo.threads);
 
   std::vector<Mode> modes;
   auto add = [&](std::string name, int prompt_kept, DecodeAttentionConfig a) {
@@ -133,28 +166,51 @@ int main(int argc, char** argv) {
     Mode& md = modes[i];
     KvCacheShape shape{c.num_kv_heads, c.head_dim, m.kv_dtype(),
                        std::vector<int>(c.num_layers, md.prompt_kept + steps + 2)};
-    md.cache = *KvCache::Create(shape, HeapKvAllocator());
-    md.cache->set_prompt_len(ctx);
-    Fill(*md.cache, md.prompt_kept, 42 + i);
-    auto sel = MakeDecodeSelector(md.attention, c, shape, HeapKvAllocator());
-    if (!sel.ok()) {
-      std::fprintf(stderr, "%s: %s\n", md.name.c_str(),
-                   std::string(sel.status().message()).c_str());
+    // Every sequence of the batch holds the same rows (filled once, copied).
+    for (int b = 0; b < batch; ++b) {
+      auto cache = KvCache::Create(shape, HeapKvAllocator());
+      if (!cache.ok()) {
+        std::fprintf(stderr, "%s: %s\n", md.name.c_str(),
+                     std::string(cache.status().message()).c_str());
+        return 1;
+      }
+      (*cache)->set_prompt_len(ctx);
+      if (b == 0) {
+        Fill(**cache, md.prompt_kept, 42 + i);
+      } else {
+        CopyRows(*md.caches[0], **cache, md.prompt_kept);
+      }
+      md.caches.push_back(std::move(*cache));
+      auto sel = MakeDecodeSelector(md.attention, c, shape, HeapKvAllocator());
+      if (!sel.ok()) {
+        std::fprintf(stderr, "%s: %s\n", md.name.c_str(),
+                     std::string(sel.status().message()).c_str());
+        return 1;
+      }
+      md.selectors.push_back(std::move(*sel));
+    }
+    // One untimed step builds the page summaries over the prompt (done once per request) and,
+    // on a device backend, uploads the caches.
+    std::vector<float> logits(static_cast<size_t>(batch) * c.vocab_size);
+    std::vector<DecodeInput> in;
+    for (int b = 0; b < batch; ++b) {
+      in.push_back({5, ctx, md.caches[b].get(), md.selectors[b].get()});
+    }
+    if (absl::Status st = m.DecodeStep(in, logits.data()); !st.ok()) {
+      std::fprintf(stderr, "%s: %s\n", md.name.c_str(), std::string(st.message()).c_str());
       return 1;
     }
-    md.selector = std::move(*sel);
-    // One untimed step builds the page summaries over the prompt (done once per request).
-    std::vector<float> logits(c.vocab_size);
-    DecodeInput in{5, ctx, md.cache.get(), md.selector.get()};
-    if (!m.DecodeStep({&in, 1}, logits.data()).ok()) return 1;
   }
-  std::vector<float> logits(c.vocab_size);
+  std::vector<float> logits(static_cast<size_t>(batch) * c.vocab_size);
   for (int s = 0; s < steps; ++s) {
     for (Mode& md : modes) {
-      DecodeInput in{7, ctx + 1 + s, md.cache.get(), md.selector.get()};
+      std::vector<DecodeInput> in;
+      for (int b = 0; b < batch; ++b) {
+        in.push_back({7, ctx + 1 + s, md.caches[b].get(), md.selectors[b].get()});
+      }
       DecodeTimes times;
       const auto t0 = std::chrono::steady_clock::now();
-      if (!m.DecodeStep({&in, 1}, logits.data(), nullptr, &times).ok()) return 1;
+      if (!m.DecodeStep(in, logits.data(), nullptr, &times).ok()) return 1;
       md.ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
       md.attn_ms.push_back(1e3 * (times.selection_s + times.attention_s));
@@ -172,10 +228,10 @@ int main(int argc, char** argv) {
   std::vector<double> kv_of;
   for (Mode& md : modes) {
     const double med = median(md.ms);
-    const int len = md.cache->layer(0).len;
+    const int len = md.caches[0]->layer(0).len;
     auto p = ResolveSparseParams(md.attention, md.prompt_kept + steps + 2, c.head_dim);
     const double kv = static_cast<double>(BytesReadPerStep(*p, len, c.head_dim, m.kv_dtype())) *
-                      c.num_kv_heads * c.num_layers;
+                      c.num_kv_heads * c.num_layers * batch;
     kv_of.push_back(kv);
     if (base_ms == 0) {
       base_ms = med;

@@ -877,15 +877,6 @@ absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* 
   if (bsz == 0) return absl::OkStatus();
   RETURN_IF_ERROR(CheckDecodeBatch(batch));
   if (on_device()) {
-    for (const DecodeInput& in : batch) {
-      if (in.selector != nullptr) {
-        return absl::UnimplementedError(absl::StrCat(
-            "sparse decode attention (a decode selector) runs on the cpu and reference "
-            "backends; on ",
-            kernels::BackendName(backend_->kind()),
-            " this version decodes dense over the (compressed) cache"));
-      }
-    }
     if (observer != nullptr) {
       return absl::UnimplementedError(absl::StrCat(
           "decode attention probabilities (a DecodeObserver) are measured on the cpu and "
@@ -1006,7 +997,10 @@ absl::Status LlamaModel::SyncDeviceCaches(absl::Span<const DecodeInput> batch) {
 
 // One layer's attention for a batch on a GPU: each sequence's new K/V row appended to its
 // device cache (AppendKv), then decode attention over it, every sequence of one cache layout in
-// one call each.
+// one call each. Sequences with a selector (sparse attention) are selected on the host, as on
+// the CPU backends: the layer's q and new K/V rows come back to the host, where the new row is
+// also written to the host cache (the selector's page summaries read it), and the chosen
+// indices go to the device for the attention kernel.
 absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const DecodeInput> batch,
                                                       Activations& a, DecodeTimes* times) {
   const ModelConfig& c = config_;
@@ -1015,17 +1009,44 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
   const int64_t stride = qd + 2 * kvd;
   using Clock = std::chrono::steady_clock;
   const Clock::time_point t0 = Clock::now();
+  bool any_sparse = false;
+  for (const DecodeInput& in : batch) any_sparse |= in.selector != nullptr;
+  std::vector<float> qkv_host;
+  const float* qkv = nullptr;  // the layer's rows on the host, when some sequence selects
+  if (any_sparse) {
+    ASSIGN_OR_RETURN(qkv, HostView(a.qkv, static_cast<size_t>(bsz) * stride, &qkv_host));
+  }
   std::vector<kernels::KvAppend> appends(bsz);
   std::vector<DecodeSequence> seqs(bsz);
+  std::vector<std::vector<int32_t>> indices(bsz);
+  std::vector<std::pair<int, int>> heads;  // (sequence, cache head) to select for
   for (int b = 0; b < bsz; ++b) {
     LayerCache& lc = batch[b].cache->layer(li);
     DeviceKv::Layer& l = static_cast<DeviceKv*>(batch[b].cache->attachment())->layers[li];
     const int t = lc.len;
+    const int heads_per_kv = lc.n_heads / c.num_kv_heads;
     for (int ch = 0; ch < lc.n_heads; ++ch) {
       lc.positions[int64_t{ch} * lc.capacity + t] = batch[b].position;
+      if (batch[b].selector) {
+        const float* kr = qkv + b * stride + qd + int64_t{ch / heads_per_kv} * d;
+        FromFloat(lc.dtype, kr, lc.k_row(ch, t), d);
+        FromFloat(lc.dtype, kr + kvd, lc.v_row(ch, t), d);
+      }
     }
     lc.len = t + 1;
     l.len = lc.len;
+    if (batch[b].selector) {
+      int n = 0;
+      ASSIGN_OR_RETURN(const bool sparse, batch[b].selector->Plan(li, lc, &n));
+      if (sparse) {
+        if (n <= 0 || n > lc.len) {
+          return absl::InternalError("decode selector planned a malformed selection");
+        }
+        indices[b].resize(static_cast<size_t>(lc.n_heads) * n);
+        seqs[b].num_indices = n;
+        for (int ch = 0; ch < lc.n_heads; ++ch) heads.emplace_back(b, ch);
+      }
+    }
     const float* kr = a.qkv + b * stride + qd;
     appends[b] = {kr, kr + kvd, l.k, l.v, lc.head_stride(), t};
     DecodeSequence& s = seqs[b];
@@ -1036,6 +1057,42 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
     s.head_stride = lc.head_stride();
     s.len = lc.len;
   }
+  if (any_sparse) {
+    backend_->HostParallelFor(static_cast<int64_t>(heads.size()), [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h) {
+        const auto [b, ch] = heads[h];
+        int32_t* out = indices[b].data() + static_cast<size_t>(ch) * seqs[b].num_indices;
+        batch[b].selector->SelectHead(li, qkv + b * stride, batch[b].cache->layer(li), ch, out);
+      }
+    });
+    // Every sparse sequence's indices in one device buffer.
+    size_t total = 0;
+    for (const auto& ix : indices) total += ix.size();
+    if (total * sizeof(int32_t) > sparse_indices_bytes_) {
+      sparse_indices_.reset();
+      sparse_indices_bytes_ = 0;
+      ASSIGN_OR_RETURN(sparse_indices_, AllocateOnBackend(total * sizeof(int32_t)));
+      sparse_indices_bytes_ = total * sizeof(int32_t);
+    }
+    std::vector<int32_t> packed;
+    packed.reserve(total);
+    for (int b = 0; b < bsz; ++b) {
+      if (batch[b].selector) {
+        batch[b].selector->Done(li, qkv + b * stride, batch[b].cache->layer(li),
+                                indices[b].empty() ? nullptr : indices[b].data(),
+                                seqs[b].num_indices);
+      }
+      if (indices[b].empty()) continue;
+      seqs[b].indices = static_cast<const int32_t*>(sparse_indices_.get()) + packed.size();
+      packed.insert(packed.end(), indices[b].begin(), indices[b].end());
+    }
+    if (!packed.empty()) {
+      RETURN_IF_ERROR(backend_->CopyToDevice(sparse_indices_.get(), packed.data(),
+                                             packed.size() * sizeof(int32_t)));
+    }
+  }
+  const Clock::time_point t1 = Clock::now();
+  if (times) times->selection_s += std::chrono::duration<double>(t1 - t0).count();
   // Sequences grouped by cache layout (per KV head or per query head, dtype).
   std::vector<bool> done(bsz, false);
   for (int b0 = 0; b0 < bsz; ++b0) {
@@ -1065,7 +1122,7 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
   }
   if (times) {
     RETURN_IF_ERROR(backend_->Synchronize());
-    times->attention_s += std::chrono::duration<double>(Clock::now() - t0).count();
+    times->attention_s += std::chrono::duration<double>(Clock::now() - t1).count();
   }
   return absl::OkStatus();
 }

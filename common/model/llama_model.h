@@ -256,6 +256,8 @@ class LlamaModel {
   std::vector<BackendPtr> placed_;  // what PlaceWeights uploaded
   std::mutex decode_mu_;
   std::unique_ptr<Activations> decode_activations_;  // under decode_mu_, reused across steps
+  BackendPtr sparse_indices_;                        // under decode_mu_: a step's selections
+  size_t sparse_indices_bytes_ = 0;
 };
 
 }  // namespace kvwire

@@ -197,22 +197,64 @@ TEST_P(DeviceEngine, MixedBatchOfCompressedCachesEqualsTheCpuEngine) {
   }
 }
 
-TEST_P(DeviceEngine, SparseSelectionAndObserversAreRefusedSayingWhy) {
+// Sparse decode on the device path (selection on the host, attention over the chosen rows on
+// the device) gives the CPU engine's tokens and logprobs, for every attention mode, dense
+// layers first, over a full and a SnapKV-compressed cache, greedy and sampled.
+TEST_P(DeviceEngine, SparseDecodeEqualsTheCpuEngine) {
+  auto cpu = Load("synthetic:tiny", On(kernels::BackendKind::kCpu));
+  auto dev = Load("synthetic:tiny", On(device()));
+  ASSERT_TRUE(cpu && dev);
+  const int vocab = cpu->config().vocab_size;
+  std::vector<int32_t> prompt = {1};
+  for (int i = 0; i < 90; ++i) prompt.push_back(5 + (i * 29) % (vocab - 5));
+  struct Case {
+    const char* name;
+    AttentionMode mode;
+    int top_k, top_r, page;
+    bool compressed;
+  };
+  const std::vector<Case> cases = {{"quest", AttentionMode::kQuest, 16, 0, 4, false},
+                                   {"hybrid", AttentionMode::kHybrid, 16, 4, 4, false},
+                                   {"exact_topk", AttentionMode::kExactTopK, 12, 0, 0, false},
+                                   {"hybrid over snapkv", AttentionMode::kHybrid, 12, 4, 4, true}};
+  for (const Case& c : cases) {
+    for (bool sampled : {false, true}) {
+      SCOPED_TRACE(std::string(c.name) + (sampled ? " sampled" : " greedy"));
+      GenerationRequest req;
+      req.prompt_ids = prompt;
+      req.max_tokens = 12;
+      req.attention.mode = c.mode;
+      req.attention.top_k = c.top_k;
+      req.attention.top_r = c.top_r;
+      req.attention.page_size = c.page;
+      if (c.compressed) {
+        req.compression.policy = *MakePolicy("snapkv");
+        req.compression.budget = 40;
+      }
+      if (sampled) {
+        req.sampling = {0.8f, 0, 0.9f};
+        req.seed = 11;
+      }
+      auto want = Generate(*cpu, req);
+      auto got = Generate(*dev, req);
+      ASSERT_TRUE(want.ok()) << want.status();
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->ids, want->ids);
+      ASSERT_EQ(got->logprobs.size(), want->logprobs.size());
+      for (size_t i = 0; i < got->logprobs.size(); ++i) {
+        EXPECT_NEAR(got->logprobs[i], want->logprobs[i], 1e-3) << i;
+      }
+    }
+  }
+}
+
+// Decode attention probabilities (a DecodeObserver, for fidelity measurements) are not returned
+// by the device path: refused, naming the backend, and the refused step appends nothing.
+TEST_P(DeviceEngine, DecodeObserversAreRefusedSayingWhy) {
   auto dev = Load("synthetic:tiny", On(device()));
   ASSERT_NE(dev, nullptr);
-  GenerationRequest req;
-  req.prompt_ids = {1, 2, 3, 4, 5, 6, 7, 8};
-  req.max_tokens = 4;
-  req.attention.mode = AttentionMode::kQuest;
-  req.attention.top_k = 4;
-  req.attention.page_size = 2;
-  auto r = Generate(*dev, req);
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(r.status().message().find(kernels::BackendName(device())), std::string::npos)
-      << r.status();
-  // A decode observer (attention probabilities) likewise.
-  auto seq = PrefillSequence(*dev, req.prompt_ids, CompressionConfig{}, 4);
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8};
+  auto seq = PrefillSequence(*dev, prompt, CompressionConfig{}, 4);
   ASSERT_TRUE(seq.ok()) << seq.status();
   struct Probe : DecodeObserver {
     void OnAttention(int, int, const float*, int) override {}
@@ -221,8 +263,10 @@ TEST_P(DeviceEngine, SparseSelectionAndObserversAreRefusedSayingWhy) {
   DecodeInput in{5, 8, seq->cache.get(), nullptr};
   const absl::Status st = dev->DecodeStep({&in, 1}, logits.data(), &probe);
   EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
-  // The refused steps appended nothing: the sequence still decodes.
+  EXPECT_NE(st.message().find(kernels::BackendName(device())), std::string::npos) << st;
+  EXPECT_EQ(seq->cache->layer(0).len, 8);
   EXPECT_TRUE(dev->DecodeStep({&in, 1}, logits.data()).ok());
+  EXPECT_EQ(seq->cache->layer(0).len, 9);
 }
 
 // The agreement check at the 1B shape: 32 greedy steps on the GPU and the CPU engine, the same
