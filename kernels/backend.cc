@@ -38,7 +38,7 @@ absl::StatusOr<KernelBackendPtr> MakeBackend(BackendKind kind, int threads) {
     case BackendKind::kCpu:
       return MakeCpuBackend(threads);
     case BackendKind::kCuda:
-      return MakeCudaBackend();
+      return MakeCudaBackend(threads);
     case BackendKind::kGuarded:
       return MakeGuardedBackend(threads);
   }

@@ -9,7 +9,8 @@
 
 namespace kvwire::kernels {
 
-absl::StatusOr<KernelBackendPtr> MakeCudaBackend();
+// `threads` host threads for the host work between ops (0: all hardware threads).
+absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads = 0);
 bool CudaDevicePresent();
 
 // The device's ceilings, for benchmarks that set a measurement against them in the same run:

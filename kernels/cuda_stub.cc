@@ -3,7 +3,7 @@
 
 namespace kvwire::kernels {
 
-absl::StatusOr<KernelBackendPtr> MakeCudaBackend() {
+absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int) {
   return absl::UnimplementedError(
       "this kvwire build has no CUDA backend; rebuild with -DKVWIRE_CUDA=ON on a machine with "
       "the CUDA toolkit");

@@ -60,6 +60,10 @@ class GuardedBackend final : public KernelBackend {
     });
   }
   absl::Status Synchronize() override { return absl::OkStatus(); }
+  // Host work (sparse selection) on the CPU backend's threads, as the CUDA backend's pool.
+  void HostParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn) override {
+    inner_->HostParallelFor(n, fn);
+  }
 
   // Every pointer an op's parameters carry must be this backend's memory, as a GPU kernel's
   // must be device memory (the tables of sequences themselves are host arrays, as the CUDA

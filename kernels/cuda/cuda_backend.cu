@@ -8,6 +8,7 @@
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda_backend.h"
+#include "kernels/thread_pool.h"
 #include "kernels/validate.h"
 
 namespace kvwire::kernels {
@@ -17,7 +18,8 @@ using cuda::CudaStatus;
 
 class CudaBackend final : public KernelBackend {
  public:
-  CudaBackend(cudaStream_t stream, cublasHandle_t cublas) : stream_(stream), cublas_(cublas) {}
+  CudaBackend(cudaStream_t stream, cublasHandle_t cublas, int threads)
+      : stream_(stream), cublas_(cublas), pool_(threads) {}
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
     if (scratch_) cudaFree(scratch_);
@@ -78,6 +80,12 @@ class CudaBackend final : public KernelBackend {
   absl::Status PrefillAttention(const PrefillAttentionParams& p) override {
     return cuda::LaunchPrefillAttention(p, stream_);
   }
+  // Host work between ops (sparse decode selection) on the host's cores, idle while the GPU
+  // computes.
+  void HostParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn) override {
+    pool_.ParallelFor(n, 1, fn);
+  }
+
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
     RETURN_IF_ERROR(ValidateDecodeAttention(p));
     ASSIGN_OR_RETURN(void* table, Table(&seqs_, p.seqs, sizeof(DecodeSequence) * p.batch));
@@ -153,6 +161,7 @@ class CudaBackend final : public KernelBackend {
   cublasHandle_t cublas_;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  ThreadPool pool_;
   DeviceTable seqs_, append_;
   Staging staging_[kStagingSlots];
   int next_slot_ = 0;
@@ -165,7 +174,7 @@ bool CudaDevicePresent() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-absl::StatusOr<KernelBackendPtr> MakeCudaBackend() {
+absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads) {
   if (!CudaDevicePresent()) {
     return absl::UnavailableError("this build has CUDA but no GPU is visible (cudaGetDeviceCount)");
   }
@@ -177,7 +186,7 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend() {
     cudaStreamDestroy(stream);
     return absl::InternalError("cublasCreate failed");
   }
-  return KernelBackendPtr(std::make_unique<CudaBackend>(stream, cublas));
+  return KernelBackendPtr(std::make_unique<CudaBackend>(stream, cublas, threads));
 }
 
 }  // namespace kvwire::kernels
