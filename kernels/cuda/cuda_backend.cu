@@ -47,20 +47,27 @@ class CudaBackend final : public KernelBackend {
   // pageable memory for an asynchronous copy only "may"). Uploads are weights, a step's
   // inputs and a sequence's prompt rows, not per-op traffic; op tables go through Table().
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_),
                                "cudaMemcpy to device"));
-    return Synchronize();
+    return SyncStream();
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_),
                                "cudaMemcpy to host"));
-    return Synchronize();
+    return SyncStream();
   }
   absl::Status Synchronize() override {
-    return CudaStatus(cudaStreamSynchronize(stream_), "kernel execution");
+    std::lock_guard<std::mutex> lock(mu_);
+    return SyncStream();
   }
 
+  // Every op takes mu_: a prefill and a decode step may call from two threads (llama_model.h),
+  // and the scratch buffer, the op tables and the cuBLAS handle are shared. Their kernels run
+  // in the stream's order, one op after another.
   absl::Status MatMul(const MatMulParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(ValidateMatMul(p));  // before sizing scratch from p
     void* scratch = nullptr;
     if (const size_t bytes = cuda::MatMulScratchBytes(p); bytes > 0) {
@@ -68,16 +75,30 @@ class CudaBackend final : public KernelBackend {
     }
     return cuda::LaunchMatMul(p, cublas_, scratch, stream_);
   }
-  absl::Status Add(const AddParams& p) override { return cuda::LaunchAdd(p, stream_); }
+  absl::Status Add(const AddParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchAdd(p, stream_);
+  }
   absl::Status AppendKv(const AppendKvParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(ValidateAppendKv(p));  // before sizing the table from p.batch
     ASSIGN_OR_RETURN(void* table, Table(&append_, p.seqs, sizeof(KvAppend) * p.batch));
     return cuda::LaunchAppendKv(p, static_cast<const KvAppend*>(table), stream_);
   }
-  absl::Status RmsNorm(const RmsNormParams& p) override { return cuda::LaunchRmsNorm(p, stream_); }
-  absl::Status Rope(const RopeParams& p) override { return cuda::LaunchRope(p, stream_); }
-  absl::Status SwiGlu(const SwiGluParams& p) override { return cuda::LaunchSwiGlu(p, stream_); }
+  absl::Status RmsNorm(const RmsNormParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchRmsNorm(p, stream_);
+  }
+  absl::Status Rope(const RopeParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchRope(p, stream_);
+  }
+  absl::Status SwiGlu(const SwiGluParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchSwiGlu(p, stream_);
+  }
   absl::Status PrefillAttention(const PrefillAttentionParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
     return cuda::LaunchPrefillAttention(p, stream_);
   }
   // Host work between ops (sparse decode selection) on the host's cores, idle while the GPU
@@ -87,6 +108,7 @@ class CudaBackend final : public KernelBackend {
   }
 
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(ValidateDecodeAttention(p));
     ASSIGN_OR_RETURN(void* table, Table(&seqs_, p.seqs, sizeof(DecodeSequence) * p.batch));
     return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table), stream_);
@@ -112,7 +134,7 @@ class CudaBackend final : public KernelBackend {
   absl::StatusOr<void*> Table(DeviceTable* t, const void* host, size_t bytes) {
     if (bytes == 0) return t->data;
     if (bytes > t->bytes) {
-      RETURN_IF_ERROR(Synchronize());  // the old table may still be read by a queued kernel
+      RETURN_IF_ERROR(SyncStream());  // the old table may still be read by a queued kernel
       if (t->data) cudaFree(t->data);
       t->data = nullptr;
       t->bytes = 0;
@@ -145,9 +167,12 @@ class CudaBackend final : public KernelBackend {
     return t->data;
   }
 
+  absl::Status SyncStream() {
+    return CudaStatus(cudaStreamSynchronize(stream_), "kernel execution");
+  }
   absl::StatusOr<void*> Scratch(size_t bytes) {
     if (bytes > scratch_bytes_) {
-      RETURN_IF_ERROR(Synchronize());  // the old buffer may still be in use
+      RETURN_IF_ERROR(SyncStream());  // the old buffer may still be in use
       if (scratch_) cudaFree(scratch_);
       scratch_ = nullptr;
       scratch_bytes_ = 0;
@@ -162,6 +187,7 @@ class CudaBackend final : public KernelBackend {
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   ThreadPool pool_;
+  std::mutex mu_;  // the ops and copies, one at a time (their host-side state)
   DeviceTable seqs_, append_;
   Staging staging_[kStagingSlots];
   int next_slot_ = 0;
