@@ -158,20 +158,22 @@ int main(int argc, char** argv) {
       return m.DecodeStep(in, logits.data());  // returns once the logits are on the host
     };
     if (absl::Status st = step(0); !st.ok()) return Fail(st);  // uploads the caches
-    std::vector<double> per_step;
-    int64_t kv_tokens = 0;
+    // (seconds per step, bytes read per step) of each run; the caches grow between runs, so the
+    // median run's own bytes go with its time.
+    std::vector<std::pair<double, double>> per_run;
     for (int r = 0; r < runs; ++r) {
-      kv_tokens = 0;
+      int64_t kv_tokens = 0;
       const Clock::time_point t0 = Clock::now();
       for (int s = 0; s < steps; ++s) {
         for (auto& cache : caches) kv_tokens += cache->layer(0).len + 1;
         if (absl::Status st = step(1 + r * steps + s); !st.ok()) return Fail(st);
       }
-      per_step.push_back(Seconds(t0, Clock::now()) / steps);
+      per_run.emplace_back(Seconds(t0, Clock::now()) / steps,
+                           static_cast<double>(m.WeightBytes()) +
+                               static_cast<double>(kv_tokens) / steps * c.num_layers * kv_row);
     }
-    const double t = Median(per_step);
-    const double bytes = static_cast<double>(m.WeightBytes()) +
-                         static_cast<double>(kv_tokens) / steps * c.num_layers * kv_row;
+    std::sort(per_run.begin(), per_run.end());
+    const auto [t, bytes] = per_run[per_run.size() / 2];
     std::printf("%6d %10.3f %10.0f %12.1f %14.0f %10.2f\n", bsz, t * 1e3, bsz / t, bytes / 1e6,
                 bytes / t / 1e9, bytes / t / *copy);
   }
@@ -187,7 +189,9 @@ int main(int argc, char** argv) {
                       3.0 * h * c.intermediate_size);
   for (int len : prefills) {
     std::vector<int32_t> ids(len);
-    for (int i = 0; i < len; ++i) ids[i] = 3 + (i * 7919) % (c.vocab_size - 3);
+    for (int i = 0; i < len; ++i) {
+      ids[i] = static_cast<int32_t>(3 + (int64_t{i} * 7919) % (c.vocab_size - 3));
+    }
     std::vector<double> secs;
     for (int r = 0; r <= runs; ++r) {
       const Clock::time_point t0 = Clock::now();

@@ -440,6 +440,17 @@ std::vector<std::pair<std::shared_ptr<DecodeEngine::Seq>, absl::Status>> DecodeE
     }
   }
   std::vector<std::pair<std::shared_ptr<Seq>, absl::Status>> ended;
+  // A sequence whose cache the model cannot take (a GPU out of memory for its device copy)
+  // ends alone, before the step, instead of failing everyone's.
+  for (auto it = batch.begin(); it != batch.end();) {
+    if (absl::Status st = model_->PrepareForDecode(*(*it)->cache); !st.ok()) {
+      (*it)->finished = true;
+      ended.emplace_back(*it, st);
+      it = batch.erase(it);
+    } else {
+      ++it;
+    }
+  }
   if (batch.empty()) return ended;
   const int vocab = model_->config().vocab_size;
   std::vector<DecodeInput> inputs;

@@ -471,12 +471,16 @@ void LlamaModel::EmbedRow(int32_t token, float* out) const {
 // they are written to the caller's array directly).
 struct LlamaModel::Activations {
   int rows = 0, chunk = 0;
+  int capacity = 0;  // rows allocated (a decode step's are reused for smaller batches)
   float *x = nullptr, *h = nullptr, *qkv = nullptr, *attn = nullptr, *gate_up = nullptr,
         *act = nullptr, *logits = nullptr;
   int32_t* positions = nullptr;
-  // The host side of the inputs: token embeddings and positions, uploaded by Upload().
+  // Where the inputs (token embeddings, positions) are written on the host: x and positions
+  // themselves on a host backend, else these arrays, which UploadInputs copies to the device.
   std::vector<float> x_host;
   std::vector<int32_t> positions_host;
+  float* x_in = nullptr;
+  int32_t* positions_in = nullptr;
   std::vector<BackendPtr> owned;
 };
 
@@ -506,8 +510,16 @@ absl::StatusOr<std::unique_ptr<LlamaModel::Activations>> LlamaModel::MakeActivat
   if (on_device() && logit_rows > 0) {
     ASSIGN_OR_RETURN(a->logits, floats(int64_t{logit_rows} * c.vocab_size));
   }
-  a->x_host.resize(int64_t{rows} * c.hidden_size);
-  a->positions_host.resize(rows);
+  a->capacity = rows;
+  if (on_device()) {
+    a->x_host.resize(int64_t{rows} * c.hidden_size);
+    a->positions_host.resize(rows);
+    a->x_in = a->x_host.data();
+    a->positions_in = a->positions_host.data();
+  } else {
+    a->x_in = a->x;
+    a->positions_in = a->positions;
+  }
   return a;
 }
 
@@ -573,9 +585,11 @@ absl::Status LlamaModel::Logits(Activations& a, int first, float* logits) {
 
 // The inputs filled in on the host (embeddings, positions) into the backend's memory.
 absl::Status LlamaModel::UploadInputs(Activations& a) {
-  RETURN_IF_ERROR(backend_->CopyToDevice(a.x, a.x_host.data(), a.x_host.size() * sizeof(float)));
+  if (!on_device()) return absl::OkStatus();  // written in place
+  RETURN_IF_ERROR(backend_->CopyToDevice(
+      a.x, a.x_host.data(), static_cast<size_t>(a.rows) * config_.hidden_size * sizeof(float)));
   return backend_->CopyToDevice(a.positions, a.positions_host.data(),
-                                a.positions_host.size() * sizeof(int32_t));
+                                static_cast<size_t>(a.rows) * sizeof(int32_t));
 }
 
 absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
@@ -602,8 +616,8 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
   }
   float* scores = static_cast<float*>(scores_buffer.get());
   for (int i = 0; i < len; ++i) {
-    a.positions_host[i] = i;
-    EmbedRow(ids[i], a.x_host.data() + int64_t{i} * c.hidden_size);
+    a.positions_in[i] = i;
+    EmbedRow(ids[i], a.x_in + int64_t{i} * c.hidden_size);
   }
   RETURN_IF_ERROR(UploadInputs(a));
   std::vector<float> qkv_host, scores_host;  // what the observer reads, on a GPU
@@ -661,6 +675,11 @@ absl::Status LlamaModel::CheckDecodeBatch(absl::Span<const DecodeInput> batch) c
     if (in.position < 0 || in.position >= c.context_limit()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "position ", in.position, " is outside the model's context of ", c.context_limit()));
+    }
+    if (!on_device() && in.cache->attachment() != nullptr) {
+      return absl::FailedPreconditionError(
+          "this KV cache was decoded on a device (its generated rows are in the device copy); "
+          "decode it with the model it was decoded by");
     }
     const KvCacheShape& s = in.cache->shape();
     if (in.cache->num_layers() != c.num_layers || s.head_dim != c.head_dim ||
@@ -885,14 +904,17 @@ absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* 
     }
   }
   std::lock_guard<std::mutex> lock(decode_mu_);
-  if (decode_activations_ == nullptr || decode_activations_->rows != bsz) {
+  // Reused while the batch fits (requests join and leave between steps); regrown to the
+  // largest batch seen.
+  if (decode_activations_ == nullptr || decode_activations_->capacity < bsz) {
     decode_activations_.reset();
     ASSIGN_OR_RETURN(decode_activations_, MakeActivations(bsz, bsz, bsz));
   }
   Activations& a = *decode_activations_;
+  a.rows = a.chunk = bsz;
   for (int b = 0; b < bsz; ++b) {
-    a.positions_host[b] = batch[b].position;
-    EmbedRow(batch[b].token, a.x_host.data() + int64_t{b} * config_.hidden_size);
+    a.positions_in[b] = batch[b].position;
+    EmbedRow(batch[b].token, a.x_in + int64_t{b} * config_.hidden_size);
   }
   RETURN_IF_ERROR(UploadInputs(a));
   if (on_device()) RETURN_IF_ERROR(SyncDeviceCaches(batch));
@@ -940,57 +962,59 @@ class DeviceKv final : public KvCache::Attachment {
 }  // namespace
 
 absl::Status LlamaModel::SyncDeviceCaches(absl::Span<const DecodeInput> batch) {
-  for (const DecodeInput& in : batch) {
-    KvCache& cache = *in.cache;
-    auto* dev = dynamic_cast<DeviceKv*>(cache.attachment());
-    if (cache.attachment() != nullptr && (dev == nullptr || dev->backend() != backend_.get())) {
-      return absl::FailedPreconditionError(
-          "this KV cache has been decoded by another model; a cache belongs to one model");
-    }
-    if (dev == nullptr) {
-      auto fresh = std::make_unique<DeviceKv>(backend_);
-      const size_t bytes = KvCache::BytesFor(cache.shape());
-      for (int li = 0; li < cache.num_layers(); ++li) {
-        const LayerCache& lc = cache.layer(li);
-        const size_t half =
-            static_cast<size_t>(lc.n_heads) * lc.head_stride() * DTypeSize(lc.dtype);
-        DeviceKv::Layer l;
-        for (void** p : {&l.k, &l.v}) {
-          auto buffer = backend_->Allocate(half);
-          if (!buffer.ok()) {
-            // What was allocated so far is freed with `fresh`.
-            fresh->layers.push_back(l);
-            return absl::ResourceExhaustedError(absl::StrCat("no device memory for a KV cache of ",
-                                                             bytes >> 20,
-                                                             " MiB: ", buffer.status().message()));
-          }
-          *p = *buffer;
-        }
-        fresh->layers.push_back(l);
-      }
-      dev = fresh.get();
-      cache.set_attachment(std::move(fresh));
-    }
-    // The host rows the device does not have yet, one contiguous run per cache head.
+  for (const DecodeInput& in : batch) RETURN_IF_ERROR(PrepareForDecode(*in.cache));
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModel::PrepareForDecode(KvCache& cache) {
+  if (!on_device()) return absl::OkStatus();
+  auto* dev = dynamic_cast<DeviceKv*>(cache.attachment());
+  if (cache.attachment() != nullptr && (dev == nullptr || dev->backend() != backend_.get())) {
+    return absl::FailedPreconditionError(
+        "this KV cache has been decoded by another model; a cache belongs to one model");
+  }
+  if (dev == nullptr) {
+    auto fresh = std::make_unique<DeviceKv>(backend_);
+    const size_t bytes = KvCache::BytesFor(cache.shape());
     for (int li = 0; li < cache.num_layers(); ++li) {
       const LayerCache& lc = cache.layer(li);
-      DeviceKv::Layer& l = dev->layers[li];
-      if (lc.len < l.len) {
-        return absl::FailedPreconditionError("a KV cache lost rows that its device copy holds");
+      const size_t half = static_cast<size_t>(lc.n_heads) * lc.head_stride() * DTypeSize(lc.dtype);
+      DeviceKv::Layer l;
+      for (void** p : {&l.k, &l.v}) {
+        auto buffer = backend_->Allocate(half);
+        if (!buffer.ok()) {
+          // What was allocated so far is freed with `fresh`.
+          fresh->layers.push_back(l);
+          return absl::ResourceExhaustedError(absl::StrCat("no device memory for a KV cache of ",
+                                                           bytes >> 20,
+                                                           " MiB: ", buffer.status().message()));
+        }
+        *p = *buffer;
       }
-      if (lc.len == l.len) continue;
-      const size_t elem = DTypeSize(lc.dtype);
-      const size_t offset = static_cast<size_t>(l.len) * lc.head_dim * elem;
-      const size_t bytes = static_cast<size_t>(lc.len - l.len) * lc.row_bytes();
-      for (int ch = 0; ch < lc.n_heads; ++ch) {
-        const size_t head = static_cast<size_t>(ch) * lc.head_stride() * elem;
-        RETURN_IF_ERROR(backend_->CopyToDevice(static_cast<uint8_t*>(l.k) + head + offset,
-                                               lc.k + head + offset, bytes));
-        RETURN_IF_ERROR(backend_->CopyToDevice(static_cast<uint8_t*>(l.v) + head + offset,
-                                               lc.v + head + offset, bytes));
-      }
-      l.len = lc.len;
+      fresh->layers.push_back(l);
     }
+    dev = fresh.get();
+    cache.set_attachment(std::move(fresh));
+  }
+  // The host rows the device does not have yet, one contiguous run per cache head.
+  for (int li = 0; li < cache.num_layers(); ++li) {
+    const LayerCache& lc = cache.layer(li);
+    DeviceKv::Layer& l = dev->layers[li];
+    if (lc.len < l.len) {
+      return absl::FailedPreconditionError("a KV cache lost rows that its device copy holds");
+    }
+    if (lc.len == l.len) continue;
+    const size_t elem = DTypeSize(lc.dtype);
+    const size_t offset = static_cast<size_t>(l.len) * lc.head_dim * elem;
+    const size_t bytes = static_cast<size_t>(lc.len - l.len) * lc.row_bytes();
+    for (int ch = 0; ch < lc.n_heads; ++ch) {
+      const size_t head = static_cast<size_t>(ch) * lc.head_stride() * elem;
+      RETURN_IF_ERROR(backend_->CopyToDevice(static_cast<uint8_t*>(l.k) + head + offset,
+                                             lc.k + head + offset, bytes));
+      RETURN_IF_ERROR(backend_->CopyToDevice(static_cast<uint8_t*>(l.v) + head + offset,
+                                             lc.v + head + offset, bytes));
+    }
+    l.len = lc.len;
   }
   return absl::OkStatus();
 }
@@ -1033,8 +1057,7 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
         FromFloat(lc.dtype, kr + kvd, lc.v_row(ch, t), d);
       }
     }
-    lc.len = t + 1;
-    l.len = lc.len;
+    lc.len = t + 1;  // the device copy's len follows once AppendKv has written the row
     if (batch[b].selector) {
       int n = 0;
       ASSIGN_OR_RETURN(const bool sparse, batch[b].selector->Plan(li, lc, &n));
@@ -1100,16 +1123,22 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
     const KvCacheShape& shape = batch[b0].cache->shape();
     std::vector<kernels::KvAppend> group_appends;
     std::vector<DecodeSequence> group_seqs;
+    std::vector<int> group;
     for (int b = b0; b < bsz; ++b) {
       const KvCacheShape& sb = batch[b].cache->shape();
       if (done[b] || sb.n_heads != shape.n_heads || sb.dtype != shape.dtype) continue;
       done[b] = true;
+      group.push_back(b);
       group_appends.push_back(appends[b]);
       group_seqs.push_back(seqs[b]);
     }
     const int n = static_cast<int>(group_seqs.size());
     RETURN_IF_ERROR(backend_->AppendKv(
         {group_appends.data(), n, c.num_kv_heads, shape.n_heads, d, shape.dtype}));
+    for (int b : group) {
+      static_cast<DeviceKv*>(batch[b].cache->attachment())->layers[li].len =
+          batch[b].cache->layer(li).len;
+    }
     DecodeAttentionParams dp;
     dp.seqs = group_seqs.data();
     dp.batch = n;

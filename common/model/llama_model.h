@@ -174,6 +174,12 @@ class LlamaModel {
   absl::Status DecodeStep(absl::Span<const DecodeInput> batch, float* logits,
                           DecodeObserver* observer = nullptr, DecodeTimes* times = nullptr);
 
+  // Makes `cache` ready for DecodeStep: on a device backend its device copy is allocated and
+  // given the rows the host holds (a full device is RESOURCE_EXHAUSTED for this cache alone,
+  // where inside DecodeStep it would fail the whole batch); nothing on a host backend.
+  // DecodeStep does it itself for a cache that was not prepared.
+  absl::Status PrepareForDecode(KvCache& cache);
+
   static std::string SyntheticSpecHelp();
 
  private:

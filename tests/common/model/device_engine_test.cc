@@ -249,7 +249,8 @@ TEST_P(DeviceEngine, SparseDecodeEqualsTheCpuEngine) {
 }
 
 // Decode attention probabilities (a DecodeObserver, for fidelity measurements) are not returned
-// by the device path: refused, naming the backend, and the refused step appends nothing.
+// by the device path: refused, naming the backend, and the refused step appends nothing. A
+// cache decoded on the device is refused by a host model.
 TEST_P(DeviceEngine, DecodeObserversAreRefusedSayingWhy) {
   auto dev = Load("synthetic:tiny", On(device()));
   ASSERT_NE(dev, nullptr);
@@ -267,6 +268,14 @@ TEST_P(DeviceEngine, DecodeObserversAreRefusedSayingWhy) {
   EXPECT_EQ(seq->cache->layer(0).len, 8);
   EXPECT_TRUE(dev->DecodeStep({&in, 1}, logits.data()).ok());
   EXPECT_EQ(seq->cache->layer(0).len, 9);
+  // Its generated rows now live in the device copy: a host model refuses the cache rather than
+  // attend over host rows nobody wrote.
+  auto cpu = Load("synthetic:tiny", On(kernels::BackendKind::kCpu));
+  ASSERT_NE(cpu, nullptr);
+  DecodeInput next{6, 9, seq->cache.get(), nullptr};
+  const absl::Status refused = cpu->DecodeStep({&next, 1}, logits.data());
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("device"), std::string::npos) << refused;
 }
 
 // The agreement check at the 1B shape: 32 greedy steps on the GPU and the CPU engine, the same
