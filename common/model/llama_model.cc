@@ -1005,6 +1005,14 @@ absl::Status LlamaModel::PrepareForDecode(KvCache& cache) {
     }
     if (lc.len == l.len) continue;
     const size_t elem = DTypeSize(lc.dtype);
+    if (l.len == 0) {
+      // The first upload (the prompt): each of K and V in one copy, the heads' unused rows too.
+      const size_t all = static_cast<size_t>(lc.n_heads) * lc.head_stride() * elem;
+      RETURN_IF_ERROR(backend_->CopyToDevice(l.k, lc.k, all));
+      RETURN_IF_ERROR(backend_->CopyToDevice(l.v, lc.v, all));
+      l.len = lc.len;
+      continue;
+    }
     const size_t offset = static_cast<size_t>(l.len) * lc.head_dim * elem;
     const size_t bytes = static_cast<size_t>(lc.len - l.len) * lc.row_bytes();
     for (int ch = 0; ch < lc.n_heads; ++ch) {
