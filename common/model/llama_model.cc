@@ -697,6 +697,40 @@ absl::Status LlamaModel::CheckDecodeBatch(absl::Span<const DecodeInput> batch) c
   return absl::OkStatus();
 }
 
+namespace {
+
+// Token lc.len of every cache head: its position, and (k, v not null) its K and V rows, the
+// float rows of the KV heads at k and v, stored in the cache's dtype (a cache kept per query
+// head stores its KV head's row once per query head). Then the cache holds one more token.
+void AppendToHostCache(LayerCache& lc, int n_kv_heads, const float* k, const float* v,
+                       int32_t position) {
+  const int heads_per_kv = lc.n_heads / n_kv_heads;
+  const int t = lc.len;
+  for (int ch = 0; ch < lc.n_heads; ++ch) {
+    lc.positions[int64_t{ch} * lc.capacity + t] = position;
+    if (k != nullptr) {
+      const int64_t g = (ch / heads_per_kv) * int64_t{lc.head_dim};
+      FromFloat(lc.dtype, k + g, lc.k_row(ch, t), lc.head_dim);
+      FromFloat(lc.dtype, v + g, lc.v_row(ch, t), lc.head_dim);
+    }
+  }
+  lc.len = t + 1;
+}
+
+// The selector's plan for `layer` (over a cache that already holds the new token): 0 for
+// dense attention, else the tokens each cache head attends.
+absl::StatusOr<int> PlanSelection(DecodeSelector& selector, int layer, const LayerCache& lc) {
+  int n = 0;
+  ASSIGN_OR_RETURN(const bool sparse, selector.Plan(layer, lc, &n));
+  if (!sparse) return 0;
+  if (n <= 0 || n > lc.len) {
+    return absl::InternalError("decode selector planned a malformed selection");
+  }
+  return n;
+}
+
+}  // namespace
+
 absl::StatusOr<bool> DecodeSelector::Select(int layer, const float* q, const LayerCache& cache,
                                             std::vector<int32_t>* indices, int* num_indices) {
   ASSIGN_OR_RETURN(const bool sparse, Plan(layer, cache, num_indices));
@@ -733,17 +767,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
   for (int b = 0; b < bsz; ++b) {
     LayerCache& lc = batch[b].cache->layer(li);
     const float* kr = a.qkv + b * stride + qd;
-    const float* vr = kr + kvd;
-    // A cache kept per query head stores its KV head's row once per query head.
-    const int heads_per_kv = lc.n_heads / c.num_kv_heads;
-    const int t = lc.len;
-    for (int ch = 0; ch < lc.n_heads; ++ch) {
-      const int g = ch / heads_per_kv;
-      FromFloat(lc.dtype, kr + int64_t{g} * d, lc.k_row(ch, t), d);
-      FromFloat(lc.dtype, vr + int64_t{g} * d, lc.v_row(ch, t), d);
-      lc.positions[int64_t{ch} * lc.capacity + t] = batch[b].position;
-    }
-    lc.len = t + 1;
+    AppendToHostCache(lc, c.num_kv_heads, kr, kr + kvd, batch[b].position);
     DecodeSequence& s = seqs[b];
     s.q = a.qkv + b * stride;
     s.out = a.attn + int64_t{b} * qd;
@@ -752,12 +776,8 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
     s.head_stride = lc.head_stride();
     s.len = lc.len;
     if (batch[b].selector) {
-      int n = 0;
-      ASSIGN_OR_RETURN(const bool sparse, batch[b].selector->Plan(li, lc, &n));
-      if (sparse) {
-        if (n <= 0 || n > lc.len) {
-          return absl::InternalError("decode selector planned a malformed selection");
-        }
+      ASSIGN_OR_RETURN(const int n, PlanSelection(*batch[b].selector, li, lc));
+      if (n > 0) {
         indices[b].resize(static_cast<size_t>(lc.n_heads) * n);
         s.indices = indices[b].data();
         s.num_indices = n;
@@ -1056,23 +1076,14 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
     LayerCache& lc = batch[b].cache->layer(li);
     DeviceKv::Layer& l = static_cast<DeviceKv*>(batch[b].cache->attachment())->layers[li];
     const int t = lc.len;
-    const int heads_per_kv = lc.n_heads / c.num_kv_heads;
-    for (int ch = 0; ch < lc.n_heads; ++ch) {
-      lc.positions[int64_t{ch} * lc.capacity + t] = batch[b].position;
-      if (batch[b].selector) {
-        const float* kr = qkv + b * stride + qd + int64_t{ch / heads_per_kv} * d;
-        FromFloat(lc.dtype, kr, lc.k_row(ch, t), d);
-        FromFloat(lc.dtype, kr + kvd, lc.v_row(ch, t), d);
-      }
-    }
-    lc.len = t + 1;  // the device copy's len follows once AppendKv has written the row
+    // The host rows are written only for a selector (its page summaries read them); the
+    // device copy's len follows once AppendKv has written the row there.
+    const float* host_k = batch[b].selector ? qkv + b * stride + qd : nullptr;
+    AppendToHostCache(lc, c.num_kv_heads, host_k, host_k ? host_k + kvd : nullptr,
+                      batch[b].position);
     if (batch[b].selector) {
-      int n = 0;
-      ASSIGN_OR_RETURN(const bool sparse, batch[b].selector->Plan(li, lc, &n));
-      if (sparse) {
-        if (n <= 0 || n > lc.len) {
-          return absl::InternalError("decode selector planned a malformed selection");
-        }
+      ASSIGN_OR_RETURN(const int n, PlanSelection(*batch[b].selector, li, lc));
+      if (n > 0) {
         indices[b].resize(static_cast<size_t>(lc.n_heads) * n);
         seqs[b].num_indices = n;
         for (int ch = 0; ch < lc.n_heads; ++ch) heads.emplace_back(b, ch);
