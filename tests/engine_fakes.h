@@ -6,8 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -36,6 +38,35 @@ inline std::unique_ptr<LlamaModel> LoadModel(const std::string& spec) {
   auto m = LlamaModel::Load(spec, o);
   EXPECT_TRUE(m.ok()) << spec << ": " << m.status();
   return m.ok() ? std::move(*m) : nullptr;
+}
+
+// `n` greedy tokens after `prompt`, single-process; empty (and a test failure) on an error.
+inline std::vector<int32_t> Greedy(LlamaModel& m, const std::vector<int32_t>& prompt, int n) {
+  GenerationRequest req;
+  req.prompt_ids = prompt;
+  req.max_tokens = n;
+  req.sampling.temperature = 0;
+  auto r = Generate(m, req);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? r->ids : std::vector<int32_t>{};
+}
+
+// The teacher-forced negative log-likelihood of ids[1..] given the tokens before each, in
+// nats, from one prefill with every position's logits.
+inline double SumNll(LlamaModel& model, const std::vector<int32_t>& ids) {
+  auto r = model.Prefill(ids, nullptr, /*all_logits=*/true);
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (!r.ok()) return 0;
+  const int vocab = model.config().vocab_size;
+  double nll = 0;
+  for (size_t i = 0; i + 1 < ids.size(); ++i) {
+    const float* l = r->logits.data() + i * vocab;
+    const float mx = *std::max_element(l, l + vocab);
+    double z = 0;
+    for (int v = 0; v < vocab; ++v) z += std::exp(static_cast<double>(l[v]) - mx);
+    nll -= l[ids[i + 1]] - mx - std::log(z);
+  }
+  return nll;
 }
 
 // A passkey prompt as a single-process request: greedy, the answer's length, compressed

@@ -20,12 +20,14 @@
 #include "common/model/llama_model.h"
 #include "common/sparse/attention.h"
 #include "kernels/backend.h"
+#include "tests/engine_fakes.h"
 #include "tests/test_util.h"
 
 namespace kvwire {
 namespace {
 
 using nlohmann::json;
+using testing::Greedy;
 
 class DeviceEngine : public ::testing::TestWithParam<kernels::BackendKind> {
  protected:
@@ -53,15 +55,6 @@ std::unique_ptr<LlamaModel> Load(const std::string& spec, const LoadOptions& opt
 
 std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); }
 
-std::vector<int32_t> Greedy(LlamaModel& m, const std::vector<int32_t>& prompt, int n) {
-  GenerationRequest req;
-  req.prompt_ids = prompt;
-  req.max_tokens = n;
-  auto r = Generate(m, req);
-  EXPECT_TRUE(r.ok()) << r.status();
-  return r.ok() ? r->ids : std::vector<int32_t>{};
-}
-
 TEST_P(DeviceEngine, StoriesGreedyIdsEqualTheReference) {
   KVWIRE_REQUIRE_SHARED();
   auto dev = Load(testing::StoriesModelDir(), On(device()));
@@ -73,19 +66,8 @@ TEST_P(DeviceEngine, StoriesGreedyIdsEqualTheReference) {
         << run;
   }
   // Teacher-forced NLL within 1e-3 of the reference's.
-  const auto ids = Ids(ref["teacher_forced"]["ids"]);
-  auto r = dev->Prefill(ids, nullptr, /*all_logits=*/true);
-  ASSERT_TRUE(r.ok()) << r.status();
-  const int vocab = dev->config().vocab_size;
-  double nll = 0;
-  for (size_t i = 0; i + 1 < ids.size(); ++i) {
-    const float* l = r->logits.data() + i * vocab;
-    const float mx = *std::max_element(l, l + vocab);
-    double z = 0;
-    for (int v = 0; v < vocab; ++v) z += std::exp(static_cast<double>(l[v]) - mx);
-    nll -= l[ids[i + 1]] - mx - std::log(z);
-  }
-  EXPECT_NEAR(nll, ref["teacher_forced"]["sum_nll"].get<double>(), 1e-3);
+  EXPECT_NEAR(testing::SumNll(*dev, Ids(ref["teacher_forced"]["ids"])),
+              ref["teacher_forced"]["sum_nll"].get<double>(), 1e-3);
 
   // bf16 weights (uploaded as stored after the conversion): the first 32 greedy tokens.
   auto bf16 = Load(testing::StoriesModelDir(), On(device(), DType::kBF16));

@@ -13,10 +13,14 @@
 
 #include "common/engine/generate.h"
 #include "common/model/safetensors.h"
+#include "tests/engine_fakes.h"
 #include "tests/test_util.h"
 
 namespace kvwire {
 namespace {
+
+using testing::Greedy;
+using testing::SumNll;
 
 using nlohmann::json;
 namespace fs = std::filesystem;
@@ -29,16 +33,6 @@ std::unique_ptr<LlamaModel> LoadStories(LoadOptions options = {}) {
   auto m = LlamaModel::Load(testing::StoriesModelDir(), options);
   EXPECT_TRUE(m.ok()) << m.status();
   return m.ok() ? std::move(*m) : nullptr;
-}
-
-std::vector<int32_t> Greedy(LlamaModel& m, const std::vector<int32_t>& prompt, int n) {
-  GenerationRequest req;
-  req.prompt_ids = prompt;
-  req.max_tokens = n;
-  req.sampling.temperature = 0;
-  auto r = Generate(m, req);
-  EXPECT_TRUE(r.ok()) << r.status();
-  return r.ok() ? r->ids : std::vector<int32_t>{};
 }
 
 std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); }
@@ -83,21 +77,6 @@ TEST(StoriesReference, GreedyFromPromptMatchesExactly) {
   auto text = model->tokenizer().Decode(got);
   ASSERT_TRUE(text.ok());
   EXPECT_EQ(*text, ref["text"].get<std::string>());
-}
-
-double SumNll(LlamaModel& model, const std::vector<int32_t>& ids) {
-  auto r = model.Prefill(ids, nullptr, /*all_logits=*/true);
-  EXPECT_TRUE(r.ok()) << r.status();
-  const int vocab = model.config().vocab_size;
-  double nll = 0;
-  for (size_t i = 0; i + 1 < ids.size(); ++i) {
-    const float* l = r->logits.data() + i * vocab;
-    const float mx = *std::max_element(l, l + vocab);
-    double z = 0;
-    for (int v = 0; v < vocab; ++v) z += std::exp(static_cast<double>(l[v]) - mx);
-    nll -= l[ids[i + 1]] - mx - std::log(z);
-  }
-  return nll;
 }
 
 TEST(StoriesReference, TeacherForcedNllWithin1e3) {
