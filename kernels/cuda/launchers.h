@@ -1,4 +1,6 @@
-// Entry points of the CUDA kernels, one per .cu file; cuda_backend.cu calls them.
+// Entry points of the CUDA kernels, one per .cu file; cuda_backend.cu calls them. Each checks
+// its parameters (kernels/validate.h) except MatMul, AppendKv and DecodeAttention, whose
+// parameters the backend checks first because it sizes scratch or op tables from them.
 #pragma once
 
 #include <cublas_v2.h>
