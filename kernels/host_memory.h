@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/host_alloc.h"
 #include "common/base/status.h"
 #include "kernels/backend.h"
 #include "kernels/validate.h"
@@ -15,8 +16,8 @@ namespace kvwire::kernels {
 class HostMemoryBackend : public KernelBackend {
  public:
   absl::StatusOr<void*> Allocate(size_t bytes) override {
-    // 64-byte alignment for AVX loads and to keep threads off each other's cache lines.
-    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+    // Weights, activations and device copies of KV: huge pages from 2 MiB (host_alloc.h).
+    void* p = AllocateHostBytes(bytes);
     if (p == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
     }

@@ -37,6 +37,19 @@ std::string MakeTempDir(const std::string& name);
 std::string ReadFile(const std::string& path);
 void WriteFile(const std::string& path, const std::string& contents);
 
+// The kernel's flags of the mapping that holds `p` (/proc/self/smaps' VmFlags line, e.g.
+// " hg" for MADV_HUGEPAGE), or "" when no mapping shows them.
+std::string VmFlagsOf(const void* p);
+// Skips the test unless this kernel has transparent huge pages and shows VmFlags.
+#define KVWIRE_REQUIRE_VMFLAGS()                                                      \
+  do {                                                                                \
+    if (!::kvwire::testing::HasVmFlags()) {                                           \
+      GTEST_SKIP() << "no transparent huge pages here, or /proc/self/smaps shows no " \
+                      "VmFlags";                                                      \
+    }                                                                                 \
+  } while (0)
+bool HasVmFlags();
+
 }  // namespace kvwire::testing
 
 #define KVWIRE_REQUIRE_SHARED()                                                    \

@@ -16,9 +16,10 @@ stories260K is also converted without the Q/K row interleave (the wrong RoPE lay
 llama.cpp), which must disagree within those ids.
 
 Then each measurement runs --runs times with the engines interleaved (the order reversed every
-other round). llama.cpp runs twice, with flash attention on and off (its default, "auto", is on
-for the CPU, and which is faster depends on the model and context), and each row compares
-kvwire with the faster of the two medians. Ratios are speeds: llama.cpp's time over kvwire's,
+other round). llama.cpp runs in four configurations: flash attention on and off (its default,
+"auto", is on for the CPU, and which is faster depends on the model and context), each with the
+GGUF memory-mapped (its default) and read into its own buffers (kvwire copies its weights into
+huge-page buffers at load); each row compares kvwire with the fastest of their medians. Ratios are speeds: llama.cpp's time over kvwire's,
 > 1 when kvwire is faster. The table goes to stdout; every run's times and ids to a JSON file
 under --out.
 
@@ -73,9 +74,9 @@ class Kvwire:
 
 
 class LlamaCppModel:
-  """A GGUF loaded by llama.cpp (memory-mapped, as llama.cpp does by default)."""
+  """A GGUF loaded by llama.cpp: memory-mapped (its default) or read into its own buffers."""
 
-  def __init__(self, gguf_path):
+  def __init__(self, gguf_path, use_mmap=True):
     import llama_cpp as lc  # pylint: disable=import-outside-toplevel
     global _QUIET_LOG  # pylint: disable=global-statement
     if _QUIET_LOG is None:
@@ -83,7 +84,9 @@ class LlamaCppModel:
       lc.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
       lc.llama_backend_init()
     self.lc = lc
-    self.model = lc.llama_model_load_from_file(gguf_path.encode(), lc.llama_model_default_params())
+    mp = lc.llama_model_default_params()
+    mp.use_mmap = use_mmap
+    self.model = lc.llama_model_load_from_file(gguf_path.encode(), mp)
     if not self.model:
       raise RuntimeError(f"llama.cpp could not load {gguf_path}")
 
@@ -94,7 +97,7 @@ class LlamaCppModel:
 class LlamaCpp:
   """A llama.cpp context on a loaded model, with a greedy sampler."""
 
-  def __init__(self, model, threads, n_ctx, flash_attn):
+  def __init__(self, model, threads, n_ctx, flash_attn, mmap="on"):
     lc = self.lc = model.lc
     cp = lc.llama_context_default_params()
     cp.n_ctx = n_ctx
@@ -106,6 +109,7 @@ class LlamaCpp:
     self.params = {k: getattr(cp, k) for k in ("n_ctx", "n_batch", "n_ubatch", "n_threads",
                                                "n_threads_batch", "type_k", "type_v")}
     self.params["flash_attn"] = flash_attn
+    self.params["mmap"] = mmap
     self.ctx = lc.llama_init_from_model(model.model, cp)
     if not self.ctx:
       raise RuntimeError("llama.cpp could not create a context")
@@ -243,13 +247,13 @@ def print_table(rows, runs, configs):
   print(f"\nkvwire ÷ llama.cpp (speed; > 1: kvwire faster), medians of {runs} interleaved runs; "
         f"llama.cpp: the faster of {', '.join(configs)} per row")
   head = (f"{'model':<16} {'thr':>3}  {'measurement':<22} {'kvwire tok/s':>12} "
-          f"{'llama.cpp tok/s':>15}  {'(config)':<9} {'ratio':>6}")
+          f"{'llama.cpp tok/s':>15}  {'(config)':<16} {'ratio':>6}")
   print(head)
   print("-" * len(head))
   for r in rows:
     config = r["llama_config"].replace("llama.cpp ", "")
     print(f"{r['model']:<16} {r['threads']:>3}  {r['what']:<22} {r['kvwire_tok_s']:>12.1f} "
-          f"{r['llama_tok_s']:>15.1f}  {config:<9} {r['ratio']:>6.2f}")
+          f"{r['llama_tok_s']:>15.1f}  {config:<16} {r['ratio']:>6.2f}")
 
 
 def ensure_models(out, stories_dir, skip_1b):
@@ -288,6 +292,10 @@ def main():
   p.add_argument("--stories-threads", default="1,2", help="stories260K's thread counts")
   p.add_argument("--flash-attn", default="on,off",
                  help="llama.cpp configurations to run: flash attention on, off, or both")
+  p.add_argument("--llama-mmap", default="on,off",
+                 help="llama.cpp configurations to run: weights memory-mapped from the GGUF "
+                 "(on, its default), read into its own buffers (off, as kvwire copies them), "
+                 "or both")
   p.add_argument("--min-agree", type=int, default=8,
                  help="leading greedy ids that must agree after each model's shortest prompt "
                  "and stories260K from BOS (fewer fails the run)")
@@ -303,6 +311,9 @@ def main():
   fa_modes = a.flash_attn.split(",")
   if not fa_modes or any(m not in ("on", "off") for m in fa_modes):
     raise SystemExit(f"--flash-attn: expected on, off or on,off, got {a.flash_attn!r}")
+  mmap_modes = a.llama_mmap.split(",")
+  if not mmap_modes or any(m not in ("on", "off") for m in mmap_modes):
+    raise SystemExit(f"--llama-mmap: expected on, off or on,off, got {a.llama_mmap!r}")
   models = ensure_models(a.out, stories, a.skip_1b)
 
   import llama_cpp  # pylint: disable=import-outside-toplevel
@@ -326,12 +337,14 @@ def main():
     hf, gg = models[name]
     prompts = {n: random_prompt(rng, n, vocab) for n, _ in cases}
     record = result["models"][name] = {"kvwire_dir": hf, "gguf": gg, "prompts": prompts}
-    model = LlamaCppModel(gg)
+    loaded = {mm: LlamaCppModel(gg, use_mmap=mm == "on") for mm in mmap_modes}
     for threads in thread_counts:
       engines = {"kvwire": Kvwire(a.kvwire, hf, threads)}
-      for m in fa_modes:
-        engines[f"llama.cpp fa={m}"] = LlamaCpp(model, threads, n_ctx, m)
-        engines[f"llama.cpp fa={m}"].run(prompts[cases[0][0]], 2)  # warm-up: weights paged in
+      for mm, model in loaded.items():
+        for m in fa_modes:
+          e = f"llama.cpp fa={m} mmap={mm}"
+          engines[e] = LlamaCpp(model, threads, n_ctx, m, mm)
+          engines[e].run(prompts[cases[0][0]], 2)  # warm-up: weights paged in
       record["llama_cpp_params"] = {e: x.params for e, x in engines.items() if e != "kvwire"}
       first = threads == thread_counts[0]
 
@@ -366,7 +379,8 @@ def main():
       for e, x in engines.items():
         if e != "kvwire":
           x.close()
-    model.close()
+    for model in loaded.values():
+      model.close()
 
   result["rows"] = rows
   result["wall_seconds"] = time.time() - start
@@ -374,7 +388,7 @@ def main():
   path = os.path.join(a.out, f"peer_bench-{stamp}.json")
   with open(path, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
-  print_table(rows, a.runs, [f"fa={m}" for m in fa_modes])
+  print_table(rows, a.runs, [f"fa={m} mmap={mm}" for mm in mmap_modes for m in fa_modes])
   print("\ngreedy ids (leading ids that agree with kvwire's, unless said otherwise):")
   timed = [g for g in result["greedy"] if "agree_per_run" in g]
   short = [g for g in timed if min(g["agree_per_run"]) < g["of"]]

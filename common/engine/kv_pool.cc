@@ -50,7 +50,7 @@ absl::StatusOr<KvMemoryPtr> KvPool::Allocate(size_t bytes) {
     }
     used_ += reserved;
   }
-  uint8_t* data = AllocateKvBytes(bytes);
+  uint8_t* data = AllocateHostBytes(bytes);
   if (data == nullptr) {
     Release(reserved);
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));

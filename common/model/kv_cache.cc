@@ -1,7 +1,5 @@
 #include "common/model/kv_cache.h"
 
-#include <sys/mman.h>
-
 #include <cstdlib>
 #include <cstring>
 
@@ -13,21 +11,6 @@ namespace {
 constexpr size_t kAlign = 64;
 
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-}  // namespace
-
-uint8_t* AllocateKvBytes(size_t bytes) {
-  // One cache line past the end: a vector load that starts in the last row stays inside.
-  bytes = AlignUp(bytes == 0 ? 1 : bytes) + kAlign;
-  if (bytes < kHugePageBytes) return static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes));
-  const size_t whole = (bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
-  void* p = std::aligned_alloc(kHugePageBytes, whole);
-  // Advice only: without THP (mode "never", or no support) the memory is plain pages.
-  if (p != nullptr) ::madvise(p, whole, MADV_HUGEPAGE);
-  return static_cast<uint8_t*>(p);
-}
-
-namespace {
 
 class HeapMemory final : public KvMemory {
  public:
@@ -44,7 +27,7 @@ class HeapMemory final : public KvMemory {
 class HeapAllocator final : public KvAllocator {
  public:
   absl::StatusOr<KvMemoryPtr> Allocate(size_t bytes) override {
-    uint8_t* p = AllocateKvBytes(bytes);
+    uint8_t* p = AllocateHostBytes(bytes);
     if (p == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes of KV"));
     }

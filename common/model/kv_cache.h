@@ -14,18 +14,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/base/dtype.h"
+#include "common/base/host_alloc.h"
 
 namespace kvwire {
-
-// Host memory for KV rows and page summaries, or nullptr when none is left: 64-byte aligned
-// (vector loads; threads off each other's cache lines). From kHugePageBytes up it is aligned
-// to 2 MiB and advised as a transparent-huge-page candidate (madvise MADV_HUGEPAGE, which
-// Debian's default THP mode, "madvise", requires): sparse decode reads a few KiB from each of
-// dozens of page-summary rows and short runs of scattered cache rows, and with 4 KiB pages
-// every page boundary costs a TLB walk and restarts the hardware prefetcher's stream.
-// Release with std::free.
-constexpr size_t kHugePageBytes = size_t{2} << 20;
-uint8_t* AllocateKvBytes(size_t bytes);
 
 // A region of KV memory. The decode node's pool hands these out with accounting; the
 // default allocator uses the heap.

@@ -215,8 +215,8 @@ class LlamaModel {
   // copies (a GPU; the guarded backend, which runs it on the CPU for tests).
   bool on_device() const { return !backend_->host_addressable(); }
   absl::StatusOr<BackendPtr> AllocateOnBackend(size_t bytes);
-  // Makes the weights, norms and RoPE frequencies the kernels read backend memory: uploads
-  // them once on a GPU; on the host backends they are used where they are.
+  // Copies the weights, norms and RoPE frequencies the kernels read into backend memory,
+  // once (device memory on a GPU; huge-page host buffers on the host backends).
   absl::Status PlaceWeights();
   // `n` floats at p (backend memory) as host memory: p itself on a host backend, else a copy
   // into *staging.

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/reference.h"
+#include "tests/test_util.h"
 
 namespace kvwire::kernels {
 namespace {
@@ -550,6 +551,29 @@ INSTANTIATE_TEST_SUITE_P(Backends, BackendOpsTest,
                          [](const ::testing::TestParamInfo<BackendKind>& info) {
                            return std::string(BackendName(info.param));
                          });
+
+// The host backends' buffers (weights, activations) from 2 MiB up are huge-page candidates:
+// decode at batch 1 streams every weight once a token, and on 4 KiB pages each page boundary
+// costs a TLB walk and stops the hardware prefetcher (common/base/host_alloc.h).
+TEST(HostBackends, LargeBuffersAskForHugePagesSmallOnesDoNot) {
+  KVWIRE_REQUIRE_VMFLAGS();
+  for (BackendKind kind : {BackendKind::kCpu, BackendKind::kReference}) {
+    auto b = MakeBackend(kind, 1);
+    ASSERT_TRUE(b.ok()) << b.status();
+    const size_t big = size_t{5} << 20;
+    auto large = (*b)->Allocate(big);
+    ASSERT_TRUE(large.ok()) << large.status();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(*large) % (size_t{2} << 20), 0u) << BackendName(kind);
+    EXPECT_NE(testing::VmFlagsOf(*large).find(" hg"), std::string::npos) << BackendName(kind);
+    std::memset(*large, 1, big);
+    auto small = (*b)->Allocate(1000);
+    ASSERT_TRUE(small.ok()) << small.status();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(*small) % 64, 0u);
+    EXPECT_EQ(testing::VmFlagsOf(*small).find(" hg"), std::string::npos) << BackendName(kind);
+    (*b)->Free(*large);
+    (*b)->Free(*small);
+  }
+}
 
 // The guarded backend's memory is the host's only inside its ops: a direct read or write of
 // it between ops dies (that is what makes it a test of the engine's device path), while

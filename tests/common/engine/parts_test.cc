@@ -3,14 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <cinttypes>
-#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <string>
 
 #include "common/engine/kv_pool.h"
 #include "common/engine/stop_matcher.h"
+#include "tests/test_util.h"
 
 namespace kvwire {
 namespace {
@@ -40,35 +38,13 @@ TEST(KvPool, ReservesWholePagesAndGivesThemBack) {
   EXPECT_EQ(pool.used(), 0u);
 }
 
-// The kernel's flags of the mapping that holds `p` (/proc/self/smaps' VmFlags line).
-std::string VmFlagsOf(const void* p) {
-  std::ifstream smaps("/proc/self/smaps");
-  const auto at = reinterpret_cast<uintptr_t>(p);
-  bool inside = false;
-  for (std::string line; std::getline(smaps, line);) {
-    uintptr_t lo = 0, hi = 0;
-    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " ", &lo, &hi) == 2 &&
-        line.find(':') > line.find('-')) {
-      inside = lo <= at && at < hi;
-    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
-      return line;
-    }
-  }
-  return "";
-}
-
 TEST(KvPool, LargeCachesAskForHugePagesSmallOnesDoNot) {
-  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) {
-    GTEST_SKIP() << "this kernel has no transparent huge pages";
-  }
+  KVWIRE_REQUIRE_VMFLAGS();
   KvPool pool(size_t{64} << 20, 4096);
   auto large = pool.Allocate(size_t{9} << 20);
   ASSERT_TRUE(large.ok()) << large.status();
   EXPECT_EQ(reinterpret_cast<uintptr_t>((*large)->data()) % kHugePageBytes, 0u);
-  const std::string flags = VmFlagsOf((*large)->data());
-  if (flags.empty() && VmFlagsOf(&flags).empty()) {
-    GTEST_SKIP() << "/proc/self/smaps shows no VmFlags here (not even for the stack)";
-  }
+  const std::string flags = testing::VmFlagsOf((*large)->data());
   ASSERT_FALSE(flags.empty()) << "no mapping in /proc/self/smaps holds the cache";
   EXPECT_NE(flags.find(" hg"), std::string::npos) << flags;  // MADV_HUGEPAGE
   std::memset((*large)->data(), 1, size_t{9} << 20);
@@ -76,7 +52,7 @@ TEST(KvPool, LargeCachesAskForHugePagesSmallOnesDoNot) {
   auto small = pool.Allocate(1000);
   ASSERT_TRUE(small.ok());
   EXPECT_EQ(reinterpret_cast<uintptr_t>((*small)->data()) % 64, 0u);
-  EXPECT_EQ(VmFlagsOf((*small)->data()).find(" hg"), std::string::npos);
+  EXPECT_EQ(testing::VmFlagsOf((*small)->data()).find(" hg"), std::string::npos);
 }
 
 TEST(KvPool, ParseBytes) {
