@@ -115,9 +115,12 @@ class CpuBackend final : public HostMemoryBackend {
       });
       return absl::OkStatus();
     }
-    // Slices of W rows sized so a widened float32 slice stays within about 2 MiB.
+    // Slices of W rows sized so a widened float32 slice stays within about 2 MiB. The tasks
+    // are sized by work, not by that bound: a small model's products (stories260K: k 64, n
+    // 128-512) fit in one slice, and split by slices ran on one thread.
     const int64_t slice = std::max<int64_t>(16, (int64_t{1} << 19) / p.k);
-    pool_.ParallelFor(p.n, slice, [&](int64_t j0, int64_t j1) {
+    const int64_t grain = std::max<int64_t>(16, kMinWorkPerTask / (int64_t{p.m} * p.k));
+    pool_.ParallelFor(p.n, grain, [&](int64_t j0, int64_t j1) {
       thread_local std::vector<float> wide;
       for (int64_t s0 = j0; s0 < j1; s0 += slice) {
         const int64_t s1 = std::min(j1, s0 + slice);
