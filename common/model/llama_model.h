@@ -37,6 +37,11 @@ struct LoadOptions {
   std::optional<DType> weight_dtype;
   kernels::BackendKind backend = kernels::BackendKind::kCpu;
   int threads = 0;  // CPU threads, 0 for all cores
+  // Host backends only: the kernels read the weights where loading left them (a model file's
+  // mapping, shared with other processes through the page cache) instead of a copy on huge
+  // pages. Loads faster and shares memory; decode reads the weights slower
+  // (docs/benchmarks.md, "Weights on huge pages"). A device backend refuses it.
+  bool mapped_weights = false;
 };
 
 // What a prefill observer sees after one layer's attention.
@@ -216,8 +221,9 @@ class LlamaModel {
   bool on_device() const { return !backend_->host_addressable(); }
   absl::StatusOr<BackendPtr> AllocateOnBackend(size_t bytes);
   // Copies the weights, norms and RoPE frequencies the kernels read into backend memory,
-  // once (device memory on a GPU; huge-page host buffers on the host backends).
-  absl::Status PlaceWeights();
+  // once (device memory on a GPU; huge-page host buffers on the host backends), unless
+  // `mapped` (LoadOptions::mapped_weights): then the kernels read them where they are.
+  absl::Status PlaceWeights(bool mapped);
   // `n` floats at p (backend memory) as host memory: p itself on a host backend, else a copy
   // into *staging.
   absl::StatusOr<const float*> HostView(const float* p, size_t n, std::vector<float>* staging);

@@ -12,6 +12,10 @@ void DefineModelFlags(Flags& flags) {
                "synthetic:attn-8kv)");
   flags.Define("dtype", "", "convert weights to f32, bf16 or f16 at load (default: as stored)");
   flags.Define("threads", "0", "CPU threads (0: all cores)");
+  flags.Define("weights", "copy",
+               "where the kernels read the weights: copy (into the backend's memory at load; on "
+               "the host backends, huge pages) or mapped (host backends only: the model files' "
+               "mapping, shared through the page cache; loads faster, decodes slower)");
   flags.Define("backend", "cpu",
                "kernel backend of the engine: cpu, reference, cuda (a GPU build on a machine "
                "with an NVIDIA GPU: weights, activations and KV caches in device memory) or "
@@ -28,6 +32,12 @@ absl::StatusOr<LoadOptions> LoadOptionsFromFlags(const Flags& flags) {
   ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0, 1024));
   options.threads = static_cast<int>(threads);
   ASSIGN_OR_RETURN(options.backend, kernels::ParseBackendKind(flags.GetString("backend")));
+  const std::string weights = flags.GetString("weights");
+  if (weights != "copy" && weights != "mapped") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--weights: expected copy or mapped, got '", weights, "'"));
+  }
+  options.mapped_weights = weights == "mapped";
   return options;
 }
 

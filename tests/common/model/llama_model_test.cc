@@ -11,7 +11,9 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "common/base/flags.h"
 #include "common/engine/generate.h"
+#include "common/model/model_flags.h"
 #include "common/model/safetensors.h"
 #include "tests/engine_fakes.h"
 #include "tests/test_util.h"
@@ -181,6 +183,46 @@ TEST(Engine, ReferenceBackendAgreesWithCpuBackend) {
   ASSERT_TRUE(a.ok() && b.ok());
   for (size_t i = 0; i < a->logits.size(); ++i) {
     ASSERT_NEAR(a->logits[i], b->logits[i], 1e-4 + 1e-4 * std::fabs(a->logits[i])) << i;
+  }
+}
+
+// The kernels read the same weights whether copied at load (the default) or read from the
+// file's mapping (--weights mapped): the same logits to the bit. A device backend, whose
+// kernels cannot read host memory, refuses the mapping, and the flag takes only its values.
+TEST(Engine, MappedWeightsGiveTheSameLogits) {
+  KVWIRE_REQUIRE_SHARED();
+  LoadOptions mapped;
+  mapped.mapped_weights = true;
+  auto a = LoadStories();
+  auto b = LoadStories(mapped);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  const std::vector<int32_t> ids = Ids(Reference()["teacher_forced"]["ids"]);
+  auto la = a->Prefill(ids, nullptr, true);
+  auto lb = b->Prefill(ids, nullptr, true);
+  ASSERT_TRUE(la.ok() && lb.ok());
+  EXPECT_EQ(la->logits, lb->logits);
+
+  mapped.backend = kernels::BackendKind::kGuarded;
+  auto refused = LlamaModel::Load(testing::StoriesModelDir(), mapped);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("host backends"), std::string::npos)
+      << refused.status();
+
+  for (const auto& [value, ok] : {std::pair<const char*, bool>{"copy", true},
+                                  {"mapped", true},
+                                  {"mmap", false},
+                                  {"Copy", false}}) {
+    Flags flags;
+    DefineModelFlags(flags);
+    ASSERT_TRUE(flags.Parse({"--model", "synthetic:tiny", "--weights", value}).ok()) << value;
+    auto options = LoadOptionsFromFlags(flags);
+    EXPECT_EQ(options.ok(), ok) << value << ": " << options.status();
+    if (ok) {
+      EXPECT_EQ(options->mapped_weights, std::string(value) == "mapped");
+    } else {
+      EXPECT_NE(options.status().message().find("expected copy or mapped"), std::string::npos);
+    }
   }
 }
 
