@@ -16,7 +16,7 @@ namespace kvwire::kernels {
 class HostMemoryBackend : public KernelBackend {
  public:
   absl::StatusOr<void*> Allocate(size_t bytes) override {
-    // Weights, activations and device copies of KV: huge pages from 2 MiB (host_alloc.h).
+    // Weights and activations: huge pages from 2 MiB (host_alloc.h).
     void* p = AllocateHostBytes(bytes);
     if (p == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));

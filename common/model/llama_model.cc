@@ -84,15 +84,16 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
                                                              const LoadOptions& options) {
   std::unique_ptr<LlamaModel> model(new LlamaModel());
   ASSIGN_OR_RETURN(model->backend_, kernels::MakeBackend(options.backend, options.threads));
+  if (options.mapped_weights && model->on_device()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mapped weights apply to the host backends (cpu, reference), not ",
+                     kernels::BackendName(options.backend),
+                     ", whose kernels read only the backend's own memory"));
+  }
   if (spec.rfind("synthetic:", 0) == 0) {
     RETURN_IF_ERROR(model->LoadSynthetic(spec, options));
   } else {
     RETURN_IF_ERROR(model->LoadFromFolder(spec, options));
-  }
-  if (options.mapped_weights && model->on_device()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mapped weights apply to the host backends (cpu, reference), not ",
-        kernels::BackendName(options.backend), ", whose kernels read device memory only"));
   }
   model->inv_freq_ = model->config_.RopeInvFreq();
   model->ComputeFingerprint();
