@@ -6,8 +6,9 @@
 #
 # The first run builds llama.cpp from source, through llama-cpp-python with native CPU flags,
 # into a cached environment (build/peers/venv, about 20 minutes on 2 cores), and writes the
-# models under build/peers/models (about 4 GB). Not run by CI: a run of 3 rounds (--runs 3) took
-# 5-6 minutes on a 2-core Zen 4 and 3 on a 2-core Zen 5; the default of 5 rounds, longer.
+# models under build/peers/models (about 4 GB). Not run by CI: with llama.cpp's four
+# configurations a run took 5.5 minutes on a 2-core Zen 5 at --runs 3, and 8.5-9 at the default
+# of 5 rounds.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LLAMA_CPP_PYTHON_VERSION=0.3.36
