@@ -50,6 +50,31 @@ struct LogitsArgs {
 // best here (r at once, 40 at 16K, read at half the bandwidth; one row at a time, at 60%).
 constexpr int kRowsPerPass = 8;
 
+// Even so the scorer waited on memory (on rows already in cache it ran twice as fast). A
+// software prefetch this far ahead in each row, which past a row's end starts the next
+// pass's row at the same place, cut its time by about 30% at 16K (decode_bench).
+constexpr int64_t kPrefetchAheadBytes = 768;
+
+// Prefetches, in each row of the pass [x0, x1), the `bytes` (a block's) kPrefetchAheadBytes
+// past byte `at` of the tile's chunk, or, past the chunk's end, of the next pass's row there:
+// a line every 64 bytes, so blocks of 64 bytes or more of each row prefetch every line once.
+// Always inlined: GCC finds a function that only prefetches free of side effects, and drops
+// its calls.
+[[gnu::always_inline]] inline void PrefetchAhead(const LogitsArgs& a, int x0, int x1, int64_t at,
+                                                 int64_t bytes) {
+  const int64_t chunk = int64_t{a.n} * static_cast<int64_t>(DTypeSize(a.dtype));
+  for (int64_t b = 0; b < bytes; b += 64) {
+    const int64_t o = at + b + kPrefetchAheadBytes;
+    for (int x = x0; x < x1; ++x) {
+      const uint8_t* line = o < chunk ? a.rows[x] + o
+                            : o - chunk < chunk && x + kRowsPerPass < a.r
+                                ? a.rows[x + kRowsPerPass] + (o - chunk)
+                                : nullptr;
+      if (line != nullptr) __builtin_prefetch(line, 0, 3);
+    }
+  }
+}
+
 // The vector widths the scorer runs in: 8 lanes, and 16 where the CPU has AVX-512 (there
 // twice the multiply-adds per cycle where the units are 512 bits wide, as on Zen 5, and half
 // the loads and widenings of the summary rows anywhere).
@@ -131,14 +156,21 @@ void LogitsTile(const LogitsArgs& a, __m256* vmx) {
 #else
   constexpr int kV = G >= 8 ? 1 : (G >= 4 ? 2 : 4);
 #endif
+  constexpr int64_t kElem = T == DType::kF32 ? 4 : 2;  // bytes per summary element
   for (int x0 = 0; x0 < a.r; x0 += kRowsPerPass) {
     const int x1 = std::min(a.r, x0 + kRowsPerPass);
     int p = 0;
 #if defined(__AVX512F__)
-    for (; p + 16 * kV <= a.n; p += 16 * kV) LogitsBlock<Lanes16, G, T, kV>(a, p, x0, x1, wide);
+    for (; p + 16 * kV <= a.n; p += 16 * kV) {
+      PrefetchAhead(a, x0, x1, int64_t{p} * kElem, 16 * kV * kElem);
+      LogitsBlock<Lanes16, G, T, kV>(a, p, x0, x1, wide);
+    }
     for (; p + 16 <= a.n; p += 16) LogitsBlock<Lanes16, G, T, 1>(a, p, x0, x1, wide);
 #else
-    for (; p + 8 * kV <= a.n; p += 8 * kV) LogitsBlock<Lanes8, G, T, kV>(a, p, x0, x1, vmx);
+    for (; p + 8 * kV <= a.n; p += 8 * kV) {
+      PrefetchAhead(a, x0, x1, int64_t{p} * kElem, 8 * kV * kElem);
+      LogitsBlock<Lanes8, G, T, kV>(a, p, x0, x1, vmx);
+    }
 #endif
     for (; p + 8 <= a.n; p += 8) LogitsBlock<Lanes8, G, T, 1>(a, p, x0, x1, vmx);
   }
