@@ -228,8 +228,8 @@ absl::Status CpuBackend::PrefillAttention(const PrefillAttentionParams& p) {
 }
 
 // Rows by index that decode attention asks for ahead of the one it reads (see below): enough
-// to cover a miss to memory at the rate the passes consume rows. decode_bench at 16K: 16, 24
-// and 32 alike, 8 about 6% slower over the sparse modes' attention.
+// to cover a miss to memory at the rate the key pass consumes rows. decode_bench at 16K: 16
+// to 48 alike within noise, 8 a few percent slower.
 constexpr int kGatherAhead = 16;
 
 // Decode attention: a task is (sequence, cache head). One pass over the keys scores all
@@ -255,9 +255,9 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
   // Prefetches ahead of the vector passes. Rows in order (dense attention) are a stream of
   // short rows with work between, which the hardware prefetcher alone does not run far enough
   // ahead of: 8 rows ahead suffice. Rows by index (sparse attention) are short runs scattered
-  // over the cache, each a wait on memory unless asked for well before: kGatherAhead rows
-  // ahead, from the first key, and past the last key on into the values, so that the value
-  // pass finds its first rows on the way. (The selection has asked for all of them already,
+  // over the cache, each a wait on memory unless asked for well before: the key pass asks
+  // for the key and the value of the row kGatherAhead ahead, from the first row on, so that
+  // the value pass finds its rows in cache. (The selection has asked for all of them already,
   // at once; yet even 30 µs later the kernel took 1.5x its time on rows in cache: a core
   // drops prefetches while all its misses are outstanding.)
   const int ahead = idx ? kGatherAhead : 8;
@@ -267,7 +267,10 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
     for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
   };
   if (vec && idx) {
-    for (int x = 0; x < std::min(ahead, count); ++x) prefetch_row(kbase, idx[x]);
+    for (int x = 0; x < std::min(ahead, count); ++x) {
+      prefetch_row(kbase, idx[x]);
+      prefetch_row(vbase, idx[x]);
+    }
   }
   int x_start = 0;
 #if KVWIRE_AVX2
@@ -302,9 +305,9 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
     if (vec) {
 #if KVWIRE_AVX2
       if (x + ahead < count) {
-        prefetch_row(kbase, idx ? idx[x + ahead] : x + ahead);
-      } else if (idx && x + ahead - count < count) {
-        prefetch_row(vbase, idx[x + ahead - count]);  // on into the values
+        const int64_t next = idx ? idx[x + ahead] : x + ahead;
+        prefetch_row(kbase, next);
+        if (idx) prefetch_row(vbase, next);
       }
       __m256 acc[G];
       for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
