@@ -258,8 +258,8 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
   // over the cache, each a wait on memory unless asked for well before: the key pass asks
   // for the key and the value of the row kGatherAhead ahead, from the first row on, so that
   // the value pass finds its rows in cache. (The selection has asked for all of them already,
-  // at once; yet even 30 µs later the kernel took 1.5x its time on rows in cache: a core
-  // drops prefetches while all its misses are outstanding.)
+  // at once; yet even 30 µs later the kernel took 1.5x its time on rows in cache, most likely
+  // because a core drops prefetches while all its misses are outstanding.)
   const int ahead = idx ? kGatherAhead : 8;
   const int row_bytes = d * (T == DType::kF32 ? 4 : 2);
   auto prefetch_row = [&](const void* base, int64_t tok) {
