@@ -8,9 +8,9 @@
 // each case's end, and that teardown races: CI saw a test executable abort after its case had
 // passed ("assertion failed: prior > 0" in grpc_cq_internal_unref, on one of the queue's own
 // threads), and the tracing tests, run in a loop two processes at a time, aborted so twice in
-// about 750 runs, once between two cases. A channel that
-// has made one callback-API call holds the queue until the executable's last case has run, as
-// a node's own channels do: with it, the same loop ran 800 times without an abort.
+// about 750 runs, once between two cases. A channel that has made one callback-API call holds
+// the queue until the executable's last case has run, as a node's own channels do: with it,
+// the same loop ran 800 times without an abort.
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -28,23 +28,28 @@ class CallbackQueueHolder : public ::testing::Environment {
   void SetUp() override {
     // Nothing listens on port 1, and the call's deadline is short: it ends at once, and
     // only its having been made matters (the channel's first callback call takes the queue).
+    // What the call uses lives until its callback, even one that came after the wait below.
+    struct Call {
+      grpc::ClientContext ctx;
+      grpc::ByteBuffer request, response;
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+    };
+    auto call = std::make_shared<Call>();
+    call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(50));
+    grpc::Slice empty("");
+    call->request = grpc::ByteBuffer(&empty, 1);
     channel_ = grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials());
     grpc::GenericStub stub(channel_);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(50));
-    grpc::Slice empty("");
-    grpc::ByteBuffer request(&empty, 1), response;
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    stub.UnaryCall(&ctx, "/kvwire.test.Nothing/Hold", grpc::StubOptions(), &request, &response,
-                   [&](grpc::Status) {
-                     std::lock_guard<std::mutex> lock(mu);
-                     done = true;
-                     cv.notify_one();
+    stub.UnaryCall(&call->ctx, "/kvwire.test.Nothing/Hold", grpc::StubOptions(), &call->request,
+                   &call->response, [call](grpc::Status) {
+                     std::lock_guard<std::mutex> lock(call->mu);
+                     call->done = true;
+                     call->cv.notify_one();
                    });
-    std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return done; }))
+    std::unique_lock<std::mutex> lock(call->mu);
+    ASSERT_TRUE(call->cv.wait_for(lock, std::chrono::seconds(30), [&] { return call->done; }))
         << "a call to a closed port with a 50 ms deadline did not end in 30 s";
   }
   void TearDown() override { channel_.reset(); }
