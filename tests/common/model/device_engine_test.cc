@@ -92,13 +92,19 @@ TEST_P(DeviceEngine, DecodeStepsEqualTheCpuEngine) {
     EXPECT_EQ(cpu->fingerprint(), dev->fingerprint());
     const int vocab = cpu->config().vocab_size;
     const bool f32 = cpu->kv_dtype() == DType::kF32;
+    // bf16 weights round each product's input to bf16: where the GPU's float32 sums (cuBLAS,
+    // another order) differ from the CPU's in their last bits, a rounding can land one bf16
+    // step (2^-8 relative) away and carry into the next layer (docs/benchmarks.md, "GPU").
+    // f32 models keep the tight bound.
+    const float abs_tol = f32 ? 2e-4f : 2e-3f, rel_tol = f32 ? 2e-3f : 1e-2f;
     std::vector<int32_t> ids;
     for (int i = 0; i < 40; ++i) ids.push_back(3 + (i * 37) % (vocab - 3));
     auto full = cpu->Prefill(ids, nullptr, true);
     auto full_dev = dev->Prefill(ids, nullptr, true);
     ASSERT_TRUE(full.ok() && full_dev.ok());
     for (size_t i = 0; i < full->logits.size(); ++i) {
-      ASSERT_NEAR(full_dev->logits[i], full->logits[i], 2e-4 + 2e-3 * std::fabs(full->logits[i]))
+      ASSERT_NEAR(full_dev->logits[i], full->logits[i],
+                  abs_tol + rel_tol * std::fabs(full->logits[i]))
           << i;
     }
     const int p = 25;
@@ -114,7 +120,7 @@ TEST_P(DeviceEngine, DecodeStepsEqualTheCpuEngine) {
       const absl::Status st = dev->DecodeStep({&b, 1}, got.data());
       ASSERT_TRUE(st.ok()) << st;
       for (int v = 0; v < vocab; ++v) {
-        ASSERT_NEAR(got[v], want[v], 2e-4 + 2e-3 * std::fabs(want[v]))
+        ASSERT_NEAR(got[v], want[v], abs_tol + rel_tol * std::fabs(want[v]))
             << "position " << i << " token " << v;
         if (f32) {
           const float whole = full->logits[int64_t{i} * vocab + v];

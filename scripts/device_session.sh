@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The device check: everything a lent GPU can tell us, in one call of the device tool, within a
+# deadline (default 400 s, KVWIRE_SESSION_DEADLINE), each phase under its own timeout:
+#
+#   env        nvidia-smi -q, the bundle's manifest, every bundled library resolves
+#   ops        every backend op test on cuda (gtest JSON); failures rerun with
+#              CUDA_LAUNCH_BLOCKING=1 so the error names the launch that faulted
+#   engine     the engine on cuda against the reference and the CPU engine (DeviceEngine.*)
+#   pair       both nodes on cuda through gRPC (ServicePairOnDevice.*)
+#   oracle     PyTorch on the same device (scripts/device_oracle.py): ceilings, SDPA, and
+#              transformers' stories260K greedy ids against kvwire's on cuda
+#   gpu_bench  decode at batch 1/8/32 and prefill at 2K/16K against the measured ceilings
+#   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
+#   memcheck   compute-sanitizer memcheck over the op tests
+#
+# Logs, gtest JSON and bench output go to $OUT/logs.tar.gz, the summary to $OUT/summary.tsv
+# (phase, status, seconds, detail), printed last. The device tool brings back at most 8 files.
+#
+# Usage (on the GPU machine, in a copy of this checkout with device-bundle.tar.gz beside it):
+#   bash scripts/device_session.sh
+# Dry run on any machine, on the guarded backend with tiny sizes, from a build folder (CI):
+#   bash scripts/device_session.sh --dry-run [BUILD_DIR]
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+dry=0
+if [[ "${1:-}" == "--dry-run" ]]; then
+  dry=1
+  build="${2:-$root/build}"
+elif [[ $# -gt 0 ]]; then
+  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//' >&2
+  exit 2
+fi
+out="${OUT:-$(mktemp -d)}"
+mkdir -p "$out"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+summary="$work/summary.tsv"
+printf 'phase\tstatus\tseconds\tdetail\n' >"$summary"
+deadline=$((SECONDS + ${KVWIRE_SESSION_DEADLINE:-400}))
+
+if ((dry)); then
+  backend=guarded
+  bin="$build"
+  find_bin() { find "$bin" -type f -name "$1" -perm -u+x | head -1; }
+  export KVWIRE_SHARED_DIR="${KVWIRE_SHARED_DIR:-$root/../shared}"
+  shared="$KVWIRE_SHARED_DIR"
+else
+  backend=cuda
+  # device_run.sh unpacks the bundle and sets the libraries' path; its env check comes first.
+  bash "$root/scripts/device_run.sh" env >"$work/env.log" 2>&1
+  env_rc=$?
+  dir="${KVWIRE_DEVICE_DIR:-/tmp/kvwire-device}"
+  cublas="$(sed -n 's/^cuBLAS from //p' "$work/env.log")"
+  export LD_LIBRARY_PATH="$dir/lib${cublas:+:$cublas}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export KVWIRE_SHARED_DIR="$dir/shared" KVWIRE_SOURCE_DIR="$root"
+  shared="$KVWIRE_SHARED_DIR"
+  find_bin() { [[ -x "$dir/bin/$1" ]] && echo "$dir/bin/$1"; }
+fi
+
+# phase NAME TIMEOUT_S DETAIL_FN CMD...: runs CMD into NAME.log under the smaller of its timeout
+# and what is left of the deadline, and records a row. DETAIL_FN prints the row's detail.
+phase() {
+  local name=$1 limit=$2 detail_fn=$3
+  shift 3
+  local left=$((deadline - SECONDS))
+  if ((left < 10)); then
+    printf '%s\tskip\t0\tthe session deadline passed before it\n' "$name" >>"$summary"
+    return 1
+  fi
+  ((limit > left)) && limit=$left
+  local t0=$SECONDS rc
+  echo "=== $name (up to ${limit} s): $*" | tee -a "$work/session.log"
+  timeout -k 5 "$limit" "$@" >"$work/$name.log" 2>&1
+  rc=$?
+  local status=pass
+  if ((rc == 124 || rc == 137)); then
+    status=timeout
+  elif ((rc != 0)); then
+    status=FAIL
+  fi
+  printf '%s\t%s\t%d\t%s\n' "$name" "$status" $((SECONDS - t0)) \
+    "$($detail_fn "$work/$name.log" "$rc" | tr '\t\n' '  ' | cut -c1-400)" >>"$summary"
+  tail -n 40 "$work/$name.log" >>"$work/session.log"
+  return $rc
+}
+
+# Details: a gtest log's counts and failed cases; a bench's last lines.
+gtest_detail() {
+  local passed failed skipped
+  passed=$(grep -c '^\[       OK \]' "$1")
+  failed=$(grep '^\[  FAILED  \] .*\.' "$1" | grep -v 'listed below' | sed 's/^\[  FAILED  \] //;s/ (.*//' |
+    sort -u | tr '\n' ' ')
+  skipped=$(grep -c '^\[  SKIPPED \]' "$1")
+  echo "passed $passed, skipped $skipped${failed:+, failed: $failed} (exit $2)"
+}
+tail_detail() { tail -n "${3:-3}" "$1" | sed 's/  */ /g'; echo " (exit $2)"; }
+env_detail() { grep -E 'NVIDIA|resolve|missing|not found|GPU' "$1" | head -4; echo "(exit $2)"; }
+
+if ((dry)); then
+  printf 'env\tskip\t0\tdry run on %s: no GPU\n' "$backend" >>"$summary"
+else
+  {
+    nvidia-smi -q || echo "nvidia-smi failed"
+  } >"$work/nvidia-smi.txt" 2>&1
+  printf 'env\t%s\t0\t%s\n' "$([[ $env_rc == 0 ]] && echo pass || echo FAIL)" \
+    "$(env_detail "$work/env.log" "$env_rc" | tr '\n' ' ')" >>"$summary"
+fi
+
+kernels_test="$(find_bin kernels_test)"
+model_test="$(find_bin model_test)"
+pair_test="$(find_bin decode_service_test)"
+kvwire="$(find_bin kvwire)"
+ops_filter="Backends/BackendOpsTest.*/$backend"
+
+if ! phase ops 90 gtest_detail "$kernels_test" --gtest_filter="$ops_filter" \
+  --gtest_output="json:$work/ops.json"; then
+  failed=$(grep '^\[  FAILED  \] .*\.' "$work/ops.log" | grep -v 'listed below' |
+    sed 's/^\[  FAILED  \] //;s/ (.*//' | sort -u | tr '\n' ':')
+  if [[ -n "$failed" && "$backend" == cuda ]]; then
+    phase ops_blocking 60 gtest_detail env CUDA_LAUNCH_BLOCKING=1 "$kernels_test" \
+      --gtest_filter="${failed%:}"
+  fi
+fi
+phase engine 90 gtest_detail "$model_test" --gtest_filter="Backends/DeviceEngine.*/$backend" \
+  --gtest_output="json:$work/engine.json"
+phase pair 90 gtest_detail "$pair_test" \
+  --gtest_filter="Backends/ServicePairOnDevice.*/$backend" --gtest_output="json:$work/pair.json"
+
+if ((dry)); then
+  printf 'oracle\tskip\t0\tdry run: PyTorch runs on the device machine only\n' >>"$summary"
+  printf 'gpu_bench\tskip\t0\tdry run: gpu_bench measures a GPU\n' >>"$summary"
+  decode_args=(--backend guarded --batch 2 --ctx 256 --kept 64 --t 32 --steps 2
+               --model "synthetic:attn-8kv,layers=2")
+else
+  oracle_detail() { cat "$1" | grep -P '^\w+\t' | awk -F'\t' '{printf "%s: %s; ", $1, $2}'; echo "(exit $2)"; }
+  phase oracle 100 oracle_detail python3 "$root/scripts/device_oracle.py" --shared "$shared" \
+    --kvwire "$kvwire" --backend cuda --json "$work/oracle.json"
+  grep -P '^\w+\t(pass|FAIL|skip)\t' "$work/oracle.log" |
+    awk -F'\t' '{printf "oracle.%s\t%s\t0\t%s\n", $1, $2, $3}' >>"$summary"
+  bench_detail() { tail_detail "$1" "$2" 12; }
+  phase gpu_bench 120 bench_detail "$(find_bin gpu_bench)" --runs 3
+  decode_args=(--backend cuda --batch 8 --ctx 32768 --kept 2048 --t 1024 --steps 8
+               --threads 16)
+fi
+decode_detail() { tail_detail "$1" "$2" 14; }
+phase decode 90 decode_detail "$(find_bin decode_bench)" "${decode_args[@]}"
+
+if ((dry)); then
+  printf 'memcheck\tskip\t0\tdry run: compute-sanitizer needs a GPU\n' >>"$summary"
+elif command -v compute-sanitizer >/dev/null; then
+  memcheck_detail() { grep -E 'ERROR SUMMARY|Program hit' "$1" | sort | uniq -c | head -3; echo "(exit $2)"; }
+  phase memcheck 150 memcheck_detail compute-sanitizer --tool memcheck --error-exitcode 1 \
+    "$kernels_test" --gtest_filter="$ops_filter" --gtest_brief=1
+else
+  printf 'memcheck\tskip\t0\tcompute-sanitizer not found\n' >>"$summary"
+fi
+
+cp "$summary" "$out/summary.tsv"
+[[ -f "$work/oracle.json" ]] && cp "$work/oracle.json" "$out/"
+tar -C "$work" -czf "$out/logs.tar.gz" --exclude=summary.tsv . 2>/dev/null
+echo
+column -t -s $'\t' "$summary" 2>/dev/null || cat "$summary"
+# Exit 1 when a check failed or timed out; skipped phases are not failures.
+! awk -F'\t' 'NR > 1 && ($2 == "FAIL" || $2 == "timeout") {bad = 1} END {exit !bad}' "$summary"
