@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/base/dtype.h"
+#include "kernels/selection.h"
 
 namespace kvwire::kernels {
 
@@ -173,6 +174,18 @@ class KernelBackend {
   virtual absl::Status DecodeAttention(const DecodeAttentionParams& p) = 0;
   virtual absl::Status Add(const AddParams& p) = 0;
   virtual absl::Status AppendKv(const AppendKvParams& p) = 0;
+
+  // Selection compute and sampling (kernels/selection.h): what compression and sparse decode
+  // compute between the model's ops, in the backend's memory.
+  virtual absl::Status WindowVotes(const WindowVotesParams& p) = 0;
+  virtual absl::Status Pool1d(const Pool1dParams& p) = 0;
+  virtual absl::Status RunMeans(const RunMeansParams& p) = 0;
+  virtual absl::Status TopK(const TopKParams& p) = 0;
+  virtual absl::Status HbwSelect(const HbwSelectParams& p) = 0;
+  virtual absl::Status GatherKv(const GatherKvParams& p) = 0;
+  virtual absl::Status UpdateSummaries(const UpdateSummariesParams& p) = 0;
+  virtual absl::Status PageScores(const PageScoresParams& p) = 0;
+  virtual absl::Status Sample(const SampleParams& p) = 0;
 
   // Host work between ops that splits into independent tasks (sparse decode selection, per
   // sequence and KV head): calls fn(begin, end) over disjoint ranges covering [0, n), on the

@@ -22,9 +22,11 @@
 #include <vector>
 
 #include "common/base/status.h"
+#include "kernels/cpu/selection.h"
 #include "kernels/gemm_few_rows.h"
 #include "kernels/host_memory.h"
 #include "kernels/prefill_attention.h"
+#include "kernels/reference_selection.h"
 #include "kernels/simd.h"
 #include "kernels/thread_pool.h"
 #include "kernels/validate.h"
@@ -216,8 +218,74 @@ class CpuBackend final : public HostMemoryBackend {
     pool_.ParallelFor(n, 1, fn);
   }
 
+  // Selection compute: kernels/cpu/, one file per op. RunMeans and HbwSelect are the
+  // reference's loops, rows in parallel (each row's work is small and sequential).
+  absl::Status WindowVotes(const WindowVotesParams& p) override {
+    RETURN_IF_ERROR(ValidateWindowVotes(p));
+    cpu::WindowVotes(p, parallel_);
+    return absl::OkStatus();
+  }
+  absl::Status Pool1d(const Pool1dParams& p) override {
+    RETURN_IF_ERROR(ValidatePool1d(p));
+    cpu::Pool1d(p, parallel_);
+    return absl::OkStatus();
+  }
+  absl::Status RunMeans(const RunMeansParams& p) override {
+    RETURN_IF_ERROR(ValidateRunMeans(p));
+    const int runs = (p.n + p.run - 1) / p.run;
+    pool_.ParallelFor(p.rows, 1, [&](int64_t r0, int64_t r1) {
+      RunMeansParams part = p;
+      part.x = p.x + r0 * p.n;
+      part.y = p.y + r0 * runs;
+      part.rows = static_cast<int>(r1 - r0);
+      reference::RunMeans(part);
+    });
+    return absl::OkStatus();
+  }
+  absl::Status TopK(const TopKParams& p) override {
+    RETURN_IF_ERROR(ValidateTopK(p));
+    cpu::TopK(p, parallel_);
+    return absl::OkStatus();
+  }
+  absl::Status HbwSelect(const HbwSelectParams& p) override {
+    RETURN_IF_ERROR(ValidateHbwSelect(p));
+    const int blocks = (p.prefix + p.block - 1) / p.block;
+    pool_.ParallelFor(p.rows, 1, [&](int64_t r0, int64_t r1) {
+      HbwSelectParams part = p;
+      part.block_scores = p.block_scores + r0 * blocks;
+      part.out = p.out + r0 * p.prefix_budget;
+      part.rows = static_cast<int>(r1 - r0);
+      reference::HbwSelect(part);
+    });
+    return absl::OkStatus();
+  }
+  absl::Status GatherKv(const GatherKvParams& p) override {
+    RETURN_IF_ERROR(ValidateGatherKv(p));
+    cpu::GatherKv(p, parallel_);
+    return absl::OkStatus();
+  }
+  absl::Status UpdateSummaries(const UpdateSummariesParams& p) override {
+    RETURN_IF_ERROR(ValidateUpdateSummaries(p));
+    cpu::UpdateSummaries(p, parallel_);
+    return absl::OkStatus();
+  }
+  absl::Status PageScores(const PageScoresParams& p) override {
+    RETURN_IF_ERROR(ValidatePageScores(p));
+    cpu::PageScores(p, parallel_);
+    return absl::OkStatus();
+  }
+  absl::Status Sample(const SampleParams& p) override {
+    RETURN_IF_ERROR(ValidateSample(p));
+    cpu::Sample(p, parallel_);
+    return absl::OkStatus();
+  }
+
  private:
   ThreadPool pool_;
+  const cpu::ParallelFn parallel_ = [this](int64_t n,
+                                           const std::function<void(int64_t, int64_t)>& fn) {
+    pool_.ParallelFor(n, 1, fn);
+  };
 };
 
 // Flash-style prefill attention: kernels/prefill_attention.h.

@@ -123,6 +123,62 @@ class GuardedBackend final : public KernelBackend {
     return Run("AppendKv", ptrs, [&] { return inner_->AppendKv(p); });
   }
 
+  absl::Status WindowVotes(const WindowVotesParams& p) override {
+    RETURN_IF_ERROR(ValidateWindowVotes(p));
+    return Run("WindowVotes", {{p.scores, "scores"}, {p.votes, "votes"}},
+               [&] { return inner_->WindowVotes(p); });
+  }
+  absl::Status Pool1d(const Pool1dParams& p) override {
+    RETURN_IF_ERROR(ValidatePool1d(p));
+    return Run("Pool1d", {{p.x, "x"}, {p.y, "y"}}, [&] { return inner_->Pool1d(p); });
+  }
+  absl::Status RunMeans(const RunMeansParams& p) override {
+    RETURN_IF_ERROR(ValidateRunMeans(p));
+    return Run("RunMeans", {{p.x, "x"}, {p.y, "y"}}, [&] { return inner_->RunMeans(p); });
+  }
+  absl::Status TopK(const TopKParams& p) override {
+    RETURN_IF_ERROR(ValidateTopK(p));
+    std::vector<Pointer> ptrs;
+    for (int i = 0; i < p.count; ++i) {
+      ptrs.insert(ptrs.end(),
+                  {{p.segs[i].score, "score"}, {p.segs[i].tie, "tie"}, {p.segs[i].out, "out"}});
+    }
+    return Run("TopK", ptrs, [&] { return inner_->TopK(p); });
+  }
+  absl::Status HbwSelect(const HbwSelectParams& p) override {
+    RETURN_IF_ERROR(ValidateHbwSelect(p));
+    return Run("HbwSelect", {{p.block_scores, "block_scores"}, {p.out, "out"}},
+               [&] { return inner_->HbwSelect(p); });
+  }
+  absl::Status GatherKv(const GatherKvParams& p) override {
+    RETURN_IF_ERROR(ValidateGatherKv(p));
+    return Run("GatherKv",
+               {{p.k, "k"}, {p.v, "v"}, {p.kept, "kept"}, {p.k_out, "k_out"}, {p.v_out, "v_out"}},
+               [&] { return inner_->GatherKv(p); });
+  }
+  absl::Status UpdateSummaries(const UpdateSummariesParams& p) override {
+    RETURN_IF_ERROR(ValidateUpdateSummaries(p));
+    std::vector<Pointer> ptrs;
+    for (int i = 0; i < p.count; ++i) {
+      ptrs.insert(ptrs.end(), {{p.segs[i].k, "k"}, {p.segs[i].summaries, "summaries"}});
+    }
+    return Run("UpdateSummaries", ptrs, [&] { return inner_->UpdateSummaries(p); });
+  }
+  absl::Status PageScores(const PageScoresParams& p) override {
+    RETURN_IF_ERROR(ValidatePageScores(p));
+    std::vector<Pointer> ptrs;
+    for (int i = 0; i < p.count; ++i) {
+      const PageScoreSegment& s = p.segs[i];
+      ptrs.insert(ptrs.end(),
+                  {{s.q, "q"}, {s.summaries, "summaries"}, {s.k, "k"}, {s.score, "score"}});
+    }
+    return Run("PageScores", ptrs, [&] { return inner_->PageScores(p); });
+  }
+  absl::Status Sample(const SampleParams& p) override {
+    RETURN_IF_ERROR(ValidateSample(p));
+    return Run("Sample", {{p.logits, "logits"}, {p.out, "out"}}, [&] { return inner_->Sample(p); });
+  }
+
  private:
   struct Pointer {
     const void* p;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
 #include "kernels/host_memory.h"
+#include "kernels/reference_selection.h"
 #include "kernels/validate.h"
 
 namespace kvwire::kernels {
@@ -175,6 +176,53 @@ class ReferenceBackend final : public HostMemoryBackend {
         }
       }
     }
+    return absl::OkStatus();
+  }
+
+  // Selection compute: reference_selection.cc.
+  absl::Status WindowVotes(const WindowVotesParams& p) override {
+    RETURN_IF_ERROR(ValidateWindowVotes(p));
+    reference::WindowVotes(p);
+    return absl::OkStatus();
+  }
+  absl::Status Pool1d(const Pool1dParams& p) override {
+    RETURN_IF_ERROR(ValidatePool1d(p));
+    reference::Pool1d(p);
+    return absl::OkStatus();
+  }
+  absl::Status RunMeans(const RunMeansParams& p) override {
+    RETURN_IF_ERROR(ValidateRunMeans(p));
+    reference::RunMeans(p);
+    return absl::OkStatus();
+  }
+  absl::Status TopK(const TopKParams& p) override {
+    RETURN_IF_ERROR(ValidateTopK(p));
+    reference::TopK(p);
+    return absl::OkStatus();
+  }
+  absl::Status HbwSelect(const HbwSelectParams& p) override {
+    RETURN_IF_ERROR(ValidateHbwSelect(p));
+    reference::HbwSelect(p);
+    return absl::OkStatus();
+  }
+  absl::Status GatherKv(const GatherKvParams& p) override {
+    RETURN_IF_ERROR(ValidateGatherKv(p));
+    reference::GatherKv(p);
+    return absl::OkStatus();
+  }
+  absl::Status UpdateSummaries(const UpdateSummariesParams& p) override {
+    RETURN_IF_ERROR(ValidateUpdateSummaries(p));
+    reference::UpdateSummaries(p);
+    return absl::OkStatus();
+  }
+  absl::Status PageScores(const PageScoresParams& p) override {
+    RETURN_IF_ERROR(ValidatePageScores(p));
+    reference::PageScores(p);
+    return absl::OkStatus();
+  }
+  absl::Status Sample(const SampleParams& p) override {
+    RETURN_IF_ERROR(ValidateSample(p));
+    reference::Sample(p);
     return absl::OkStatus();
   }
 };

@@ -134,4 +134,180 @@ absl::Status ValidateAppendKv(const AppendKvParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateWindowVotes(const WindowVotesParams& p) {
+  constexpr absl::string_view kOp = "WindowVotes";
+  RETURN_IF_ERROR(Require(p.scores && p.votes, kOp, "scores and votes must be set"));
+  RETURN_IF_ERROR(Require(p.n_heads > 0 && p.window > 0 && p.len > 0, kOp, [&] {
+    return absl::StrCat("need n_heads, window, len > 0, got ", p.n_heads, ", ", p.window, ", ",
+                        p.len);
+  }));
+  RETURN_IF_ERROR(Require(p.prefix > 0 && p.prefix <= p.len, kOp, [&] {
+    return absl::StrCat("prefix must be in [1, len=", p.len, "], got ", p.prefix);
+  }));
+  return Require(p.group > 0 && p.n_heads % p.group == 0, kOp, [&] {
+    return absl::StrCat("group must divide n_heads=", p.n_heads, ", got ", p.group);
+  });
+}
+
+absl::Status ValidatePool1d(const Pool1dParams& p) {
+  RETURN_IF_ERROR(Require(p.x && p.y && p.x != p.y, "Pool1d", "x and y must be set and distinct"));
+  return Require(p.rows > 0 && p.n > 0 && p.kernel > 0 && p.kernel % 2 == 1, "Pool1d", [&] {
+    return absl::StrCat("need rows, n > 0 and an odd kernel, got rows=", p.rows, " n=", p.n,
+                        " kernel=", p.kernel);
+  });
+}
+
+absl::Status ValidateRunMeans(const RunMeansParams& p) {
+  RETURN_IF_ERROR(Require(p.x && p.y, "RunMeans", "x and y must be set"));
+  return Require(p.rows > 0 && p.n > 0 && p.run > 0, "RunMeans", [&] {
+    return absl::StrCat("need rows, n, run > 0, got rows=", p.rows, " n=", p.n, " run=", p.run);
+  });
+}
+
+absl::Status ValidateTopK(const TopKParams& p) {
+  constexpr absl::string_view kOp = "TopK";
+  RETURN_IF_ERROR(Require(p.count >= 0 && (p.count == 0 || p.segs), kOp, "segs must be set"));
+  for (int i = 0; i < p.count; ++i) {
+    const TopKSegment& s = p.segs[i];
+    RETURN_IF_ERROR(Require(s.score && s.out, kOp, [&] {
+      return absl::StrCat("segment ", i, ": score and out must be set");
+    }));
+    RETURN_IF_ERROR(Require(s.n > 0 && s.run > 0 && s.k > 0 && s.k <= s.n, kOp, [&] {
+      return absl::StrCat("segment ", i, ": need n, run > 0 and k in [1, n], got n=", s.n,
+                          " run=", s.run, " k=", s.k);
+    }));
+    RETURN_IF_ERROR(Require(s.tie == nullptr || s.run == 1, kOp, [&] {
+      return absl::StrCat("segment ", i, ": tie scores apply to runs of 1, got run=", s.run);
+    }));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateHbwSelect(const HbwSelectParams& p) {
+  constexpr absl::string_view kOp = "HbwSelect";
+  RETURN_IF_ERROR(Require(p.block_scores && p.out, kOp, "block_scores and out must be set"));
+  RETURN_IF_ERROR(Require(p.rows > 0 && p.prefix > 0 && p.block > 0, kOp, [&] {
+    return absl::StrCat("need rows, prefix, block > 0, got ", p.rows, ", ", p.prefix, ", ",
+                        p.block);
+  }));
+  RETURN_IF_ERROR(Require(p.prefix_budget > 0 && p.prefix_budget <= p.prefix, kOp, [&] {
+    return absl::StrCat("prefix_budget must be in [1, prefix=", p.prefix, "], got ",
+                        p.prefix_budget);
+  }));
+  RETURN_IF_ERROR(Require(p.n_rounds > 0 && p.n_rounds <= kMaxHbwRounds, kOp, [&] {
+    return absl::StrCat("need 1 to ", kMaxHbwRounds, " rounds, got ", p.n_rounds);
+  }));
+  for (int r = 0; r < p.n_rounds; ++r) {
+    RETURN_IF_ERROR(Require(p.rounds[r] > 0, kOp, "every round needs a group count > 0"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateGatherKv(const GatherKvParams& p) {
+  constexpr absl::string_view kOp = "GatherKv";
+  RETURN_IF_ERROR(Require(p.k && p.v && p.kept && p.k_out && p.v_out, kOp,
+                          "k, v, kept, k_out and v_out must be set"));
+  RETURN_IF_ERROR(Require(p.len > 0 && p.count > 0 && p.count <= p.len && p.head_dim > 0, kOp, [&] {
+    return absl::StrCat(
+        "need len, head_dim > 0 and count in [1, len], "
+        "got len=",
+        p.len, " count=", p.count);
+  }));
+  RETURN_IF_ERROR(Require(
+      p.n_kv_heads > 0 && p.n_cache_heads >= p.n_kv_heads && p.n_cache_heads % p.n_kv_heads == 0,
+      kOp, "n_cache_heads must be a multiple of n_kv_heads"));
+  return Require(p.kv_stride >= int64_t{p.n_kv_heads} * p.head_dim, kOp,
+                 "kv_stride is smaller than n_kv_heads · head_dim");
+}
+
+namespace {
+
+absl::Status ValidateLayout(const SummaryLayout& l, int head_dim, absl::string_view op, int i) {
+  return Require(
+      l.head_dim > 0 && l.head_dim == head_dim && l.page > 0 && l.tile_pages > 0 && l.max_pages > 0,
+      op, [&] {
+        return absl::StrCat("segment ", i,
+                            ": the summary layout needs page, tile_pages, max_pages > "
+                            "0 and head_dim ",
+                            head_dim, ", got page=", l.page, " tile_pages=", l.tile_pages,
+                            " max_pages=", l.max_pages, " head_dim=", l.head_dim);
+      });
+}
+
+}  // namespace
+
+absl::Status ValidateUpdateSummaries(const UpdateSummariesParams& p) {
+  constexpr absl::string_view kOp = "UpdateSummaries";
+  RETURN_IF_ERROR(Require(p.count >= 0 && (p.count == 0 || p.segs), kOp, "segs must be set"));
+  for (int i = 0; i < p.count; ++i) {
+    const SummaryUpdateSegment& s = p.segs[i];
+    RETURN_IF_ERROR(Require(s.k && s.summaries && s.n_heads > 0, kOp, [&] {
+      return absl::StrCat("segment ", i, ": k, summaries and n_heads must be set");
+    }));
+    RETURN_IF_ERROR(ValidateLayout(s.layout, s.layout.head_dim, kOp, i));
+    RETURN_IF_ERROR(
+        Require(s.first >= 0 && s.first <= s.len && s.layout.pages(s.len) <= s.layout.max_pages &&
+                    s.head_stride >= int64_t{s.len} * s.layout.head_dim,
+                kOp, [&] {
+                  return absl::StrCat("segment ", i, ": tokens [", s.first, ", ", s.len,
+                                      ") do not fit ", s.layout.max_pages, " pages of ",
+                                      s.layout.page, " or a head_stride of ", s.head_stride);
+                }));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePageScores(const PageScoresParams& p) {
+  constexpr absl::string_view kOp = "PageScores";
+  RETURN_IF_ERROR(Require(p.count >= 0 && (p.count == 0 || p.segs), kOp, "segs must be set"));
+  RETURN_IF_ERROR(Require(p.head_dim > 0, kOp, "head_dim must be positive"));
+  for (int i = 0; i < p.count; ++i) {
+    const PageScoreSegment& s = p.segs[i];
+    RETURN_IF_ERROR(Require(s.q && s.score && s.group > 0 && s.len > 0, kOp, [&] {
+      return absl::StrCat("segment ", i, ": q, score, group > 0 and len > 0 must be set");
+    }));
+    if (s.kind == PageScoreKind::kExact) {
+      RETURN_IF_ERROR(Require(s.k != nullptr, kOp, [&] {
+        return absl::StrCat("segment ", i, ": exact scores need k");
+      }));
+      continue;
+    }
+    RETURN_IF_ERROR(Require(s.summaries != nullptr, kOp, [&] {
+      return absl::StrCat("segment ", i, ": page scores need summaries");
+    }));
+    RETURN_IF_ERROR(ValidateLayout(s.layout, p.head_dim, kOp, i));
+    RETURN_IF_ERROR(Require(s.layout.pages(s.len) <= s.layout.max_pages, kOp, [&] {
+      return absl::StrCat("segment ", i, ": ", s.len, " tokens exceed ", s.layout.max_pages,
+                          " pages of ", s.layout.page);
+    }));
+    RETURN_IF_ERROR(Require(
+        s.kind != PageScoreKind::kHybrid || (s.top_r > 0 && s.top_r <= p.head_dim), kOp, [&] {
+          return absl::StrCat("segment ", i, ": top_r must be in [1, ", p.head_dim, "], got ",
+                              s.top_r);
+        }));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateSample(const SampleParams& p) {
+  constexpr absl::string_view kOp = "Sample";
+  RETURN_IF_ERROR(Require(p.batch >= 0 && (p.batch == 0 || (p.logits && p.rows && p.out)), kOp,
+                          "logits, rows and out must be set"));
+  RETURN_IF_ERROR(Require(p.vocab > 0 && (p.stride == 0 || p.stride >= p.vocab), kOp, [&] {
+    return absl::StrCat("need vocab > 0 and stride 0 or >= vocab, got vocab=", p.vocab,
+                        " stride=", p.stride);
+  }));
+  for (int b = 0; b < p.batch; ++b) {
+    const SamplingParams& s = p.rows[b].params;
+    RETURN_IF_ERROR(Require(s.temperature >= 0 && s.top_k >= 0 && s.top_p > 0 && s.top_p <= 1 &&
+                                p.rows[b].uniform >= 0 && p.rows[b].uniform < 1,
+                            kOp, [&] {
+                              return absl::StrCat("row ", b,
+                                                  ": need temperature >= 0, top_k >= 0, top_p "
+                                                  "in (0, 1] and uniform in [0, 1)");
+                            }));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvwire::kernels

@@ -15,5 +15,14 @@ absl::Status ValidatePrefillAttention(const PrefillAttentionParams& p);
 absl::Status ValidateDecodeAttention(const DecodeAttentionParams& p);
 absl::Status ValidateAdd(const AddParams& p);
 absl::Status ValidateAppendKv(const AppendKvParams& p);
+absl::Status ValidateWindowVotes(const WindowVotesParams& p);
+absl::Status ValidatePool1d(const Pool1dParams& p);
+absl::Status ValidateRunMeans(const RunMeansParams& p);
+absl::Status ValidateTopK(const TopKParams& p);
+absl::Status ValidateHbwSelect(const HbwSelectParams& p);
+absl::Status ValidateGatherKv(const GatherKvParams& p);
+absl::Status ValidateUpdateSummaries(const UpdateSummariesParams& p);
+absl::Status ValidatePageScores(const PageScoresParams& p);
+absl::Status ValidateSample(const SampleParams& p);
 
 }  // namespace kvwire::kernels

@@ -8,6 +8,7 @@
 #include "common/base/ranking.h"
 #include "common/base/status.h"
 #include "common/compression/compression.h"
+#include "kernels/cpu/selection.h"
 
 namespace kvwire {
 
@@ -222,20 +223,7 @@ absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
 }
 
 void TakePages(const std::vector<float>& score, int page, int len, int k, int32_t* out) {
-  const int n_pages = static_cast<int>(score.size());
-  // Only the best pages are needed: ceil(k/page) of them, one more for a short last page.
-  // Thread-local: this runs per head and step on the model's threads.
-  thread_local std::vector<int32_t> order;
-  BestFirstPrefix(score.data(), n_pages, (k + page - 1) / page + 1, &order);
-  int n = 0;
-  for (size_t i = 0; n < k; ++i) {
-    if (i == order.size()) {  // more short pages than expected: rank them all
-      BestFirstPrefix(score.data(), n_pages, n_pages, &order);
-      KVWIRE_CHECK(i < order.size());
-    }
-    const int p = order[i];
-    for (int t = p * page; t < std::min(len, (p + 1) * page) && n < k; ++t) out[n++] = t;
-  }
+  kernels::cpu::TakeBest(score.data(), page, len, k, /*ascending=*/false, out);
 }
 
 void DefineAttentionFlags(Flags& flags) {

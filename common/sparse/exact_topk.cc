@@ -6,28 +6,24 @@
 #include <limits>
 
 #include "common/sparse/attention.h"
+#include "kernels/cpu/selection.h"
 
 namespace kvwire {
 namespace {
 
 void ExactSelect(const HeadQuery& hq) {
   const LayerCache& lc = *hq.cache;
-  const int d = lc.head_dim;
-  const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  std::vector<float> total(lc.len, 0.f), s(lc.len), row(d);
-  for (int g = 0; g < hq.group; ++g) {
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int t = 0; t < lc.len; ++t) {
-      ToFloat(lc.dtype, lc.k_row(hq.head, t), row.data(), d);
-      float dot = 0.f;
-      for (int i = 0; i < d; ++i) dot += hq.q[g * d + i] * row[i];
-      s[t] = dot * scale;
-      mx = std::max(mx, s[t]);
-    }
-    double z = 0;
-    for (int t = 0; t < lc.len; ++t) z += s[t] = std::exp(s[t] - mx);
-    for (int t = 0; t < lc.len; ++t) total[t] += static_cast<float>(s[t] / z);
-  }
+  thread_local std::vector<float> total;
+  total.resize(lc.len);
+  kernels::PageScoreSegment s;
+  s.kind = kernels::PageScoreKind::kExact;
+  s.q = hq.q;
+  s.group = hq.group;
+  s.len = lc.len;
+  s.k = lc.k_row(hq.head, 0);
+  s.scale = 1.f / std::sqrt(static_cast<float>(lc.head_dim));
+  s.score = total.data();
+  kernels::cpu::HeadPageScores(s, lc.head_dim, lc.dtype);
   TakePages(total, 1, lc.len, hq.params->top_k, hq.out);
 }
 

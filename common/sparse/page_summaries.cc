@@ -1,9 +1,9 @@
 #include "common/sparse/page_summaries.h"
 
 #include <algorithm>
-#include <limits>
 
 #include "common/base/status.h"
+#include "kernels/cpu/selection.h"
 
 namespace kvwire {
 
@@ -40,49 +40,29 @@ size_t PageSummaries::Bytes(const KvCacheShape& shape, int page, int dense_layer
   return total;
 }
 
-uint8_t* PageSummaries::MutableChunk(int layer, int head, bool max, int dim, int tile) {
-  return const_cast<uint8_t*>(Chunk(layer, head, max, dim, tile));
-}
-
 float PageSummaries::Value(int layer, int head, bool max, int dim, int page) const {
   float v;
   ToFloat(shape_.dtype,
-          Chunk(layer, head, max, dim, page / tile_pages_) +
-              static_cast<size_t>(page % tile_pages_) * DTypeSize(shape_.dtype),
+          HeadBlock(layer, head) +
+              Layout(layer).Offset(max, dim, page) * static_cast<int64_t>(DTypeSize(shape_.dtype)),
           &v, 1);
   return v;
 }
 
 // The page holding the first token not yet summarized is recomputed from its slots, and
-// so is every later one: appending touches only the last page.
+// so is every later one: appending touches only the last page (kernels/cpu/summaries.cc).
 void PageSummaries::Update(int layer, int head, const LayerCache& lc) {
   int& built = built_[static_cast<size_t>(layer) * shape_.n_heads + head];
   if (built == lc.len) return;
-  const int d = shape_.head_dim;
-  const int first = built / page_;
-  const int last = pages(lc.len);
-  std::vector<float> lo(d), hi(d), row(d);
-  const size_t es = DTypeSize(shape_.dtype);
-  for (int p = first; p < last; ++p) {
-    std::fill(lo.begin(), lo.end(), std::numeric_limits<float>::infinity());
-    std::fill(hi.begin(), hi.end(), -std::numeric_limits<float>::infinity());
-    for (int t = p * page_; t < std::min(lc.len, (p + 1) * page_); ++t) {
-      ToFloat(lc.dtype, lc.k_row(head, t), row.data(), d);
-      for (int i = 0; i < d; ++i) {
-        lo[i] = std::min(lo[i], row[i]);
-        hi[i] = std::max(hi[i], row[i]);
-      }
-    }
-    // Min and max of values in the cache dtype are exact in it: they are stored so.
-    const int tile = p / tile_pages_;
-    const size_t at = static_cast<size_t>(p % tile_pages_) * es;
-    for (int i = 0; i < d; ++i) {
-      FromFloat(lc.dtype, &lo[i], MutableChunk(layer, head, false, i, tile) + at, 1);
-      if (Sets(page_) == 2) {
-        FromFloat(lc.dtype, &hi[i], MutableChunk(layer, head, true, i, tile) + at, 1);
-      }
-    }
-  }
+  kernels::SummaryUpdateSegment s;
+  s.k = lc.k;
+  s.head_stride = lc.head_stride();
+  s.n_heads = lc.n_heads;
+  s.first = built;
+  s.len = lc.len;
+  s.summaries = const_cast<uint8_t*>(HeadBlock(layer, 0));
+  s.layout = Layout(layer);
+  kernels::cpu::UpdateHeadSummaries(s, head);
   built = lc.len;
 }
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/model/kv_cache.h"
+#include "kernels/selection.h"
 
 namespace kvwire {
 
@@ -39,20 +40,13 @@ class PageSummaries {
   int page() const { return page_; }
   int tile_pages() const { return tile_pages_; }
   int pages(int len) const { return (len + page_ - 1) / page_; }
-  // Dimension `dim` of the min (or max) summary of pages [tile·tile_pages, +tile_pages) (the
-  // last tile: up to the layer's last page), contiguous.
-  const uint8_t* Chunk(int layer, int head, bool max, int dim, int tile) const {
-    const size_t es = DTypeSize(shape_.dtype);
-    const size_t sets = Sets(page_), d = shape_.head_dim,
-                 first = static_cast<size_t>(tile_pages_) * tile;
-    const size_t width = std::min<size_t>(tile_pages_, max_pages_[layer] - first);
-    const size_t set = sets == 2 && max ? 1 : 0;
-    // The head's tiles, then the tiles before this one (each sets·d·tile_pages elements),
-    // then the rows before this one within the tile (each `width` elements).
+  // How `layer`'s summaries are laid out (kernels/selection.h), and cache head `head`'s block.
+  kernels::SummaryLayout Layout(int layer) const {
+    return {shape_.head_dim, page_, tile_pages_, max_pages_[layer], shape_.dtype};
+  }
+  const uint8_t* HeadBlock(int layer, int head) const {
     return base_ + offsets_[layer] +
-           (static_cast<size_t>(head) * sets * d * max_pages_[layer] + first * sets * d +
-            (static_cast<size_t>(dim) * sets + set) * width) *
-               es;
+           static_cast<size_t>(head) * Layout(layer).head_elems() * DTypeSize(shape_.dtype);
   }
   float Value(int layer, int head, bool max, int dim, int page) const;
 
@@ -60,7 +54,6 @@ class PageSummaries {
   // Rows of one page summary set per head: min and max, or one set for pages of one token.
   static int Sets(int page) { return page == 1 ? 1 : 2; }
   static int MaxPages(const KvCacheShape& shape, int layer, int page, int dense_layers);
-  uint8_t* MutableChunk(int layer, int head, bool max, int dim, int tile);
 
   KvCacheShape shape_;
   int page_;

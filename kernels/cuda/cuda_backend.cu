@@ -26,6 +26,12 @@ class CudaBackend final : public KernelBackend {
     for (DeviceTable* t : {&seqs_, &append_}) {
       if (t->data) cudaFree(t->data);
     }
+    for (DeviceTable& t : op_tables_) {
+      if (t.data) cudaFree(t.data);
+    }
+    for (Slot& slot : slots_) {
+      if (slot.data) cudaFree(slot.data);
+    }
     for (Staging& slot : staging_) {
       if (slot.host) cudaFreeHost(slot.host);
       if (slot.done) cudaEventDestroy(slot.done);
@@ -114,6 +120,44 @@ class CudaBackend final : public KernelBackend {
     return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table), stream_);
   }
 
+  // Selection compute: one .cu file per op, borrowing scratch and tables from here.
+  absl::Status WindowVotes(const WindowVotesParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchWindowVotes(p, stream_);
+  }
+  absl::Status Pool1d(const Pool1dParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchPool1d(p, stream_);
+  }
+  absl::Status RunMeans(const RunMeansParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchRunMeans(p, stream_);
+  }
+  absl::Status TopK(const TopKParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchTopK(p, op_memory_, stream_);
+  }
+  absl::Status HbwSelect(const HbwSelectParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchHbwSelect(p, op_memory_, stream_);
+  }
+  absl::Status GatherKv(const GatherKvParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchGatherKv(p, stream_);
+  }
+  absl::Status UpdateSummaries(const UpdateSummariesParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchUpdateSummaries(p, op_memory_, stream_);
+  }
+  absl::Status PageScores(const PageScoresParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchPageScores(p, op_memory_, stream_);
+  }
+  absl::Status Sample(const SampleParams& p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cuda::LaunchSample(p, op_memory_, stream_);
+  }
+
  private:
   // A per-op table of host structs (the batch's sequences) copied to the device for a launch,
   // queued on the stream after the kernels that read the previous table. The copy goes from
@@ -182,10 +226,36 @@ class CudaBackend final : public KernelBackend {
     return scratch_;
   }
 
+  // The selection ops' scratch slots (cuda::ScratchSlot), grown as Scratch grows its buffer.
+  struct Slot {
+    void* data = nullptr;
+    size_t bytes = 0;
+  };
+  absl::StatusOr<void*> SlotScratch(int slot, size_t bytes) {
+    Slot& s = slots_[slot];
+    if (bytes > s.bytes) {
+      RETURN_IF_ERROR(SyncStream());  // the old buffer may still be in use
+      if (s.data) cudaFree(s.data);
+      s.data = nullptr;
+      s.bytes = 0;
+      RETURN_IF_ERROR(CudaStatus(cudaMalloc(&s.data, bytes), "cudaMalloc (op scratch)"));
+      s.bytes = bytes;
+    }
+    return s.data;
+  }
+
   cudaStream_t stream_;
   cublasHandle_t cublas_;
   void* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  Slot slots_[cuda::kScratchSlots];
+  DeviceTable op_tables_[cuda::kTables];
+  // Called with mu_ held, by the op that received it.
+  const cuda::OpMemory op_memory_{
+      [this](int slot, size_t bytes) { return SlotScratch(slot, bytes); },
+      [this](int table, const void* host, size_t bytes) {
+        return Table(&op_tables_[table], host, bytes);
+      }};
   ThreadPool pool_;
   std::mutex mu_;  // the ops and copies, one at a time (their host-side state)
   DeviceTable seqs_, append_;

@@ -6,7 +6,11 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <functional>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/backend.h"
 
 namespace kvwire::kernels::cuda {
@@ -26,5 +30,37 @@ absl::Status LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_
 // `seqs_device` is p.seqs copied to device memory.
 absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p,
                                    const DecodeSequence* seqs_device, cudaStream_t stream);
+
+// Device memory the selection ops borrow for one launch, from the backend: scratch(slot, bytes)
+// is a buffer of at least `bytes` (one per slot, reused in stream order); table(id, host, bytes)
+// copies a host array into device table `id` (queued on the stream, so the host array may go
+// at once). Ops that call another op use different slots and tables from it.
+enum ScratchSlot : int { kScratchSort = 0, kScratchWork = 1, kScratchSlots = 2 };
+enum TableId : int {
+  kTableTopK = 0,
+  kTableTopKOffsets,
+  kTableHbw,
+  kTableSummaries,
+  kTablePageScores,
+  kTableSample,
+  kTableSampleOffsets,
+  kTables
+};
+struct OpMemory {
+  std::function<absl::StatusOr<void*>(int slot, size_t bytes)> scratch;
+  std::function<absl::StatusOr<void*>(int table, const void* host, size_t bytes)> table;
+};
+
+// The selection ops (kernels/selection.h), one .cu file each; every launcher validates.
+absl::Status LaunchWindowVotes(const WindowVotesParams& p, cudaStream_t stream);
+absl::Status LaunchPool1d(const Pool1dParams& p, cudaStream_t stream);
+absl::Status LaunchRunMeans(const RunMeansParams& p, cudaStream_t stream);
+absl::Status LaunchTopK(const TopKParams& p, const OpMemory& mem, cudaStream_t stream);
+absl::Status LaunchHbwSelect(const HbwSelectParams& p, const OpMemory& mem, cudaStream_t stream);
+absl::Status LaunchGatherKv(const GatherKvParams& p, cudaStream_t stream);
+absl::Status LaunchUpdateSummaries(const UpdateSummariesParams& p, const OpMemory& mem,
+                                   cudaStream_t stream);
+absl::Status LaunchPageScores(const PageScoresParams& p, const OpMemory& mem, cudaStream_t stream);
+absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream_t stream);
 
 }  // namespace kvwire::kernels::cuda

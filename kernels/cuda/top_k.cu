@@ -1,0 +1,193 @@
+/* TopK (kernels/selection.h) with CUB's segmented radix sort: every item's 64-bit key in the
+ * ranking order (ranking.cuh) sorted largest first per segment, then each segment's first k
+ * items taken. Items that share a score in runs (pages, chunks) are ranked as runs and
+ * expanded, best first, the last run cut to its lowest items. With tie scores, keys cannot hold
+ * score, tie and index at once: the items are ranked by (tie, index) first, and that rank
+ * takes the index's place beside the score. Ascending output sorts each segment's k indices. */
+#include <cub/device/device_segmented_radix_sort.cuh>
+#include <vector>
+
+#include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/launchers.h"
+#include "kernels/cuda/ranking.cuh"
+#include "kernels/validate.h"
+
+namespace kvwire::kernels::cuda {
+namespace {
+
+struct DeviceSegment {
+  TopKSegment s;
+  int begin = 0;  // first key of the segment
+  int items = 0;  // keys: runs, or items with a tie
+  int out_begin = 0;
+};
+
+enum class KeyPass { kRuns, kTie, kScoreAfterTie };
+
+__global__ void MakeKeysKernel(const DeviceSegment* segs, KeyPass pass, const int32_t* tie_rank,
+                               uint64_t* keys, int32_t* values) {
+  const DeviceSegment& d = segs[blockIdx.y];
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= d.items) return;
+  // A call may mix segments with and without tie scores: those without rank by their runs'
+  // keys in every pass (their tie pass ranks them harmlessly).
+  uint64_t key = BestFirstKey(d.s.score[i], i);
+  if (d.s.tie != nullptr && pass == KeyPass::kTie) {
+    key = BestFirstKey(d.s.tie[i], i);
+  } else if (d.s.tie != nullptr && pass == KeyPass::kScoreAfterTie) {
+    key = (uint64_t{OrderedBits(d.s.score[i])} << 32) |
+          (0xFFFFFFFFu - static_cast<uint32_t>(tie_rank[d.begin + i]));
+  }
+  keys[d.begin + i] = key;
+  values[d.begin + i] = i;
+}
+
+// rank[item] = its place in the (tie, index) order.
+__global__ void TieRankKernel(const DeviceSegment* segs, const int32_t* sorted, int32_t* rank) {
+  const DeviceSegment& d = segs[blockIdx.y];
+  const int p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p < d.items) rank[d.begin + sorted[d.begin + p]] = p;
+}
+
+// The segment's first k items from its runs, best first: to `staging` (ascending output,
+// sorted next) or straight to the segment's out.
+__global__ void TakeKernel(const DeviceSegment* segs, const int32_t* sorted, int32_t* staging) {
+  const DeviceSegment& d = segs[blockIdx.x];
+  int32_t* out = staging ? staging + d.out_begin : d.s.out;
+  const int32_t* ranked = sorted + d.begin;
+  if (d.s.run == 1) {
+    for (int t = threadIdx.x; t < d.s.k; t += blockDim.x) out[t] = ranked[t];
+    return;
+  }
+  if (threadIdx.x != 0) return;
+  int taken = 0;
+  for (int i = 0; taken < d.s.k && i < d.items; ++i) {
+    const int r = ranked[i];
+    const int end = min(d.s.n, (r + 1) * d.s.run);
+    for (int t = r * d.s.run; t < end && taken < d.s.k; ++t) out[taken++] = t;
+  }
+}
+
+__global__ void CopyOutKernel(const DeviceSegment* segs, const int32_t* sorted) {
+  const DeviceSegment& d = segs[blockIdx.x];
+  for (int t = threadIdx.x; t < d.s.k; t += blockDim.x) d.s.out[t] = sorted[d.out_begin + t];
+}
+
+size_t Align(size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace
+
+absl::Status LaunchTopK(const TopKParams& p, const OpMemory& mem, cudaStream_t stream) {
+  RETURN_IF_ERROR(ValidateTopK(p));
+  if (p.count == 0) return absl::OkStatus();
+  if (p.count > 65535) return absl::InvalidArgumentError("TopK: more than 65535 segments");
+  std::vector<DeviceSegment> segs(p.count);
+  std::vector<int> begin(p.count + 1), out_begin(p.count + 1);
+  int64_t items = 0, outs = 0;
+  int max_items = 0;
+  bool tie = false;
+  for (int i = 0; i < p.count; ++i) {
+    DeviceSegment& d = segs[i];
+    d.s = p.segs[i];
+    d.items = d.s.tie ? d.s.n : (d.s.n + d.s.run - 1) / d.s.run;
+    d.begin = static_cast<int>(items);
+    d.out_begin = static_cast<int>(outs);
+    begin[i] = d.begin;
+    out_begin[i] = d.out_begin;
+    items += d.items;
+    outs += d.s.k;
+    max_items = std::max(max_items, d.items);
+    tie |= d.s.tie != nullptr;
+    if (items > (1 << 30) || outs > (1 << 30)) {
+      return absl::InvalidArgumentError("TopK: more than 2^30 items in one call");
+    }
+  }
+  begin[p.count] = static_cast<int>(items);
+  out_begin[p.count] = static_cast<int>(outs);
+  const int n = static_cast<int>(items), k_total = static_cast<int>(outs);
+
+  // Scratch: keys and values twice, the tie ranks, the ascending pass's indices twice, and
+  // CUB's temporary storage (sized by CUB's own query, which does no work).
+  size_t sort_temp = 0, asc_temp = 0;
+  RETURN_IF_ERROR(
+      CudaStatus(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+                     nullptr, sort_temp, static_cast<const uint64_t*>(nullptr),
+                     static_cast<uint64_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                     static_cast<int32_t*>(nullptr), n, p.count, static_cast<const int*>(nullptr),
+                     static_cast<const int*>(nullptr), 0, 64, stream),
+                 "cub segmented sort (size)"));
+  if (p.ascending) {
+    RETURN_IF_ERROR(CudaStatus(
+        cub::DeviceSegmentedRadixSort::SortKeys(
+            nullptr, asc_temp, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+            k_total, p.count, static_cast<const int*>(nullptr), static_cast<const int*>(nullptr), 0,
+            32, stream),
+        "cub segmented sort (size)"));
+  }
+  const size_t keys_bytes = Align(sizeof(uint64_t) * n), values_bytes = Align(sizeof(int32_t) * n);
+  const size_t asc_bytes = p.ascending ? Align(sizeof(int32_t) * k_total) : 0;
+  const size_t total = 2 * keys_bytes + (tie ? 3 : 2) * values_bytes + 2 * asc_bytes +
+                       Align(std::max(sort_temp, asc_temp));
+  ASSIGN_OR_RETURN(void* scratch, mem.scratch(kScratchSort, total));
+  auto* at = static_cast<uint8_t*>(scratch);
+  auto take = [&](size_t bytes) {
+    void* ptr = at;
+    at += bytes;
+    return ptr;
+  };
+  auto* keys_in = static_cast<uint64_t*>(take(keys_bytes));
+  auto* keys_out = static_cast<uint64_t*>(take(keys_bytes));
+  auto* values_in = static_cast<int32_t*>(take(values_bytes));
+  auto* values_out = static_cast<int32_t*>(take(values_bytes));
+  auto* tie_rank = tie ? static_cast<int32_t*>(take(values_bytes)) : nullptr;
+  auto* staging = p.ascending ? static_cast<int32_t*>(take(asc_bytes)) : nullptr;
+  auto* staging_sorted = p.ascending ? static_cast<int32_t*>(take(asc_bytes)) : nullptr;
+  void* temp = take(Align(std::max(sort_temp, asc_temp)));
+
+  ASSIGN_OR_RETURN(void* table,
+                   mem.table(kTableTopK, segs.data(), sizeof(DeviceSegment) * segs.size()));
+  const auto* dsegs = static_cast<const DeviceSegment*>(table);
+  // Offsets: the segments' key ranges, then their output ranges, in one table.
+  std::vector<int> offsets(begin);
+  offsets.insert(offsets.end(), out_begin.begin(), out_begin.end());
+  ASSIGN_OR_RETURN(void* off_table,
+                   mem.table(kTableTopKOffsets, offsets.data(), sizeof(int) * offsets.size()));
+  const int* key_offsets = static_cast<const int*>(off_table);
+  const int* out_offsets = key_offsets + p.count + 1;
+
+  const dim3 grid((max_items + 255) / 256, p.count);
+  auto sort = [&](const char* what) {
+    size_t bytes = sort_temp;
+    return CudaStatus(cub::DeviceSegmentedRadixSort::SortPairsDescending(
+                          temp, bytes, keys_in, keys_out, values_in, values_out, n, p.count,
+                          key_offsets, key_offsets + 1, 0, 64, stream),
+                      what);
+  };
+  if (tie) {
+    MakeKeysKernel<<<grid, 256, 0, stream>>>(dsegs, KeyPass::kTie, nullptr, keys_in, values_in);
+    RETURN_IF_ERROR(LaunchStatus("MakeKeysKernel"));
+    RETURN_IF_ERROR(sort("cub segmented sort (tie scores)"));
+    TieRankKernel<<<grid, 256, 0, stream>>>(dsegs, values_out, tie_rank);
+    RETURN_IF_ERROR(LaunchStatus("TieRankKernel"));
+  }
+  if (tie) {
+    MakeKeysKernel<<<grid, 256, 0, stream>>>(dsegs, KeyPass::kScoreAfterTie, tie_rank, keys_in,
+                                             values_in);
+  } else {
+    MakeKeysKernel<<<grid, 256, 0, stream>>>(dsegs, KeyPass::kRuns, nullptr, keys_in, values_in);
+  }
+  RETURN_IF_ERROR(LaunchStatus("MakeKeysKernel"));
+  RETURN_IF_ERROR(sort("cub segmented sort"));
+  TakeKernel<<<p.count, 128, 0, stream>>>(dsegs, values_out, staging);
+  RETURN_IF_ERROR(LaunchStatus("TakeKernel"));
+  if (!p.ascending) return absl::OkStatus();
+  size_t bytes = asc_temp;
+  RETURN_IF_ERROR(CudaStatus(
+      cub::DeviceSegmentedRadixSort::SortKeys(temp, bytes, staging, staging_sorted, k_total,
+                                              p.count, out_offsets, out_offsets + 1, 0, 32, stream),
+      "cub segmented sort (ascending)"));
+  CopyOutKernel<<<p.count, 128, 0, stream>>>(dsegs, staging_sorted);
+  return LaunchStatus("CopyOutKernel");
+}
+
+}  // namespace kvwire::kernels::cuda

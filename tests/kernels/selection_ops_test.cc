@@ -1,0 +1,440 @@
+// The selection ops (kernels/selection.h) on every backend against the reference backend, the
+// specification: scoring ops within float tolerance (or bit for bit where every backend sums
+// in the reference's order), rankings and selections exactly, over awkward sizes, plateaus of
+// equal scores, NaN and -0. Instantiated with BackendOpsTest (backend_ops_test.cc).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/ranking.h"
+#include "kernels/backend.h"
+#include "tests/kernels/ops_test_util.h"
+
+namespace kvwire::kernels {
+namespace {
+
+// Scores with plateaus (a few distinct values), the shape max-pooling and pages give.
+std::vector<float> Plateaus(size_t n, uint32_t seed, int levels = 5) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> level(0, levels - 1);
+  std::vector<float> v(n);
+  for (float& x : v) x = static_cast<float>(level(rng)) / levels;
+  return v;
+}
+
+// ---------------------------------------------------------------- prefill scoring
+
+TEST_P(BackendOpsTest, WindowVotes) {
+  uint32_t seed = 500;
+  for (int len : {1, 7, 37, 733, 2100}) {
+    for (int window : {1, 3, 16}) {
+      if (window > len) continue;
+      for (auto [heads, group] : std::vector<std::pair<int, int>>{{1, 1}, {4, 1}, {8, 4}, {8, 8}}) {
+        for (VoteReduce reduce : {VoteReduce::kSum, VoteReduce::kMean, VoteReduce::kMax}) {
+          const int prefix = std::max(1, len - window);
+          SCOPED_TRACE(absl::StrCat("len=", len, " window=", window, " heads=", heads,
+                                    " group=", group, " reduce=", static_cast<int>(reduce)));
+          const auto scores = Random(static_cast<size_t>(heads) * window * len, seed++, 0.f, 1.f);
+          auto run = [&](KernelBackend& b) {
+            Arena a(b);
+            WindowVotesParams p;
+            p.scores = a.Upload(scores);
+            p.n_heads = heads;
+            p.window = window;
+            p.len = len;
+            p.prefix = prefix;
+            p.group = group;
+            p.reduce = reduce;
+            p.votes = a.Filled(static_cast<size_t>(heads / group) * prefix, -7.f);
+            const absl::Status st = b.WindowVotes(p);
+            EXPECT_TRUE(st.ok()) << st;
+            return a.Download(p.votes, static_cast<size_t>(heads / group) * prefix);
+          };
+          // Every backend sums in the reference's order: equal bit for bit.
+          EXPECT_EQ(run(*backend_), run(*reference_));
+        }
+      }
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, Pool1dAndRunMeans) {
+  uint32_t seed = 600;
+  for (int n : {1, 7, 37, 733, 5000}) {
+    for (int kernel : {1, 3, 7, 63, 511}) {
+      for (PoolKind kind : {PoolKind::kMax, PoolKind::kAvg}) {
+        SCOPED_TRACE(absl::StrCat("n=", n, " kernel=", kernel, " kind=", static_cast<int>(kind)));
+        const int rows = 3;
+        // Plateaus and a NaN: max pooling is exact and skips NaN as std::max does.
+        auto x = seed % 2 ? Plateaus(static_cast<size_t>(rows) * n, seed) : Random(rows * n, seed);
+        ++seed;
+        if (kind == PoolKind::kMax && n > 5) x[4] = std::numeric_limits<float>::quiet_NaN();
+        auto run = [&](KernelBackend& b) {
+          Arena a(b);
+          Pool1dParams p{a.Upload(x), a.Filled<float>(x.size(), -7.f), rows, n, kernel, kind};
+          const absl::Status st = b.Pool1d(p);
+          EXPECT_TRUE(st.ok()) << st;
+          return a.Download(p.y, x.size());
+        };
+        const auto got = run(*backend_), want = run(*reference_);
+        if (kind == PoolKind::kMax) {
+          EXPECT_TRUE(AllClose(got, want, {0.f, 0.f}));
+        } else {
+          EXPECT_TRUE(AllClose(got, want, {1e-6f, 1e-5f}));
+        }
+      }
+    }
+    for (int run_len : {1, 3, 10, 64}) {
+      SCOPED_TRACE(absl::StrCat("n=", n, " run=", run_len));
+      const auto x = Random(2 * static_cast<size_t>(n), seed++);
+      const int runs = (n + run_len - 1) / run_len;
+      auto run = [&](KernelBackend& b) {
+        Arena a(b);
+        RunMeansParams p{a.Upload(x), a.Filled<float>(2 * runs, -7.f), 2, n, run_len};
+        const absl::Status st = b.RunMeans(p);
+        EXPECT_TRUE(st.ok()) << st;
+        return a.Download(p.y, 2 * runs);
+      };
+      EXPECT_EQ(run(*backend_), run(*reference_));  // each run summed in order
+    }
+  }
+}
+
+// ---------------------------------------------------------------- ranking
+
+struct TopKCase {
+  int n, run, k;
+  bool tie;
+};
+
+TEST_P(BackendOpsTest, TopKRanksAsTheReferenceDoes) {
+  const std::vector<TopKCase> cases = {
+      {1, 1, 1, false},     {7, 1, 3, false},     {37, 1, 37, false},   {733, 1, 100, false},
+      {733, 1, 733, true},  {733, 1, 64, true},   {5000, 1, 700, true}, {37, 3, 10, false},
+      {733, 4, 128, false}, {733, 16, 33, false}, {100, 7, 100, false}, {20000, 6, 512, false}};
+  uint32_t seed = 700;
+  for (bool ascending : {false, true}) {
+    for (const TopKCase& c : cases) {
+      SCOPED_TRACE(absl::StrCat("n=", c.n, " run=", c.run, " k=", c.k, " tie=", c.tie,
+                                " ascending=", ascending));
+      const int runs = (c.n + c.run - 1) / c.run;
+      // Three segments in one call: plateaus, random scores with a NaN, -0 and +0 and -inf.
+      std::vector<std::vector<float>> scores = {Plateaus(runs, seed), Random(runs, seed + 1),
+                                                Plateaus(runs, seed + 2, 2)};
+      if (runs > 4) {
+        scores[1][1] = std::numeric_limits<float>::quiet_NaN();
+        scores[1][2] = -0.f;
+        scores[1][3] = 0.f;
+        scores[2][0] = -std::numeric_limits<float>::infinity();
+      }
+      std::vector<std::vector<float>> ties = {Plateaus(c.n, seed + 3, 3), Random(c.n, seed + 4),
+                                              Plateaus(c.n, seed + 5, 2)};
+      seed += 6;
+      auto run = [&](KernelBackend& b) {
+        Arena a(b);
+        std::vector<TopKSegment> segs(scores.size());
+        for (size_t i = 0; i < segs.size(); ++i) {
+          segs[i].score = a.Upload(scores[i]);
+          segs[i].tie = c.tie ? a.Upload(ties[i]) : nullptr;
+          segs[i].n = c.n;
+          segs[i].run = c.run;
+          segs[i].k = c.k - static_cast<int>(i % 2);  // segments of different k
+          if (segs[i].k < 1) segs[i].k = 1;
+          segs[i].out = a.Filled<int32_t>(c.k, -1);
+        }
+        const absl::Status st = b.TopK({segs.data(), static_cast<int>(segs.size()), ascending});
+        EXPECT_TRUE(st.ok()) << st;
+        std::vector<std::vector<int32_t>> out;
+        for (const TopKSegment& s : segs) out.push_back(a.DownloadAs(s.out, c.k));
+        return out;
+      };
+      const auto got = run(*backend_), want = run(*reference_);
+      EXPECT_EQ(got, want);
+      // The reference itself, run 1 without ties: the order of common/base/ranking.h.
+      if (c.run == 1 && !c.tie) {
+        std::vector<int32_t> full = RankBestFirst(scores[0]);
+        full.resize(c.k);
+        if (ascending) std::sort(full.begin(), full.end());
+        EXPECT_EQ(std::vector<int32_t>(want[0].begin(), want[0].begin() + c.k), full);
+      }
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, HbwSelect) {
+  uint32_t seed = 800;
+  struct Case {
+    int prefix, block, budget;
+    std::vector<int> rounds;
+  };
+  const std::vector<Case> cases = {{37, 3, 12, {1, 8}}, {733, 5, 200, {1, 8}},
+                                   {733, 4, 733, {1}},  {5000, 16, 1000, {1, 4, 8}},
+                                   {100, 7, 51, {3}},   {64, 1, 10, {64}}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat("prefix=", c.prefix, " block=", c.block, " budget=", c.budget));
+    const int blocks = (c.prefix + c.block - 1) / c.block, rows = 3;
+    const auto scores = Plateaus(static_cast<size_t>(rows) * blocks, seed++, 4);
+    auto run = [&](KernelBackend& b) {
+      Arena a(b);
+      HbwSelectParams p;
+      p.block_scores = a.Upload(scores);
+      p.rows = rows;
+      p.prefix = c.prefix;
+      p.block = c.block;
+      p.prefix_budget = c.budget;
+      for (int r : c.rounds) p.rounds[p.n_rounds++] = r;
+      p.out = a.Filled<int32_t>(static_cast<size_t>(rows) * c.budget, -1);
+      const absl::Status st = b.HbwSelect(p);
+      EXPECT_TRUE(st.ok()) << st;
+      return a.DownloadAs(p.out, static_cast<size_t>(rows) * c.budget);
+    };
+    const auto got = run(*backend_), want = run(*reference_);
+    EXPECT_EQ(got, want);
+    for (int r = 0; r < rows; ++r) {  // budget distinct positions, ascending, in the prefix
+      const auto row =
+          std::vector<int32_t>(want.begin() + r * c.budget, want.begin() + (r + 1) * c.budget);
+      EXPECT_TRUE(std::is_sorted(row.begin(), row.end()));
+      EXPECT_EQ(std::adjacent_find(row.begin(), row.end()), row.end());
+      EXPECT_GE(row.front(), 0);
+      EXPECT_LT(row.back(), c.prefix);
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, GatherKv) {
+  uint32_t seed = 900;
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (auto [kv_heads, cache_heads] : std::vector<std::pair<int, int>>{{1, 1}, {2, 2}, {2, 8}}) {
+      for (int d : {8, 64, 128}) {
+        SCOPED_TRACE(absl::StrCat(DTypeName(t), " heads=", kv_heads, "/", cache_heads, " d=", d));
+        const int len = 37, count = 11;
+        const int64_t stride = int64_t{kv_heads} * d * 3 + 5;  // a q|k|v row and padding
+        const auto qkv = Random(static_cast<size_t>(len) * stride, seed++, -3.f, 3.f);
+        std::vector<int32_t> kept;
+        std::mt19937 rng(seed++);
+        for (int c = 0; c < cache_heads; ++c) {
+          std::vector<int32_t> all(len);
+          std::iota(all.begin(), all.end(), 0);
+          std::shuffle(all.begin(), all.end(), rng);
+          std::sort(all.begin(), all.begin() + count);
+          kept.insert(kept.end(), all.begin(), all.begin() + count);
+        }
+        auto run = [&](KernelBackend& b) {
+          Arena a(b);
+          const float* base = a.Upload(qkv);
+          GatherKvParams p;
+          p.k = base + kv_heads * d;
+          p.v = base + 2 * kv_heads * d;
+          p.kv_stride = stride;
+          p.kept = a.Upload(kept);
+          p.len = len;
+          p.n_cache_heads = cache_heads;
+          p.n_kv_heads = kv_heads;
+          p.head_dim = d;
+          p.count = count;
+          p.dtype = t;
+          const size_t bytes = static_cast<size_t>(cache_heads) * count * d * DTypeSize(t);
+          p.k_out = a.Filled<uint8_t>(bytes, 0xAB);
+          p.v_out = a.Filled<uint8_t>(bytes, 0xCD);
+          const absl::Status st = b.GatherKv(p);
+          EXPECT_TRUE(st.ok()) << st;
+          auto out = a.DownloadBytes(p.k_out, bytes);
+          const auto v = a.DownloadBytes(p.v_out, bytes);
+          out.insert(out.end(), v.begin(), v.end());
+          return out;
+        };
+        EXPECT_EQ(run(*backend_), run(*reference_));  // one rounding per element
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- page summaries, scores
+
+struct SummaryCase {
+  int heads, capacity, page, tile_pages;
+  DType dtype;
+};
+
+std::vector<SummaryCase> SummaryCases() {
+  std::vector<SummaryCase> cases;
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    cases.push_back({2, 37, 1, 1 << 30, t});
+    cases.push_back({3, 733, 4, 1 << 30, t});
+    cases.push_back({2, 733, 5, 64, t});
+    cases.push_back({1, 2000, 16, 8, t});
+  }
+  return cases;
+}
+
+TEST_P(BackendOpsTest, UpdateSummariesRecomputesThePagesOfNewTokens) {
+  uint32_t seed = 1000;
+  for (const SummaryCase& c : SummaryCases()) {
+    for (int d : {8, 64}) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(c.dtype), " heads=", c.heads, " capacity=", c.capacity,
+                                " page=", c.page, " tile=", c.tile_pages, " d=", d));
+      const int64_t hs = int64_t{c.capacity} * d;
+      const auto k = Encode(Random(c.heads * hs, seed++, -2.f, 2.f), c.dtype);
+      SummaryLayout l{d, c.page, c.tile_pages, (c.capacity + c.page - 1) / c.page, c.dtype};
+      const size_t bytes = static_cast<size_t>(c.heads) * l.head_elems() * DTypeSize(c.dtype);
+      // Two updates: the prompt, then a few appended tokens (the last page recomputed).
+      const int first_len = c.capacity - 7, second_len = c.capacity - 2;
+      auto run = [&](KernelBackend& b) {
+        Arena a(b);
+        SummaryUpdateSegment s{
+            a.Upload(k), hs, c.heads, 0, first_len, a.Filled<uint8_t>(bytes, 0), l};
+        EXPECT_TRUE(b.UpdateSummaries({&s, 1}).ok());
+        s.first = first_len;
+        s.len = second_len;
+        EXPECT_TRUE(b.UpdateSummaries({&s, 1}).ok());
+        return a.DownloadBytes(s.summaries, bytes);
+      };
+      const auto got = run(*backend_), want = run(*reference_);
+      EXPECT_EQ(got, want);
+      // The reference itself: head 0's max of dimension 1 over page 0 is the largest of its
+      // tokens' values.
+      std::vector<float> k0(static_cast<size_t>(c.page) * d);
+      ToFloat(c.dtype, k.data(), k0.data(), k0.size());
+      float hi = -INFINITY, lo = INFINITY;
+      for (int t = 0; t < c.page; ++t) {
+        hi = std::max(hi, k0[t * d + 1]);
+        lo = std::min(lo, k0[t * d + 1]);
+      }
+      float stored;
+      ToFloat(c.dtype, want.data() + l.Offset(c.page > 1, 1, 0) * DTypeSize(c.dtype), &stored, 1);
+      EXPECT_EQ(stored, c.page > 1 ? hi : lo);
+    }
+  }
+}
+
+TEST_P(BackendOpsTest, PageScores) {
+  uint32_t seed = 1100;
+  for (const SummaryCase& c : SummaryCases()) {
+    for (int group : {1, 4}) {
+      for (PageScoreKind kind :
+           {PageScoreKind::kHybrid, PageScoreKind::kQuest, PageScoreKind::kExact}) {
+        const int d = 64;
+        SCOPED_TRACE(absl::StrCat(DTypeName(c.dtype), " capacity=", c.capacity, " page=", c.page,
+                                  " tile=", c.tile_pages, " group=", group,
+                                  " kind=", static_cast<int>(kind)));
+        const int64_t hs = int64_t{c.capacity} * d;
+        const auto k = Encode(Random(c.heads * hs, seed++, -2.f, 2.f), c.dtype);
+        const auto q = Random(static_cast<size_t>(c.heads) * group * d, seed++, -2.f, 2.f);
+        SummaryLayout l{d, c.page, c.tile_pages, (c.capacity + c.page - 1) / c.page, c.dtype};
+        const size_t bytes = static_cast<size_t>(c.heads) * l.head_elems() * DTypeSize(c.dtype);
+        const int len = c.capacity - 3;  // a short last page
+        const int n_scores = kind == PageScoreKind::kExact ? len : l.pages(len);
+        auto run = [&](KernelBackend& b) {
+          Arena a(b);
+          const uint8_t* kd = a.Upload(k);
+          uint8_t* sums = a.Filled<uint8_t>(bytes, 0);
+          SummaryUpdateSegment u{kd, hs, c.heads, 0, len, sums, l};
+          EXPECT_TRUE(b.UpdateSummaries({&u, 1}).ok());
+          const float* qd = a.Upload(q);
+          std::vector<PageScoreSegment> segs(c.heads);
+          for (int h = 0; h < c.heads; ++h) {
+            PageScoreSegment& s = segs[h];
+            s.kind = kind;
+            s.q = qd + static_cast<int64_t>(h) * group * d;
+            s.group = group;
+            s.len = len;
+            s.summaries = sums + h * l.head_elems() * DTypeSize(c.dtype);
+            s.layout = l;
+            s.top_r = h == 0 ? d : 1 + 5 * h;
+            s.k = kd + h * hs * DTypeSize(c.dtype);
+            s.scale = 0.125f;
+            s.score = a.Filled<float>(n_scores, -7.f);
+          }
+          const absl::Status st =
+              b.PageScores({segs.data(), static_cast<int>(segs.size()), d, c.dtype});
+          EXPECT_TRUE(st.ok()) << st;
+          std::vector<float> out;
+          for (const PageScoreSegment& s : segs) {
+            const auto one = a.Download(s.score, n_scores);
+            out.insert(out.end(), one.begin(), one.end());
+          }
+          return out;
+        };
+        EXPECT_TRUE(AllClose(run(*backend_), run(*reference_), {1e-6f, 2e-4f}));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- sampling
+
+TEST_P(BackendOpsTest, SampleDrawsTheReferenceToken) {
+  uint32_t seed = 1200;
+  const std::vector<SamplingParams> params = {{0.f, 0, 1.f},   {1.f, 0, 1.f},   {0.7f, 40, 1.f},
+                                              {1.2f, 0, 0.9f}, {0.8f, 5, 0.5f}, {2.f, 1, 1.f}};
+  for (int vocab : {1, 7, 733, 32000}) {
+    SCOPED_TRACE(absl::StrCat("vocab=", vocab));
+    const int batch = static_cast<int>(params.size()) * 3;
+    auto logits = Random(static_cast<size_t>(batch) * (vocab + 3), seed++, -8.f, 8.f);
+    // Ties for the greedy rule: the lowest id of a repeated maximum.
+    if (vocab > 5) logits[2] = logits[4] = 20.f;
+    std::mt19937_64 rng(seed++);
+    std::vector<SampleRow> rows(batch);
+    for (int b = 0; b < batch; ++b) {
+      rows[b].params = params[b % params.size()];
+      rows[b].uniform = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+    }
+    auto run = [&](KernelBackend& be) {
+      Arena a(be);
+      SampleParams p;
+      p.logits = a.Upload(logits);
+      p.stride = vocab + 3;
+      p.batch = batch;
+      p.vocab = vocab;
+      p.rows = rows.data();
+      p.out = static_cast<SampledToken*>(
+          static_cast<void*>(a.Filled<uint8_t>(sizeof(SampledToken) * batch, 0xFF)));
+      const absl::Status st = be.Sample(p);
+      EXPECT_TRUE(st.ok()) << st;
+      return a.DownloadAs(p.out, batch);
+    };
+    const auto got = run(*backend_), want = run(*reference_);
+    for (int b = 0; b < batch; ++b) {
+      EXPECT_EQ(got[b].id, want[b].id) << "row " << b;
+      EXPECT_NEAR(got[b].logprob, want[b].logprob, 1e-4f) << "row " << b;
+    }
+    if (vocab > 5) EXPECT_EQ(want[0].id, 2);  // greedy: the first of the tied maxima
+  }
+}
+
+TEST_P(BackendOpsTest, SelectionOpsRejectBadShapes) {
+  Arena a(*backend_);
+  float* f = a.Filled<float>(64, 0.f);
+  int32_t* i = a.Filled<int32_t>(64, 0);
+  WindowVotesParams wv{f, 4, 2, 8, 6, 3, VoteReduce::kSum, f};  // group 3 does not divide 4
+  EXPECT_EQ(backend_->WindowVotes(wv).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(backend_->Pool1d({f, f + 32, 1, 8, 4, PoolKind::kMax}).code(),  // an even kernel
+            absl::StatusCode::kInvalidArgument);
+  TopKSegment seg{f, nullptr, 8, 1, 9, i};  // k above n
+  EXPECT_EQ(backend_->TopK({&seg, 1, false}).code(), absl::StatusCode::kInvalidArgument);
+  seg = {f, f, 8, 2, 4, i};  // tie scores with runs
+  EXPECT_EQ(backend_->TopK({&seg, 1, false}).code(), absl::StatusCode::kInvalidArgument);
+  HbwSelectParams hbw;
+  hbw.block_scores = f;
+  hbw.rows = 1;
+  hbw.prefix = 8;
+  hbw.block = 2;
+  hbw.prefix_budget = 9;  // above the prefix
+  hbw.n_rounds = 1;
+  hbw.rounds[0] = 1;
+  hbw.out = i;
+  EXPECT_EQ(backend_->HbwSelect(hbw).code(), absl::StatusCode::kInvalidArgument);
+  SampleRow row;
+  row.params.top_p = 0.f;  // top_p must be in (0, 1]
+  SampledToken* out = static_cast<SampledToken*>(static_cast<void*>(i));
+  EXPECT_EQ(backend_->Sample({f, 0, 1, 8, &row, out}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvwire::kernels
