@@ -12,6 +12,7 @@
 // of gRPC, protobuf or the model; they return a Status for unsupported shapes.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -162,8 +163,27 @@ class KernelBackend {
   virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
   virtual void Free(void* ptr) = 0;
   // `src` may change or go once CopyToDevice returns; CopyToHost returns with `dst` filled.
-  virtual absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
-  virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;
+  // Both are counted (copy_counts).
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) {
+    Count(/*to_device=*/true, bytes);
+    return DoCopyToDevice(dst, src, bytes);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) {
+    Count(/*to_device=*/false, bytes);
+    return DoCopyToHost(dst, src, bytes);
+  }
+
+  // The copy ledger: what crossed between host and backend memory since the backend was made
+  // (CopyToDevice, CopyToHost, and a backend's own uploads, such as the CUDA backend's op
+  // tables). On a GPU, what crossed PCIe.
+  struct CopyCounts {
+    int64_t to_device_bytes = 0, to_device_calls = 0;
+    int64_t to_host_bytes = 0, to_host_calls = 0;
+  };
+  CopyCounts copy_counts() const {
+    return {to_device_bytes_.load(), to_device_calls_.load(), to_host_bytes_.load(),
+            to_host_calls_.load()};
+  }
   virtual absl::Status Synchronize() = 0;
 
   virtual absl::Status MatMul(const MatMulParams& p) = 0;
@@ -194,9 +214,29 @@ class KernelBackend {
   virtual void HostParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
     if (n > 0) fn(0, n);
   }
+
+ protected:
+  virtual absl::Status DoCopyToDevice(void* dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) = 0;
+  // Adds one copy to the ledger (a backend counts its own uploads with it).
+  void Count(bool to_device, size_t bytes) {
+    (to_device ? to_device_bytes_ : to_host_bytes_) += static_cast<int64_t>(bytes);
+    ++(to_device ? to_device_calls_ : to_host_calls_);
+  }
+
+ private:
+  std::atomic<int64_t> to_device_bytes_{0}, to_device_calls_{0};
+  std::atomic<int64_t> to_host_bytes_{0}, to_host_calls_{0};
 };
 
 using KernelBackendPtr = std::unique_ptr<KernelBackend>;
+
+// The difference of two readings of the ledger.
+inline KernelBackend::CopyCounts operator-(const KernelBackend::CopyCounts& a,
+                                           const KernelBackend::CopyCounts& b) {
+  return {a.to_device_bytes - b.to_device_bytes, a.to_device_calls - b.to_device_calls,
+          a.to_host_bytes - b.to_host_bytes, a.to_host_calls - b.to_host_calls};
+}
 
 // The CPU backend uses `threads` worker threads (0: all hardware threads). Asking for
 // CUDA in a build without it, or on a machine without a GPU, is an error that says so.

@@ -253,7 +253,7 @@ class CpuBackend final : public HostMemoryBackend {
     pool_.ParallelFor(p.rows, 1, [&](int64_t r0, int64_t r1) {
       HbwSelectParams part = p;
       part.block_scores = p.block_scores + r0 * blocks;
-      part.out = p.out + r0 * p.prefix_budget;
+      part.out = p.out + r0 * (p.prefix_budget + p.append);
       part.rows = static_cast<int>(r1 - r0);
       reference::HbwSelect(part);
     });

@@ -47,13 +47,13 @@ class GuardedBackend final : public KernelBackend {
     munmap(it->first, it->second);
     regions_.erase(it);
   }
-  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+  absl::Status DoCopyToDevice(void* dst, const void* src, size_t bytes) override {
     return Run("CopyToDevice", {{dst, "dst"}}, [&] {
       if (bytes > 0) std::memcpy(dst, src, bytes);  // data() of an empty array may be null
       return absl::OkStatus();
     });
   }
-  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+  absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) override {
     return Run("CopyToHost", {{src, "src"}}, [&] {
       if (bytes > 0) std::memcpy(dst, src, bytes);
       return absl::OkStatus();

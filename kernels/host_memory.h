@@ -24,11 +24,11 @@ class HostMemoryBackend : public KernelBackend {
     return p;
   }
   void Free(void* ptr) override { std::free(ptr); }
-  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+  absl::Status DoCopyToDevice(void* dst, const void* src, size_t bytes) override {
     if (bytes > 0) std::memcpy(dst, src, bytes);  // an empty array's data() may be null
     return absl::OkStatus();
   }
-  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+  absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) override {
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return absl::OkStatus();
   }

@@ -99,6 +99,7 @@ void TopK(const TopKParams& p) {
     });
     order.resize(s.k);
     if (p.ascending) std::sort(order.begin(), order.end());
+    for (int j = 0; j < s.append; ++j) order.push_back(s.n + j);
     std::copy(order.begin(), order.end(), s.out);
   }
 }
@@ -155,12 +156,13 @@ void HbwSelect(const HbwSelectParams& p) {
         used = p.prefix_budget;
       }
     }
-    int32_t* out = p.out + int64_t{row} * p.prefix_budget;
+    int32_t* out = p.out + int64_t{row} * (p.prefix_budget + p.append);
     int n = 0;
     for (int b = 0; b < n_blocks; ++b) {
       const int len = selected[b] ? block_size(b) : (b == partial_block ? partial_len : 0);
       for (int j = b * p.block; j < b * p.block + len; ++j) out[n++] = j;
     }
+    for (int j = 0; j < p.append; ++j) out[n++] = p.prefix + j;
   }
 }
 

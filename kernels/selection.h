@@ -74,12 +74,14 @@ struct RunMeansParams {
 // consecutive items share one score (a page of slots, a chunk of tokens), so the best items are
 // whole runs best first, the last one cut to its lowest items (TakePages, ChunkKV's chunks).
 // With a tie array (run 1 only) equal scores are ordered by tie[j] (SnapKV: pooled votes, then
-// the raw votes). Writes k ≤ n distinct indices, best first or (ascending) in ascending order.
+// the raw votes). Writes k ≤ n distinct indices, best first or (ascending) in ascending order,
+// then `append` more: n, n + 1, ... (the observation window, kept whatever the scores).
 struct TopKSegment {
   const float* score = nullptr;  // [ceil(n / run)]
   const float* tie = nullptr;    // [n], or null
   int n = 0, run = 1, k = 0;
-  int32_t* out = nullptr;  // [k]
+  int append = 0;
+  int32_t* out = nullptr;  // [k + append]
 };
 struct TopKParams {
   const TopKSegment* segs = nullptr;  // host array [count]
@@ -91,14 +93,15 @@ struct TopKParams {
 // block scores: ⌊prefix_budget / block⌋ whole blocks shared equally by the rounds, each round
 // spreading its share over its groups, each group taking its best blocks no earlier round took,
 // then the best remaining blocks fill the budget, the last cut to fit. Writes the kept prefix
-// positions of each row in ascending order.
+// positions of each row in ascending order, then `append` more: prefix, prefix + 1, ...
 inline constexpr int kMaxHbwRounds = 64;
 struct HbwSelectParams {
   const float* block_scores = nullptr;  // [rows, ceil(prefix / block)]
   int rows = 0, prefix = 0, block = 1, prefix_budget = 0;
+  int append = 0;
   int rounds[kMaxHbwRounds] = {};  // the group count of each round
   int n_rounds = 0;
-  int32_t* out = nullptr;  // [rows, prefix_budget]
+  int32_t* out = nullptr;  // [rows, prefix_budget + append]
 };
 
 // The kept rows of one layer into a contiguous send buffer: cache head c, slot t takes token

@@ -176,6 +176,9 @@ absl::Status ValidateTopK(const TopKParams& p) {
       return absl::StrCat("segment ", i, ": need n, run > 0 and k in [1, n], got n=", s.n,
                           " run=", s.run, " k=", s.k);
     }));
+    RETURN_IF_ERROR(Require(s.append >= 0, kOp, [&] {
+      return absl::StrCat("segment ", i, ": append must be >= 0, got ", s.append);
+    }));
     RETURN_IF_ERROR(Require(s.tie == nullptr || s.run == 1, kOp, [&] {
       return absl::StrCat("segment ", i, ": tie scores apply to runs of 1, got run=", s.run);
     }));
@@ -194,6 +197,7 @@ absl::Status ValidateHbwSelect(const HbwSelectParams& p) {
     return absl::StrCat("prefix_budget must be in [1, prefix=", p.prefix, "], got ",
                         p.prefix_budget);
   }));
+  RETURN_IF_ERROR(Require(p.append >= 0, kOp, "append must be >= 0"));
   RETURN_IF_ERROR(Require(p.n_rounds > 0 && p.n_rounds <= kMaxHbwRounds, kOp, [&] {
     return absl::StrCat("need 1 to ", kMaxHbwRounds, " rounds, got ", p.n_rounds);
   }));

@@ -12,17 +12,23 @@ absl::Status CapturedPrefill::OnLayer(const PrefillLayer& l) {
   Layer c;
   c.len = l.len;
   c.window = l.window;
-  // Only each token's kv_dim values: the rows between them belong to the layer's other
-  // activations, and a whole stride past the last token lies beyond the buffer.
+  // The layer's K and V rows on the host: each a stretch from the first token's row to the
+  // last one's end (the rows between belong to the layer's other activations).
+  const size_t span = static_cast<size_t>(l.len - 1) * l.kv_stride + kv_dim_;
+  std::vector<float> k(span), v(span);
+  RETURN_IF_ERROR(l.backend->CopyToHost(k.data(), l.k, span * sizeof(float)));
+  RETURN_IF_ERROR(l.backend->CopyToHost(v.data(), l.v, span * sizeof(float)));
+  // Only each token's kv_dim values.
   c.k.resize(l.len * kv_dim_);
   c.v.resize(l.len * kv_dim_);
   for (int t = 0; t < l.len; ++t) {
-    std::copy_n(l.k + t * l.kv_stride, kv_dim_, c.k.data() + t * kv_dim_);
-    std::copy_n(l.v + t * l.kv_stride, kv_dim_, c.v.data() + t * kv_dim_);
+    std::copy_n(k.data() + t * l.kv_stride, kv_dim_, c.k.data() + t * kv_dim_);
+    std::copy_n(v.data() + t * l.kv_stride, kv_dim_, c.v.data() + t * kv_dim_);
   }
   if (l.window_scores) {
-    const size_t n = static_cast<size_t>(l.window) * l.len;
-    c.scores.assign(l.window_scores, l.window_scores + n * n_heads_);
+    c.scores.resize(static_cast<size_t>(l.window) * l.len * n_heads_);
+    RETURN_IF_ERROR(
+        l.backend->CopyToHost(c.scores.data(), l.window_scores, c.scores.size() * sizeof(float)));
   }
   layers_.push_back(std::move(c));
   return absl::OkStatus();
@@ -35,6 +41,7 @@ absl::Status CapturedPrefill::Replay(PrefillObserver& observer) const {
     PrefillLayer l;
     l.layer = static_cast<int>(i);
     l.len = c.len;
+    l.backend = host_.get();
     l.k = c.k.data();
     l.v = c.v.data();
     l.kv_stride = kv_dim_;

@@ -13,6 +13,7 @@
 #include "common/compression/compression.h"
 #include "common/model/llama_model.h"
 #include "common/sparse/attention.h"
+#include "kernels/cpu_backend.h"
 
 namespace kvwire::tools {
 
@@ -21,7 +22,8 @@ class CapturedPrefill : public PrefillObserver {
   CapturedPrefill(int window, const ModelConfig& model)
       : window_(window),
         n_heads_(model.num_heads),
-        kv_dim_(int64_t{model.num_kv_heads} * model.head_dim) {}
+        kv_dim_(int64_t{model.num_kv_heads} * model.head_dim),
+        host_(kernels::MakeCpuBackend(1)) {}
   int window(int /*len*/) const override { return window_; }
   absl::Status OnLayer(const PrefillLayer& l) override;
 
@@ -44,6 +46,8 @@ class CapturedPrefill : public PrefillObserver {
   int n_heads_;
   int64_t kv_dim_;
   std::vector<Layer> layers_;
+  // The replayed layers' backend: the captured rows are host memory.
+  kernels::KernelBackendPtr host_;
 };
 
 // A method resolved for one prompt: its compression (the window clamped to the prompt,

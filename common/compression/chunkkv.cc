@@ -14,9 +14,9 @@
 // literal Algorithm 1 line 16 cuts the position-sorted tokens instead, which cuts the
 // chunk nearest the window however well it ranks: a needle near the end of the prompt.)
 #include <algorithm>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/base/ranking.h"
 #include "common/base/status.h"
 #include "common/compression/scoring.h"
 
@@ -47,27 +47,6 @@ struct ChunkKVParams {
   bool per_kv_head = false;
 };
 
-// Whole chunks best first; the last one taken (the lowest ranked) is cut to its first
-// tokens to fill the budget exactly, so a better chunk is never cut.
-std::vector<int32_t> ChunkSelect(const std::vector<float>& tok, int chunk, int prefix_budget) {
-  const int prefix = static_cast<int>(tok.size());
-  std::vector<std::pair<int32_t, int>> chosen;  // chunk, tokens taken from its start
-  int covered = 0;
-  for (int32_t m : RankBestFirst(RunMeans(tok, chunk))) {
-    if (covered >= prefix_budget) break;
-    const int take =
-        std::min(std::min(prefix, (m + 1) * chunk) - m * chunk, prefix_budget - covered);
-    chosen.push_back({m, take});
-    covered += take;
-  }
-  std::sort(chosen.begin(), chosen.end());
-  std::vector<int32_t> kept;
-  for (const auto& [m, take] : chosen) {
-    for (int j = m * chunk; j < m * chunk + take; ++j) kept.push_back(j);
-  }
-  return kept;
-}
-
 class ChunkKV final : public CompressionPolicy {
  public:
   explicit ChunkKV(ChunkKVParams p) : p_(p) {}
@@ -80,27 +59,42 @@ class ChunkKV final : public CompressionPolicy {
   // Only the first layer of each reuse group scores (Algorithm 2).
   bool NeedsScores(int index) const override { return index % p_.reuse_layers == 0; }
 
-  absl::StatusOr<KeptRows> SelectPrefix(const LayerInput& in, PromptState* state) const override {
+  // Chunk scores are the means of the tokens' votes (RunMeans); whole chunks are taken best
+  // first, the last one cut to its first tokens: TopK over tokens whose runs of `chunk` share
+  // the chunk's score. Written to ops.carried, which the reusing layers return.
+  absl::StatusOr<const int32_t*> Select(const LayerInput& in, const SelectionOps& ops,
+                                        PromptState* state) const override {
     if (!NeedsScores(in.index)) {
-      if (state->carried.empty()) {
+      if (!state->has_carried) {
         return absl::FailedPreconditionError("chunkkv: reused layer before its anchor");
       }
-      return state->carried;
+      return ops.carried;
     }
-    std::vector<std::vector<float>> votes = HeadVotes(*in.scores, in.prefix);
-    if (p_.per_kv_head) {
-      state->carried.clear();
-      for (const auto& row : GroupVotes(std::move(votes), GqaMode::kSum, in.n_kv_heads)) {
-        state->carried.push_back(ChunkSelect(row, p_.chunk, in.prefix_budget));
-      }
-      return state->carried;
+    // One row of votes for the layer (every query head summed), or one per KV head.
+    kernels::WindowVotesParams v;
+    v.scores = in.scores->data;
+    v.n_heads = in.n_heads;
+    v.window = in.scores->window;
+    v.len = in.len;
+    v.prefix = in.prefix;
+    v.group = p_.per_kv_head ? in.n_heads / in.n_kv_heads : in.n_heads;
+    v.votes = ops.votes;
+    RETURN_IF_ERROR(ops.backend->WindowVotes(v));
+    const int rows = in.n_heads / v.group, chunks = (in.prefix + p_.chunk - 1) / p_.chunk;
+    RETURN_IF_ERROR(ops.backend->RunMeans({ops.votes, ops.pooled, rows, in.prefix, p_.chunk}));
+    std::vector<kernels::TopKSegment> segs(in.cache_heads);
+    for (int c = 0; c < in.cache_heads; ++c) {
+      kernels::TopKSegment& s = segs[c];
+      s.score = ops.pooled + int64_t{p_.per_kv_head ? c : 0} * chunks;
+      s.n = in.prefix;
+      s.run = p_.chunk;
+      s.k = in.prefix_budget;
+      s.append = in.window;
+      s.out = ops.carried + int64_t{c} * (in.prefix_budget + in.window);
     }
-    std::vector<float> tok(in.prefix, 0.f);
-    for (const auto& row : votes) {
-      for (int j = 0; j < in.prefix; ++j) tok[j] += row[j];
-    }
-    state->carried = KeptRows(in.cache_heads, ChunkSelect(tok, p_.chunk, in.prefix_budget));
-    return state->carried;
+    RETURN_IF_ERROR(ops.backend->TopK({segs.data(), in.cache_heads, /*ascending=*/true}));
+    state->has_carried = true;
+    return ops.carried;
   }
 
  private:

@@ -19,12 +19,6 @@ absl::Status Bad(absl::string_view what, absl::string_view param = "") {
   return param.empty() ? st : AboutParam(std::move(st), param);
 }
 
-std::vector<int32_t> Range(int32_t begin, int32_t end) {
-  std::vector<int32_t> v(std::max(0, end - begin));
-  std::iota(v.begin(), v.end(), begin);
-  return v;
-}
-
 bool IsShared(absl::string_view name) {
   for (const char* s : kSharedCompressionParams) {
     if (name == s) return true;
@@ -194,6 +188,64 @@ ParamValues CompressionValues(const CompressionConfig& c) {
 LayerSelector::LayerSelector(const CompressionConfig& config, int n_heads, int n_kv_heads)
     : config_(config), n_heads_(n_heads), n_kv_heads_(n_kv_heads) {}
 
+LayerSelector::~LayerSelector() { Release(); }
+
+void LayerSelector::Release() {
+  if (backend_ == nullptr) return;
+  for (void* p : {static_cast<void*>(ops_.votes), static_cast<void*>(ops_.pooled),
+                  static_cast<void*>(ops_.kept), static_cast<void*>(ops_.carried),
+                  static_cast<void*>(all_)}) {
+    if (p != nullptr) backend_->Free(p);
+  }
+  ops_ = SelectionOps{};
+  all_ = nullptr;
+  backend_ = nullptr;
+  reserved_len_ = -1;
+}
+
+absl::Status LayerSelector::Reserve(kernels::KernelBackend& backend, int len) {
+  if (backend_ == &backend && reserved_len_ == len) return absl::OkStatus();
+  if (backend_ != nullptr && state_.has_carried) {
+    return absl::FailedPreconditionError(
+        "a prompt's layers must be compressed on one backend, at one length");
+  }
+  Release();
+  backend_ = &backend;
+  reserved_len_ = len;
+  ops_.backend = &backend;
+  const int heads = cache_heads();
+  auto alloc = [&](size_t bytes) -> absl::StatusOr<void*> {
+    auto p = backend.Allocate(std::max<size_t>(bytes, 1));
+    if (!p.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("compression buffers for a ", len, "-token prompt: ", p.status().message()));
+    }
+    return *p;
+  };
+  // Every position of every head, for the layers kept whole: uploaded once per prompt.
+  if (config_.skip_layers > 0 || !config_.Compresses(len)) {
+    std::vector<int32_t> all(static_cast<size_t>(heads) * len);
+    for (int c = 0; c < heads; ++c) {
+      std::iota(all.begin() + int64_t{c} * len, all.begin() + int64_t{c + 1} * len, 0);
+    }
+    ASSIGN_OR_RETURN(void* a, alloc(all.size() * sizeof(int32_t)));
+    all_ = static_cast<int32_t*>(a);
+    RETURN_IF_ERROR(backend.CopyToDevice(all_, all.data(), all.size() * sizeof(int32_t)));
+  }
+  if (!config_.Compresses(len)) return absl::OkStatus();
+  const size_t scores = static_cast<size_t>(n_heads_) * (len - config_.window);
+  const size_t kept = static_cast<size_t>(heads) * config_.EffectiveBudget(len);
+  ASSIGN_OR_RETURN(void* votes, alloc(scores * sizeof(float)));
+  ops_.votes = static_cast<float*>(votes);
+  ASSIGN_OR_RETURN(void* pooled, alloc(scores * sizeof(float)));
+  ops_.pooled = static_cast<float*>(pooled);
+  ASSIGN_OR_RETURN(void* k, alloc(kept * sizeof(int32_t)));
+  ops_.kept = static_cast<int32_t*>(k);
+  ASSIGN_OR_RETURN(void* carried, alloc(kept * sizeof(int32_t)));
+  ops_.carried = static_cast<int32_t*>(carried);
+  return absl::OkStatus();
+}
+
 bool LayerSelector::NeedsScoresFor(int layer, int len) const {
   if (!config_.NeedsScores() || layer < config_.skip_layers || !config_.Compresses(len)) {
     return false;
@@ -201,8 +253,15 @@ bool LayerSelector::NeedsScoresFor(int layer, int len) const {
   return config_.policy->NeedsScores(layer - config_.skip_layers);
 }
 
-absl::StatusOr<KeptRows> LayerSelector::Select(int layer, int len, const WindowScores* scores) {
+absl::StatusOr<const int32_t*> LayerSelector::SelectOn(kernels::KernelBackend& backend, int layer,
+                                                       int len, const WindowScores* scores,
+                                                       int* count) {
   const CompressionConfig& c = config_;
+  RETURN_IF_ERROR(Reserve(backend, len));
+  if (layer < c.skip_layers || !c.Compresses(len)) {
+    *count = len;
+    return all_;
+  }
   LayerInput in;
   in.layer = layer;
   in.index = layer - c.skip_layers;
@@ -210,8 +269,7 @@ absl::StatusOr<KeptRows> LayerSelector::Select(int layer, int len, const WindowS
   in.window = c.window;
   in.n_heads = n_heads_;
   in.n_kv_heads = n_kv_heads_;
-  in.cache_heads = c.CacheHeads(n_heads_, n_kv_heads_);
-  if (layer < c.skip_layers || !c.Compresses(len)) return KeptRows(in.cache_heads, Range(0, len));
+  in.cache_heads = cache_heads();
   in.prefix = len - c.window;
   in.prefix_budget = c.EffectiveBudget(len) - c.window;
   if (NeedsScoresFor(layer, len)) {
@@ -222,15 +280,8 @@ absl::StatusOr<KeptRows> LayerSelector::Select(int layer, int len, const WindowS
     }
     in.scores = scores;
   }
-  ASSIGN_OR_RETURN(KeptRows kept, c.policy->SelectPrefix(in, &state_));
-  // The window rule, for every policy: the last `window` positions are kept whole.
-  KVWIRE_CHECK(static_cast<int>(kept.size()) == in.cache_heads);
-  for (std::vector<int32_t>& row : kept) {
-    KVWIRE_CHECK(static_cast<int>(row.size()) == in.prefix_budget);
-    KVWIRE_CHECK(row.empty() || (row.front() >= 0 && row.back() < in.prefix));
-    for (int32_t j = in.prefix; j < len; ++j) row.push_back(j);
-  }
-  return kept;
+  *count = in.prefix_budget + in.window;
+  return c.policy->Select(in, ops_, &state_);
 }
 
 Compressor::Compressor(const CompressionConfig& config, const ModelConfig& model, DType kv_dtype,
@@ -243,6 +294,17 @@ Compressor::Compressor(const CompressionConfig& config, const ModelConfig& model
       selector_(config, model.num_heads, model.num_kv_heads),
       sink_(sink) {}
 
+Compressor::~Compressor() { ReleaseSendBuffers(); }
+
+void Compressor::ReleaseSendBuffers() {
+  if (backend_ == nullptr) return;
+  backend_->Free(k_out_);
+  backend_->Free(v_out_);
+  k_out_ = v_out_ = nullptr;
+  out_bytes_ = 0;
+  backend_ = nullptr;
+}
+
 // Only a prompt that will be compressed needs scores (their buffer is heads × w × L floats).
 int Compressor::window(int len) const {
   return config_.NeedsScores() && config_.Compresses(len) ? config_.window : 0;
@@ -254,33 +316,58 @@ bool Compressor::NeedsScores(int layer, int len) const {
 
 absl::Status Compressor::OnLayer(const PrefillLayer& layer) {
   const auto t0 = std::chrono::steady_clock::now();
+  if (layer.backend == nullptr) {
+    return absl::InternalError("a prefill layer must name the backend whose memory it is in");
+  }
+  kernels::KernelBackend& backend = *layer.backend;
   WindowScores ws{layer.window_scores, n_heads_, layer.window, layer.len};
   const bool need = selector_.NeedsScoresFor(layer.layer, layer.len);
-  ASSIGN_OR_RETURN(KeptRows kept, selector_.Select(layer.layer, layer.len, need ? &ws : nullptr));
-  // The gather, for every policy: kept rows of K and V in the cache dtype.
+  int count = 0;
+  ASSIGN_OR_RETURN(const int32_t* kept, selector_.SelectOn(backend, layer.layer, layer.len,
+                                                           need ? &ws : nullptr, &count));
+  // The gather, for every policy: kept rows of K and V in the cache dtype, on the backend.
   CompressedLayer out;
   out.layer = layer.layer;
-  out.n_heads = static_cast<int>(kept.size());
+  out.n_heads = selector_.cache_heads();
   out.head_dim = head_dim_;
-  out.count = kept.empty() ? 0 : static_cast<int>(kept[0].size());
+  out.count = count;
   out.dtype = kv_dtype_;
-  const size_t row = static_cast<size_t>(head_dim_) * DTypeSize(kv_dtype_);
-  out.positions.reserve(static_cast<size_t>(out.n_heads) * out.count);
-  out.k.resize(static_cast<size_t>(out.n_heads) * out.count * row);
-  out.v.resize(out.k.size());
-  const int heads_per_kv = out.n_heads / n_kv_heads_;
-  for (int c = 0; c < out.n_heads; ++c) {
-    const int g = c / heads_per_kv;
-    for (int t = 0; t < out.count; ++t) {
-      const int32_t pos = kept[c][t];
-      out.positions.push_back(pos);
-      const size_t dst = (static_cast<size_t>(c) * out.count + t) * row;
-      FromFloat(kv_dtype_, layer.k + pos * layer.kv_stride + int64_t{g} * head_dim_, &out.k[dst],
-                head_dim_);
-      FromFloat(kv_dtype_, layer.v + pos * layer.kv_stride + int64_t{g} * head_dim_, &out.v[dst],
-                head_dim_);
+  const size_t bytes = static_cast<size_t>(out.n_heads) * count * head_dim_ * DTypeSize(kv_dtype_);
+  if (backend_ != &backend || out_bytes_ < bytes) {
+    ReleaseSendBuffers();
+    ASSIGN_OR_RETURN(k_out_, backend.Allocate(bytes));
+    auto v = backend.Allocate(bytes);
+    if (!v.ok()) {
+      backend.Free(k_out_);
+      k_out_ = nullptr;
+      return v.status();
     }
+    v_out_ = *v;
+    backend_ = &backend;
+    out_bytes_ = bytes;
   }
+  kernels::GatherKvParams g;
+  g.k = layer.k;
+  g.v = layer.v;
+  g.kv_stride = layer.kv_stride;
+  g.kept = kept;
+  g.len = layer.len;
+  g.n_cache_heads = out.n_heads;
+  g.n_kv_heads = n_kv_heads_;
+  g.head_dim = head_dim_;
+  g.count = count;
+  g.dtype = kv_dtype_;
+  g.k_out = k_out_;
+  g.v_out = v_out_;
+  RETURN_IF_ERROR(backend.GatherKv(g));
+  // What crosses to the host: the kept positions and rows, nothing else.
+  out.positions.resize(static_cast<size_t>(out.n_heads) * count);
+  out.k.resize(bytes);
+  out.v.resize(bytes);
+  RETURN_IF_ERROR(
+      backend.CopyToHost(out.positions.data(), kept, out.positions.size() * sizeof(int32_t)));
+  RETURN_IF_ERROR(backend.CopyToHost(out.k.data(), k_out_, bytes));
+  RETURN_IF_ERROR(backend.CopyToHost(out.v.data(), v_out_, bytes));
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return sink_->Accept(std::move(out));
 }

@@ -67,19 +67,39 @@ absl::Status ApplyCompressionValues(const ParamValues& values, CompressionConfig
 ParamValues CompressionValues(const CompressionConfig& config);
 
 // Chooses the kept positions of one prompt, layer by layer: the policy's choice among the
-// prefix plus the window, or everything for a dense layer or a short prompt.
+// prefix plus the window, or everything for a dense layer or a short prompt. The choice is
+// computed with a backend's selection ops in its memory (SelectOn), where the prefill left the
+// layer's window scores; Select does the same on the host, with a CPU backend of its own.
 class LayerSelector {
  public:
   LayerSelector(const CompressionConfig& config, int n_heads, int n_kv_heads);
-  // One ascending list of kept prompt positions per cache head. `scores` may be null when
-  // the layer does not need them (see NeedsScoresFor).
+  ~LayerSelector();
+  LayerSelector(const LayerSelector&) = delete;
+  LayerSelector& operator=(const LayerSelector&) = delete;
+
+  // One ascending list of kept prompt positions per cache head. `scores` (host memory) may be
+  // null when the layer does not need them (see NeedsScoresFor).
   absl::StatusOr<KeptRows> Select(int layer, int len, const WindowScores* scores);
+  // The same in `backend`'s memory, where `scores` are: [cache heads, *count] positions, each
+  // row ascending, valid until the next call.
+  absl::StatusOr<const int32_t*> SelectOn(kernels::KernelBackend& backend, int layer, int len,
+                                          const WindowScores* scores, int* count);
   bool NeedsScoresFor(int layer, int len) const;
+  int cache_heads() const { return config_.CacheHeads(n_heads_, n_kv_heads_); }
 
  private:
+  // Buffers in `backend`'s memory for a prompt of `len` tokens (kept while it stays the same).
+  absl::Status Reserve(kernels::KernelBackend& backend, int len);
+  void Release();
+
   CompressionConfig config_;
   int n_heads_, n_kv_heads_;
   PromptState state_;
+  kernels::KernelBackendPtr host_;             // Select's, made at its first call
+  kernels::KernelBackend* backend_ = nullptr;  // whose memory the buffers are
+  int reserved_len_ = -1;
+  SelectionOps ops_;
+  int32_t* all_ = nullptr;  // [cache heads, len]: every position, for a layer kept whole
 };
 
 // One layer of a compressed cache, as it goes on the wire or into a KvCache.
@@ -100,11 +120,14 @@ class CompressedLayerSink {
 };
 
 // The prefill observer that compresses: window scores → policy → kept positions →
-// gathered K/V in the cache dtype → sink, one layer at a time.
+// gathered K/V in the cache dtype → sink, one layer at a time. Everything up to the gathered
+// rows runs on the prefill's backend (PrefillLayer::backend), so a GPU ships only the kept
+// rows and their positions to the host.
 class Compressor : public PrefillObserver {
  public:
   Compressor(const CompressionConfig& config, const ModelConfig& model, DType kv_dtype,
              CompressedLayerSink* sink);
+  ~Compressor() override;
   int window(int len) const override;
   bool NeedsScores(int layer, int len) const override;
   absl::Status OnLayer(const PrefillLayer& layer) override;
@@ -112,12 +135,19 @@ class Compressor : public PrefillObserver {
   double seconds() const { return seconds_; }
 
  private:
+  void ReleaseSendBuffers();
+
   CompressionConfig config_;
   int n_heads_, n_kv_heads_, head_dim_;
   DType kv_dtype_;
   LayerSelector selector_;
   CompressedLayerSink* sink_;
   double seconds_ = 0;
+  // The gathered rows, in the backend's memory.
+  kernels::KernelBackend* backend_ = nullptr;
+  void* k_out_ = nullptr;
+  void* v_out_ = nullptr;
+  size_t out_bytes_ = 0;
 };
 
 // Writes a compressed layer into a cache (checks it fits and matches).

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/base/status.h"
 
 namespace kvwire {
 
@@ -75,6 +76,36 @@ absl::Status RenameParams(const absl::Status& status,
   const std::string context = "compression: ";
   if (message.rfind(context, 0) == 0) message = message.substr(context.size());
   return absl::Status(status.code(), message);
+}
+
+absl::StatusOr<KeptRows> CompressionPolicy::SelectPrefix(const LayerInput&, PromptState*) const {
+  return absl::UnimplementedError(
+      absl::StrCat(name(), " selects with the backend's ops, not on the host"));
+}
+
+absl::StatusOr<const int32_t*> CompressionPolicy::Select(const LayerInput& in,
+                                                         const SelectionOps& ops,
+                                                         PromptState* state) const {
+  ASSIGN_OR_RETURN(KeptRows rows, SelectPrefix(in, state));
+  const int budget = in.prefix_budget + in.window;
+  std::vector<int32_t> flat;
+  flat.reserve(static_cast<size_t>(in.cache_heads) * budget);
+  if (static_cast<int>(rows.size()) != in.cache_heads) {
+    return absl::InternalError(
+        absl::StrCat(name(), " chose ", rows.size(), " rows for ", in.cache_heads, " cache heads"));
+  }
+  for (const std::vector<int32_t>& row : rows) {
+    if (static_cast<int>(row.size()) != in.prefix_budget ||
+        (!row.empty() && (row.front() < 0 || row.back() >= in.prefix))) {
+      return absl::InternalError(absl::StrCat(name(), " chose a row of ", row.size(),
+                                              " positions where ", in.prefix_budget,
+                                              " of the prefix were due"));
+    }
+    flat.insert(flat.end(), row.begin(), row.end());
+    for (int32_t j = in.prefix; j < in.len; ++j) flat.push_back(j);  // the window
+  }
+  RETURN_IF_ERROR(ops.backend->CopyToDevice(ops.kept, flat.data(), flat.size() * sizeof(int32_t)));
+  return ops.kept;
 }
 
 std::string CompressionPolicy::DescribeBudget(int budget, double ratio) const {

@@ -17,8 +17,12 @@
 // per cache head, the observation window included), the window rule (the last `window`
 // prompt positions are always kept, whatever the scores), short prompts kept whole, the
 // dense first `skip_layers` layers, and the gather of the kept K/V rows. A policy only
-// chooses, per layer, which positions of the prefix [0, len - window) to keep; ranking
-// helpers it may share are in scoring.h, the tie order in common/base/ranking.h.
+// chooses, per layer, which positions of the prefix [0, len - window) to keep. Those that
+// score (SnapKV and its family, ChunkKV, HBW-KV) do it with the backend's selection ops
+// (kernels/selection.h), in the backend's memory, as kvpress's scorer presses do: the policy
+// scores, the shared ops rank (TopK, in common/base/ranking.h's order) and gather; scoring
+// steps they share are in scoring.h. Those that need no scores (streaming, random) choose on
+// the host, and their choice is uploaded.
 //
 // Adding a policy: one new file that defines its PolicyInfo and class, and one line in
 // registry.cc.
@@ -33,6 +37,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/backend.h"
 
 namespace kvwire {
 
@@ -81,9 +86,22 @@ struct LayerInput {
   const WindowScores* scores = nullptr;  // null when NeedsScores(index) is false
 };
 
-// A policy's memory across the layers of one prompt (ChunkKV's reused index sets).
+// A policy's memory across the layers of one prompt: ChunkKV's reused index sets, kept in
+// SelectionOps::carried.
 struct PromptState {
-  KeptRows carried;
+  bool has_carried = false;
+};
+
+// Where a policy computes one layer's selection: the backend whose memory holds the layer's
+// window scores (LayerInput::scores), and buffers there, sized for the prompt.
+struct SelectionOps {
+  kernels::KernelBackend* backend = nullptr;
+  float* votes = nullptr;   // [n_heads, prefix] floats of scratch
+  float* pooled = nullptr;  // [n_heads, prefix] floats of scratch
+  // [cache_heads, budget]: each row's prefix_budget chosen positions in ascending order, then
+  // the window's positions [prefix, len).
+  int32_t* kept = nullptr;
+  int32_t* carried = nullptr;  // the same shape, kept across the prompt's layers
 };
 
 // The largest per-step token budget of decode attention (DecodeAttentionConfig's
@@ -135,9 +153,15 @@ class CompressionPolicy {
   // False for a policy that must be resolved before a prompt is compressed (rocketkv).
   virtual bool selects() const { return true; }
 
-  // The kept prefix positions of one layer: in.cache_heads ascending rows of
-  // in.prefix_budget distinct positions in [0, in.prefix).
-  virtual absl::StatusOr<KeptRows> SelectPrefix(const LayerInput& in, PromptState* state) const = 0;
+  // One layer's kept positions in backend memory (SelectionOps::kept's layout): written to
+  // ops.kept, or to ops.carried for a selection later layers reuse, and that buffer returned.
+  // The default uploads SelectPrefix's choice (a policy that chooses on the host).
+  virtual absl::StatusOr<const int32_t*> Select(const LayerInput& in, const SelectionOps& ops,
+                                                PromptState* state) const;
+  // A policy that chooses on the host: in.cache_heads ascending rows of in.prefix_budget
+  // distinct positions in [0, in.prefix). The scoring policies choose with ops (Select) and
+  // do not implement it.
+  virtual absl::StatusOr<KeptRows> SelectPrefix(const LayerInput& in, PromptState* state) const;
 };
 
 // Reads a policy's parameters from named values: each accessor reads one (keeping the

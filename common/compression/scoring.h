@@ -1,17 +1,20 @@
-// Scoring steps the observation-window policies share: the window's votes per query head
-// (SnapKV Listing 1, l.11), their combination over a GQA group, and 1-D pooling (l.13).
-// Each policy composes them in its own file; the order in which scored positions are
-// ranked is common/base/ranking.h's.
+// Scoring steps the observation-window policies share, on the backend's selection ops
+// (kernels/selection.h): the window's votes per query head (SnapKV Listing 1, l.11), their
+// combination over a GQA group, 1-D pooling (l.13), and the top of the pooled votes with the
+// window kept (l.15-19). Each policy composes them in its own file; the order in which scored
+// positions are ranked is common/base/ranking.h's.
 #pragma once
 
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/compression/policy.h"
+#include "kernels/selection.h"
 
 namespace kvwire {
 
-enum class PoolKind { kMax, kAvg };
+using PoolKind = kernels::PoolKind;
 // Names in enum order: "max", "avg".
 const std::vector<absl::string_view>& PoolNames();
 
@@ -25,23 +28,16 @@ enum class GqaMode {
 // Names in enum order: "per_query_head", "sum", "mean", "max".
 const std::vector<absl::string_view>& GqaNames();
 
-// vote[h][j] = Σ over the window's queries of the attention on prefix key j, for j in
-// [0, prefix) (the window's own columns are not voted on: the window is kept whole).
-std::vector<std::vector<float>> HeadVotes(const WindowScores& scores, int prefix);
+// The votes of the window over the prefix, one row per cache head (WindowVotes): the query
+// heads' rows as they are (per query head), or the group's sum, mean or max per KV head
+// (RocketKV Algorithm 1 sums after the softmax and before pooling). Into ops.votes.
+absl::Status GroupVotes(const LayerInput& in, const SelectionOps& ops, GqaMode mode);
 
-// One row per cache head: the query heads' rows as they are (per query head), or the
-// group's sum, mean or max per KV head (RocketKV Algorithm 1 sums after the softmax and
-// before pooling).
-std::vector<std::vector<float>> GroupVotes(std::vector<std::vector<float>> votes, GqaMode mode,
-                                           int n_kv_heads);
-
-// pool1d(x, kernel, padding = kernel / 2, stride 1). Max pooling pads with -inf; average
-// pooling counts the padding (divides by the kernel), as PyTorch's avg_pool1d does by
-// default. A kernel of 1 returns x.
-std::vector<float> Pool1d(const std::vector<float>& x, int kernel, PoolKind kind);
-
-// Means of consecutive runs of `size` scores (the last run may be shorter): ChunkKV's
-// chunk scores and HBW-KV's block scores.
-std::vector<float> RunMeans(const std::vector<float>& x, int size);
+// SnapKV's selection (Listing 1, l.11-19): the group's votes, pooled with `kernel`, the
+// prefix_budget best positions of each row by the pooled votes (a budget that cuts through a
+// pooling plateau keeps the plateau's peaks: the raw votes break the tie, then the position),
+// in ascending order, then the window. Returns ops.kept.
+absl::StatusOr<const int32_t*> SelectByPooledVotes(const LayerInput& in, const SelectionOps& ops,
+                                                   GqaMode mode, int kernel, PoolKind pool);
 
 }  // namespace kvwire

@@ -9,7 +9,6 @@
 // n_rep times larger); per KV head, the group's votes are combined by sum (default),
 // mean or max first. docs/algorithms.md §2 gives the specification.
 #include "absl/strings/str_cat.h"
-#include "common/base/ranking.h"
 #include "common/base/status.h"
 #include "common/compression/scoring.h"
 
@@ -51,14 +50,9 @@ class SnapKV final : public CompressionPolicy {
     return p_.gqa == GqaMode::kPerQueryHead ? n_heads : n_kv_heads;
   }
 
-  absl::StatusOr<KeptRows> SelectPrefix(const LayerInput& in, PromptState*) const override {
-    KeptRows kept;
-    for (const auto& row : GroupVotes(HeadVotes(*in.scores, in.prefix), p_.gqa, in.n_kv_heads)) {
-      // A budget that cuts through a pooling plateau keeps the plateau's peaks (the raw
-      // votes break the tie), not merely its leftmost positions.
-      kept.push_back(TopKAscending(Pool1d(row, p_.kernel, p_.pool), in.prefix_budget, &row));
-    }
-    return kept;
+  absl::StatusOr<const int32_t*> Select(const LayerInput& in, const SelectionOps& ops,
+                                        PromptState*) const override {
+    return SelectByPooledVotes(in, ops, p_.gqa, p_.kernel, p_.pool);
   }
 
  private:

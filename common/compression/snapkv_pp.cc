@@ -10,7 +10,6 @@
 // with a derived budget plus a hybrid attention config by common/sparse/rocketkv.cc before
 // any prompt is compressed; here it is registered with SnapKV++'s parameters.
 #include "absl/strings/str_cat.h"
-#include "common/base/ranking.h"
 #include "common/base/status.h"
 #include "common/compression/scoring.h"
 
@@ -91,14 +90,10 @@ class SnapKVpp final : public CompressionPolicy {
                         "@", p_.kernel_threshold);
   }
 
-  absl::StatusOr<KeptRows> SelectPrefix(const LayerInput& in, PromptState*) const override {
+  absl::StatusOr<const int32_t*> Select(const LayerInput& in, const SelectionOps& ops,
+                                        PromptState*) const override {
     const int kernel = in.len >= p_.kernel_threshold ? p_.kernel_large : p_.kernel_small;
-    KeptRows kept;
-    for (const auto& row :
-         GroupVotes(HeadVotes(*in.scores, in.prefix), GqaMode::kSum, in.n_kv_heads)) {
-      kept.push_back(TopKAscending(Pool1d(row, kernel, PoolKind::kMax), in.prefix_budget, &row));
-    }
-    return kept;
+    return SelectByPooledVotes(in, ops, GqaMode::kSum, kernel, PoolKind::kMax);
   }
 
  private:

@@ -452,8 +452,8 @@ std::vector<std::pair<std::shared_ptr<DecodeEngine::Seq>, absl::Status>> DecodeE
     }
   }
   if (batch.empty()) return ended;
-  const int vocab = model_->config().vocab_size;
   std::vector<DecodeInput> inputs;
+  std::vector<kernels::SampleRow> rows;
   for (auto& s : batch) {
     DecodeInput in;
     in.token = s->generated.back();
@@ -461,9 +461,11 @@ std::vector<std::pair<std::shared_ptr<DecodeEngine::Seq>, absl::Status>> DecodeE
     in.cache = s->cache.get();
     in.selector = s->selector.get();
     inputs.push_back(in);
+    rows.push_back({s->job.sampling, s->rng->Uniform()});
   }
-  std::vector<float> logits(batch.size() * static_cast<size_t>(vocab));
-  const absl::Status st = model_->DecodeStep(inputs, logits.data());
+  // Sampled by the model's backend: on a GPU only the tokens come back, not the logits.
+  std::vector<kernels::SampledToken> tokens(batch.size());
+  const absl::Status st = model_->DecodeStepSampled(inputs, rows, tokens.data());
   for (size_t b = 0; b < batch.size(); ++b) {
     Seq& s = *batch[b];
     if (!st.ok()) {
@@ -471,9 +473,7 @@ std::vector<std::pair<std::shared_ptr<DecodeEngine::Seq>, absl::Status>> DecodeE
       ended.emplace_back(batch[b], st);
       continue;
     }
-    const kernels::SampledToken tok =
-        kernels::Sample(logits.data() + b * vocab, vocab, s.job.sampling, s.rng->Uniform());
-    if (Emit(s, tok.id, tok.logprob)) ended.emplace_back(batch[b], absl::OkStatus());
+    if (Emit(s, tokens[b].id, tokens[b].logprob)) ended.emplace_back(batch[b], absl::OkStatus());
   }
   return ended;
 }

@@ -77,7 +77,6 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
 
   SamplingRng rng(request.seed);
   rng.Uniform();  // the first token's draw, taken by the prefill
-  std::vector<float> logits(c.vocab_size);
   const auto t1 = std::chrono::steady_clock::now();
   for (int i = 0; i < request.max_tokens; ++i) {
     kernels::SampledToken tok{seq.first_token, seq.first_logprob};
@@ -87,8 +86,8 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
       in.position = len + i - 1;  // continues from the original prompt length
       in.cache = cache;
       in.selector = selector.get();
-      RETURN_IF_ERROR(model.DecodeStep({&in, 1}, logits.data()));
-      tok = kernels::Sample(logits.data(), c.vocab_size, request.sampling, rng.Uniform());
+      const kernels::SampleRow row{request.sampling, rng.Uniform()};
+      RETURN_IF_ERROR(model.DecodeStepSampled({&in, 1}, {&row, 1}, &tok));
     }
     result.ids.push_back(tok.id);
     result.logprobs.push_back(tok.logprob);

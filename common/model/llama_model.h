@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/model/decode_selector.h"
 #include "common/model/kv_cache.h"
 #include "common/model/model_config.h"
 #include "common/tokenizer/tokenizer.h"
@@ -44,10 +45,12 @@ struct LoadOptions {
   bool mapped_weights = false;
 };
 
-// What a prefill observer sees after one layer's attention.
+// What a prefill observer sees after one layer's attention, in the memory of `backend` (device
+// memory on a GPU: an observer reads it with the backend's ops, or copies it).
 struct PrefillLayer {
   int layer = 0;
   int len = 0;  // prompt tokens
+  kernels::KernelBackend* backend = nullptr;
   // K (after RoPE) and V: token t, KV head g at k + t·kv_stride + g·head_dim.
   const float* k = nullptr;
   const float* v = nullptr;
@@ -72,58 +75,6 @@ class PrefillObserver {
 
 struct PrefillResult {
   std::vector<float> logits;  // [vocab], or [len, vocab] with all_logits
-};
-
-// Picks, per cache head, which cached tokens a decode step attends to (sparse attention).
-// Per layer and step the model calls Plan once, then SelectHead for every cache head, then
-// Done. The SelectHead calls of one step run in parallel, over the heads of every sequence in
-// the batch; Select runs the same calls one after another on the calling thread, and the
-// parallel selection must equal it.
-class DecodeSelector {
- public:
-  virtual ~DecodeSelector() = default;
-  // `cache` already holds the new token. Returns false for dense attention over all
-  // cache.len tokens, or true and *num_indices (1 ≤ n ≤ cache.len), the tokens each cache
-  // head will attend.
-  virtual absl::StatusOr<bool> Plan(int layer, const LayerCache& cache, int* num_indices) = 0;
-  // After Plan returned true: writes cache head `head`'s *num_indices token indices to `out`.
-  // q: [n_heads, head_dim] after RoPE. Calls for different heads may run at the same time
-  // (and alongside other selectors' calls, and other heads' attention), never alongside Plan
-  // or Done.
-  virtual void SelectHead(int layer, const float* q, const LayerCache& cache, int head,
-                          int32_t* out) = 0;
-  // After the heads were selected (or Plan returned false: indices null), with the whole
-  // selection [n_cache_heads, num_indices]: for selectors that wrap another to inspect it.
-  virtual void Done(int layer, const float* q, const LayerCache& cache, const int32_t* indices,
-                    int num_indices) {}
-
-  // Plan, every head in order, Done, on the calling thread: the serial selection. Returns
-  // false for dense attention, or true with `indices` [n_cache_heads, *num_indices].
-  absl::StatusOr<bool> Select(int layer, const float* q, const LayerCache& cache,
-                              std::vector<int32_t>* indices, int* num_indices);
-};
-
-// A selector that watches another (or, with none, dense attention): Plan and SelectHead are
-// the inner selector's; a subclass overrides Done, calling this one first, to see each
-// layer's selection.
-class WrappingSelector : public DecodeSelector {
- public:
-  explicit WrappingSelector(DecodeSelector* inner) : inner_(inner) {}
-  absl::StatusOr<bool> Plan(int layer, const LayerCache& cache, int* num_indices) override {
-    if (inner_ == nullptr) return false;
-    return inner_->Plan(layer, cache, num_indices);
-  }
-  void SelectHead(int layer, const float* q, const LayerCache& cache, int head,
-                  int32_t* out) override {
-    inner_->SelectHead(layer, q, cache, head, out);
-  }
-  void Done(int layer, const float* q, const LayerCache& cache, const int32_t* indices,
-            int num_indices) override {
-    if (inner_) inner_->Done(layer, q, cache, indices, num_indices);
-  }
-
- private:
-  DecodeSelector* inner_;
 };
 
 // Receives decode-time attention probabilities, for fidelity measurements.
@@ -178,6 +129,12 @@ class LlamaModel {
   // `times`, when given, receives where the step's time went.
   absl::Status DecodeStep(absl::Span<const DecodeInput> batch, float* logits,
                           DecodeObserver* observer = nullptr, DecodeTimes* times = nullptr);
+  // DecodeStep that samples each sequence's token on the backend (kernels::Sample), with
+  // rows[b] its sampling and the uniform its generator drew, into out[b]: the ids and their
+  // log-probabilities are all that comes back to the host, not the logits.
+  absl::Status DecodeStepSampled(absl::Span<const DecodeInput> batch,
+                                 absl::Span<const kernels::SampleRow> rows,
+                                 kernels::SampledToken* out, DecodeTimes* times = nullptr);
 
   // Makes `cache` ready for DecodeStep: on a device backend its device copy is allocated and
   // given the rows the host holds (a full device is RESOURCE_EXHAUSTED for this cache alone,
@@ -240,7 +197,10 @@ class LlamaModel {
   absl::Status DecodeAttentionLayer(int layer, absl::Span<const DecodeInput> batch, Activations& a,
                                     DecodeObserver* observer, DecodeTimes* times);
   absl::Status Logits(Activations& a, int first_row, float* logits);
-  absl::StatusOr<std::unique_ptr<Activations>> MakeActivations(int rows, int chunk, int logit_rows);
+  absl::StatusOr<std::unique_ptr<Activations>> MakeActivations(int rows, int chunk, int logit_rows,
+                                                               bool sampling);
+  absl::StatusOr<Activations*> DecodeLayers(absl::Span<const DecodeInput> batch,
+                                            DecodeObserver* observer, DecodeTimes* times);
   absl::Status UploadInputs(Activations& a);
   absl::Status DecodeAttentionLayerOnDevice(int layer, absl::Span<const DecodeInput> batch,
                                             Activations& a, DecodeTimes* times);

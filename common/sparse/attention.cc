@@ -1,6 +1,8 @@
 #include "common/sparse/attention.h"
 
 #include <algorithm>
+#include <cmath>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -28,15 +30,31 @@ const AttentionModeInfo& DenseInfo() {
 // then each cache head, on whichever thread the model gives it, brings its own page
 // summaries up to date and lets the mode choose its tokens. Heads share nothing they write,
 // so the parallel selection is the serial one.
+// Memory of a backend as KvMemory, for page summaries kept where the cache's rows are.
+class BackendMemory final : public KvMemory {
+ public:
+  BackendMemory(std::shared_ptr<kernels::KernelBackend> backend, void* data, size_t size)
+      : backend_(std::move(backend)), data_(static_cast<uint8_t*>(data)), size_(size) {}
+  ~BackendMemory() override { backend_->Free(data_); }
+  uint8_t* data() override { return data_; }
+  size_t size() const override { return size_; }
+
+ private:
+  std::shared_ptr<kernels::KernelBackend> backend_;
+  uint8_t* data_;
+  size_t size_;
+};
+
 class SparseSelector final : public DecodeSelector {
  public:
   SparseSelector(SparseParams params, int dense_layers, const ModelConfig& model,
-                 std::unique_ptr<PageSummaries> summaries)
+                 const KvCacheShape& shape, std::unique_ptr<PageSummaries> summaries)
       : p_(params),
         dense_layers_(dense_layers),
         info_(ModeInfo(params.mode)),
         n_heads_(model.num_heads),
         head_dim_(model.head_dim),
+        shape_(shape),
         summaries_(std::move(summaries)) {}
 
   absl::StatusOr<bool> Plan(int layer, const LayerCache& lc, int* num) override {
@@ -79,13 +97,117 @@ class SparseSelector final : public DecodeSelector {
   }
 
  private:
+  // The device path: the same selection as the backend's ops, over the device copy of the
+  // cache, with summaries of its own in the backend's memory.
+  bool SelectsOnBackend() const override { return true; }
+  absl::Status PlanOnBackend(const std::shared_ptr<kernels::KernelBackend>& backend, int layer,
+                             const LayerCache& lc, const void* k, int64_t head_stride,
+                             const float* q, BackendSelection* out) override {
+    RETURN_IF_ERROR(ReserveOn(backend));
+    const int group = n_heads_ / lc.n_heads;
+    const size_t es = DTypeSize(lc.dtype);
+    kernels::SummaryLayout layout;
+    if (device_sums_) {
+      layout = device_sums_->Layout(layer);
+      int& built = device_built_[layer];
+      if (built != lc.len) {
+        kernels::SummaryUpdateSegment u;
+        u.k = k;
+        u.head_stride = head_stride;
+        u.n_heads = lc.n_heads;
+        u.first = built;
+        u.len = lc.len;
+        u.summaries = const_cast<uint8_t*>(device_sums_->HeadBlock(layer, 0));
+        u.layout = layout;
+        out->updates.push_back(u);
+        built = lc.len;
+      }
+    }
+    const bool exact = p_.mode == AttentionMode::kExactTopK;
+    for (int c = 0; c < lc.n_heads; ++c) {
+      kernels::PageScoreSegment s;
+      s.kind = exact                              ? kernels::PageScoreKind::kExact
+               : p_.mode == AttentionMode::kQuest ? kernels::PageScoreKind::kQuest
+                                                  : kernels::PageScoreKind::kHybrid;
+      s.q = q + int64_t{c} * group * head_dim_;
+      s.group = group;
+      s.len = lc.len;
+      if (device_sums_) {
+        s.summaries = device_sums_->HeadBlock(layer, c);
+        s.layout = layout;
+      }
+      s.top_r = p_.top_r;
+      s.k = static_cast<const uint8_t*>(k) + c * head_stride * static_cast<int64_t>(es);
+      s.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
+      s.score = scores_ + int64_t{c} * score_stride_;
+      out->scores.push_back(s);
+      kernels::TopKSegment t;
+      t.score = s.score;
+      t.n = lc.len;
+      t.run = exact ? 1 : p_.page_size;
+      t.k = p_.top_k;
+      t.out = indices_ + int64_t{c} * p_.top_k;
+      out->top_k.push_back(t);
+    }
+    out->indices = indices_;
+    return absl::OkStatus();
+  }
+
+ private:
   static constexpr int kShortRun = 8;  // tokens
+
+  // The device path's buffers, in `backend`'s memory, made at its first step there.
+  absl::Status ReserveOn(const std::shared_ptr<kernels::KernelBackend>& backend) {
+    if (device_backend_ == backend.get()) return absl::OkStatus();
+    if (device_backend_ != nullptr) {
+      return absl::FailedPreconditionError(
+          "a decode selector selects on one backend; this one already ran on another");
+    }
+    auto take = [&](size_t bytes) -> absl::StatusOr<KvMemoryPtr> {
+      auto p = backend->Allocate(std::max<size_t>(bytes, 1));
+      if (!p.ok()) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "no backend memory for sparse attention's selection: ", p.status().message()));
+      }
+      return KvMemoryPtr(new BackendMemory(backend, *p, bytes));
+    };
+    int capacity = 1;
+    for (int cap : shape_.capacity) capacity = std::max(capacity, cap);
+    // Scores: one per page, or per token for the exact oracle.
+    score_stride_ = p_.mode == AttentionMode::kExactTopK
+                        ? capacity
+                        : (capacity + p_.page_size - 1) / p_.page_size;
+    ASSIGN_OR_RETURN(scores_memory_,
+                     take(sizeof(float) * static_cast<size_t>(shape_.n_heads) * score_stride_));
+    scores_ = reinterpret_cast<float*>(scores_memory_->data());
+    ASSIGN_OR_RETURN(indices_memory_,
+                     take(sizeof(int32_t) * static_cast<size_t>(shape_.n_heads) * p_.top_k));
+    indices_ = reinterpret_cast<int32_t*>(indices_memory_->data());
+    if (info_.summaries) {
+      ASSIGN_OR_RETURN(KvMemoryPtr sums,
+                       take(PageSummaries::Bytes(shape_, p_.page_size, dense_layers_)));
+      device_sums_ = std::make_unique<PageSummaries>(shape_, p_.page_size, std::move(sums),
+                                                     dense_layers_, info_.summary_tile_pages);
+      device_built_.assign(shape_.capacity.size(), 0);
+    }
+    device_backend_ = backend.get();
+    return absl::OkStatus();
+  }
 
   SparseParams p_;
   int dense_layers_;
   const AttentionModeInfo& info_;
   int n_heads_, head_dim_;
+  KvCacheShape shape_;
   std::unique_ptr<PageSummaries> summaries_;
+  // The device path's.
+  const kernels::KernelBackend* device_backend_ = nullptr;
+  std::unique_ptr<PageSummaries> device_sums_;
+  std::vector<int> device_built_;  // per layer: tokens the device summaries cover
+  KvMemoryPtr scores_memory_, indices_memory_;
+  float* scores_ = nullptr;
+  int32_t* indices_ = nullptr;
+  int64_t score_stride_ = 0;
 };
 
 // The parameters a sequence's selector will run with, sized by its sparse layers (the dense
@@ -219,7 +341,7 @@ absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
                                         ModeInfo(p.mode).summary_tile_pages);
   }
   return std::unique_ptr<DecodeSelector>(
-      new SparseSelector(p, config.dense_layers, model, std::move(summaries)));
+      new SparseSelector(p, config.dense_layers, model, cache, std::move(summaries)));
 }
 
 void TakePages(const std::vector<float>& score, int page, int len, int k, int32_t* out) {

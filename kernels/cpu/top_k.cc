@@ -54,6 +54,7 @@ void TopK(const TopKParams& p, const ParallelFn& parallel) {
       } else {
         TakeBest(s.score, s.run, s.n, s.k, p.ascending, s.out);
       }
+      for (int j = 0; j < s.append; ++j) s.out[s.k + j] = s.n + j;
     }
   });
 }

@@ -52,13 +52,13 @@ class CudaBackend final : public KernelBackend {
   // Returns once the copy is done, so `src` may change or go right after (the runtime stages
   // pageable memory for an asynchronous copy only "may"). Uploads are weights, a step's
   // inputs and a sequence's prompt rows, not per-op traffic; op tables go through Table().
-  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+  absl::Status DoCopyToDevice(void* dst, const void* src, size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_),
                                "cudaMemcpy to device"));
     return SyncStream();
   }
-  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+  absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_),
                                "cudaMemcpy to host"));
@@ -203,6 +203,7 @@ class CudaBackend final : public KernelBackend {
       slot.bytes = bytes;
     }
     std::memcpy(slot.host, host, bytes);
+    Count(/*to_device=*/true, bytes);  // it crosses PCIe as any upload does
     RETURN_IF_ERROR(
         CudaStatus(cudaMemcpyAsync(t->data, slot.host, bytes, cudaMemcpyHostToDevice, stream_),
                    "cudaMemcpy (op table)"));

@@ -57,12 +57,13 @@ __global__ void HbwKernel(HbwSelectParams p, int n_blocks, const int32_t* ranks,
       used = p.prefix_budget;
     }
   }
-  int32_t* out = p.out + static_cast<int64_t>(row) * p.prefix_budget;
+  int32_t* out = p.out + static_cast<int64_t>(row) * (p.prefix_budget + p.append);
   int n = 0;
   for (int b = 0; b < n_blocks; ++b) {
     const int len = selected[b] ? BlockSize(p, b) : (b == partial_block ? partial_len : 0);
     for (int j = b * p.block; j < b * p.block + len; ++j) out[n++] = j;
   }
+  for (int j = 0; j < p.append; ++j) out[n++] = p.prefix + j;
 }
 
 }  // namespace

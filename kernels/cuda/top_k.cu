@@ -68,9 +68,16 @@ __global__ void TakeKernel(const DeviceSegment* segs, const int32_t* sorted, int
   }
 }
 
+// The sorted k (ascending output) and the appended positions n, n + 1, ...
 __global__ void CopyOutKernel(const DeviceSegment* segs, const int32_t* sorted) {
   const DeviceSegment& d = segs[blockIdx.x];
   for (int t = threadIdx.x; t < d.s.k; t += blockDim.x) d.s.out[t] = sorted[d.out_begin + t];
+  for (int j = threadIdx.x; j < d.s.append; j += blockDim.x) d.s.out[d.s.k + j] = d.s.n + j;
+}
+
+__global__ void AppendKernel(const DeviceSegment* segs) {
+  const DeviceSegment& d = segs[blockIdx.x];
+  for (int j = threadIdx.x; j < d.s.append; j += blockDim.x) d.s.out[d.s.k + j] = d.s.n + j;
 }
 
 size_t Align(size_t n) { return (n + 255) / 256 * 256; }
@@ -180,7 +187,10 @@ absl::Status LaunchTopK(const TopKParams& p, const OpMemory& mem, cudaStream_t s
   RETURN_IF_ERROR(sort("cub segmented sort"));
   TakeKernel<<<p.count, 128, 0, stream>>>(dsegs, values_out, staging);
   RETURN_IF_ERROR(LaunchStatus("TakeKernel"));
-  if (!p.ascending) return absl::OkStatus();
+  if (!p.ascending) {
+    AppendKernel<<<p.count, 128, 0, stream>>>(dsegs);
+    return LaunchStatus("AppendKernel");
+  }
   size_t bytes = asc_temp;
   RETURN_IF_ERROR(CudaStatus(
       cub::DeviceSegmentedRadixSort::SortKeys(temp, bytes, staging, staging_sorted, k_total,

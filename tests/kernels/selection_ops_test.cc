@@ -146,12 +146,13 @@ TEST_P(BackendOpsTest, TopKRanksAsTheReferenceDoes) {
           segs[i].run = c.run;
           segs[i].k = c.k - static_cast<int>(i % 2);  // segments of different k
           if (segs[i].k < 1) segs[i].k = 1;
-          segs[i].out = a.Filled<int32_t>(c.k, -1);
+          segs[i].append = static_cast<int>(i);  // the window after the k chosen
+          segs[i].out = a.Filled<int32_t>(c.k + 2, -1);
         }
         const absl::Status st = b.TopK({segs.data(), static_cast<int>(segs.size()), ascending});
         EXPECT_TRUE(st.ok()) << st;
         std::vector<std::vector<int32_t>> out;
-        for (const TopKSegment& s : segs) out.push_back(a.DownloadAs(s.out, c.k));
+        for (const TopKSegment& s : segs) out.push_back(a.DownloadAs(s.out, c.k + 2));
         return out;
       };
       const auto got = run(*backend_), want = run(*reference_);
@@ -163,6 +164,9 @@ TEST_P(BackendOpsTest, TopKRanksAsTheReferenceDoes) {
         if (ascending) std::sort(full.begin(), full.end());
         EXPECT_EQ(std::vector<int32_t>(want[0].begin(), want[0].begin() + c.k), full);
       }
+      // Segment 2 (k - 0) appends n, n + 1 after its k.
+      EXPECT_EQ(want[2][c.k], c.n);
+      EXPECT_EQ(want[2][c.k + 1], c.n + 1);
     }
   }
 }
@@ -188,21 +192,24 @@ TEST_P(BackendOpsTest, HbwSelect) {
       p.prefix = c.prefix;
       p.block = c.block;
       p.prefix_budget = c.budget;
+      p.append = 3;  // a window of 3 after the prefix
       for (int r : c.rounds) p.rounds[p.n_rounds++] = r;
-      p.out = a.Filled<int32_t>(static_cast<size_t>(rows) * c.budget, -1);
+      p.out = a.Filled<int32_t>(static_cast<size_t>(rows) * (c.budget + 3), -1);
       const absl::Status st = b.HbwSelect(p);
       EXPECT_TRUE(st.ok()) << st;
-      return a.DownloadAs(p.out, static_cast<size_t>(rows) * c.budget);
+      return a.DownloadAs(p.out, static_cast<size_t>(rows) * (c.budget + 3));
     };
     const auto got = run(*backend_), want = run(*reference_);
     EXPECT_EQ(got, want);
-    for (int r = 0; r < rows; ++r) {  // budget distinct positions, ascending, in the prefix
+    const int stride = c.budget + 3;
+    for (int r = 0; r < rows; ++r) {  // budget distinct positions, ascending, then the window
       const auto row =
-          std::vector<int32_t>(want.begin() + r * c.budget, want.begin() + (r + 1) * c.budget);
+          std::vector<int32_t>(want.begin() + r * stride, want.begin() + (r + 1) * stride);
       EXPECT_TRUE(std::is_sorted(row.begin(), row.end()));
       EXPECT_EQ(std::adjacent_find(row.begin(), row.end()), row.end());
       EXPECT_GE(row.front(), 0);
-      EXPECT_LT(row.back(), c.prefix);
+      EXPECT_LT(row[c.budget - 1], c.prefix);
+      EXPECT_EQ(row.back(), c.prefix + 2);
     }
   }
 }
@@ -404,7 +411,9 @@ TEST_P(BackendOpsTest, SampleDrawsTheReferenceToken) {
       EXPECT_EQ(got[b].id, want[b].id) << "row " << b;
       EXPECT_NEAR(got[b].logprob, want[b].logprob, 1e-4f) << "row " << b;
     }
-    if (vocab > 5) EXPECT_EQ(want[0].id, 2);  // greedy: the first of the tied maxima
+    if (vocab > 5) {
+      EXPECT_EQ(want[0].id, 2);  // greedy: the first of the tied maxima
+    }
   }
 }
 
@@ -416,9 +425,9 @@ TEST_P(BackendOpsTest, SelectionOpsRejectBadShapes) {
   EXPECT_EQ(backend_->WindowVotes(wv).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(backend_->Pool1d({f, f + 32, 1, 8, 4, PoolKind::kMax}).code(),  // an even kernel
             absl::StatusCode::kInvalidArgument);
-  TopKSegment seg{f, nullptr, 8, 1, 9, i};  // k above n
+  TopKSegment seg{f, nullptr, 8, 1, 9, 0, i};  // k above n
   EXPECT_EQ(backend_->TopK({&seg, 1, false}).code(), absl::StatusCode::kInvalidArgument);
-  seg = {f, f, 8, 2, 4, i};  // tie scores with runs
+  seg = {f, f, 8, 2, 4, 0, i};  // tie scores with runs
   EXPECT_EQ(backend_->TopK({&seg, 1, false}).code(), absl::StatusCode::kInvalidArgument);
   HbwSelectParams hbw;
   hbw.block_scores = f;
