@@ -46,6 +46,7 @@ struct Mode {
   std::vector<std::unique_ptr<KvCache>> caches;  // one per sequence of the batch
   std::vector<std::unique_ptr<DecodeSelector>> selectors;
   std::vector<double> ms, attn_ms, sel_ms;
+  kernels::KernelBackend::CopyCounts copies;  // summed over the timed steps
 };
 
 // The first `len` tokens of `from`'s rows and positions, into `to` (of the same shape).
@@ -201,7 +202,9 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::vector<float> logits(static_cast<size_t>(batch) * c.vocab_size);
+  // Each step as the decode engine runs it: greedy tokens sampled on the model's backend.
+  const std::vector<kernels::SampleRow> rows(batch);
+  std::vector<kernels::SampledToken> tokens(batch);
   for (int s = 0; s < steps; ++s) {
     for (Mode& md : modes) {
       std::vector<DecodeInput> in;
@@ -209,12 +212,21 @@ int main(int argc, char** argv) {
         in.push_back({7, ctx + 1 + s, md.caches[b].get(), md.selectors[b].get()});
       }
       DecodeTimes times;
+      const kernels::KernelBackend::CopyCounts before = m.copy_counts();
       const auto t0 = std::chrono::steady_clock::now();
-      if (!m.DecodeStep(in, logits.data(), nullptr, &times).ok()) return 1;
+      if (absl::Status st = m.DecodeStepSampled(in, rows, tokens.data(), &times); !st.ok()) {
+        std::fprintf(stderr, "%s: %s\n", md.name.c_str(), std::string(st.message()).c_str());
+        return 1;
+      }
       md.ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
       md.attn_ms.push_back(1e3 * (times.selection_s + times.attention_s));
       md.sel_ms.push_back(1e3 * times.selection_s);
+      const kernels::KernelBackend::CopyCounts step = m.copy_counts() - before;
+      md.copies.to_host_bytes += step.to_host_bytes;
+      md.copies.to_host_calls += step.to_host_calls;
+      md.copies.to_device_bytes += step.to_device_bytes;
+      md.copies.to_device_calls += step.to_device_calls;
     }
   }
   const double weights = static_cast<double>(m.WeightBytes());
@@ -259,5 +271,18 @@ int main(int argc, char** argv) {
   }
   std::printf("\nweights read per step: %.1f MB; GB/s counts weights + KV read per step.\n",
               weights / 1e6);
+  // What crossed between the host and the backend's memory per batched step (the mean over the
+  // timed steps): on a device, the sampled tokens back and the step's inputs down, and no copy
+  // per layer.
+  std::printf("\ncopies per step (host <-> %s backend memory)\n%-22s %14s %13s %16s %15s\n",
+              std::string(kernels::BackendName(lo.backend)).c_str(), "mode", "to_host_bytes",
+              "to_host_calls", "to_device_bytes", "to_device_calls");
+  for (const Mode& md : modes) {
+    std::printf("%-22s %14.1f %13.2f %16.1f %15.2f\n", md.name.c_str(),
+                static_cast<double>(md.copies.to_host_bytes) / steps,
+                static_cast<double>(md.copies.to_host_calls) / steps,
+                static_cast<double>(md.copies.to_device_bytes) / steps,
+                static_cast<double>(md.copies.to_device_calls) / steps);
+  }
   return 0;
 }

@@ -2,6 +2,7 @@
 // reported on stderr, 2 a usage error.
 #pragma once
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,14 @@ int RunSelect(int argc, char** argv);
 int RunEval(int argc, char** argv);
 int RunPolicies(int argc, char** argv);
 int RunTiming(int argc, char** argv);
+
+// The compression (--policy and its parameters) and decode attention (--attention and its)
+// the command line asks for, as generate and timing take them: `rocketkv` sets its own
+// attention, so an --attention flag beside it is refused. `shared` as CompressionFromFlags.
+absl::Status CompressionAndAttentionFromFlags(const Flags& flags,
+                                              const std::set<std::string>& shared,
+                                              CompressionConfig* compression,
+                                              DecodeAttentionConfig* attention);
 
 // Prints "kvwire COMMAND: message" and returns 1 (or 2 for InvalidArgument).
 int Fail(const char* command, const absl::Status& status);

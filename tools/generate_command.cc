@@ -32,6 +32,23 @@ absl::Status SamplingFromFlags(const Flags& flags, GenerationRequest* req) {
   return absl::OkStatus();
 }
 
+absl::Status CompressionAndAttentionFromFlags(const Flags& flags,
+                                              const std::set<std::string>& shared,
+                                              CompressionConfig* compression,
+                                              DecodeAttentionConfig* attention) {
+  ASSIGN_OR_RETURN(*compression, CompressionFromFlags(flags, shared));
+  for (const char* flag :
+       {"attention", "attention-budget", "attention-k", "attention-r", "attention-page"}) {
+    if (!compression->policy->selects() && flags.IsSet(flag)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " does not apply to --policy ", compression->policy_name(),
+                       ", which sets its own decode attention (hybrid, from --budget)"));
+    }
+  }
+  ASSIGN_OR_RETURN(*attention, AttentionFromFlags(flags));
+  return absl::OkStatus();
+}
+
 int RunGenerate(int argc, char** argv) {
   Flags flags;
   DefineModelFlags(flags);
@@ -47,21 +64,11 @@ int RunGenerate(int argc, char** argv) {
   GenerationRequest req;
   if (absl::Status st = SamplingFromFlags(flags, &req); !st.ok()) return Fail("generate", st);
   // --seed is the sampler's; the random policy takes it too.
-  auto compression = CompressionFromFlags(flags, {"seed"});
-  if (!compression.ok()) return Fail("generate", compression.status());
-  req.compression = *compression;
-  for (const char* flag :
-       {"attention", "attention-budget", "attention-k", "attention-r", "attention-page"}) {
-    if (!compression->policy->selects() && flags.IsSet(flag)) {
-      return Fail("generate",
-                  absl::InvalidArgumentError(absl::StrCat(
-                      "--", flag, " does not apply to --policy ", compression->policy_name(),
-                      ", which sets its own decode attention (hybrid, from --budget)")));
-    }
+  if (absl::Status st =
+          CompressionAndAttentionFromFlags(flags, {"seed"}, &req.compression, &req.attention);
+      !st.ok()) {
+    return Fail("generate", st);
   }
-  auto attention = AttentionFromFlags(flags);
-  if (!attention.ok()) return Fail("generate", attention.status());
-  req.attention = *attention;
   auto model_or = LoadModelFromFlags(flags);
   if (!model_or.ok()) return Fail("generate", model_or.status());
   LlamaModel& model = **model_or;

@@ -12,7 +12,9 @@ namespace kvwire::tools {
 
 absl::StatusOr<TimedGeneration> TimeGreedyGeneration(LlamaModel& model,
                                                      absl::Span<const int32_t> prompt,
-                                                     int decode_steps) {
+                                                     int decode_steps,
+                                                     const CompressionConfig& compression,
+                                                     const DecodeAttentionConfig& attention) {
   if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
   if (decode_steps < 0) {
     return absl::InvalidArgumentError(
@@ -29,6 +31,8 @@ absl::StatusOr<TimedGeneration> TimeGreedyGeneration(LlamaModel& model,
   req.prompt_ids.assign(prompt.begin(), prompt.end());
   req.max_tokens = decode_steps + 1;  // the prefill's token, then one per step
   req.sampling.temperature = 0;       // greedy; no stop ids, so end-of-sequence is ignored
+  req.compression = compression;
+  req.attention = attention;
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(GenerationResult r, Generate(model, req));
   const double total =
@@ -38,6 +42,8 @@ absl::StatusOr<TimedGeneration> TimeGreedyGeneration(LlamaModel& model,
   out.decode_seconds = r.decode_seconds;
   out.prefill_seconds = total - r.decode_seconds;
   out.ids = std::move(r.ids);
+  out.prefill_copies = r.prefill_copies;
+  out.decode_copies = r.decode_copies;
   return out;
 }
 

@@ -1,6 +1,7 @@
 // Timed greedy generation, for comparing kvwire with other engines (bench/peers): the wall
 // time of the prefill and of the decode steps after it, with the ids, exactly as
-// `kvwire generate` runs them (Generate, full cache, dense attention, greedy).
+// `kvwire generate` runs them (Generate, greedy; full cache and dense attention unless a
+// compression and decode attention are given), and what crossed between host and backend.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +10,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/compression/compression.h"
 #include "common/model/llama_model.h"
+#include "common/sparse/attention.h"
 
 namespace kvwire::tools {
 
@@ -20,6 +23,8 @@ struct TimedGeneration {
   double decode_seconds = 0;
   // The prefill's token, then one per decode step: decode_steps + 1 ids.
   std::vector<int32_t> ids;
+  // The model backend's copy ledger over the prefill and over all the decode steps.
+  kernels::KernelBackend::CopyCounts prefill_copies, decode_copies;
 };
 
 // Prefills `prompt` and runs `decode_steps` greedy decode steps, end-of-sequence ignored.
@@ -27,7 +32,9 @@ struct TimedGeneration {
 // steps in the model's context is an InvalidArgumentError.
 absl::StatusOr<TimedGeneration> TimeGreedyGeneration(LlamaModel& model,
                                                      absl::Span<const int32_t> prompt,
-                                                     int decode_steps);
+                                                     int decode_steps,
+                                                     const CompressionConfig& compression = {},
+                                                     const DecodeAttentionConfig& attention = {});
 
 // "1,2,3" as token ids, each in [0, vocab_size); an empty list is an error.
 absl::StatusOr<std::vector<int32_t>> ParseTokenIds(absl::string_view list, int vocab_size);

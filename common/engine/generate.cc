@@ -60,9 +60,11 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
   CompressionConfig compression = request.compression;
   DecodeAttentionConfig attention = request.attention;
   RETURN_IF_ERROR(ResolveTwoStage(&compression, &attention, len, request.max_tokens, c.head_dim));
+  const kernels::KernelBackend::CopyCounts before = model.copy_counts();
   ASSIGN_OR_RETURN(PrefilledSequence seq,
                    PrefillSequence(model, request.prompt_ids, compression, request.max_tokens,
                                    HeapKvAllocator(), request.sampling, request.seed));
+  const kernels::KernelBackend::CopyCounts prefilled = model.copy_counts();
   KvCache* cache = seq.cache.get();
   ASSIGN_OR_RETURN(std::unique_ptr<DecodeSelector> selector,
                    MakeDecodeSelector(attention, c, cache->shape(), HeapKvAllocator()));
@@ -100,6 +102,8 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
   }
   result.decode_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  result.prefill_copies = prefilled - before;
+  result.decode_copies = model.copy_counts() - prefilled;
   return result;
 }
 

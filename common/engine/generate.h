@@ -63,6 +63,8 @@ struct GenerationResult {
   double decode_seconds = 0;
   CompressionConfig compression;  // as applied (rocketkv resolved into its stages)
   DecodeAttentionConfig attention;
+  // The model backend's copy ledger over the prefill and over the decode steps after it.
+  kernels::KernelBackend::CopyCounts prefill_copies, decode_copies;
 };
 
 // Runs one request. `on_token` (optional) sees each token as soon as it is sampled.

@@ -117,6 +117,9 @@ class LlamaModel {
   const std::string& fingerprint() const { return fingerprint_; }
   // Bytes of weights one decode step reads.
   int64_t WeightBytes() const;
+  // The backend's copy ledger (KernelBackend::copy_counts): what crossed between the host and
+  // the backend's memory so far.
+  kernels::KernelBackend::CopyCounts copy_counts() const { return backend_->copy_counts(); }
   // The dtype caches hold: the model's compute dtype class (bf16/f16 weights → that, else f32).
   DType kv_dtype() const { return weight_dtype_; }
 

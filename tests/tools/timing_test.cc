@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/engine/generate.h"
 #include "tests/test_util.h"
 #include "tools/commands.h"
@@ -113,6 +114,33 @@ TEST(TimingCommand, PrintsEveryRunAsJson) {
   EXPECT_EQ(j["runs"][0]["ids"], j["runs"][1]["ids"]);  // greedy: the same every run
 }
 
+// With a compression and a sparse decode attention on the guarded backend (the device path on
+// the CPU), the JSON reports what crossed between host and backend: the prefill's kept rows,
+// positions and last logits, and per decode step the sampled token and its log-probability.
+TEST(TimingCommand, ReportsTheCopiesOfADevicePath) {
+  std::string ids = "1";
+  for (int i = 1; i < 300; ++i) absl::StrAppend(&ids, ",", 5 + (i * 37) % 300);
+  std::string out;
+  ASSERT_EQ(RunCommand({"--model", "synthetic:tiny", "--backend", "guarded", "--prompt-ids", ids,
+                        "--decode", "4", "--policy", "snapkv", "--budget", "64", "--attention",
+                        "hybrid", "--attention-budget", "32", "--threads", "1"},
+                       &out),
+            0);
+  const json j = json::parse(out);
+  EXPECT_EQ(j["backend"], "guarded");
+  EXPECT_EQ(j["compression"], "snapkv(budget=64, window=16, pool=max, kernel=7, gqa=sum)");
+  EXPECT_EQ(j["attention"], "hybrid(t=32)");
+  // synthetic:tiny: 2 layers, 2 KV heads of 16 f32 values, a vocabulary of 320.
+  const double payload = 2 * 2 * 64 * (4 + 2 * 16 * 4);
+  const json& prefill = j["copies"]["prefill"];
+  EXPECT_GE(prefill["to_host_bytes"].get<double>(), payload);
+  EXPECT_LE(prefill["to_host_bytes"].get<double>(), 1.1 * payload + 320 * 4);
+  const json& step = j["copies"]["decode_step"];
+  EXPECT_LE(step["to_host_bytes"].get<double>(), 16);
+  EXPECT_EQ(step["to_host_calls"].get<double>(), 1);
+  EXPECT_GT(step["to_device_bytes"].get<double>(), 0);  // the inputs, the prompt's rows
+}
+
 TEST(TimingCommand, BadFlagsAreUsageErrors) {
   std::string out;
   EXPECT_EQ(RunCommand({"--model", "synthetic:tiny"}, &out), 2);  // no --prompt-ids
@@ -124,6 +152,15 @@ TEST(TimingCommand, BadFlagsAreUsageErrors) {
   EXPECT_EQ(
       RunCommand({"--model", "synthetic:tiny", "--prompt-ids", "1,2", "--decode", "5000"}, &out),
       2);
+  // rocketkv sets its own attention; an attention parameter another mode takes is refused.
+  EXPECT_EQ(RunCommand({"--model", "synthetic:tiny", "--prompt-ids", "1,2", "--policy", "rocketkv",
+                        "--budget", "64", "--attention", "quest"},
+                       &out),
+            2);
+  EXPECT_EQ(RunCommand({"--model", "synthetic:tiny", "--prompt-ids", "1,2", "--attention", "quest",
+                        "--attention-budget", "32", "--attention-r", "4"},
+                       &out),
+            2);
   EXPECT_EQ(out, "");
 }
 

@@ -236,6 +236,62 @@ TEST_P(DeviceEngine, SparseDecodeEqualsTheCpuEngine) {
   }
 }
 
+// What crosses between host and device (the backend's copy ledger): a compressing prefill
+// copies to the host only the kept rows, their positions and the last position's logits; a
+// sparse decode step of a batch only each sequence's sampled token and log-probability, with
+// no copy per layer.
+TEST_P(DeviceEngine, OnlyTheKeptRowsAndTheSampledTokensComeBack) {
+  auto dev = Load("synthetic:tiny,layers=3", On(device()));
+  ASSERT_NE(dev, nullptr);
+  const ModelConfig& c = dev->config();
+  std::vector<int32_t> prompt = {1};
+  for (int i = 0; i < 199; ++i) prompt.push_back(5 + (i * 31) % (c.vocab_size - 5));
+  CompressionConfig snapkv;
+  snapkv.policy = *MakePolicy("snapkv");
+  snapkv.budget = 64;
+  DecodeAttentionConfig hybrid;
+  hybrid.mode = AttentionMode::kHybrid;
+  hybrid.token_budget = 32;
+  const int batch = 4, steps = 5;
+  std::vector<PrefilledSequence> seqs;
+  std::vector<std::unique_ptr<DecodeSelector>> selectors;
+  for (int b = 0; b < batch; ++b) {
+    const auto before = dev->copy_counts();
+    auto seq = PrefillSequence(*dev, prompt, snapkv, steps + 1);
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    const auto prefill = dev->copy_counts() - before;
+    // Per layer: positions (4 bytes) and K and V rows of every kept token of every KV head.
+    const int64_t payload = int64_t{c.num_layers} * c.num_kv_heads * snapkv.budget *
+                            (4 + 2 * c.head_dim * DTypeSize(dev->kv_dtype()));
+    EXPECT_LE(prefill.to_host_bytes, payload + int64_t{c.vocab_size} * 4);
+    EXPECT_GE(prefill.to_host_bytes, payload);
+    EXPECT_EQ(seq->cache->StoredBytes(), int64_t{c.num_layers} * c.num_kv_heads * snapkv.budget *
+                                             2 * c.head_dim *
+                                             static_cast<int64_t>(DTypeSize(dev->kv_dtype())));
+    auto sel = MakeDecodeSelector(hybrid, c, seq->cache->shape(), HeapKvAllocator());
+    ASSERT_TRUE(sel.ok()) << sel.status();
+    selectors.push_back(std::move(*sel));
+    seqs.push_back(std::move(*seq));
+  }
+  std::vector<int32_t> tokens(batch, 7);
+  for (int s = 0; s < steps; ++s) {
+    std::vector<DecodeInput> in;
+    std::vector<kernels::SampleRow> rows(batch);
+    for (int b = 0; b < batch; ++b) {
+      in.push_back({tokens[b], static_cast<int32_t>(prompt.size()) + s, seqs[b].cache.get(),
+                    selectors[b].get()});
+    }
+    std::vector<kernels::SampledToken> out(batch);
+    const auto before = dev->copy_counts();
+    const absl::Status st = dev->DecodeStepSampled(in, rows, out.data());
+    ASSERT_TRUE(st.ok()) << st;
+    const auto step = dev->copy_counts() - before;
+    EXPECT_EQ(step.to_host_calls, 1) << "step " << s;
+    EXPECT_EQ(step.to_host_bytes, batch * static_cast<int64_t>(sizeof(kernels::SampledToken)));
+    for (int b = 0; b < batch; ++b) tokens[b] = out[b].id;
+  }
+}
+
 // Decode attention probabilities (a DecodeObserver, for fidelity measurements) are not returned
 // by the device path: refused, naming the backend, and the refused step appends nothing. A
 // cache decoded on the device is refused by a host model.
