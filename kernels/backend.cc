@@ -31,16 +31,21 @@ absl::StatusOr<BackendKind> ParseBackendKind(absl::string_view name) {
       absl::StrCat("unknown backend '", name, "'; expected reference, cpu, cuda or guarded"));
 }
 
-absl::StatusOr<KernelBackendPtr> MakeBackend(BackendKind kind, int threads) {
+absl::StatusOr<KernelBackendPtr> MakeBackend(BackendKind kind, int threads, size_t memory_limit) {
+  if (memory_limit > 0 && (kind == BackendKind::kReference || kind == BackendKind::kCpu)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a memory limit applies to the device backends (cuda, guarded), not ",
+                     BackendName(kind), ", whose memory is the host's"));
+  }
   switch (kind) {
     case BackendKind::kReference:
       return MakeReferenceBackend();
     case BackendKind::kCpu:
       return MakeCpuBackend(threads);
     case BackendKind::kCuda:
-      return MakeCudaBackend(threads);
+      return MakeCudaBackend(threads, memory_limit);
     case BackendKind::kGuarded:
-      return MakeGuardedBackend(threads);
+      return MakeGuardedBackend(threads, memory_limit);
   }
   return absl::InvalidArgumentError("unknown backend kind");
 }

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/base/dtype.h"
+#include "common/base/status.h"
 #include "kernels/selection.h"
 
 namespace kvwire::kernels {
@@ -160,6 +161,7 @@ class KernelBackend {
   virtual bool host_addressable() const { return true; }
 
   // Memory the ops operate on: host memory for the CPU backends, device memory for CUDA.
+  // Free may wait for queued work that could still use the memory.
   virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
   virtual void Free(void* ptr) = 0;
   // `src` may change or go once CopyToDevice returns; CopyToHost returns with `dst` filled.
@@ -173,6 +175,17 @@ class KernelBackend {
     return DoCopyToHost(dst, src, bytes);
   }
 
+  // A copy to the host that completes in the order of the backend's work, without waiting for
+  // it: `dst` holds the data once WaitCopy(ticket) returns, and must stay valid until then;
+  // `src` must not be written by later work before that. Lets the host overlap a transfer
+  // with the work queued after it (one layer's kept rows while the next layer computes).
+  using CopyTicket = uint64_t;
+  absl::StatusOr<CopyTicket> CopyToHostAsync(void* dst, const void* src, size_t bytes) {
+    Count(/*to_device=*/false, bytes);
+    return DoCopyToHostAsync(dst, src, bytes);
+  }
+  virtual absl::Status WaitCopy(CopyTicket ticket) { return absl::OkStatus(); }
+
   // The copy ledger: what crossed between host and backend memory since the backend was made
   // (CopyToDevice, CopyToHost, and a backend's own uploads, such as the CUDA backend's op
   // tables). On a GPU, what crossed PCIe.
@@ -184,6 +197,8 @@ class KernelBackend {
     return {to_device_bytes_.load(), to_device_calls_.load(), to_host_bytes_.load(),
             to_host_calls_.load()};
   }
+  // Waits for the work the calling thread queued (a device backend queues ops and copies, as
+  // a stream does; each host thread has its own queue on a GPU).
   virtual absl::Status Synchronize() = 0;
 
   virtual absl::Status MatMul(const MatMulParams& p) = 0;
@@ -218,6 +233,11 @@ class KernelBackend {
  protected:
   virtual absl::Status DoCopyToDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) = 0;
+  // Default: at once (the host backends' memory is the host's).
+  virtual absl::StatusOr<CopyTicket> DoCopyToHostAsync(void* dst, const void* src, size_t bytes) {
+    RETURN_IF_ERROR(DoCopyToHost(dst, src, bytes));
+    return CopyTicket{0};
+  }
   // Adds one copy to the ledger (a backend counts its own uploads with it).
   void Count(bool to_device, size_t bytes) {
     (to_device ? to_device_bytes_ : to_host_bytes_) += static_cast<int64_t>(bytes);
@@ -240,7 +260,11 @@ inline KernelBackend::CopyCounts operator-(const KernelBackend::CopyCounts& a,
 
 // The CPU backend uses `threads` worker threads (0: all hardware threads). Asking for
 // CUDA in a build without it, or on a machine without a GPU, is an error that says so.
-absl::StatusOr<KernelBackendPtr> MakeBackend(BackendKind kind, int threads = 0);
+// `memory_limit` (bytes, 0: none) caps what a device backend (cuda, guarded) allocates, so that
+// a smaller device can be emulated and its out-of-memory paths tested; a host backend refuses
+// one.
+absl::StatusOr<KernelBackendPtr> MakeBackend(BackendKind kind, int threads = 0,
+                                             size_t memory_limit = 0);
 
 // True when this build has the CUDA backend and a device is visible.
 bool CudaAvailable();

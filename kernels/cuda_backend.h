@@ -2,6 +2,7 @@
 // CUDA (KVWIRE_CUDA), and as a stub that reports UnimplementedError otherwise.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -9,8 +10,9 @@
 
 namespace kvwire::kernels {
 
-// `threads` host threads for the host work between ops (0: all hardware threads).
-absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads = 0);
+// `threads` host threads for the host work between ops (0: all hardware threads);
+// `memory_limit` caps what it allocates (bytes; 0: the device's memory).
+absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads = 0, size_t memory_limit = 0);
 bool CudaDevicePresent();
 
 // The device's ceilings, for benchmarks that set a measurement against them in the same run:

@@ -3,7 +3,7 @@
 
 namespace kvwire::kernels {
 
-absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int) {
+absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int, size_t) {
   return absl::UnimplementedError(
       "this kvwire build has no CUDA backend; rebuild with -DKVWIRE_CUDA=ON on a machine with "
       "the CUDA toolkit");

@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -17,201 +20,368 @@
 namespace kvwire::kernels {
 namespace {
 
+// A range of backend memory an op reads or writes: where, how many bytes, and its name in the
+// op's parameters (for the error).
+struct Extent {
+  const void* p;
+  int64_t bytes;
+  const char* name;
+};
+
+int64_t Floats(int64_t n) { return n * static_cast<int64_t>(sizeof(float)); }
+int64_t Ints(int64_t n) { return n * static_cast<int64_t>(sizeof(int32_t)); }
+int64_t Elements(int64_t n, DType t) { return n * static_cast<int64_t>(DTypeSize(t)); }
+
 class GuardedBackend final : public KernelBackend {
  public:
-  explicit GuardedBackend(int threads)
-      : inner_(MakeCpuBackend(threads)), page_(static_cast<size_t>(sysconf(_SC_PAGESIZE))) {}
+  GuardedBackend(int threads, size_t capacity)
+      : inner_(MakeCpuBackend(threads)),
+        page_(static_cast<size_t>(sysconf(_SC_PAGESIZE))),
+        capacity_(capacity) {}
   ~GuardedBackend() override {
-    for (auto& [p, bytes] : regions_) munmap(p, bytes);
+    for (auto& [p, r] : regions_) munmap(r.base, r.mapped);
   }
 
   BackendKind kind() const override { return BackendKind::kGuarded; }
   bool host_addressable() const override { return false; }
 
+  // Each buffer ends where a page that is never readable begins (rounded to 64 bytes, the
+  // kernels' alignment): reading or writing past its end faults however the op was checked.
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
-    const size_t mapped = (std::max<size_t>(bytes, 1) + page_ - 1) / page_ * page_;
-    void* p = mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
+    const size_t size = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+    if (capacity_ > 0 && used_ + size > capacity_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("guarded backend: ", bytes, " bytes do not fit: ", used_,
+                       " of its capacity of ", capacity_, " bytes are in use"));
+    }
+    const size_t data = (size + page_ - 1) / page_ * page_;
+    void* base = mmap(nullptr, data + page_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
       return absl::ResourceExhaustedError(
           absl::StrCat("guarded backend: cannot map ", bytes, " bytes: ", std::strerror(errno)));
     }
-    regions_[p] = mapped;
-    return p;
+    auto* user = static_cast<uint8_t*>(base) + (data - size);
+    regions_[user] = Region{base, data + page_, data, size};
+    used_ += size;
+    return static_cast<void*>(user);
   }
+  // As cudaFree, waits for the queued work first (which may still use the buffer).
   void Free(void* ptr) override {
     if (ptr == nullptr) return;
     std::lock_guard<std::mutex> lock(mu_);
+    // A failure of the queued work is reported at the next synchronisation.
+    if (absl::Status st = FlushLocked(); !st.ok() && deferred_.ok()) deferred_ = st;
     auto it = regions_.find(ptr);
     if (it == regions_.end()) return;
-    munmap(it->first, it->second);
+    used_ -= it->second.size;
+    munmap(it->second.base, it->second.mapped);
     regions_.erase(it);
   }
-  absl::Status DoCopyToDevice(void* dst, const void* src, size_t bytes) override {
-    return Run("CopyToDevice", {{dst, "dst"}}, [&] {
-      if (bytes > 0) std::memcpy(dst, src, bytes);  // data() of an empty array may be null
-      return absl::OkStatus();
-    });
+  absl::Status Synchronize() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    absl::Status st = FlushLocked();
+    if (st.ok() && !deferred_.ok()) st = std::exchange(deferred_, absl::OkStatus());
+    return st;
   }
-  absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) override {
-    return Run("CopyToHost", {{src, "src"}}, [&] {
-      if (bytes > 0) std::memcpy(dst, src, bytes);
-      return absl::OkStatus();
-    });
-  }
-  absl::Status Synchronize() override { return absl::OkStatus(); }
-  // Host work (sparse selection) on the CPU backend's threads, as the CUDA backend's pool.
+  // Host work (sparse selection on the host) on the CPU backend's threads, at once: it reads
+  // no backend memory.
   void HostParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn) override {
     inner_->HostParallelFor(n, fn);
   }
 
-  // Every pointer an op's parameters carry must be this backend's memory, as a GPU kernel's
-  // must be device memory (the tables of sequences themselves are host arrays, as the CUDA
-  // backend uploads them).
+  // Every op is checked when it is called (shapes, then every range of memory it touches must
+  // lie within one of this backend's buffers), then queued; the queue runs at the next
+  // synchronisation (Synchronize, CopyToHost, Free), as a stream's work runs on a GPU.
   absl::Status MatMul(const MatMulParams& p) override {
-    RETURN_IF_ERROR(ValidateMatMul(p));  // shapes first, as the CUDA backend
-    return Run("MatMul", {{p.x, "x"}, {p.w, "w"}, {p.bias, "bias"}, {p.y, "y"}},
-               [&] { return inner_->MatMul(p); });
+    RETURN_IF_ERROR(ValidateMatMul(p));
+    const int64_t xs = p.x_stride ? p.x_stride : p.k, ys = p.y_stride ? p.y_stride : p.n;
+    return Queue("MatMul",
+                 {{p.x, Floats((p.m - 1) * xs + p.k), "x"},
+                  {p.w, Elements(int64_t{p.n} * p.k, p.w_dtype), "w"},
+                  {p.bias, Floats(p.n), "bias"},
+                  {p.y, Floats((p.m - 1) * ys + p.n), "y"}},
+                 [this, p] { return inner_->MatMul(p); });
   }
   absl::Status RmsNorm(const RmsNormParams& p) override {
-    RETURN_IF_ERROR(ValidateRmsNorm(p));  // shapes first, as the CUDA backend
-    return Run("RmsNorm", {{p.x, "x"}, {p.weight, "weight"}, {p.y, "y"}},
-               [&] { return inner_->RmsNorm(p); });
+    RETURN_IF_ERROR(ValidateRmsNorm(p));
+    const int64_t n = Floats(int64_t{p.rows} * p.dim);
+    return Queue("RmsNorm", {{p.x, n, "x"}, {p.weight, Floats(p.dim), "weight"}, {p.y, n, "y"}},
+                 [this, p] { return inner_->RmsNorm(p); });
   }
   absl::Status Rope(const RopeParams& p) override {
-    RETURN_IF_ERROR(ValidateRope(p));  // shapes first, as the CUDA backend
-    return Run("Rope", {{p.x, "x"}, {p.positions, "positions"}, {p.inv_freq, "inv_freq"}},
-               [&] { return inner_->Rope(p); });
+    RETURN_IF_ERROR(ValidateRope(p));
+    return Queue("Rope",
+                 {{p.x, Floats((p.rows - 1) * p.row_stride + int64_t{p.heads} * p.head_dim), "x"},
+                  {p.positions, Ints(p.rows), "positions"},
+                  {p.inv_freq, Floats(p.head_dim / 2), "inv_freq"}},
+                 [this, p] { return inner_->Rope(p); });
   }
   absl::Status SwiGlu(const SwiGluParams& p) override {
-    RETURN_IF_ERROR(ValidateSwiGlu(p));  // shapes first, as the CUDA backend
-    return Run("SwiGlu", {{p.gate_up, "gate_up"}, {p.out, "out"}},
-               [&] { return inner_->SwiGlu(p); });
+    RETURN_IF_ERROR(ValidateSwiGlu(p));
+    return Queue("SwiGlu",
+                 {{p.gate_up, Floats(2 * int64_t{p.rows} * p.ffn), "gate_up"},
+                  {p.out, Floats(int64_t{p.rows} * p.ffn), "out"}},
+                 [this, p] { return inner_->SwiGlu(p); });
   }
   absl::Status PrefillAttention(const PrefillAttentionParams& p) override {
-    RETURN_IF_ERROR(ValidatePrefillAttention(p));  // shapes first, as the CUDA backend
-    return Run("PrefillAttention",
-               {{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.out, "out"}, {p.window_scores, "scores"}},
-               [&] { return inner_->PrefillAttention(p); });
+    RETURN_IF_ERROR(ValidatePrefillAttention(p));
+    const int64_t last = p.len - 1, qd = int64_t{p.n_heads} * p.head_dim,
+                  kvd = int64_t{p.n_kv_heads} * p.head_dim;
+    return Queue("PrefillAttention",
+                 {{p.q, Floats(last * p.q_stride + qd), "q"},
+                  {p.k, Floats(last * p.kv_stride + kvd), "k"},
+                  {p.v, Floats(last * p.kv_stride + kvd), "v"},
+                  {p.out, Floats(last * p.out_stride + qd), "out"},
+                  {p.window_scores, Floats(int64_t{p.n_heads} * p.window * p.len), "scores"}},
+                 [this, p] { return inner_->PrefillAttention(p); });
   }
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
-    RETURN_IF_ERROR(ValidateDecodeAttention(p));  // shapes first, as the CUDA backend
-    std::vector<Pointer> ptrs;
-    for (int b = 0; b < p.batch && p.seqs; ++b) {
+    RETURN_IF_ERROR(ValidateDecodeAttention(p));
+    std::vector<Extent> ext;
+    const int64_t qd = int64_t{p.n_heads} * p.head_dim;
+    for (int b = 0; b < p.batch; ++b) {
       const DecodeSequence& s = p.seqs[b];
-      ptrs.insert(ptrs.end(), {{s.q, "q"},
-                               {s.out, "out"},
-                               {s.k, "k"},
-                               {s.v, "v"},
-                               {s.indices, "indices"},
-                               {s.probs, "probs"}});
+      const int64_t kv =
+          Elements((p.n_cache_heads - 1) * s.head_stride + int64_t{s.len} * p.head_dim, p.kv_dtype);
+      ext.insert(ext.end(), {{s.q, Floats(qd), "q"},
+                             {s.out, Floats(qd), "out"},
+                             {s.k, kv, "k"},
+                             {s.v, kv, "v"},
+                             {s.indices, Ints(int64_t{p.n_cache_heads} * s.num_indices), "indices"},
+                             {s.probs, Floats(int64_t{p.n_heads} * s.len), "probs"}});
     }
-    return Run("DecodeAttention", ptrs, [&] { return inner_->DecodeAttention(p); });
+    // The table of sequences is the caller's: copied now, as the CUDA backend uploads it.
+    std::vector<DecodeSequence> seqs(p.seqs, p.seqs + p.batch);
+    return Queue("DecodeAttention", ext, [this, p, seqs]() mutable {
+      DecodeAttentionParams q = p;
+      q.seqs = seqs.data();
+      return inner_->DecodeAttention(q);
+    });
   }
   absl::Status Add(const AddParams& p) override {
-    RETURN_IF_ERROR(ValidateAdd(p));  // shapes first, as the CUDA backend
-    return Run("Add", {{p.x, "x"}, {p.y, "y"}}, [&] { return inner_->Add(p); });
+    RETURN_IF_ERROR(ValidateAdd(p));
+    return Queue("Add", {{p.x, Floats(p.n), "x"}, {p.y, Floats(p.n), "y"}},
+                 [this, p] { return inner_->Add(p); });
   }
   absl::Status AppendKv(const AppendKvParams& p) override {
-    RETURN_IF_ERROR(ValidateAppendKv(p));  // shapes first, as the CUDA backend
-    std::vector<Pointer> ptrs;
-    for (int b = 0; b < p.batch && p.seqs; ++b) {
+    RETURN_IF_ERROR(ValidateAppendKv(p));
+    std::vector<Extent> ext;
+    const int64_t kvd = Floats(int64_t{p.n_kv_heads} * p.head_dim);
+    for (int b = 0; b < p.batch; ++b) {
       const KvAppend& s = p.seqs[b];
-      ptrs.insert(ptrs.end(),
-                  {{s.k, "k"}, {s.v, "v"}, {s.k_cache, "k_cache"}, {s.v_cache, "v_cache"}});
+      const int64_t cache = Elements(
+          (p.n_cache_heads - 1) * s.head_stride + (int64_t{s.t} + 1) * p.head_dim, p.kv_dtype);
+      ext.insert(ext.end(), {{s.k, kvd, "k"},
+                             {s.v, kvd, "v"},
+                             {s.k_cache, cache, "k_cache"},
+                             {s.v_cache, cache, "v_cache"}});
     }
-    return Run("AppendKv", ptrs, [&] { return inner_->AppendKv(p); });
+    std::vector<KvAppend> seqs(p.seqs, p.seqs + p.batch);
+    return Queue("AppendKv", ext, [this, p, seqs]() mutable {
+      AppendKvParams q = p;
+      q.seqs = seqs.data();
+      return inner_->AppendKv(q);
+    });
   }
 
   absl::Status WindowVotes(const WindowVotesParams& p) override {
     RETURN_IF_ERROR(ValidateWindowVotes(p));
-    return Run("WindowVotes", {{p.scores, "scores"}, {p.votes, "votes"}},
-               [&] { return inner_->WindowVotes(p); });
+    return Queue("WindowVotes",
+                 {{p.scores, Floats(int64_t{p.n_heads} * p.window * p.len), "scores"},
+                  {p.votes, Floats(int64_t{p.n_heads / p.group} * p.prefix), "votes"}},
+                 [this, p] { return inner_->WindowVotes(p); });
   }
   absl::Status Pool1d(const Pool1dParams& p) override {
     RETURN_IF_ERROR(ValidatePool1d(p));
-    return Run("Pool1d", {{p.x, "x"}, {p.y, "y"}}, [&] { return inner_->Pool1d(p); });
+    const int64_t n = Floats(int64_t{p.rows} * p.n);
+    return Queue("Pool1d", {{p.x, n, "x"}, {p.y, n, "y"}}, [this, p] { return inner_->Pool1d(p); });
   }
   absl::Status RunMeans(const RunMeansParams& p) override {
     RETURN_IF_ERROR(ValidateRunMeans(p));
-    return Run("RunMeans", {{p.x, "x"}, {p.y, "y"}}, [&] { return inner_->RunMeans(p); });
+    return Queue("RunMeans",
+                 {{p.x, Floats(int64_t{p.rows} * p.n), "x"},
+                  {p.y, Floats(int64_t{p.rows} * ((p.n + p.run - 1) / p.run)), "y"}},
+                 [this, p] { return inner_->RunMeans(p); });
   }
   absl::Status TopK(const TopKParams& p) override {
     RETURN_IF_ERROR(ValidateTopK(p));
-    std::vector<Pointer> ptrs;
+    std::vector<Extent> ext;
     for (int i = 0; i < p.count; ++i) {
-      ptrs.insert(ptrs.end(),
-                  {{p.segs[i].score, "score"}, {p.segs[i].tie, "tie"}, {p.segs[i].out, "out"}});
+      const TopKSegment& s = p.segs[i];
+      ext.insert(ext.end(), {{s.score, Floats((s.n + s.run - 1) / s.run), "score"},
+                             {s.tie, Floats(s.n), "tie"},
+                             {s.out, Ints(int64_t{s.k} + s.append), "out"}});
     }
-    return Run("TopK", ptrs, [&] { return inner_->TopK(p); });
+    std::vector<TopKSegment> segs(p.segs, p.segs + p.count);
+    return Queue("TopK", ext, [this, p, segs]() mutable {
+      TopKParams q = p;
+      q.segs = segs.data();
+      return inner_->TopK(q);
+    });
   }
   absl::Status HbwSelect(const HbwSelectParams& p) override {
     RETURN_IF_ERROR(ValidateHbwSelect(p));
-    return Run("HbwSelect", {{p.block_scores, "block_scores"}, {p.out, "out"}},
-               [&] { return inner_->HbwSelect(p); });
+    const int64_t blocks = (p.prefix + p.block - 1) / p.block;
+    return Queue("HbwSelect",
+                 {{p.block_scores, Floats(p.rows * blocks), "block_scores"},
+                  {p.out, Ints(int64_t{p.rows} * (p.prefix_budget + p.append)), "out"}},
+                 [this, p] { return inner_->HbwSelect(p); });
   }
   absl::Status GatherKv(const GatherKvParams& p) override {
     RETURN_IF_ERROR(ValidateGatherKv(p));
-    return Run("GatherKv",
-               {{p.k, "k"}, {p.v, "v"}, {p.kept, "kept"}, {p.k_out, "k_out"}, {p.v_out, "v_out"}},
-               [&] { return inner_->GatherKv(p); });
+    const int64_t rows = Floats((p.len - 1) * p.kv_stride + int64_t{p.n_kv_heads} * p.head_dim);
+    const int64_t out = Elements(int64_t{p.n_cache_heads} * p.count * p.head_dim, p.dtype);
+    return Queue("GatherKv",
+                 {{p.k, rows, "k"},
+                  {p.v, rows, "v"},
+                  {p.kept, Ints(int64_t{p.n_cache_heads} * p.count), "kept"},
+                  {p.k_out, out, "k_out"},
+                  {p.v_out, out, "v_out"}},
+                 [this, p] { return inner_->GatherKv(p); });
   }
   absl::Status UpdateSummaries(const UpdateSummariesParams& p) override {
     RETURN_IF_ERROR(ValidateUpdateSummaries(p));
-    std::vector<Pointer> ptrs;
+    std::vector<Extent> ext;
     for (int i = 0; i < p.count; ++i) {
-      ptrs.insert(ptrs.end(), {{p.segs[i].k, "k"}, {p.segs[i].summaries, "summaries"}});
+      const SummaryUpdateSegment& s = p.segs[i];
+      const DType t = s.layout.dtype;
+      ext.insert(
+          ext.end(),
+          {{s.k, Elements((s.n_heads - 1) * s.head_stride + int64_t{s.len} * s.layout.head_dim, t),
+            "k"},
+           {s.summaries, Elements(s.n_heads * s.layout.head_elems(), t), "summaries"}});
     }
-    return Run("UpdateSummaries", ptrs, [&] { return inner_->UpdateSummaries(p); });
+    std::vector<SummaryUpdateSegment> segs(p.segs, p.segs + p.count);
+    return Queue("UpdateSummaries", ext, [this, p, segs]() mutable {
+      UpdateSummariesParams q = p;
+      q.segs = segs.data();
+      return inner_->UpdateSummaries(q);
+    });
   }
   absl::Status PageScores(const PageScoresParams& p) override {
     RETURN_IF_ERROR(ValidatePageScores(p));
-    std::vector<Pointer> ptrs;
+    std::vector<Extent> ext;
     for (int i = 0; i < p.count; ++i) {
       const PageScoreSegment& s = p.segs[i];
-      ptrs.insert(ptrs.end(),
-                  {{s.q, "q"}, {s.summaries, "summaries"}, {s.k, "k"}, {s.score, "score"}});
+      const bool exact = s.kind == PageScoreKind::kExact;
+      ext.insert(
+          ext.end(),
+          {{s.q, Floats(int64_t{s.group} * p.head_dim), "q"},
+           {exact ? nullptr : s.summaries, Elements(s.layout.head_elems(), p.dtype), "summaries"},
+           {exact ? s.k : nullptr, Elements(int64_t{s.len} * p.head_dim, p.dtype), "k"},
+           {s.score, Floats(exact ? s.len : s.layout.pages(s.len)), "score"}});
     }
-    return Run("PageScores", ptrs, [&] { return inner_->PageScores(p); });
+    std::vector<PageScoreSegment> segs(p.segs, p.segs + p.count);
+    return Queue("PageScores", ext, [this, p, segs]() mutable {
+      PageScoresParams q = p;
+      q.segs = segs.data();
+      return inner_->PageScores(q);
+    });
   }
   absl::Status Sample(const SampleParams& p) override {
     RETURN_IF_ERROR(ValidateSample(p));
-    return Run("Sample", {{p.logits, "logits"}, {p.out, "out"}}, [&] { return inner_->Sample(p); });
+    const int64_t stride = p.stride ? p.stride : p.vocab;
+    std::vector<SampleRow> rows(p.rows, p.rows + p.batch);
+    return Queue("Sample",
+                 {{p.logits, Floats((p.batch - 1) * stride + p.vocab), "logits"},
+                  {p.out, static_cast<int64_t>(sizeof(SampledToken)) * p.batch, "out"}},
+                 [this, p, rows]() mutable {
+                   SampleParams q = p;
+                   q.rows = rows.data();
+                   return inner_->Sample(q);
+                 });
+  }
+
+ protected:
+  // The source is copied when the call is made (the caller may change or free it at once),
+  // and lands in backend memory when the queue runs.
+  absl::Status DoCopyToDevice(void* dst, const void* src, size_t bytes) override {
+    std::vector<uint8_t> data(static_cast<const uint8_t*>(src),
+                              static_cast<const uint8_t*>(src) + bytes);
+    return Queue("CopyToDevice", {{dst, static_cast<int64_t>(bytes), "dst"}},
+                 [dst, data = std::move(data)] {
+                   if (!data.empty()) std::memcpy(dst, data.data(), data.size());
+                   return absl::OkStatus();
+                 });
+  }
+  // Queued: WaitCopy synchronises.
+  absl::StatusOr<CopyTicket> DoCopyToHostAsync(void* dst, const void* src, size_t bytes) override {
+    RETURN_IF_ERROR(
+        Queue("CopyToHostAsync", {{src, static_cast<int64_t>(bytes), "src"}}, [dst, src, bytes] {
+          if (bytes > 0) std::memcpy(dst, src, bytes);
+          return absl::OkStatus();
+        }));
+    return CopyTicket{1};
+  }
+  absl::Status WaitCopy(CopyTicket) override { return Synchronize(); }
+  // Runs everything queued before it: returns with `dst` filled.
+  absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) override {
+    RETURN_IF_ERROR(
+        Queue("CopyToHost", {{src, static_cast<int64_t>(bytes), "src"}}, [dst, src, bytes] {
+          if (bytes > 0) std::memcpy(dst, src, bytes);
+          return absl::OkStatus();
+        }));
+    return Synchronize();
   }
 
  private:
-  struct Pointer {
-    const void* p;
-    const char* name;
+  struct Region {
+    void* base;     // the mapping: the data pages, then the guard page
+    size_t mapped;  // bytes mapped, the guard page included
+    size_t data;    // bytes of the data pages
+    size_t size;    // the buffer's own bytes, ending at the guard page
   };
-  // Null, or inside one of this backend's buffers.
-  bool Owned(const void* p) const {
-    if (p == nullptr) return true;
-    auto it = regions_.upper_bound(const_cast<void*>(p));
+  struct Op {
+    const char* name;
+    std::function<absl::Status()> run;
+  };
+
+  // Null (with any extent), or [p, p + bytes) inside one buffer of this backend.
+  bool Within(const Extent& e) const {
+    if (e.p == nullptr) return true;
+    auto it = regions_.upper_bound(const_cast<void*>(e.p));
     if (it == regions_.begin()) return false;
     --it;
-    return static_cast<const char*>(p) < static_cast<const char*>(it->first) + it->second;
+    const auto* start = static_cast<const uint8_t*>(it->first);
+    const auto* p = static_cast<const uint8_t*>(e.p);
+    return p >= start && e.bytes >= 0 && p + e.bytes <= start + it->second.size;
   }
-  // Checks `ptrs`, then opens every buffer for the duration of one op and closes them again.
+
   template <typename F>
-  absl::Status Run(const char* op_name, const std::vector<Pointer>& ptrs, F&& op) {
+  absl::Status Queue(const char* op_name, const std::vector<Extent>& extents, F&& run) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const Pointer& x : ptrs) {
-      if (!Owned(x.p)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("guarded backend: ", op_name, "'s ", x.name,
-                         " is not memory of this backend (a host pointer where a device one is "
-                         "needed)"));
+    for (const Extent& e : extents) {
+      if (!Within(e)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "guarded backend: ", op_name, "'s ", e.name, " (", e.bytes,
+            " bytes) is not within one buffer of this backend (a host pointer, or a range "
+            "past a buffer's end)"));
       }
     }
+    queue_.push_back({op_name, std::forward<F>(run)});
+    return absl::OkStatus();
+  }
+
+  // Opens every buffer, runs the queue in order, closes them again. The first failure is
+  // returned and the rest of the queue dropped, as a faulted stream's work would be.
+  absl::Status FlushLocked() {
+    if (queue_.empty()) return absl::OkStatus();
     RETURN_IF_ERROR(Protect(PROT_READ | PROT_WRITE));
-    const absl::Status st = op();
+    absl::Status st;
+    while (!queue_.empty()) {
+      Op op = std::move(queue_.front());
+      queue_.pop_front();
+      if (!st.ok()) continue;
+      st = op.run();
+      if (!st.ok()) st = Annotate(st, absl::StrCat("guarded backend, queued ", op.name));
+    }
     RETURN_IF_ERROR(Protect(PROT_NONE));
     return st;
   }
   absl::Status Protect(int prot) {
-    for (auto& [p, bytes] : regions_) {
-      if (mprotect(p, bytes, prot) != 0) {
+    for (auto& [p, r] : regions_) {
+      if (mprotect(r.base, r.data, prot) != 0) {
         return absl::InternalError(
             absl::StrCat("guarded backend: mprotect: ", std::strerror(errno)));
       }
@@ -221,14 +391,18 @@ class GuardedBackend final : public KernelBackend {
 
   KernelBackendPtr inner_;
   const size_t page_;
+  const size_t capacity_;  // 0: no limit
   std::mutex mu_;
-  std::map<void*, size_t> regions_;
+  std::map<void*, Region> regions_;  // by the buffer's start
+  size_t used_ = 0;
+  std::deque<Op> queue_;
+  absl::Status deferred_;  // a failure found by Free, for the next synchronisation
 };
 
 }  // namespace
 
-KernelBackendPtr MakeGuardedBackend(int threads) {
-  return std::make_unique<GuardedBackend>(threads);
+KernelBackendPtr MakeGuardedBackend(int threads, size_t capacity) {
+  return std::make_unique<GuardedBackend>(threads, capacity);
 }
 
 }  // namespace kvwire::kernels

@@ -1,17 +1,26 @@
-// The guarded backend: the CPU backend's kernels on memory that the host cannot touch between
-// ops. Every buffer it allocates is mapped PROT_NONE except while one of its ops (or copies)
-// runs, so code that reads or writes backend memory directly, instead of through
-// CopyToDevice / CopyToHost, dies with SIGSEGV at the offending access. It reports itself as
-// not host-addressable, so the engine takes its device path (weights uploaded, activations and
-// KV caches in backend memory), which a machine without a GPU then runs and tests against the
-// CPU engine. Ops are serialised by a mutex, as one CUDA stream serialises them. For tests and
-// debugging: every op costs two mprotect calls per live buffer.
+// The guarded backend: the CPU backend's kernels run as a device runs its kernels, so that the
+// engine's device path is tested on every machine.
+//
+//   - Its memory is unreadable by the host (mapped PROT_NONE) except while its queued work
+//     runs: code that reads or writes backend memory directly, instead of through
+//     CopyToDevice / CopyToHost, dies with SIGSEGV at the offending access.
+//   - Ops and copies are queued, as on a stream, and run at the next synchronisation point
+//     (Synchronize, CopyToHost, Free): a missing synchronisation shows as stale data.
+//   - Every buffer ends at a page that is never readable, and every op checks that each range
+//     it reads or writes lies within one of its buffers: a host pointer or an overrun is an
+//     InvalidArgument naming the parameter.
+//   - A capacity (bytes; 0 for none) makes the out-of-memory paths testable.
+// It reports itself as not host-addressable, so the engine takes its device path (weights
+// uploaded, activations and KV caches in backend memory). For tests and debugging: each
+// synchronisation costs two mprotect calls per live buffer.
 #pragma once
+
+#include <cstddef>
 
 #include "kernels/backend.h"
 
 namespace kvwire::kernels {
 
-KernelBackendPtr MakeGuardedBackend(int threads);
+KernelBackendPtr MakeGuardedBackend(int threads, size_t capacity = 0);
 
 }  // namespace kvwire::kernels

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <tuple>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -294,7 +295,27 @@ Compressor::Compressor(const CompressionConfig& config, const ModelConfig& model
       selector_(config, model.num_heads, model.num_kv_heads),
       sink_(sink) {}
 
-Compressor::~Compressor() { ReleaseSendBuffers(); }
+Compressor::~Compressor() {
+  // A prefill that stopped early (cancelled, past its deadline) leaves its last copies.
+  if (has_pending_) {
+    for (kernels::KernelBackend::CopyTicket t : tickets_) (void)backend_->WaitCopy(t);
+  }
+  ReleaseSendBuffers();
+}
+
+absl::Status Compressor::Deliver() {
+  if (!has_pending_) return absl::OkStatus();
+  has_pending_ = false;
+  absl::Status st;
+  for (kernels::KernelBackend::CopyTicket t : tickets_) {
+    if (absl::Status w = backend_->WaitCopy(t); st.ok()) st = w;
+  }
+  tickets_.clear();
+  RETURN_IF_ERROR(st);
+  return sink_->Accept(std::move(pending_));
+}
+
+absl::Status Compressor::Finish() { return Deliver(); }
 
 void Compressor::ReleaseSendBuffers() {
   if (backend_ == nullptr) return;
@@ -320,6 +341,8 @@ absl::Status Compressor::OnLayer(const PrefillLayer& layer) {
     return absl::InternalError("a prefill layer must name the backend whose memory it is in");
   }
   kernels::KernelBackend& backend = *layer.backend;
+  // The previous layer's copies first: this layer's selection and gather reuse its buffers.
+  RETURN_IF_ERROR(Deliver());
   WindowScores ws{layer.window_scores, n_heads_, layer.window, layer.len};
   const bool need = selector_.NeedsScoresFor(layer.layer, layer.len);
   int count = 0;
@@ -360,16 +383,30 @@ absl::Status Compressor::OnLayer(const PrefillLayer& layer) {
   g.k_out = k_out_;
   g.v_out = v_out_;
   RETURN_IF_ERROR(backend.GatherKv(g));
-  // What crosses to the host: the kept positions and rows, nothing else.
+  // What crosses to the host: the kept positions and rows, nothing else. On a device the copies
+  // run while the next layer computes, and the layer reaches the sink when the next one (or
+  // Finish) begins; a host backend's are done at once and the layer goes now.
   out.positions.resize(static_cast<size_t>(out.n_heads) * count);
   out.k.resize(bytes);
   out.v.resize(bytes);
-  RETURN_IF_ERROR(
-      backend.CopyToHost(out.positions.data(), kept, out.positions.size() * sizeof(int32_t)));
-  RETURN_IF_ERROR(backend.CopyToHost(out.k.data(), k_out_, bytes));
-  RETURN_IF_ERROR(backend.CopyToHost(out.v.data(), v_out_, bytes));
+  pending_ = std::move(out);
+  has_pending_ = true;
+  for (auto [dst, src, n] :
+       {std::tuple<void*, const void*, size_t>{pending_.positions.data(), kept,
+                                               pending_.positions.size() * sizeof(int32_t)},
+        {pending_.k.data(), k_out_, bytes},
+        {pending_.v.data(), v_out_, bytes}}) {
+    auto ticket = backend.CopyToHostAsync(dst, src, n);
+    if (!ticket.ok()) {
+      for (kernels::KernelBackend::CopyTicket t : tickets_) (void)backend.WaitCopy(t);
+      tickets_.clear();
+      has_pending_ = false;
+      return ticket.status();
+    }
+    tickets_.push_back(*ticket);
+  }
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return sink_->Accept(std::move(out));
+  return backend.host_addressable() ? Deliver() : absl::OkStatus();
 }
 
 KvCacheShape CompressedCacheShape(const CompressionConfig& config, const ModelConfig& model,

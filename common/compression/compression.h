@@ -131,11 +131,15 @@ class Compressor : public PrefillObserver {
   int window(int len) const override;
   bool NeedsScores(int layer, int len) const override;
   absl::Status OnLayer(const PrefillLayer& layer) override;
+  // Hands the sink the last layer, whose rows may still have been on their way.
+  absl::Status Finish() override;
   // Seconds spent selecting and gathering (the compression overhead).
   double seconds() const { return seconds_; }
 
  private:
   void ReleaseSendBuffers();
+  // Waits for the pending layer's copies and hands it to the sink.
+  absl::Status Deliver();
 
   CompressionConfig config_;
   int n_heads_, n_kv_heads_, head_dim_;
@@ -148,6 +152,11 @@ class Compressor : public PrefillObserver {
   void* k_out_ = nullptr;
   void* v_out_ = nullptr;
   size_t out_bytes_ = 0;
+  // On a device, a layer's kept rows are copied to the host while the next layer computes:
+  // the layer on its way, and its copies.
+  CompressedLayer pending_;
+  std::vector<kernels::KernelBackend::CopyTicket> tickets_;
+  bool has_pending_ = false;
 };
 
 // Writes a compressed layer into a cache (checks it fits and matches).

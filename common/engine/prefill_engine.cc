@@ -46,6 +46,7 @@ class Guarded final : public PrefillObserver {
         forward_(forward) {}
   int window(int len) const override { return inner_->window(len); }
   bool NeedsScores(int layer, int len) const override { return inner_->NeedsScores(layer, len); }
+  absl::Status Finish() override { return inner_->Finish(); }
   absl::Status OnLayer(const PrefillLayer& layer) override {
     if (sink_->cancelled()) return absl::CancelledError("prefill cancelled by its reader");
     if (clock_.Now() > job_.deadline) {

@@ -37,7 +37,8 @@ LlamaModel::~LlamaModel() = default;
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& spec,
                                                              const LoadOptions& options) {
   std::unique_ptr<LlamaModel> model(new LlamaModel());
-  ASSIGN_OR_RETURN(model->backend_, kernels::MakeBackend(options.backend, options.threads));
+  ASSIGN_OR_RETURN(model->backend_, kernels::MakeBackend(options.backend, options.threads,
+                                                         options.device_memory_bytes));
   if (options.mapped_weights && model->on_device()) {
     return absl::InvalidArgumentError(
         absl::StrCat("mapped weights apply to the host backends (cpu, reference), not ",
@@ -363,6 +364,7 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
     }
     RETURN_IF_ERROR(AttentionOutAndMlp(L, a));
   }
+  if (observer) RETURN_IF_ERROR(observer->Finish());
   PrefillResult result;
   result.logits.resize(int64_t{len - first} * c.vocab_size);
   RETURN_IF_ERROR(Logits(a, first, result.logits.data()));

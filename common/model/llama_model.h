@@ -43,6 +43,9 @@ struct LoadOptions {
   // pages. Loads faster and shares memory; decode reads the weights slower
   // (docs/benchmarks.md, "Weights on huge pages"). A device backend refuses it.
   bool mapped_weights = false;
+  // A device backend's memory cap in bytes (0: the device's own): emulates a smaller device,
+  // and makes its out-of-memory paths testable. A host backend refuses one.
+  size_t device_memory_bytes = 0;
 };
 
 // What a prefill observer sees after one layer's attention, in the memory of `backend` (device
@@ -71,6 +74,9 @@ class PrefillObserver {
   // Called after each layer, in order. An error stops the prefill and is returned by it
   // (that is how cancellation and deadlines reach into a long prompt).
   virtual absl::Status OnLayer(const PrefillLayer& layer) = 0;
+  // Called once after the last layer (before the logits): an observer that let a layer's work
+  // run on while the next layer computed finishes it here.
+  virtual absl::Status Finish() { return absl::OkStatus(); }
 };
 
 struct PrefillResult {

@@ -1,9 +1,24 @@
-/* The CUDA backend: device memory, one stream, a cuBLAS handle, and the op launchers of
- * this folder. Ops are asynchronous on the stream; Synchronize (or a copy to the host)
- * waits and surfaces any error raised inside a kernel. */
+/* The CUDA backend: device memory, and the op launchers of this folder, with the work of each
+ * host thread on a lane of its own: a compute stream (ops, uploads, synchronous downloads), a
+ * copy stream (asynchronous downloads, which overlap the compute stream's later work), a
+ * cuBLAS handle, scratch and op tables. A prefill thread and a decode thread therefore queue
+ * and wait independently: no lock is held across a wait, and the GPU may run both streams'
+ * work at once. Every public entry of the engine ends with a synchronisation of its lane, so
+ * memory one thread wrote is complete before another reads it (weights at load; a cache
+ * prefilled on one thread and decoded on another goes through the host).
+ *
+ * Uploads go through pinned staging slots, each reused once its last copy finished (an
+ * event), so CopyToDevice returns at once and the caller's buffer may go. Errors inside a
+ * kernel surface at the next synchronisation of the lane. */
+#include <atomic>
 #include <cstring>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
@@ -16,252 +31,391 @@ namespace {
 
 using cuda::CudaStatus;
 
+// A pinned host buffer and the event after its last copy.
+struct Staging {
+  void* host = nullptr;
+  size_t bytes = 0;
+  cudaEvent_t done = nullptr;
+  bool pending = false;
+
+  // Waits for the previous copy, then makes the buffer at least `n` bytes.
+  absl::Status Ready(size_t n) {
+    if (pending) {
+      RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(done), "cudaEventSynchronize (staging)"));
+      pending = false;
+    }
+    if (done == nullptr) {
+      RETURN_IF_ERROR(
+          CudaStatus(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate"));
+    }
+    if (n > bytes) {
+      if (host) cudaFreeHost(host);
+      host = nullptr;
+      bytes = 0;
+      RETURN_IF_ERROR(CudaStatus(cudaMallocHost(&host, n), "cudaMallocHost (staging)"));
+      bytes = n;
+    }
+    return absl::OkStatus();
+  }
+  void Release() {
+    if (pending) cudaEventSynchronize(done);
+    if (host) cudaFreeHost(host);
+    if (done) cudaEventDestroy(done);
+  }
+};
+
+// A device buffer that grows.
+struct DeviceBuffer {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// One host thread's share of the device (see the file comment).
+struct Lane {
+  cudaStream_t compute = nullptr, copy = nullptr;
+  cublasHandle_t cublas = nullptr;
+  DeviceBuffer matmul_scratch, slots[cuda::kScratchSlots];
+  DeviceBuffer seqs_table, append_table, op_tables[cuda::kTables];
+  static constexpr int kTableSlots = 64;  // the host runs up to this many ops ahead
+  Staging table_staging[kTableSlots];
+  int next_table = 0;
+  static constexpr int kUploadSlots = 4;
+  static constexpr size_t kUploadChunk = size_t{8} << 20;
+  Staging uploads[kUploadSlots];
+  int next_upload = 0;
+  Staging download;  // synchronous downloads
+  // Asynchronous downloads: the pinned buffer each lands in, copied to `dst` by WaitCopy.
+  struct Pending {
+    void* dst;
+    size_t bytes;
+    Staging staging;
+  };
+  std::map<KernelBackend::CopyTicket, Pending> pending;
+  std::vector<Staging> spare;  // staging of finished downloads, for the next ones
+
+  ~Lane() {
+    if (compute) cudaStreamSynchronize(compute);
+    if (copy) cudaStreamSynchronize(copy);
+    for (DeviceBuffer* b : {&matmul_scratch, &seqs_table, &append_table}) {
+      if (b->data) cudaFree(b->data);
+    }
+    for (DeviceBuffer& b : slots) {
+      if (b.data) cudaFree(b.data);
+    }
+    for (DeviceBuffer& b : op_tables) {
+      if (b.data) cudaFree(b.data);
+    }
+    for (Staging& s : table_staging) s.Release();
+    for (Staging& s : uploads) s.Release();
+    download.Release();
+    for (auto& [t, p] : pending) p.staging.Release();
+    for (Staging& s : spare) s.Release();
+    if (cublas) cublasDestroy(cublas);
+    if (compute) cudaStreamDestroy(compute);
+    if (copy) cudaStreamDestroy(copy);
+  }
+
+  absl::Status Sync() {
+    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(copy), "kernel execution (copy stream)"));
+    return CudaStatus(cudaStreamSynchronize(compute), "kernel execution");
+  }
+
+  // A buffer of at least `bytes`, the old one freed once the work that may use it is done.
+  absl::StatusOr<void*> Grow(DeviceBuffer* b, size_t bytes, const char* what) {
+    if (bytes > b->bytes) {
+      RETURN_IF_ERROR(Sync());
+      if (b->data) cudaFree(b->data);
+      b->data = nullptr;
+      b->bytes = 0;
+      RETURN_IF_ERROR(CudaStatus(cudaMalloc(&b->data, bytes), what));
+      b->bytes = bytes;
+    }
+    return b->data;
+  }
+
+  // A per-op table of host structs copied to the device for a launch, queued after the
+  // kernels that read the previous table.
+  absl::StatusOr<void*> Table(DeviceBuffer* t, const void* host, size_t bytes, size_t* counted) {
+    if (bytes == 0) return t->data;
+    ASSIGN_OR_RETURN(void* data, Grow(t, bytes, "cudaMalloc (op table)"));
+    Staging& slot = table_staging[next_table];
+    next_table = (next_table + 1) % kTableSlots;
+    RETURN_IF_ERROR(slot.Ready(bytes));
+    std::memcpy(slot.host, host, bytes);
+    *counted += bytes;
+    RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(data, slot.host, bytes, cudaMemcpyHostToDevice, compute), "op table"));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(slot.done, compute), "cudaEventRecord"));
+    slot.pending = true;
+    return data;
+  }
+};
+
 class CudaBackend final : public KernelBackend {
  public:
-  CudaBackend(cudaStream_t stream, cublasHandle_t cublas, int threads)
-      : stream_(stream), cublas_(cublas), pool_(threads) {}
+  CudaBackend(int threads, size_t memory_limit) : pool_(threads), limit_(memory_limit) {}
   ~CudaBackend() override {
-    cudaStreamSynchronize(stream_);
-    if (scratch_) cudaFree(scratch_);
-    for (DeviceTable* t : {&seqs_, &append_}) {
-      if (t->data) cudaFree(t->data);
-    }
-    for (DeviceTable& t : op_tables_) {
-      if (t.data) cudaFree(t.data);
-    }
-    for (Slot& slot : slots_) {
-      if (slot.data) cudaFree(slot.data);
-    }
-    for (Staging& slot : staging_) {
-      if (slot.host) cudaFreeHost(slot.host);
-      if (slot.done) cudaEventDestroy(slot.done);
-    }
-    cublasDestroy(cublas_);
-    cudaStreamDestroy(stream_);
+    lanes_.clear();
+    for (auto& [p, bytes] : allocations_) cudaFree(p);
   }
 
   BackendKind kind() const override { return BackendKind::kCuda; }
   bool host_addressable() const override { return false; }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
+    bytes = std::max<size_t>(bytes, 1);
+    {
+      std::lock_guard<std::mutex> lock(memory_mu_);
+      if (limit_ > 0 && used_ + bytes > limit_) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cuda backend: ", bytes, " bytes do not fit: ", used_, " of its limit of ",
+                         limit_, " bytes are in use"));
+      }
+      used_ += bytes;
+    }
     void* p = nullptr;
-    RETURN_IF_ERROR(CudaStatus(cudaMalloc(&p, bytes == 0 ? 1 : bytes), "cudaMalloc"));
+    if (absl::Status st = CudaStatus(cudaMalloc(&p, bytes), "cudaMalloc"); !st.ok()) {
+      std::lock_guard<std::mutex> lock(memory_mu_);
+      used_ -= bytes;
+      return absl::ResourceExhaustedError(st.message());
+    }
+    std::lock_guard<std::mutex> lock(memory_mu_);
+    allocations_[p] = bytes;
     return p;
   }
-  void Free(void* ptr) override { cudaFree(ptr); }
-  // Returns once the copy is done, so `src` may change or go right after (the runtime stages
-  // pageable memory for an asynchronous copy only "may"). Uploads are weights, a step's
-  // inputs and a sequence's prompt rows, not per-op traffic; op tables go through Table().
-  absl::Status DoCopyToDevice(void* dst, const void* src, size_t bytes) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_),
-                               "cudaMemcpy to device"));
-    return SyncStream();
-  }
-  absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_),
-                               "cudaMemcpy to host"));
-    return SyncStream();
+  // cudaFree waits for the device's queued work, whichever stream it is on.
+  void Free(void* ptr) override {
+    if (ptr == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lock(memory_mu_);
+      auto it = allocations_.find(ptr);
+      if (it == allocations_.end()) return;
+      used_ -= it->second;
+      allocations_.erase(it);
+    }
+    cudaFree(ptr);
   }
   absl::Status Synchronize() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return SyncStream();
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return lane->Sync();
   }
 
-  // Every op takes mu_: a prefill and a decode step may call from two threads (llama_model.h),
-  // and the scratch buffer, the op tables and the cuBLAS handle are shared. Their kernels run
-  // in the stream's order, one op after another.
+  // Ops: on the calling thread's compute stream.
   absl::Status MatMul(const MatMulParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateMatMul(p));  // before sizing scratch from p
     void* scratch = nullptr;
     if (const size_t bytes = cuda::MatMulScratchBytes(p); bytes > 0) {
-      ASSIGN_OR_RETURN(scratch, Scratch(bytes));
+      ASSIGN_OR_RETURN(scratch, lane->Grow(&lane->matmul_scratch, bytes, "cudaMalloc scratch"));
     }
-    return cuda::LaunchMatMul(p, cublas_, scratch, stream_);
+    return cuda::LaunchMatMul(p, lane->cublas, scratch, lane->compute);
   }
   absl::Status Add(const AddParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchAdd(p, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchAdd(p, lane->compute);
   }
   absl::Status AppendKv(const AppendKvParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateAppendKv(p));  // before sizing the table from p.batch
-    ASSIGN_OR_RETURN(void* table, Table(&append_, p.seqs, sizeof(KvAppend) * p.batch));
-    return cuda::LaunchAppendKv(p, static_cast<const KvAppend*>(table), stream_);
+    ASSIGN_OR_RETURN(void* table,
+                     TableOn(*lane, &lane->append_table, p.seqs, sizeof(KvAppend) * p.batch));
+    return cuda::LaunchAppendKv(p, static_cast<const KvAppend*>(table), lane->compute);
   }
   absl::Status RmsNorm(const RmsNormParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchRmsNorm(p, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchRmsNorm(p, lane->compute);
   }
   absl::Status Rope(const RopeParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchRope(p, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchRope(p, lane->compute);
   }
   absl::Status SwiGlu(const SwiGluParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchSwiGlu(p, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchSwiGlu(p, lane->compute);
   }
   absl::Status PrefillAttention(const PrefillAttentionParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchPrefillAttention(p, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchPrefillAttention(p, lane->compute);
   }
-  // Host work between ops (sparse decode selection) on the host's cores, idle while the GPU
-  // computes.
+  absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    RETURN_IF_ERROR(ValidateDecodeAttention(p));
+    ASSIGN_OR_RETURN(void* table,
+                     TableOn(*lane, &lane->seqs_table, p.seqs, sizeof(DecodeSequence) * p.batch));
+    return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table), lane->compute);
+  }
+  // Host work between ops (sparse selection on the host) on the host's cores, idle while
+  // the GPU computes.
   void HostParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn) override {
     pool_.ParallelFor(n, 1, fn);
   }
 
-  absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(ValidateDecodeAttention(p));
-    ASSIGN_OR_RETURN(void* table, Table(&seqs_, p.seqs, sizeof(DecodeSequence) * p.batch));
-    return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table), stream_);
-  }
-
-  // Selection compute: one .cu file per op, borrowing scratch and tables from here.
+  // Selection compute: one .cu file per op, borrowing the lane's scratch and tables.
   absl::Status WindowVotes(const WindowVotesParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchWindowVotes(p, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchWindowVotes(p, lane->compute);
   }
   absl::Status Pool1d(const Pool1dParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchPool1d(p, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchPool1d(p, lane->compute);
   }
   absl::Status RunMeans(const RunMeansParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchRunMeans(p, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchRunMeans(p, lane->compute);
   }
   absl::Status TopK(const TopKParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchTopK(p, op_memory_, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchTopK(p, OpMemoryOf(*lane), lane->compute);
   }
   absl::Status HbwSelect(const HbwSelectParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchHbwSelect(p, op_memory_, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchHbwSelect(p, OpMemoryOf(*lane), lane->compute);
   }
   absl::Status GatherKv(const GatherKvParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchGatherKv(p, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchGatherKv(p, lane->compute);
   }
   absl::Status UpdateSummaries(const UpdateSummariesParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchUpdateSummaries(p, op_memory_, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchUpdateSummaries(p, OpMemoryOf(*lane), lane->compute);
   }
   absl::Status PageScores(const PageScoresParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchPageScores(p, op_memory_, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchPageScores(p, OpMemoryOf(*lane), lane->compute);
   }
   absl::Status Sample(const SampleParams& p) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cuda::LaunchSample(p, op_memory_, stream_);
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchSample(p, OpMemoryOf(*lane), lane->compute);
+  }
+
+  absl::Status WaitCopy(CopyTicket ticket) override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    auto it = lane->pending.find(ticket);
+    if (it == lane->pending.end()) {
+      return absl::FailedPreconditionError(
+          "WaitCopy: no copy of this thread has that ticket (waited for already, or another "
+          "thread's)");
+    }
+    Lane::Pending p = std::move(it->second);
+    lane->pending.erase(it);
+    absl::Status st =
+        CudaStatus(cudaEventSynchronize(p.staging.done), "asynchronous copy to the host");
+    p.staging.pending = false;
+    if (st.ok() && p.bytes > 0) std::memcpy(p.dst, p.staging.host, p.bytes);
+    lane->spare.push_back(p.staging);
+    return st;
+  }
+
+ protected:
+  // Through the lane's pinned staging, in chunks: returns as soon as the copies are queued.
+  absl::Status DoCopyToDevice(void* dst, const void* src, size_t bytes) override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    for (size_t off = 0; off < bytes; off += Lane::kUploadChunk) {
+      const size_t n = std::min(Lane::kUploadChunk, bytes - off);
+      Staging& slot = lane->uploads[lane->next_upload];
+      lane->next_upload = (lane->next_upload + 1) % Lane::kUploadSlots;
+      RETURN_IF_ERROR(slot.Ready(std::min(bytes, Lane::kUploadChunk)));
+      std::memcpy(slot.host, static_cast<const uint8_t*>(src) + off, n);
+      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(static_cast<uint8_t*>(dst) + off, slot.host, n,
+                                                 cudaMemcpyHostToDevice, lane->compute),
+                                 "cudaMemcpy to device"));
+      RETURN_IF_ERROR(CudaStatus(cudaEventRecord(slot.done, lane->compute), "cudaEventRecord"));
+      slot.pending = true;
+    }
+    return absl::OkStatus();
+  }
+  // In the compute stream's order, through pinned staging; returns with `dst` filled.
+  absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    for (size_t off = 0; off < bytes; off += Lane::kUploadChunk) {
+      const size_t n = std::min(Lane::kUploadChunk, bytes - off);
+      RETURN_IF_ERROR(lane->download.Ready(std::min(bytes, Lane::kUploadChunk)));
+      RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(lane->download.host, static_cast<const uint8_t*>(src) + off, n,
+                                     cudaMemcpyDeviceToHost, lane->compute),
+                     "cudaMemcpy to host"));
+      RETURN_IF_ERROR(
+          CudaStatus(cudaEventRecord(lane->download.done, lane->compute), "cudaEventRecord"));
+      RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(lane->download.done), "kernel execution"));
+      std::memcpy(static_cast<uint8_t*>(dst) + off, lane->download.host, n);
+    }
+    return absl::OkStatus();
+  }
+  // On the copy stream, after the compute stream's work so far: the compute stream goes on.
+  absl::StatusOr<CopyTicket> DoCopyToHostAsync(void* dst, const void* src, size_t bytes) override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    Staging staging;
+    if (!lane->spare.empty()) {
+      staging = lane->spare.back();
+      lane->spare.pop_back();
+    }
+    cudaEvent_t ready = nullptr;
+    auto queue = [&]() -> absl::Status {
+      RETURN_IF_ERROR(staging.Ready(bytes));
+      RETURN_IF_ERROR(
+          CudaStatus(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate"));
+      RETURN_IF_ERROR(CudaStatus(cudaEventRecord(ready, lane->compute), "cudaEventRecord"));
+      RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(lane->copy, ready, 0), "cudaStreamWaitEvent"));
+      if (bytes > 0) {
+        RETURN_IF_ERROR(CudaStatus(
+            cudaMemcpyAsync(staging.host, src, bytes, cudaMemcpyDeviceToHost, lane->copy),
+            "cudaMemcpy to host (asynchronous)"));
+      }
+      return CudaStatus(cudaEventRecord(staging.done, lane->copy), "cudaEventRecord");
+    };
+    const absl::Status st = queue();
+    if (ready) cudaEventDestroy(ready);  // released once the copy stream has waited on it
+    if (!st.ok()) {
+      lane->spare.push_back(staging);
+      return st;
+    }
+    staging.pending = true;
+    const CopyTicket ticket = ++next_ticket_;
+    lane->pending.emplace(ticket, Lane::Pending{dst, bytes, staging});
+    return ticket;
   }
 
  private:
-  // A per-op table of host structs (the batch's sequences) copied to the device for a launch,
-  // queued on the stream after the kernels that read the previous table. The copy goes from
-  // a pinned staging slot, so it is truly asynchronous and the caller's array may go at once;
-  // a ring of slots, each reused only after its last copy finished (an event), lets the host
-  // run ahead of the device by that many ops.
-  struct DeviceTable {
-    void* data = nullptr;
-    size_t bytes = 0;
-  };
-  struct Staging {
-    void* host = nullptr;
-    size_t bytes = 0;
-    cudaEvent_t done = nullptr;
-    bool pending = false;
-  };
-  static constexpr int kStagingSlots = 64;
-  absl::StatusOr<void*> Table(DeviceTable* t, const void* host, size_t bytes) {
-    if (bytes == 0) return t->data;
-    if (bytes > t->bytes) {
-      RETURN_IF_ERROR(SyncStream());  // the old table may still be read by a queued kernel
-      if (t->data) cudaFree(t->data);
-      t->data = nullptr;
-      t->bytes = 0;
-      RETURN_IF_ERROR(CudaStatus(cudaMalloc(&t->data, bytes), "cudaMalloc (op table)"));
-      t->bytes = bytes;
+  // The calling thread's lane, made at its first use.
+  absl::StatusOr<Lane*> MyLane() {
+    std::lock_guard<std::mutex> lock(lanes_mu_);
+    auto& lane = lanes_[std::this_thread::get_id()];
+    if (lane != nullptr) return lane.get();
+    auto fresh = std::make_unique<Lane>();
+    RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&fresh->compute, cudaStreamNonBlocking),
+                               "cudaStreamCreate"));
+    RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&fresh->copy, cudaStreamNonBlocking),
+                               "cudaStreamCreate"));
+    if (cublasCreate(&fresh->cublas) != CUBLAS_STATUS_SUCCESS) {
+      return absl::InternalError("cublasCreate failed");
     }
-    Staging& slot = staging_[next_slot_];
-    next_slot_ = (next_slot_ + 1) % kStagingSlots;
-    if (slot.pending) {
-      RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(slot.done), "cudaEventSynchronize"));
-      slot.pending = false;
-    }
-    if (slot.done == nullptr) {
-      RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming),
-                                 "cudaEventCreate"));
-    }
-    if (bytes > slot.bytes) {
-      if (slot.host) cudaFreeHost(slot.host);
-      slot.host = nullptr;
-      slot.bytes = 0;
-      RETURN_IF_ERROR(CudaStatus(cudaMallocHost(&slot.host, bytes), "cudaMallocHost (op table)"));
-      slot.bytes = bytes;
-    }
-    std::memcpy(slot.host, host, bytes);
-    Count(/*to_device=*/true, bytes);  // it crosses PCIe as any upload does
-    RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(t->data, slot.host, bytes, cudaMemcpyHostToDevice, stream_),
-                   "cudaMemcpy (op table)"));
-    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(slot.done, stream_), "cudaEventRecord"));
-    slot.pending = true;
-    return t->data;
+    cublasSetStream(fresh->cublas, fresh->compute);
+    lane = std::move(fresh);
+    return lane.get();
+  }
+  absl::StatusOr<void*> TableOn(Lane& lane, DeviceBuffer* t, const void* host, size_t bytes) {
+    size_t counted = 0;
+    auto table = lane.Table(t, host, bytes, &counted);
+    Count(/*to_device=*/true, counted);  // it crosses PCIe as any upload does
+    return table;
+  }
+  cuda::OpMemory OpMemoryOf(Lane& lane) {
+    return {[this, &lane](int slot, size_t bytes) {
+              return lane.Grow(&lane.slots[slot], bytes, "cudaMalloc (op scratch)");
+            },
+            [this, &lane](int table, const void* host, size_t bytes) {
+              return TableOn(lane, &lane.op_tables[table], host, bytes);
+            }};
   }
 
-  absl::Status SyncStream() {
-    return CudaStatus(cudaStreamSynchronize(stream_), "kernel execution");
-  }
-  absl::StatusOr<void*> Scratch(size_t bytes) {
-    if (bytes > scratch_bytes_) {
-      RETURN_IF_ERROR(SyncStream());  // the old buffer may still be in use
-      if (scratch_) cudaFree(scratch_);
-      scratch_ = nullptr;
-      scratch_bytes_ = 0;
-      RETURN_IF_ERROR(CudaStatus(cudaMalloc(&scratch_, bytes), "cudaMalloc scratch"));
-      scratch_bytes_ = bytes;
-    }
-    return scratch_;
-  }
-
-  // The selection ops' scratch slots (cuda::ScratchSlot), grown as Scratch grows its buffer.
-  struct Slot {
-    void* data = nullptr;
-    size_t bytes = 0;
-  };
-  absl::StatusOr<void*> SlotScratch(int slot, size_t bytes) {
-    Slot& s = slots_[slot];
-    if (bytes > s.bytes) {
-      RETURN_IF_ERROR(SyncStream());  // the old buffer may still be in use
-      if (s.data) cudaFree(s.data);
-      s.data = nullptr;
-      s.bytes = 0;
-      RETURN_IF_ERROR(CudaStatus(cudaMalloc(&s.data, bytes), "cudaMalloc (op scratch)"));
-      s.bytes = bytes;
-    }
-    return s.data;
-  }
-
-  cudaStream_t stream_;
-  cublasHandle_t cublas_;
-  void* scratch_ = nullptr;
-  size_t scratch_bytes_ = 0;
-  Slot slots_[cuda::kScratchSlots];
-  DeviceTable op_tables_[cuda::kTables];
-  // Called with mu_ held, by the op that received it.
-  const cuda::OpMemory op_memory_{
-      [this](int slot, size_t bytes) { return SlotScratch(slot, bytes); },
-      [this](int table, const void* host, size_t bytes) {
-        return Table(&op_tables_[table], host, bytes);
-      }};
   ThreadPool pool_;
-  std::mutex mu_;  // the ops and copies, one at a time (their host-side state)
-  DeviceTable seqs_, append_;
-  Staging staging_[kStagingSlots];
-  int next_slot_ = 0;
+  const size_t limit_;  // 0: none
+  std::mutex memory_mu_;
+  std::unordered_map<void*, size_t> allocations_;
+  size_t used_ = 0;
+  std::mutex lanes_mu_;
+  std::unordered_map<std::thread::id, std::unique_ptr<Lane>> lanes_;
+  std::atomic<CopyTicket> next_ticket_{0};
 };
 
 }  // namespace
@@ -271,19 +425,11 @@ bool CudaDevicePresent() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads) {
+absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads, size_t memory_limit) {
   if (!CudaDevicePresent()) {
     return absl::UnavailableError("this build has CUDA but no GPU is visible (cudaGetDeviceCount)");
   }
-  cudaStream_t stream;
-  RETURN_IF_ERROR(
-      CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
-  cublasHandle_t cublas;
-  if (cublasCreate(&cublas) != CUBLAS_STATUS_SUCCESS) {
-    cudaStreamDestroy(stream);
-    return absl::InternalError("cublasCreate failed");
-  }
-  return KernelBackendPtr(std::make_unique<CudaBackend>(stream, cublas, threads));
+  return KernelBackendPtr(std::make_unique<CudaBackend>(threads, memory_limit));
 }
 
 }  // namespace kvwire::kernels

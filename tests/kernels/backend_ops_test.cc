@@ -539,6 +539,68 @@ TEST(GuardedBackend, OpsRefuseHostPointers) {
   EXPECT_TRUE((*b)->DecodeAttention({&seq, 1, 1, 1, 8, DType::kF32, 1.f}).ok());
 }
 
+// Every range an op reads or writes must lie within one buffer: a length past a buffer's end
+// is refused before anything runs, naming the parameter.
+TEST(GuardedBackend, OpsRefuseRangesPastABuffer) {
+  auto b = MakeBackend(BackendKind::kGuarded, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  Arena a(**b);
+  float* x = a.Zeros(32);
+  float* y = a.Zeros(32);
+  EXPECT_TRUE((*b)->Add({x, y, 32}).ok());
+  absl::Status st = (*b)->Add({x, y, 33});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("Add's x (132 bytes) is not within one buffer"), std::string::npos)
+      << st;
+  st = (*b)->Add({x, y + 1, 32});
+  EXPECT_NE(st.message().find("Add's y"), std::string::npos) << st;
+  std::vector<float> out(40);
+  EXPECT_EQ((*b)->CopyToHost(out.data(), x, 40 * sizeof(float)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Work is queued, as on a stream: a copy takes its source when it is called (the caller may
+// change it right after), and nothing lands in backend memory before a synchronisation.
+TEST(GuardedBackend, CopiesAndOpsRunAtTheNextSynchronisation) {
+  auto b = MakeBackend(BackendKind::kGuarded, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  Arena a(**b);
+  float* x = a.Zeros(4);
+  std::vector<float> src = {1, 2, 3, 4};
+  ASSERT_TRUE((*b)->CopyToDevice(x, src.data(), 4 * sizeof(float)).ok());
+  src.assign(4, 9.f);  // after the call: the copy already has its data
+  ASSERT_TRUE((*b)->Add({x, x, 0}).ok());
+  std::vector<float> back(4);
+  auto ticket = (*b)->CopyToHostAsync(back.data(), x, 4 * sizeof(float));
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  EXPECT_EQ(back, std::vector<float>(4, 0.f));  // not yet
+  ASSERT_TRUE((*b)->WaitCopy(*ticket).ok());
+  EXPECT_EQ(back, (std::vector<float>{1, 2, 3, 4}));
+}
+
+// A capacity makes the device's out-of-memory paths testable: allocations past it are
+// RESOURCE_EXHAUSTED, and memory freed is available again. Host backends refuse a limit.
+TEST(GuardedBackend, CapacityLimitsAllocations) {
+  auto b = MakeBackend(BackendKind::kGuarded, 1, 1 << 20);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto first = (*b)->Allocate(600 << 10);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = (*b)->Allocate(600 << 10);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(second.status().message().find("capacity of 1048576 bytes"), std::string::npos)
+      << second.status();
+  (*b)->Free(*first);
+  auto third = (*b)->Allocate(600 << 10);
+  ASSERT_TRUE(third.ok()) << third.status();
+  (*b)->Free(*third);
+  for (BackendKind host : {BackendKind::kCpu, BackendKind::kReference}) {
+    auto refused = MakeBackend(host, 1, 1 << 20);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
 TEST(BackendFactory, CudaWithoutGpuSaysWhy) {
   if (CudaAvailable()) GTEST_SKIP() << "a GPU is present";
   auto b = MakeBackend(BackendKind::kCuda);

@@ -229,6 +229,7 @@ TEST(ChunkKV, ReusingLayersComputeNoWindowScores) {
       scored.push_back(l.window_scores != nullptr);
       return c_->OnLayer(l);
     }
+    absl::Status Finish() override { return c_->Finish(); }
     std::vector<bool> scored;
 
    private:
