@@ -32,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/flags.h"
 #include "common/model/kv_cache.h"
+#include "common/model/kv_pool.h"
 #include "common/model/llama_model.h"
 #include "common/sparse/attention.h"
 #include "common/sparse/rocketkv.h"
@@ -48,22 +49,6 @@ struct Mode {
   std::vector<double> ms, attn_ms, sel_ms;
   kernels::KernelBackend::CopyCounts copies;  // summed over the timed steps
 };
-
-// The first `len` tokens of `from`'s rows and positions, into `to` (of the same shape).
-void CopyRows(const KvCache& from, KvCache& to, int len) {
-  for (int l = 0; l < from.num_layers(); ++l) {
-    const LayerCache& a = from.layer(l);
-    LayerCache& b = to.layer(l);
-    for (int h = 0; h < a.n_heads; ++h) {
-      std::memcpy(b.k_row(h, 0), a.k_row(h, 0), a.row_bytes() * len);
-      std::memcpy(b.v_row(h, 0), a.v_row(h, 0), a.row_bytes() * len);
-      std::memcpy(b.positions + int64_t{h} * b.capacity, a.positions + int64_t{h} * a.capacity,
-                  sizeof(int32_t) * len);
-    }
-    b.len = len;
-  }
-  to.set_prompt_len(from.prompt_len());
-}
 
 void Fill(KvCache& cache, int len, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -136,6 +121,8 @@ int main(int argc, char** argv) {
       m.description().c_str(), ctx, kept, t, steps, batch,
       std::string(kernels::BackendName(lo.backend)).c_str(), lo.threads);
 
+  // The pool (on a device) outlives the modes' caches, which return their pages to it.
+  std::unique_ptr<KvPool> pool;
   std::vector<Mode> modes;
   auto add = [&](std::string name, int prompt_kept, DecodeAttentionConfig a) {
     Mode md;
@@ -163,26 +150,51 @@ int main(int argc, char** argv) {
   quest.token_budget = t;
   add("quest (full cache)", ctx, quest);
 
+  // On a device the caches and their selectors' state are pages of one KV pool in its memory,
+  // as on a decode node (KvPool::OnBackend); on the host, heap memory.
+  if (m.on_device()) {
+    size_t bytes = 0;
+    const size_t page = size_t{64} << 10;
+    for (const Mode& md : modes) {
+      KvCacheShape shape{c.num_kv_heads, c.head_dim, m.kv_dtype(),
+                         std::vector<int>(c.num_layers, md.prompt_kept + steps + 2)};
+      auto sel = DecodeSelectorBytes(md.attention, c, shape);
+      bytes += batch * (KvCache::PagedPages(shape, page) * page + (sel.ok() ? *sel : 0) + page);
+    }
+    auto made = KvPool::OnBackend(m.backend(), bytes + (size_t{64} << 20), page);
+    if (!made.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(made.status().message()).c_str());
+      return 1;
+    }
+    pool = std::move(*made);
+  }
+  KvAllocator& memory = pool ? static_cast<KvAllocator&>(*pool) : HeapKvAllocator();
   for (size_t i = 0; i < modes.size(); ++i) {
     Mode& md = modes[i];
     KvCacheShape shape{c.num_kv_heads, c.head_dim, m.kv_dtype(),
                        std::vector<int>(c.num_layers, md.prompt_kept + steps + 2)};
-    // Every sequence of the batch holds the same rows (filled once, copied).
+    // Every sequence of the batch holds the same rows (filled once on the host, copied).
+    auto host = KvCache::Create(shape, HeapKvAllocator());
+    if (!host.ok()) {
+      std::fprintf(stderr, "%s: %s\n", md.name.c_str(),
+                   std::string(host.status().message()).c_str());
+      return 1;
+    }
+    (*host)->set_prompt_len(ctx);
+    Fill(**host, md.prompt_kept, 42 + i);
     for (int b = 0; b < batch; ++b) {
-      auto cache = KvCache::Create(shape, HeapKvAllocator());
+      auto cache = pool ? KvCache::CreatePaged(shape, *pool) : KvCache::Create(shape, memory);
       if (!cache.ok()) {
         std::fprintf(stderr, "%s: %s\n", md.name.c_str(),
                      std::string(cache.status().message()).c_str());
         return 1;
       }
-      (*cache)->set_prompt_len(ctx);
-      if (b == 0) {
-        Fill(**cache, md.prompt_kept, 42 + i);
-      } else {
-        CopyRows(*md.caches[0], **cache, md.prompt_kept);
+      if (absl::Status st = (*cache)->CopyFrom(**host); !st.ok()) {
+        std::fprintf(stderr, "%s: %s\n", md.name.c_str(), std::string(st.message()).c_str());
+        return 1;
       }
       md.caches.push_back(std::move(*cache));
-      auto sel = MakeDecodeSelector(md.attention, c, shape, HeapKvAllocator());
+      auto sel = MakeDecodeSelector(md.attention, c, shape, memory);
       if (!sel.ok()) {
         std::fprintf(stderr, "%s: %s\n", md.name.c_str(),
                      std::string(sel.status().message()).c_str());
@@ -190,8 +202,7 @@ int main(int argc, char** argv) {
       }
       md.selectors.push_back(std::move(*sel));
     }
-    // One untimed step builds the page summaries over the prompt (done once per request) and,
-    // on a device backend, uploads the caches.
+    // One untimed step builds the page summaries over the prompt (done once per request).
     std::vector<float> logits(static_cast<size_t>(batch) * c.vocab_size);
     std::vector<DecodeInput> in;
     for (int b = 0; b < batch; ++b) {

@@ -216,8 +216,15 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   DecodeServerOptions& o = impl->options;
   o.engine.telemetry = o.telemetry;
   Impl* raw = impl.get();
-  impl->pool =
-      std::make_unique<KvPool>(o.kv_pool_bytes, o.kv_page_bytes, [raw] { raw->WakeEngine(); });
+  // On a device backend the pool is one slab of its memory, made now: the caches' pages and
+  // their selectors' state come from it, and nothing is allocated per request.
+  if (model->on_device()) {
+    ASSIGN_OR_RETURN(impl->pool, KvPool::OnBackend(model->backend(), o.kv_pool_bytes,
+                                                   o.kv_page_bytes, [raw] { raw->WakeEngine(); }));
+  } else {
+    impl->pool =
+        std::make_unique<KvPool>(o.kv_pool_bytes, o.kv_page_bytes, [raw] { raw->WakeEngine(); });
+  }
   if (!o.prefill_target.empty()) {
     ASSIGN_OR_RETURN(impl->remote, GrpcKvSource::Create(o.prefill_target, o.prefill_tls,
                                                         o.prefill_auth_token, *o.engine.clock));

@@ -94,8 +94,8 @@ struct PrefillAttentionParams {
 };
 
 // One sequence in a batched decode step. Its cache for this layer holds `len` tokens per
-// cache head, K and V stored [n_cache_heads, head_stride] in kv_dtype with token t of
-// cache head c at offset c·head_stride + t·head_dim. Query head h reads cache head
+// cache head, K and V in kv_dtype with token t of cache head c at layout.Row(c, t) elements
+// from k and v (one region per layer, or pages: KvLayout). Query head h reads cache head
 // h / (n_heads / n_cache_heads): n_cache_heads is the KV head count, or the query head
 // count for a cache compressed per query head.
 struct DecodeSequence {
@@ -103,7 +103,7 @@ struct DecodeSequence {
   float* out = nullptr;      // [n_heads, head_dim]
   const void* k = nullptr;
   const void* v = nullptr;
-  int64_t head_stride = 0;
+  KvLayout layout;
   int len = 0;
   // Sparse attention: attend only to indices[c, 0..num_indices) of cache head c
   // (num_indices ≤ len, any order). Null means all len tokens.
@@ -127,9 +127,9 @@ struct AddParams {
 struct KvAppend {
   const float* k = nullptr;  // [n_kv_heads, head_dim]
   const float* v = nullptr;
-  void* k_cache = nullptr;  // cache head c, token t at c·head_stride + t·head_dim
+  void* k_cache = nullptr;  // cache head c, token t at layout.Row(c, t) elements
   void* v_cache = nullptr;
-  int64_t head_stride = 0;
+  KvLayout layout;
   int t = 0;
 };
 

@@ -305,12 +305,25 @@ constexpr int kGatherAhead = 16;
 // over the values accumulates all heads' outputs (each V row widened once). Long caches
 // make this a streaming read of K and V, so the point is to keep up with memory. The
 // element type is a template parameter so the inner loops carry no dtype branches.
-template <int G, DType T>
+//
+// A cache in one region reads head c's rows at c·head_stride + tok·d; a paged one looks each
+// row up in its page table (kPaged, a template parameter so the region's loops are as they
+// were: the lookup is per row, the rows of a page contiguous).
+template <int G, DType T, bool kPaged>
 void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float* s) {
   const int count = seq.indices ? seq.num_indices : seq.len;
   const int32_t* idx = seq.indices ? seq.indices + int64_t{c} * seq.num_indices : nullptr;
-  const void* kbase = simd::Offset(seq.k, T, c * seq.head_stride);
-  const void* vbase = simd::Offset(seq.v, T, c * seq.head_stride);
+  const KvLayout& layout = seq.layout;
+  const void* kbase = kPaged ? seq.k : simd::Offset(seq.k, T, c * layout.head_stride);
+  const void* vbase = kPaged ? seq.v : simd::Offset(seq.v, T, c * layout.head_stride);
+  // Token tok's row, in elements from kbase (or vbase).
+  auto at = [&](int64_t tok) -> int64_t {
+    if constexpr (kPaged) {
+      return layout.Row(c, static_cast<int>(tok), d);
+    } else {
+      return tok * d;
+    }
+  };
   const float* q = seq.q + int64_t{c} * G * d;
   float* out = seq.out + int64_t{c} * G * d;
   constexpr int kVecs = G <= 4 ? 4 : 2;  // 8-float vectors per dimension block (pass 2)
@@ -331,7 +344,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
   const int ahead = idx ? kGatherAhead : 8;
   const int row_bytes = d * (T == DType::kF32 ? 4 : 2);
   auto prefetch_row = [&](const void* base, int64_t tok) {
-    const char* row = static_cast<const char*>(simd::Offset(base, T, tok * d));
+    const char* row = static_cast<const char*>(simd::Offset(base, T, at(tok)));
     for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
   };
   if (vec && idx) {
@@ -350,7 +363,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
       __m256 r[8];
       for (int u = 0; u < 8; ++u) {
         const int64_t tok = idx ? idx[x_start + u] : x_start + u;
-        r[u] = simd::LoadAs8<T>(simd::Offset(kbase, T, tok * 8), 0);
+        r[u] = simd::LoadAs8<T>(simd::Offset(kbase, T, at(tok)), 0);
       }
       simd::Transpose8x8(r);  // r[i]: element i of the 8 keys
       for (int g = 0; g < G; ++g) {
@@ -369,7 +382,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
 #endif
   for (int x = x_start; x < count; ++x) {
     const int64_t tok = idx ? idx[x] : x;
-    const void* krow = simd::Offset(kbase, T, tok * d);
+    const void* krow = simd::Offset(kbase, T, at(tok));
     if (vec) {
 #if KVWIRE_AVX2
       if (x + ahead < count) {
@@ -415,7 +428,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
     for (; x + kSets <= count; x += kSets) {
       for (int t = 0; t < kSets; ++t) {
         const int64_t tok = idx ? idx[x + t] : x + t;
-        const __m256 vv = simd::LoadAs8<T>(simd::Offset(vbase, T, tok * 8), 0);
+        const __m256 vv = simd::LoadAs8<T>(simd::Offset(vbase, T, at(tok)), 0);
         for (int g = 0; g < G; ++g) {
           acc[t][g] =
               _mm256_fmadd_ps(_mm256_broadcast_ss(s + int64_t{g} * count + x + t), vv, acc[t][g]);
@@ -424,7 +437,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
     }
     for (; x < count; ++x) {
       const int64_t tok = idx ? idx[x] : x;
-      const __m256 vv = simd::LoadAs8<T>(simd::Offset(vbase, T, tok * 8), 0);
+      const __m256 vv = simd::LoadAs8<T>(simd::Offset(vbase, T, at(tok)), 0);
       for (int g = 0; g < G; ++g) {
         acc[0][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + int64_t{g} * count + x), vv, acc[0][g]);
       }
@@ -445,7 +458,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
         }
         for (int x = x0; x < x1; ++x) {
           const int64_t tok = idx ? idx[x] : x;
-          const void* vrow = simd::Offset(vbase, T, tok * d);
+          const void* vrow = simd::Offset(vbase, T, at(tok));
           if (i0 == 0 && x + ahead < count) prefetch_row(vbase, idx ? idx[x + ahead] : x + ahead);
           __m256 vv[kVecs];
           for (int j = 0; j < kVecs; ++j) vv[j] = simd::LoadAs8<T>(vrow, i0 + 8 * j);
@@ -466,7 +479,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
     std::vector<float> row(d);
     for (int x = 0; x < count; ++x) {
       const int64_t tok = idx ? idx[x] : x;
-      const void* vrow = simd::Offset(vbase, T, tok * d);
+      const void* vrow = simd::Offset(vbase, T, at(tok));
       ToFloat(T, vrow, row.data(), d);
       for (int g = 0; g < G; ++g)
         simd::Axpy(s[int64_t{g} * count + x], row.data(), DType::kF32, out + g * d, d);
@@ -481,17 +494,24 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
   }
 }
 
+template <int G, bool kPaged>
+void DecodeHeadGroupOfType(const DecodeSequence& seq, int c, int d, DType t, float scale,
+                           float* s) {
+  switch (t) {
+    case DType::kF32:
+      return DecodeHeadGroup<G, DType::kF32, kPaged>(seq, c, d, scale, s);
+    case DType::kBF16:
+      return DecodeHeadGroup<G, DType::kBF16, kPaged>(seq, c, d, scale, s);
+    case DType::kF16:
+      return DecodeHeadGroup<G, DType::kF16, kPaged>(seq, c, d, scale, s);
+  }
+}
+
 template <int G>
 void DecodeHeadGroupAnyType(const DecodeSequence& seq, int c, int d, DType t, float scale,
                             float* s) {
-  switch (t) {
-    case DType::kF32:
-      return DecodeHeadGroup<G, DType::kF32>(seq, c, d, scale, s);
-    case DType::kBF16:
-      return DecodeHeadGroup<G, DType::kBF16>(seq, c, d, scale, s);
-    case DType::kF16:
-      return DecodeHeadGroup<G, DType::kF16>(seq, c, d, scale, s);
-  }
+  if (seq.layout.pages != nullptr) return DecodeHeadGroupOfType<G, true>(seq, c, d, t, scale, s);
+  DecodeHeadGroupOfType<G, false>(seq, c, d, t, scale, s);
 }
 
 absl::Status CpuBackend::DecodeAttention(const DecodeAttentionParams& p) {

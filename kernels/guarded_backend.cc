@@ -8,6 +8,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -27,6 +28,27 @@ struct Extent {
   int64_t bytes;
   const char* name;
 };
+
+// Elements from a cache's base that `n_heads` heads of `len` tokens in `l` reach: a region's
+// last row, or the end of the rows of the highest page its table names (-1 when a page id is
+// negative).
+int64_t LayoutElements(const KvLayout& l, int n_heads, int len, int head_dim) {
+  if (l.pages == nullptr) return (n_heads - 1) * l.head_stride + int64_t{len} * head_dim;
+  int64_t top = 0;
+  for (int64_t i = 0; i < l.TableEntries(len); ++i) {
+    if (l.pages[i] < 0) return -1;
+    top = std::max<int64_t>(top, l.pages[i]);
+  }
+  return top * l.page_stride + int64_t{l.heads_per_page} * l.page_tokens * head_dim;
+}
+
+// The page table of `l` (host memory, the caller's) copied into `store`, and `l` pointed at the
+// copy: queued work must not depend on the caller's arrays, as a GPU's uploaded tables do not.
+void OwnPages(KvLayout* l, int len, std::vector<std::vector<int32_t>>* store) {
+  if (l->pages == nullptr) return;
+  store->emplace_back(l->pages, l->pages + l->TableEntries(len));
+  l->pages = store->back().data();
+}
 
 int64_t Floats(int64_t n) { return n * static_cast<int64_t>(sizeof(float)); }
 int64_t Ints(int64_t n) { return n * static_cast<int64_t>(sizeof(int32_t)); }
@@ -143,7 +165,7 @@ class GuardedBackend final : public KernelBackend {
     for (int b = 0; b < p.batch; ++b) {
       const DecodeSequence& s = p.seqs[b];
       const int64_t kv =
-          Elements((p.n_cache_heads - 1) * s.head_stride + int64_t{s.len} * p.head_dim, p.kv_dtype);
+          Elements(LayoutElements(s.layout, p.n_cache_heads, s.len, p.head_dim), p.kv_dtype);
       ext.insert(ext.end(), {{s.q, Floats(qd), "q"},
                              {s.out, Floats(qd), "out"},
                              {s.k, kv, "k"},
@@ -151,9 +173,12 @@ class GuardedBackend final : public KernelBackend {
                              {s.indices, Ints(int64_t{p.n_cache_heads} * s.num_indices), "indices"},
                              {s.probs, Floats(int64_t{p.n_heads} * s.len), "probs"}});
     }
-    // The table of sequences is the caller's: copied now, as the CUDA backend uploads it.
+    // The table of sequences and their page tables are the caller's: copied now, as the CUDA
+    // backend uploads them.
     std::vector<DecodeSequence> seqs(p.seqs, p.seqs + p.batch);
-    return Queue("DecodeAttention", ext, [this, p, seqs]() mutable {
+    auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
+    for (DecodeSequence& seq : seqs) OwnPages(&seq.layout, seq.len, pages.get());
+    return Queue("DecodeAttention", ext, [this, p, seqs, pages]() mutable {
       DecodeAttentionParams q = p;
       q.seqs = seqs.data();
       return inner_->DecodeAttention(q);
@@ -170,15 +195,17 @@ class GuardedBackend final : public KernelBackend {
     const int64_t kvd = Floats(int64_t{p.n_kv_heads} * p.head_dim);
     for (int b = 0; b < p.batch; ++b) {
       const KvAppend& s = p.seqs[b];
-      const int64_t cache = Elements(
-          (p.n_cache_heads - 1) * s.head_stride + (int64_t{s.t} + 1) * p.head_dim, p.kv_dtype);
+      const int64_t cache =
+          Elements(LayoutElements(s.layout, p.n_cache_heads, s.t + 1, p.head_dim), p.kv_dtype);
       ext.insert(ext.end(), {{s.k, kvd, "k"},
                              {s.v, kvd, "v"},
                              {s.k_cache, cache, "k_cache"},
                              {s.v_cache, cache, "v_cache"}});
     }
     std::vector<KvAppend> seqs(p.seqs, p.seqs + p.batch);
-    return Queue("AppendKv", ext, [this, p, seqs]() mutable {
+    auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
+    for (KvAppend& seq : seqs) OwnPages(&seq.layout, seq.t + 1, pages.get());
+    return Queue("AppendKv", ext, [this, p, seqs, pages]() mutable {
       AppendKvParams q = p;
       q.seqs = seqs.data();
       return inner_->AppendKv(q);
@@ -248,12 +275,13 @@ class GuardedBackend final : public KernelBackend {
       const DType t = s.layout.dtype;
       ext.insert(
           ext.end(),
-          {{s.k, Elements((s.n_heads - 1) * s.head_stride + int64_t{s.len} * s.layout.head_dim, t),
-            "k"},
+          {{s.k, Elements(LayoutElements(s.kv, s.n_heads, s.len, s.layout.head_dim), t), "k"},
            {s.summaries, Elements(s.n_heads * s.layout.head_elems(), t), "summaries"}});
     }
     std::vector<SummaryUpdateSegment> segs(p.segs, p.segs + p.count);
-    return Queue("UpdateSummaries", ext, [this, p, segs]() mutable {
+    auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
+    for (SummaryUpdateSegment& seg : segs) OwnPages(&seg.kv, seg.len, pages.get());
+    return Queue("UpdateSummaries", ext, [this, p, segs, pages]() mutable {
       UpdateSummariesParams q = p;
       q.segs = segs.data();
       return inner_->UpdateSummaries(q);
@@ -269,11 +297,16 @@ class GuardedBackend final : public KernelBackend {
           ext.end(),
           {{s.q, Floats(int64_t{s.group} * p.head_dim), "q"},
            {exact ? nullptr : s.summaries, Elements(s.layout.head_elems(), p.dtype), "summaries"},
-           {exact ? s.k : nullptr, Elements(int64_t{s.len} * p.head_dim, p.dtype), "k"},
+           {exact ? s.k : nullptr,
+            Elements(LayoutElements(s.kv, s.head + 1, s.len, p.head_dim), p.dtype), "k"},
            {s.score, Floats(exact ? s.len : s.layout.pages(s.len)), "score"}});
     }
     std::vector<PageScoreSegment> segs(p.segs, p.segs + p.count);
-    return Queue("PageScores", ext, [this, p, segs]() mutable {
+    auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
+    for (PageScoreSegment& seg : segs) {
+      if (seg.kind == PageScoreKind::kExact) OwnPages(&seg.kv, seg.len, pages.get());
+    }
+    return Queue("PageScores", ext, [this, p, segs, pages]() mutable {
       PageScoresParams q = p;
       q.segs = segs.data();
       return inner_->PageScores(q);

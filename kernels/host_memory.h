@@ -47,7 +47,7 @@ class HostMemoryBackend : public KernelBackend {
       const KvAppend& s = p.seqs[b];
       for (int c = 0; c < p.n_cache_heads; ++c) {
         const int64_t src = int64_t{c / per_kv} * p.head_dim;
-        const int64_t dst = (c * s.head_stride + int64_t{s.t} * p.head_dim) * elem;
+        const int64_t dst = s.layout.Row(c, s.t, p.head_dim) * static_cast<int64_t>(elem);
         FromFloat(p.kv_dtype, s.k + src, static_cast<uint8_t*>(s.k_cache) + dst, p.head_dim);
         FromFloat(p.kv_dtype, s.v + src, static_cast<uint8_t*>(s.v_cache) + dst, p.head_dim);
       }

@@ -151,7 +151,7 @@ class ReferenceBackend final : public HostMemoryBackend {
         float mx = -std::numeric_limits<float>::infinity();
         for (int t = 0; t < count; ++t) {
           const int64_t tok = idx ? idx[t] : t;
-          const int64_t base = c * seq.head_stride + tok * p.head_dim;
+          const int64_t base = seq.layout.Row(c, static_cast<int>(tok), p.head_dim);
           float dot = 0.f;
           for (int d = 0; d < p.head_dim; ++d)
             dot += q[d] * LoadElement(seq.k, p.kv_dtype, base + d);
@@ -169,7 +169,7 @@ class ReferenceBackend final : public HostMemoryBackend {
         if (probs) std::fill(probs, probs + seq.len, 0.f);
         for (int t = 0; t < count; ++t) {
           const int64_t tok = idx ? idx[t] : t;
-          const int64_t base = c * seq.head_stride + tok * p.head_dim;
+          const int64_t base = seq.layout.Row(c, static_cast<int>(tok), p.head_dim);
           const float w = s[t] / sum;
           for (int d = 0; d < p.head_dim; ++d) o[d] += w * LoadElement(seq.v, p.kv_dtype, base + d);
           if (probs) probs[tok] = w;

@@ -191,7 +191,7 @@ void UpdateSummaries(const UpdateSummariesParams& p) {
           float lo = std::numeric_limits<float>::infinity();
           float hi = -std::numeric_limits<float>::infinity();
           for (int t = page * l.page; t < std::min(s.len, (page + 1) * l.page); ++t) {
-            const float v = Load(s.k, l.dtype, c * s.head_stride + int64_t{t} * l.head_dim + d);
+            const float v = Load(s.k, l.dtype, s.kv.Row(c, t, l.head_dim) + d);
             lo = std::min(lo, v);
             hi = std::max(hi, v);
           }
@@ -272,7 +272,8 @@ void ExactScores(const PageScoreSegment& s, int d, DType dtype) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int t = 0; t < s.len; ++t) {
       float dot = 0.f;
-      for (int i = 0; i < d; ++i) dot += s.q[g * d + i] * Load(s.k, dtype, int64_t{t} * d + i);
+      for (int i = 0; i < d; ++i)
+        dot += s.q[g * d + i] * Load(s.k, dtype, s.kv.Row(s.head, t, d) + i);
       e[t] = dot * s.scale;
       mx = std::max(mx, e[t]);
     }

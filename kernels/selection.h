@@ -28,6 +28,50 @@
 
 namespace kvwire::kernels {
 
+// Where a cache's K (or V) rows are, relative to a base pointer, in elements of the cache
+// dtype: token t of cache head c. Either one region per layer (pages null: a host cache),
+//   c·head_stride + t·head_dim,
+// or pages of `page_tokens` tokens from a pool, FlashInfer's paged layout (HND: a page holds
+// heads_per_page heads × page_tokens rows, page_stride elements apart), a layer's page table
+// listing for each block of page_tokens tokens the n_heads / heads_per_page pages of its heads:
+//   pages[(t / page_tokens)·(n_heads / heads_per_page) + c / heads_per_page]·page_stride
+//     + (c % heads_per_page)·page_tokens·head_dim + (t % page_tokens)·head_dim.
+// The page table is a host array: a device backend uploads it with the op (as vLLM uploads a
+// step's block tables), so the pages of a cache can change between ops at no cost.
+struct KvLayout {
+  const int32_t* pages = nullptr;
+  int page_tokens = 0, heads_per_page = 0, n_heads = 0;
+  int64_t page_stride = 0;
+  int64_t head_stride = 0;  // one region: elements between heads
+
+  KVWIRE_HOST_DEVICE int64_t Row(int c, int t, int head_dim) const {
+    if (pages == nullptr) return c * head_stride + int64_t{t} * head_dim;
+    const int per_block = n_heads / heads_per_page;
+    const int64_t page = pages[(t / page_tokens) * per_block + c / heads_per_page];
+    return page * page_stride +
+           (int64_t{c % heads_per_page} * page_tokens + t % page_tokens) * head_dim;
+  }
+  // Rows of head c from token t on that are contiguous: to the end of t's page (all of them
+  // in one region).
+  KVWIRE_HOST_DEVICE int RunFrom(int t, int len) const {
+    if (pages == nullptr) return len - t;
+    const int end = (t / page_tokens + 1) * page_tokens;
+    return (end < len ? end : len) - t;
+  }
+  // Entries of the page table a cache of `tokens` tokens per head uses.
+  KVWIRE_HOST_DEVICE int64_t TableEntries(int tokens) const {
+    return pages == nullptr
+               ? 0
+               : int64_t{(tokens + page_tokens - 1) / page_tokens} * (n_heads / heads_per_page);
+  }
+  // One region whose heads are head_stride apart.
+  static KvLayout Region(int64_t head_stride) {
+    KvLayout l;
+    l.head_stride = head_stride;
+    return l;
+  }
+};
+
 // ------------------------------------------------------------------ prefill scoring
 
 // How the votes of a group of query heads combine into one row.
@@ -157,8 +201,8 @@ struct SummaryLayout {
 // tokens [first, len) are recomputed from their slots (min and max of each dimension, exact in
 // the cache dtype).
 struct SummaryUpdateSegment {
-  const void* k = nullptr;  // cache head c, token t at (c·head_stride + t·head_dim) elements
-  int64_t head_stride = 0;
+  const void* k = nullptr;  // the keys: cache head c, token t at kv.Row(c, t) elements from k
+  KvLayout kv;
   int n_heads = 0;
   int first = 0, len = 0;
   void* summaries = nullptr;  // head c's block at c·layout.head_elems() elements
@@ -189,7 +233,9 @@ struct PageScoreSegment {
   const void* summaries = nullptr;  // hybrid, quest: this head's block
   SummaryLayout layout;             // hybrid, quest
   int top_r = 0;                    // hybrid
-  const void* k = nullptr;          // exact: this head's keys, token t at t·head_dim elements
+  const void* k = nullptr;          // exact: the keys, cache head c's token t at kv.Row(c, t)
+  KvLayout kv;                      // exact
+  int head = 0;                     // exact: the cache head
   float scale = 1.f;                // exact: the attention scale
   float* score = nullptr;           // [pages(len)], or [len] for kExact
 };

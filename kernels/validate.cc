@@ -21,6 +21,26 @@ absl::Status Require(bool ok, absl::string_view op, const Message& what) {
   return absl::InvalidArgumentError(absl::StrCat(op, ": ", what()));
 }
 
+// A cache layout for `n_heads` heads of `len` tokens: one region big enough, or pages.
+absl::Status ValidateKvLayout(const KvLayout& l, int n_heads, int len, int head_dim,
+                              absl::string_view op, int item) {
+  if (l.pages == nullptr) {
+    return Require(l.head_stride >= int64_t{len} * head_dim, op, [&] {
+      return absl::StrCat("item ", item, ": ", len, " tokens do not fit a head_stride of ",
+                          l.head_stride, " elements");
+    });
+  }
+  return Require(l.page_tokens > 0 && l.heads_per_page > 0 && l.n_heads >= n_heads &&
+                     l.n_heads % l.heads_per_page == 0 &&
+                     l.page_stride >= int64_t{l.heads_per_page} * l.page_tokens * head_dim,
+                 op, [&] {
+                   return absl::StrCat("item ", item,
+                                       ": a paged layout needs page_tokens, heads_per_page > 0, "
+                                       "n_heads a multiple of heads_per_page and a page_stride "
+                                       "of at least heads_per_page · page_tokens · head_dim");
+                 });
+}
+
 }  // namespace
 
 absl::Status ValidateMatMul(const MatMulParams& p) {
@@ -90,12 +110,10 @@ absl::Status ValidateDecodeAttention(const DecodeAttentionParams& p) {
     RETURN_IF_ERROR(Require(s.q && s.out && s.k && s.v, kOp, [&] {
       return absl::StrCat("sequence ", b, ": q, out, k and v must be set");
     }));
-    RETURN_IF_ERROR(Require(s.len > 0 && s.head_stride >= int64_t{s.len} * p.head_dim, kOp, [&] {
-      return absl::StrCat("sequence ", b,
-                          ": need len > 0 and head_stride >= len · "
-                          "head_dim, got len=",
-                          s.len, " head_stride=", s.head_stride);
+    RETURN_IF_ERROR(Require(s.len > 0, kOp, [&] {
+      return absl::StrCat("sequence ", b, ": need len > 0, got ", s.len);
     }));
+    RETURN_IF_ERROR(ValidateKvLayout(s.layout, p.n_cache_heads, s.len, p.head_dim, kOp, b));
     if (s.indices) {
       RETURN_IF_ERROR(Require(s.num_indices > 0 && s.num_indices <= s.len, kOp, [&] {
         return absl::StrCat("sequence ", b, ": num_indices must be in [1, len=", s.len, "], got ",
@@ -126,10 +144,10 @@ absl::Status ValidateAppendKv(const AppendKvParams& p) {
     RETURN_IF_ERROR(Require(s.k && s.v && s.k_cache && s.v_cache, kOp, [&] {
       return absl::StrCat("sequence ", b, ": k, v, k_cache and v_cache must be set");
     }));
-    RETURN_IF_ERROR(Require(s.t >= 0 && s.head_stride >= (int64_t{s.t} + 1) * p.head_dim, kOp, [&] {
-      return absl::StrCat("sequence ", b, ": token ", s.t, " does not fit a head_stride of ",
-                          s.head_stride, " elements");
+    RETURN_IF_ERROR(Require(s.t >= 0, kOp, [&] {
+      return absl::StrCat("sequence ", b, ": token ", s.t, " is negative");
     }));
+    RETURN_IF_ERROR(ValidateKvLayout(s.layout, p.n_cache_heads, s.t + 1, p.head_dim, kOp, b));
   }
   return absl::OkStatus();
 }
@@ -249,14 +267,12 @@ absl::Status ValidateUpdateSummaries(const UpdateSummariesParams& p) {
       return absl::StrCat("segment ", i, ": k, summaries and n_heads must be set");
     }));
     RETURN_IF_ERROR(ValidateLayout(s.layout, s.layout.head_dim, kOp, i));
-    RETURN_IF_ERROR(
-        Require(s.first >= 0 && s.first <= s.len && s.layout.pages(s.len) <= s.layout.max_pages &&
-                    s.head_stride >= int64_t{s.len} * s.layout.head_dim,
-                kOp, [&] {
-                  return absl::StrCat("segment ", i, ": tokens [", s.first, ", ", s.len,
-                                      ") do not fit ", s.layout.max_pages, " pages of ",
-                                      s.layout.page, " or a head_stride of ", s.head_stride);
-                }));
+    RETURN_IF_ERROR(Require(
+        s.first >= 0 && s.first <= s.len && s.layout.pages(s.len) <= s.layout.max_pages, kOp, [&] {
+          return absl::StrCat("segment ", i, ": tokens [", s.first, ", ", s.len, ") do not fit ",
+                              s.layout.max_pages, " pages of ", s.layout.page);
+        }));
+    RETURN_IF_ERROR(ValidateKvLayout(s.kv, s.n_heads, s.len, s.layout.head_dim, kOp, i));
   }
   return absl::OkStatus();
 }
@@ -271,9 +287,10 @@ absl::Status ValidatePageScores(const PageScoresParams& p) {
       return absl::StrCat("segment ", i, ": q, score, group > 0 and len > 0 must be set");
     }));
     if (s.kind == PageScoreKind::kExact) {
-      RETURN_IF_ERROR(Require(s.k != nullptr, kOp, [&] {
-        return absl::StrCat("segment ", i, ": exact scores need k");
+      RETURN_IF_ERROR(Require(s.k != nullptr && s.head >= 0, kOp, [&] {
+        return absl::StrCat("segment ", i, ": exact scores need k and a cache head");
       }));
+      RETURN_IF_ERROR(ValidateKvLayout(s.kv, s.head + 1, s.len, p.head_dim, kOp, i));
       continue;
     }
     RETURN_IF_ERROR(Require(s.summaries != nullptr, kOp, [&] {

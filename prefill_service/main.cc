@@ -2,7 +2,7 @@
 #include <chrono>
 #include <cstdio>
 
-#include "common/engine/kv_pool.h"
+#include "common/model/kv_pool.h"
 #include "common/model/model_flags.h"
 #include "common/server/server_main.h"
 #include "prefill_service/prefill_server.h"

@@ -11,6 +11,7 @@
 #              transformers' stories260K greedy ids against kvwire's on cuda
 #   gpu_bench  decode at batch 1/8/32 and prefill at 2K/16K against the measured ceilings
 #   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
+#   copies     kvwire timing's copy ledger: a compressing prefill, a sparse decode step
 #   memcheck   compute-sanitizer memcheck over the op tests
 #
 # Logs, gtest JSON and bench output go to $OUT/logs.tar.gz, the summary to $OUT/summary.tsv
@@ -144,6 +145,28 @@ else
 fi
 decode_detail() { tail_detail "$1" "$2" 14; }
 phase decode 90 decode_detail "$(find_bin decode_bench)" "${decode_args[@]}"
+
+# What crosses between host and device in a compressing prefill and a sparse decode step
+# (kvwire timing's copy ledger): the kept rows and the sampled tokens only.
+if ((dry)); then
+  copies_model="synthetic:tiny" copies_len=300 copies_budget=64
+else
+  copies_model="synthetic:llama-1b" copies_len=2048 copies_budget=128
+fi
+copies_ids=$(seq 0 $((copies_len - 1)) | awk '{printf "%s%d", (NR > 1 ? "," : ""), 3 + ($1 * 37) % 250}')
+copies_detail() {
+  python3 -c 'import json, sys
+j = json.loads(next(l for l in open(sys.argv[1]) if l.startswith("{")))
+c = j["copies"]
+print("prefill to_host %d B (%d calls), decode step to_host %.0f B (%.1f calls), to_device %.0f B"
+      % (c["prefill"]["to_host_bytes"], c["prefill"]["to_host_calls"],
+         c["decode_step"]["to_host_bytes"], c["decode_step"]["to_host_calls"],
+         c["decode_step"]["to_device_bytes"]))' "$1" 2>/dev/null || tail_detail "$1" "$2" 2
+  echo " (exit $2)"
+}
+phase copies 120 copies_detail "$(find_bin kvwire)" timing --backend "$backend" \
+  --model "$copies_model" --prompt-ids "$copies_ids" --decode 8 --policy snapkv \
+  --budget "$copies_budget" --attention hybrid --attention-budget 64
 
 if ((dry)); then
   printf 'memcheck\tskip\t0\tdry run: compute-sanitizer needs a GPU\n' >>"$summary"

@@ -447,8 +447,9 @@ absl::Status StoreLayer(const CompressedLayer& layer, KvCache* cache) {
                                                    "match its shape"));
   }
   for (int c = 0; c < lc.n_heads; ++c) {
-    std::memcpy(lc.k_row(c, 0), layer.k.data() + c * head_bytes, head_bytes);
-    std::memcpy(lc.v_row(c, 0), layer.v.data() + c * head_bytes, head_bytes);
+    RETURN_IF_ERROR(cache->WriteRows(layer.layer, c, 0, layer.count,
+                                     layer.k.data() + c * head_bytes,
+                                     layer.v.data() + c * head_bytes));
     std::memcpy(lc.positions + int64_t{c} * lc.capacity,
                 layer.positions.data() + int64_t{c} * layer.count, layer.count * sizeof(int32_t));
   }

@@ -224,7 +224,7 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   const KvCacheShape shape =
       CompressedCacheShape(j.compression, mc, model_->kv_dtype(), len, j.max_tokens);
   ASSIGN_OR_RETURN(const size_t selector_bytes, DecodeSelectorBytes(j.attention, mc, shape));
-  s.reserve_bytes = KvCache::BytesFor(shape) + selector_bytes;
+  s.reserve_bytes = pool_->BytesFor(shape) + selector_bytes;
   if (!pool_->CanEverFit(s.reserve_bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the request needs ", s.reserve_bytes, " bytes of KV cache but the pool holds ",
@@ -232,7 +232,9 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   }
   // Everything is allocated before anything is kept, so a request that must wait holds no
   // memory while it waits.
-  ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(shape, *pool_));
+  // On a device backend the cache is pages of the pool's slab in device memory, where the wire
+  // writes the prompt's rows and decode appends.
+  ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::CreateIn(shape, *pool_));
   ASSIGN_OR_RETURN(std::unique_ptr<DecodeSelector> selector,
                    MakeDecodeSelector(j.attention, mc, shape, *pool_));
   s.cache = std::move(cache);

@@ -10,18 +10,15 @@
 
 namespace kvwire {
 
-absl::StatusOr<PrefilledSequence> PrefillSequence(LlamaModel& model,
-                                                  absl::Span<const int32_t> prompt,
-                                                  const CompressionConfig& compression,
-                                                  int extra_tokens, KvAllocator& allocator,
-                                                  const kernels::SamplingParams& sampling,
-                                                  uint64_t seed) {
+absl::StatusOr<PrefilledSequence> PrefillSequence(
+    LlamaModel& model, absl::Span<const int32_t> prompt, const CompressionConfig& compression,
+    int extra_tokens, const kernels::SamplingParams& sampling, uint64_t seed) {
   RETURN_IF_ERROR(compression.Validate());
   const int len = static_cast<int>(prompt.size());
   const KvCacheShape shape =
       CompressedCacheShape(compression, model.config(), model.kv_dtype(), len, extra_tokens);
   PrefilledSequence seq;
-  ASSIGN_OR_RETURN(seq.cache, KvCache::Create(shape, allocator));
+  ASSIGN_OR_RETURN(seq.cache, model.NewCache(shape));
   seq.cache->set_prompt_len(len);
 
   PrefillEngineOptions options;
@@ -63,11 +60,12 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
   const kernels::KernelBackend::CopyCounts before = model.copy_counts();
   ASSIGN_OR_RETURN(PrefilledSequence seq,
                    PrefillSequence(model, request.prompt_ids, compression, request.max_tokens,
-                                   HeapKvAllocator(), request.sampling, request.seed));
+                                   request.sampling, request.seed));
   const kernels::KernelBackend::CopyCounts prefilled = model.copy_counts();
   KvCache* cache = seq.cache.get();
+  ASSIGN_OR_RETURN(KvAllocator * memory, model.CacheAllocator());
   ASSIGN_OR_RETURN(std::unique_ptr<DecodeSelector> selector,
-                   MakeDecodeSelector(attention, c, cache->shape(), HeapKvAllocator()));
+                   MakeDecodeSelector(attention, c, cache->shape(), *memory));
   GenerationResult result;
   result.prompt_tokens = len;
   result.compression = compression;

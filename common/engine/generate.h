@@ -34,12 +34,11 @@ struct PrefilledSequence {
 };
 
 // Runs the prompt through the model, compressing each layer by `compression` into a new
-// cache from `allocator` with room for `extra_tokens` generated tokens; the first token is
-// sampled with `sampling` and the first draw of `seed`.
+// cache for the model (LlamaModel::NewCache) with room for `extra_tokens` generated tokens; the
+// first token is sampled with `sampling` and the first draw of `seed`.
 absl::StatusOr<PrefilledSequence> PrefillSequence(
     LlamaModel& model, absl::Span<const int32_t> prompt, const CompressionConfig& compression,
-    int extra_tokens, KvAllocator& allocator = HeapKvAllocator(),
-    const kernels::SamplingParams& sampling = {0.f}, uint64_t seed = 0);
+    int extra_tokens, const kernels::SamplingParams& sampling = {0.f}, uint64_t seed = 0);
 
 struct GenerationRequest {
   std::vector<int32_t> prompt_ids;

@@ -81,7 +81,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
     s.out = a.attn + int64_t{b} * qd;
     s.k = lc.k;
     s.v = lc.v;
-    s.head_stride = lc.head_stride();
+    s.layout = lc.layout;
     s.len = lc.len;
     if (batch[b].selector) {
       ASSIGN_OR_RETURN(const int n, PlanSelection(*batch[b].selector, li, lc));
@@ -126,7 +126,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
       one.out = s.out + int64_t{ch} * group * d;
       one.k = lc.k_row(ch, 0);
       one.v = lc.v_row(ch, 0);
-      one.head_stride = lc.head_stride();
+      one.layout = kernels::KvLayout::Region(lc.head_stride());
       one.len = s.len;
       one.indices = out;
       one.num_indices = s.num_indices;
@@ -218,110 +218,32 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
   return absl::OkStatus();
 }
 
-namespace {
-
-// A cache's rows in device memory, for a model on a GPU: per layer, K and V laid out as the
-// host cache's ([n_heads, capacity, head_dim] in its dtype), and how many tokens per head
-// are there. Rows the host cache holds beyond that (the prompt, written by the wire) are
-// uploaded before the next step; rows appended by decode steps are written here only.
-class DeviceKv final : public KvCache::Attachment {
- public:
-  struct Layer {
-    void* k = nullptr;
-    void* v = nullptr;
-    int len = 0;
-  };
-  explicit DeviceKv(std::shared_ptr<kernels::KernelBackend> backend)
-      : backend_(std::move(backend)) {}
-  ~DeviceKv() override {
-    for (Layer& l : layers) {
-      backend_->Free(l.k);
-      backend_->Free(l.v);
-    }
-  }
-  const kernels::KernelBackend* backend() const { return backend_.get(); }
-  std::vector<Layer> layers;
-
- private:
-  std::shared_ptr<kernels::KernelBackend> backend_;
-};
-
-}  // namespace
-
 absl::Status LlamaModel::SyncDeviceCaches(absl::Span<const DecodeInput> batch) {
   for (const DecodeInput& in : batch) RETURN_IF_ERROR(PrepareForDecode(*in.cache));
   return absl::OkStatus();
 }
 
+// A device model decodes only caches whose rows are in its backend's memory (a KvPool on it):
+// the wire wrote the prompt's rows into their pages, and decode appends there. Nothing is
+// copied or allocated here.
 absl::Status LlamaModel::PrepareForDecode(KvCache& cache) {
   if (!on_device()) return absl::OkStatus();
-  auto* dev = dynamic_cast<DeviceKv*>(cache.attachment());
-  if (cache.attachment() != nullptr && (dev == nullptr || dev->backend() != backend_.get())) {
-    return absl::FailedPreconditionError(
-        "this KV cache has been decoded by another model; a cache belongs to one model");
-  }
-  if (dev == nullptr) {
-    auto fresh = std::make_unique<DeviceKv>(backend_);
-    const size_t bytes = KvCache::BytesFor(cache.shape());
-    for (int li = 0; li < cache.num_layers(); ++li) {
-      const LayerCache& lc = cache.layer(li);
-      const size_t half = static_cast<size_t>(lc.n_heads) * lc.head_stride() * DTypeSize(lc.dtype);
-      DeviceKv::Layer l;
-      for (void** p : {&l.k, &l.v}) {
-        auto buffer = backend_->Allocate(half);
-        if (!buffer.ok()) {
-          // What was allocated so far is freed with `fresh`.
-          fresh->layers.push_back(l);
-          return absl::ResourceExhaustedError(absl::StrCat("no device memory for a KV cache of ",
-                                                           bytes >> 20,
-                                                           " MiB: ", buffer.status().message()));
-        }
-        *p = *buffer;
-      }
-      fresh->layers.push_back(l);
-    }
-    dev = fresh.get();
-    cache.set_attachment(std::move(fresh));
-  }
-  // The host rows the device does not have yet, one contiguous run per cache head.
-  for (int li = 0; li < cache.num_layers(); ++li) {
-    const LayerCache& lc = cache.layer(li);
-    DeviceKv::Layer& l = dev->layers[li];
-    if (lc.len < l.len) {
-      return absl::FailedPreconditionError("a KV cache lost rows that its device copy holds");
-    }
-    if (lc.len == l.len) continue;
-    const size_t elem = DTypeSize(lc.dtype);
-    if (l.len == 0) {
-      // The first upload (the prompt): each of K and V in one copy, the heads' unused rows too.
-      const size_t all = static_cast<size_t>(lc.n_heads) * lc.head_stride() * elem;
-      RETURN_IF_ERROR(backend_->CopyToDevice(l.k, lc.k, all));
-      RETURN_IF_ERROR(backend_->CopyToDevice(l.v, lc.v, all));
-      l.len = lc.len;
-      continue;
-    }
-    const size_t offset = static_cast<size_t>(l.len) * lc.head_dim * elem;
-    const size_t bytes = static_cast<size_t>(lc.len - l.len) * lc.row_bytes();
-    for (int ch = 0; ch < lc.n_heads; ++ch) {
-      const size_t head = static_cast<size_t>(ch) * lc.head_stride() * elem;
-      RETURN_IF_ERROR(backend_->CopyToDevice(static_cast<uint8_t*>(l.k) + head + offset,
-                                             lc.k + head + offset, bytes));
-      RETURN_IF_ERROR(backend_->CopyToDevice(static_cast<uint8_t*>(l.v) + head + offset,
-                                             lc.v + head + offset, bytes));
-    }
-    l.len = lc.len;
+  if (cache.backend() != backend_.get() || !cache.layer(0).paged()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this KV cache is not in the ", kernels::BackendName(backend_->kind()),
+        " backend's memory; a device model decodes caches made in a KV pool on its backend "
+        "(LlamaModel::NewCache, KvPool::OnBackend)"));
   }
   return absl::OkStatus();
 }
 
-// One layer's attention for a batch on a device: each sequence's new K/V row appended to its
-// device cache (AppendKv), its selection, then decode attention, every sequence of one cache
-// layout in one call. A selector that SelectsOnBackend describes its selection as the
-// backend's ops, which run for every such sequence at once over the device copies (summary
-// updates, page scores, top-k): nothing crosses to the host. Any other selector (one that
-// wraps another to watch it) selects on the host, as on the CPU backends: the layer's q and
-// new K/V rows come back, the new row is also written to the host cache, and the chosen
-// indices go to the device.
+// One layer's attention for a batch on a device, over caches in the backend's pool: each
+// sequence's new K/V row appended to its pages (AppendKv), its selection, then decode attention,
+// every sequence of one cache layout in one call. A selector describes its selection as the
+// backend's ops (PlanOnBackend), which run for every sparse sequence at once (summary updates,
+// page scores, top-k): nothing crosses to the host. A selector that selects only on the host
+// (one that wraps another to watch its choices, for the evals) cannot: its host rows are not
+// there, and it is refused.
 absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const DecodeInput> batch,
                                                       Activations& a, DecodeTimes* times) {
   const ModelConfig& c = config_;
@@ -330,51 +252,36 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
   const int64_t stride = qd + 2 * kvd;
   using Clock = std::chrono::steady_clock;
   const Clock::time_point t0 = Clock::now();
-  bool host_selection = false;
-  for (const DecodeInput& in : batch) {
-    host_selection |= in.selector != nullptr && !in.selector->SelectsOnBackend();
-  }
-  std::vector<float> qkv_host;
-  const float* qkv = nullptr;  // the layer's rows on the host, for the host's selectors
-  if (host_selection) {
-    ASSIGN_OR_RETURN(qkv, HostView(a.qkv, static_cast<size_t>(bsz) * stride, &qkv_host));
-  }
   std::vector<kernels::KvAppend> appends(bsz);
   std::vector<DecodeSequence> seqs(bsz);
-  std::vector<std::vector<int32_t>> indices(bsz);  // the host's selections
-  std::vector<std::pair<int, int>> heads;          // (sequence, cache head) the host selects
-  std::vector<int> on_backend;                     // sequences the backend selects for
+  std::vector<int> sparse;  // sequences the backend selects for
   for (int b = 0; b < bsz; ++b) {
     LayerCache& lc = batch[b].cache->layer(li);
-    DeviceKv::Layer& l = static_cast<DeviceKv*>(batch[b].cache->attachment())->layers[li];
     const int t = lc.len;
-    // The host rows are written only for a host selector (its page summaries read them); the
-    // device copy's len follows once AppendKv has written the row there.
-    DecodeSelector* selector = batch[b].selector;
-    const bool host = selector != nullptr && !selector->SelectsOnBackend();
-    const float* host_k = host ? qkv + b * stride + qd : nullptr;
-    AppendToHostCache(lc, c.num_kv_heads, host_k, host_k ? host_k + kvd : nullptr,
-                      batch[b].position);
-    if (selector) {
+    // The host keeps the new token's position and the layer's length; the row goes to the
+    // cache's pages (AppendKv, below).
+    AppendToHostCache(lc, c.num_kv_heads, nullptr, nullptr, batch[b].position);
+    if (DecodeSelector* selector = batch[b].selector) {
+      if (!selector->SelectsOnBackend()) {
+        return absl::UnimplementedError(absl::StrCat(
+            "a decode selector that selects on the host (one that watches another's choices) "
+            "reads the cache's rows, which ",
+            kernels::BackendName(backend_->kind()), " keeps in device memory"));
+      }
       ASSIGN_OR_RETURN(const int n, PlanSelection(*selector, li, lc));
       if (n > 0) {
         seqs[b].num_indices = n;
-        if (host) {
-          indices[b].resize(static_cast<size_t>(lc.n_heads) * n);
-          for (int ch = 0; ch < lc.n_heads; ++ch) heads.emplace_back(b, ch);
-        } else {
-          on_backend.push_back(b);
-        }
+        sparse.push_back(b);
       }
     }
     const float* kr = a.qkv + b * stride + qd;
-    appends[b] = {kr, kr + kvd, l.k, l.v, lc.head_stride(), t};
+    appends[b] = {kr, kr + kvd, lc.k, lc.v, lc.layout, t};
     DecodeSequence& s = seqs[b];
     s.q = a.qkv + b * stride;
     s.out = a.attn + int64_t{b} * qd;
-    s.k = l.k;
-    s.v = l.v;
-    s.head_stride = lc.head_stride();
+    s.k = lc.k;
+    s.v = lc.v;
+    s.layout = lc.layout;
     s.len = lc.len;
   }
   // Sequences grouped by cache layout (per KV head or per query head, dtype); each group's new
@@ -396,18 +303,13 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
     RETURN_IF_ERROR(
         backend_->AppendKv({group_appends.data(), static_cast<int>(group_appends.size()),
                             c.num_kv_heads, shape.n_heads, d, shape.dtype}));
-    for (int b : groups.back()) {
-      static_cast<DeviceKv*>(batch[b].cache->attachment())->layers[li].len =
-          batch[b].cache->layer(li).len;
-    }
   }
-  if (!on_backend.empty()) {
+  if (!sparse.empty()) {
     BackendSelection all;
-    for (int b : on_backend) {
-      const LayerCache& lc = batch[b].cache->layer(li);
+    for (int b : sparse) {
       BackendSelection one;
-      RETURN_IF_ERROR(batch[b].selector->PlanOnBackend(backend_, li, lc, seqs[b].k,
-                                                       lc.head_stride(), seqs[b].q, &one));
+      RETURN_IF_ERROR(batch[b].selector->PlanOnBackend(backend_, li, batch[b].cache->layer(li),
+                                                       seqs[b].q, &one));
       seqs[b].indices = one.indices;
       all.updates.insert(all.updates.end(), one.updates.begin(), one.updates.end());
       all.scores.insert(all.scores.end(), one.scores.begin(), one.scores.end());
@@ -421,41 +323,6 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
         {all.scores.data(), static_cast<int>(all.scores.size()), d, kv_dtype()}));
     RETURN_IF_ERROR(backend_->TopK({all.top_k.data(), static_cast<int>(all.top_k.size()),
                                     /*ascending=*/false}));
-  }
-  if (!heads.empty()) {
-    backend_->HostParallelFor(static_cast<int64_t>(heads.size()), [&](int64_t h0, int64_t h1) {
-      for (int64_t h = h0; h < h1; ++h) {
-        const auto [b, ch] = heads[h];
-        int32_t* out = indices[b].data() + static_cast<size_t>(ch) * seqs[b].num_indices;
-        batch[b].selector->SelectHead(li, qkv + b * stride, batch[b].cache->layer(li), ch, out);
-      }
-    });
-  }
-  if (host_selection) {
-    // The host's selections in one device buffer.
-    size_t total = 0;
-    for (const auto& ix : indices) total += ix.size();
-    if (total * sizeof(int32_t) > sparse_indices_bytes_) {
-      sparse_indices_.reset();
-      sparse_indices_bytes_ = 0;
-      ASSIGN_OR_RETURN(sparse_indices_, AllocateOnBackend(total * sizeof(int32_t)));
-      sparse_indices_bytes_ = total * sizeof(int32_t);
-    }
-    std::vector<int32_t> packed;
-    packed.reserve(total);
-    for (int b = 0; b < bsz; ++b) {
-      DecodeSelector* selector = batch[b].selector;
-      if (selector == nullptr || selector->SelectsOnBackend()) continue;
-      selector->Done(li, qkv + b * stride, batch[b].cache->layer(li),
-                     indices[b].empty() ? nullptr : indices[b].data(), seqs[b].num_indices);
-      if (indices[b].empty()) continue;
-      seqs[b].indices = static_cast<const int32_t*>(sparse_indices_.get()) + packed.size();
-      packed.insert(packed.end(), indices[b].begin(), indices[b].end());
-    }
-    if (!packed.empty()) {
-      RETURN_IF_ERROR(backend_->CopyToDevice(sparse_indices_.get(), packed.data(),
-                                             packed.size() * sizeof(int32_t)));
-    }
   }
   const Clock::time_point t1 = Clock::now();
   if (times) times->selection_s += std::chrono::duration<double>(t1 - t0).count();

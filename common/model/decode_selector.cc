@@ -20,8 +20,7 @@ absl::StatusOr<bool> DecodeSelector::Select(int layer, const float* q, const Lay
 }
 
 absl::Status DecodeSelector::PlanOnBackend(const std::shared_ptr<kernels::KernelBackend>&, int,
-                                           const LayerCache&, const void*, int64_t, const float*,
-                                           BackendSelection*) {
+                                           const LayerCache&, const float*, BackendSelection*) {
   return absl::UnimplementedError("this decode selector selects on the host only");
 }
 

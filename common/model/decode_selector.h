@@ -59,14 +59,13 @@ class DecodeSelector {
 
   // The device path: whether PlanOnBackend describes this selector's selection.
   virtual bool SelectsOnBackend() const { return false; }
-  // After Plan returned true for `layer`: the selection of every cache head of `cache` (the
-  // host's bookkeeping of it: len, which already counts the new token) as backend ops over its
-  // rows in `backend`'s memory (cache head c's keys at k + c·head_stride elements, in the
-  // cache dtype) for the queries q [n_heads, head_dim] there. Buffers the ops write are the
-  // selector's, in that backend's memory, and stay valid until its next call.
+  // After Plan returned true for `layer`: the selection of every cache head of `cache` (which
+  // already counts the new token; its rows are in `backend`'s memory, at cache.k by
+  // cache.layout) as backend ops, for the queries q [n_heads, head_dim] there. Buffers the ops
+  // write are the selector's, in that backend's memory, and stay valid until its next call.
   virtual absl::Status PlanOnBackend(const std::shared_ptr<kernels::KernelBackend>& backend,
-                                     int layer, const LayerCache& cache, const void* k,
-                                     int64_t head_stride, const float* q, BackendSelection* out);
+                                     int layer, const LayerCache& cache, const float* q,
+                                     BackendSelection* out);
 };
 
 // A selector that watches another (or, with none, dense attention): Plan and SelectHead are

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "common/base/dtype.h"
 #include "common/base/host_alloc.h"
+#include "kernels/backend.h"
 
 namespace kvwire {
 
@@ -25,6 +26,8 @@ class KvMemory {
   virtual ~KvMemory() = default;
   virtual uint8_t* data() = 0;
   virtual size_t size() const = 0;
+  // The backend whose memory this is (a KvPool on a backend), or null for host memory.
+  virtual kernels::KernelBackend* backend() const { return nullptr; }
 };
 using KvMemoryPtr = std::unique_ptr<KvMemory>;
 
@@ -37,24 +40,30 @@ class KvAllocator {
 // A process-wide heap allocator, for tools and tests.
 KvAllocator& HeapKvAllocator();
 
-// One layer of one sequence.
+// One layer of one sequence. Its rows are in one region of host memory (a host cache), or in
+// pages of a backend pool (a paged cache, KvCache::CreatePaged), where only the backend's ops
+// read them; positions and len are the host's either way.
 struct LayerCache {
   int n_heads = 0;  // cache heads
   int head_dim = 0;
   DType dtype = DType::kF32;
   int capacity = 0;      // tokens per head the storage holds
   int len = 0;           // tokens per head stored
-  uint8_t* k = nullptr;  // [n_heads, capacity, head_dim]
+  uint8_t* k = nullptr;  // a region [n_heads, capacity, head_dim]; or the pool's K pages
   uint8_t* v = nullptr;
   int32_t* positions = nullptr;  // [n_heads, capacity]: original position of each token
+  kernels::KvLayout layout;      // where token t of head c is, from k and from v
 
+  bool paged() const { return layout.pages != nullptr; }
+  // A region's: elements between heads.
   int64_t head_stride() const { return int64_t{capacity} * head_dim; }
   size_t row_bytes() const { return static_cast<size_t>(head_dim) * DTypeSize(dtype); }
+  // Rows in host memory only (a host cache, or a paged one on a host backend).
   uint8_t* k_row(int head, int t) {
-    return k + (head * head_stride() + int64_t{t} * head_dim) * DTypeSize(dtype);
+    return k + layout.Row(head, t, head_dim) * static_cast<int64_t>(DTypeSize(dtype));
   }
   uint8_t* v_row(int head, int t) {
-    return v + (head * head_stride() + int64_t{t} * head_dim) * DTypeSize(dtype);
+    return v + layout.Row(head, t, head_dim) * static_cast<int64_t>(DTypeSize(dtype));
   }
   const uint8_t* k_row(int head, int t) const {
     return const_cast<LayerCache*>(this)->k_row(head, t);
@@ -72,6 +81,9 @@ struct KvCacheShape {
   std::vector<int> capacity;  // per layer
 };
 
+class KvPool;
+class KvPages;
+
 class KvCache {
  public:
   // Allocates one region for all layers: K, V and positions for capacity[l] tokens.
@@ -79,35 +91,51 @@ class KvCache {
                                                          KvAllocator& allocator);
   // Bytes Create would allocate for `shape`: what admission control reserves.
   static size_t BytesFor(const KvCacheShape& shape);
+  // A cache in pages of a backend pool (KvPool::OnBackend), in FlashInfer's paged layout: a page
+  // holds page_tokens rows of every cache head, K then V ([n_heads, page_tokens, head_dim]
+  // each), page_tokens = page_bytes / (2 · n_heads · row bytes); each layer's page table lists
+  // its blocks' pages. Positions and the tables are host memory.
+  static absl::StatusOr<std::unique_ptr<KvCache>> CreatePaged(const KvCacheShape& shape,
+                                                              KvPool& pool);
+  // Pages CreatePaged takes for `shape` from a pool of `page_bytes` pages (0: they hold no
+  // token).
+  static int64_t PagedPages(const KvCacheShape& shape, size_t page_bytes);
+  // In `pool`: paged on a backend pool, one region in a host pool.
+  static absl::StatusOr<std::unique_ptr<KvCache>> CreateIn(const KvCacheShape& shape, KvPool& pool);
+  ~KvCache();
 
   int num_layers() const { return static_cast<int>(layers_.size()); }
   LayerCache& layer(int l) { return layers_[l]; }
   const LayerCache& layer(int l) const { return layers_[l]; }
   const KvCacheShape& shape() const { return shape_; }
-  size_t allocated_bytes() const { return memory_->size(); }
+  // The backend whose memory holds the rows (a paged cache's pool), or null: host memory.
+  kernels::KernelBackend* backend() const { return backend_; }
+  // Whether the host may read the rows (k_row, v_row).
+  bool host_rows() const { return backend_ == nullptr || backend_->host_addressable(); }
   // Bytes of K and V actually stored (len tokens), summed over layers.
   int64_t StoredBytes() const;
+
+  // Writes `count` rows of head `head` from token t0 of `layer` (K and V in the cache dtype,
+  // consecutive): copied in place on the host, or to the backend's pages.
+  absl::Status WriteRows(int layer, int head, int t0, int count, const uint8_t* k,
+                         const uint8_t* v);
+  // Every layer's rows, positions and lengths of `from` (a cache of the same shape whose rows
+  // the host reads), as the wire would deliver them.
+  absl::Status CopyFrom(const KvCache& from);
 
   // Original prompt length: the RoPE position of the first generated token.
   int prompt_len() const { return prompt_len_; }
   void set_prompt_len(int n) { prompt_len_ = n; }
 
-  // What a model keeps beside this cache, destroyed with it: a model on a GPU keeps a copy of
-  // the rows in device memory, where it appends the generated tokens' rows (their host rows
-  // are then not written; positions and len are).
-  class Attachment {
-   public:
-    virtual ~Attachment() = default;
-  };
-  Attachment* attachment() const { return attachment_.get(); }
-  void set_attachment(std::unique_ptr<Attachment> a) { attachment_ = std::move(a); }
-
  private:
   KvCacheShape shape_;
-  KvMemoryPtr memory_;
+  KvMemoryPtr memory_;                        // a host cache's region
+  std::unique_ptr<KvPages> pages_;            // a paged cache's pages
+  std::vector<std::vector<int32_t>> tables_;  // a paged cache's, per layer
+  std::vector<int32_t> positions_;            // a paged cache's, all layers
+  kernels::KernelBackend* backend_ = nullptr;
   std::vector<LayerCache> layers_;
   int prompt_len_ = 0;
-  std::unique_ptr<Attachment> attachment_;
 };
 
 }  // namespace kvwire

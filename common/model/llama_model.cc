@@ -37,6 +37,7 @@ LlamaModel::~LlamaModel() = default;
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& spec,
                                                              const LoadOptions& options) {
   std::unique_ptr<LlamaModel> model(new LlamaModel());
+  model->options_ = options;
   ASSIGN_OR_RETURN(model->backend_, kernels::MakeBackend(options.backend, options.threads,
                                                          options.device_memory_bytes));
   if (options.mapped_weights && model->on_device()) {
@@ -54,6 +55,22 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
   model->ComputeFingerprint();
   RETURN_IF_ERROR(model->PlaceWeights(options.mapped_weights));
   return model;
+}
+
+absl::StatusOr<KvAllocator*> LlamaModel::CacheAllocator() {
+  if (!on_device()) return &HeapKvAllocator();
+  std::lock_guard<std::mutex> lock(pool_mu_);
+  if (kv_pool_ == nullptr) {
+    ASSIGN_OR_RETURN(kv_pool_,
+                     KvPool::OnBackend(backend_, options_.kv_pool_bytes, options_.kv_page_bytes));
+  }
+  return kv_pool_.get();
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> LlamaModel::NewCache(const KvCacheShape& shape) {
+  ASSIGN_OR_RETURN(KvAllocator * allocator, CacheAllocator());
+  if (!on_device()) return KvCache::Create(shape, *allocator);
+  return KvCache::CreatePaged(shape, *static_cast<KvPool*>(allocator));
 }
 
 absl::StatusOr<LlamaModel::BackendPtr> LlamaModel::AllocateOnBackend(size_t bytes) {
@@ -125,14 +142,6 @@ absl::Status LlamaModel::PlaceWeights(bool mapped) {
     it = it->data() == embed_host_ ? std::next(it) : owned_.erase(it);
   }
   return backend_->Synchronize();
-}
-
-absl::StatusOr<const float*> LlamaModel::HostView(const float* p, size_t n,
-                                                  std::vector<float>* staging) {
-  if (!on_device()) return p;
-  staging->resize(n);
-  RETURN_IF_ERROR(backend_->CopyToHost(staging->data(), p, n * sizeof(float)));
-  return staging->data();
 }
 
 void LlamaModel::ComputeFingerprint() {
@@ -383,10 +392,10 @@ absl::Status LlamaModel::CheckDecodeBatch(absl::Span<const DecodeInput> batch) c
       return absl::InvalidArgumentError(absl::StrCat(
           "position ", in.position, " is outside the model's context of ", c.context_limit()));
     }
-    if (!on_device() && in.cache->attachment() != nullptr) {
+    if (!on_device() && !in.cache->host_rows()) {
       return absl::FailedPreconditionError(
-          "this KV cache was decoded on a device (its generated rows are in the device copy); "
-          "decode it with the model it was decoded by");
+          "this KV cache's rows are in a device's memory (a KV pool on a device backend); "
+          "decode it with a model on that backend");
     }
     const KvCacheShape& s = in.cache->shape();
     if (in.cache->num_layers() != c.num_layers || s.head_dim != c.head_dim ||

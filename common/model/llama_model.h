@@ -25,6 +25,7 @@
 #include "absl/types/span.h"
 #include "common/model/decode_selector.h"
 #include "common/model/kv_cache.h"
+#include "common/model/kv_pool.h"
 #include "common/model/model_config.h"
 #include "common/tokenizer/tokenizer.h"
 #include "kernels/backend.h"
@@ -46,6 +47,10 @@ struct LoadOptions {
   // A device backend's memory cap in bytes (0: the device's own): emulates a smaller device,
   // and makes its out-of-memory paths testable. A host backend refuses one.
   size_t device_memory_bytes = 0;
+  // A device model's own KV pool (NewCache), made at its first use: its bytes and page bytes.
+  // A decode node brings a pool of its own (KvPool::OnBackend) instead.
+  size_t kv_pool_bytes = size_t{1} << 30;
+  size_t kv_page_bytes = size_t{64} << 10;
 };
 
 // What a prefill observer sees after one layer's attention, in the memory of `backend` (device
@@ -153,6 +158,17 @@ class LlamaModel {
 
   static std::string SyntheticSpecHelp();
 
+  // A KV cache for this model to decode: one region of host memory on a host backend; on a
+  // device, pages of the model's own KV pool (LoadOptions::kv_pool_bytes), where the kernels
+  // read it. A decode node makes its caches in its own pool instead (KvCache::CreateIn).
+  absl::StatusOr<std::unique_ptr<KvCache>> NewCache(const KvCacheShape& shape);
+  // Where NewCache's caches come from, for the state that goes with them (a sparse decode
+  // selector's page summaries): the host's heap, or the model's KV pool on its device.
+  absl::StatusOr<KvAllocator*> CacheAllocator();
+  // The backend the model runs on (a decode node's KV pool is made in its memory).
+  std::shared_ptr<kernels::KernelBackend> backend() const { return backend_; }
+  bool on_device() const { return !backend_->host_addressable(); }
+
  private:
   struct Linear {
     const void* w = nullptr;
@@ -182,17 +198,11 @@ class LlamaModel {
   const float* OwnFloats(std::vector<float> values);
   absl::Status MatMul(const Linear& l, const float* x, int m, float* y, int64_t y_stride = 0);
   void EmbedRow(int32_t token, float* out) const;
-  // The device path: weights, activations and caches in memory the host reaches only through
-  // copies (a GPU; the guarded backend, which runs it on the CPU for tests).
-  bool on_device() const { return !backend_->host_addressable(); }
   absl::StatusOr<BackendPtr> AllocateOnBackend(size_t bytes);
   // Copies the weights, norms and RoPE frequencies the kernels read into backend memory,
   // once (device memory on a GPU; huge-page host buffers on the host backends), unless
   // `mapped` (LoadOptions::mapped_weights): then the kernels read them where they are.
   absl::Status PlaceWeights(bool mapped);
-  // `n` floats at p (backend memory) as host memory: p itself on a host backend, else a copy
-  // into *staging.
-  absl::StatusOr<const float*> HostView(const float* p, size_t n, std::vector<float>* staging);
   // On a GPU: the device copy of each input's cache, created and filled up to the rows the
   // host holds (a prompt received from prefill) as needed.
   absl::Status SyncDeviceCaches(absl::Span<const DecodeInput> batch);
@@ -237,8 +247,9 @@ class LlamaModel {
   std::vector<BackendPtr> placed_;  // what PlaceWeights uploaded
   std::mutex decode_mu_;
   std::unique_ptr<Activations> decode_activations_;  // under decode_mu_, reused across steps
-  BackendPtr sparse_indices_;                        // under decode_mu_: a step's selections
-  size_t sparse_indices_bytes_ = 0;
+  LoadOptions options_;
+  std::mutex pool_mu_;
+  std::unique_ptr<KvPool> kv_pool_;  // under pool_mu_: NewCache's on a device
 };
 
 }  // namespace kvwire

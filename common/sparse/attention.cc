@@ -47,15 +47,52 @@ class BackendMemory final : public KvMemory {
 
 class SparseSelector final : public DecodeSelector {
  public:
+  // `memory` (summaries, scores, indices: SelectorMemory) is the host's, for the host path,
+  // or a backend pool's, where the device path keeps its state (nothing allocated later).
   SparseSelector(SparseParams params, int dense_layers, const ModelConfig& model,
-                 const KvCacheShape& shape, std::unique_ptr<PageSummaries> summaries)
+                 const KvCacheShape& shape, KvMemoryPtr summaries, KvMemoryPtr scratch)
       : p_(params),
         dense_layers_(dense_layers),
         info_(ModeInfo(params.mode)),
         n_heads_(model.num_heads),
         head_dim_(model.head_dim),
-        shape_(shape),
-        summaries_(std::move(summaries)) {}
+        shape_(shape) {
+    kernels::KernelBackend* backend = scratch ? scratch->backend() : nullptr;
+    if (backend == nullptr) {
+      if (summaries) {
+        summaries_ = std::make_unique<PageSummaries>(shape, p_.page_size, std::move(summaries),
+                                                     dense_layers, info_.summary_tile_pages);
+      }
+      return;
+    }
+    // The device path's state, in the pool's pages.
+    device_backend_ = backend;
+    if (summaries) {
+      device_sums_ = std::make_unique<PageSummaries>(shape, p_.page_size, std::move(summaries),
+                                                     dense_layers, info_.summary_tile_pages);
+      device_built_.assign(shape.capacity.size(), 0);
+    }
+    score_stride_ = ScoreStride(p_, shape);
+    scores_ = reinterpret_cast<float*>(scratch->data());
+    indices_ = reinterpret_cast<int32_t*>(scratch->data() + ScoresBytes(p_, shape));
+    scratch_memory_ = std::move(scratch);
+  }
+
+  // The device path's scores (one per page, or per token for the exact oracle, of every cache
+  // head) and indices, in one region.
+  static int64_t ScoreStride(const SparseParams& p, const KvCacheShape& shape) {
+    int capacity = 1;
+    for (int cap : shape.capacity) capacity = std::max(capacity, cap);
+    return p.mode == AttentionMode::kExactTopK ? capacity
+                                               : (capacity + p.page_size - 1) / p.page_size;
+  }
+  static size_t ScoresBytes(const SparseParams& p, const KvCacheShape& shape) {
+    return (sizeof(float) * static_cast<size_t>(shape.n_heads) * ScoreStride(p, shape) + 63) / 64 *
+           64;
+  }
+  static size_t ScratchBytes(const SparseParams& p, const KvCacheShape& shape) {
+    return ScoresBytes(p, shape) + sizeof(int32_t) * static_cast<size_t>(shape.n_heads) * p.top_k;
+  }
 
   absl::StatusOr<bool> Plan(int layer, const LayerCache& lc, int* num) override {
     if (layer < dense_layers_) return false;  // kept whole by the compression: dense
@@ -101,19 +138,17 @@ class SparseSelector final : public DecodeSelector {
   // cache, with summaries of its own in the backend's memory.
   bool SelectsOnBackend() const override { return true; }
   absl::Status PlanOnBackend(const std::shared_ptr<kernels::KernelBackend>& backend, int layer,
-                             const LayerCache& lc, const void* k, int64_t head_stride,
-                             const float* q, BackendSelection* out) override {
+                             const LayerCache& lc, const float* q, BackendSelection* out) override {
     RETURN_IF_ERROR(ReserveOn(backend));
     const int group = n_heads_ / lc.n_heads;
-    const size_t es = DTypeSize(lc.dtype);
     kernels::SummaryLayout layout;
     if (device_sums_) {
       layout = device_sums_->Layout(layer);
       int& built = device_built_[layer];
       if (built != lc.len) {
         kernels::SummaryUpdateSegment u;
-        u.k = k;
-        u.head_stride = head_stride;
+        u.k = lc.k;
+        u.kv = lc.layout;
         u.n_heads = lc.n_heads;
         u.first = built;
         u.len = lc.len;
@@ -137,7 +172,9 @@ class SparseSelector final : public DecodeSelector {
         s.layout = layout;
       }
       s.top_r = p_.top_r;
-      s.k = static_cast<const uint8_t*>(k) + c * head_stride * static_cast<int64_t>(es);
+      s.k = lc.k;
+      s.kv = lc.layout;
+      s.head = c;
       s.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
       s.score = scores_ + int64_t{c} * score_stride_;
       out->scores.push_back(s);
@@ -156,7 +193,8 @@ class SparseSelector final : public DecodeSelector {
  private:
   static constexpr int kShortRun = 8;  // tokens
 
-  // The device path's buffers, in `backend`'s memory, made at its first step there.
+  // The device path's state, made at its first step on a backend when the selector's memory
+  // was the host's (a selector made outside a decode node's pool, in tests and tools).
   absl::Status ReserveOn(const std::shared_ptr<kernels::KernelBackend>& backend) {
     if (device_backend_ == backend.get()) return absl::OkStatus();
     if (device_backend_ != nullptr) {
@@ -171,18 +209,10 @@ class SparseSelector final : public DecodeSelector {
       }
       return KvMemoryPtr(new BackendMemory(backend, *p, bytes));
     };
-    int capacity = 1;
-    for (int cap : shape_.capacity) capacity = std::max(capacity, cap);
-    // Scores: one per page, or per token for the exact oracle.
-    score_stride_ = p_.mode == AttentionMode::kExactTopK
-                        ? capacity
-                        : (capacity + p_.page_size - 1) / p_.page_size;
-    ASSIGN_OR_RETURN(scores_memory_,
-                     take(sizeof(float) * static_cast<size_t>(shape_.n_heads) * score_stride_));
-    scores_ = reinterpret_cast<float*>(scores_memory_->data());
-    ASSIGN_OR_RETURN(indices_memory_,
-                     take(sizeof(int32_t) * static_cast<size_t>(shape_.n_heads) * p_.top_k));
-    indices_ = reinterpret_cast<int32_t*>(indices_memory_->data());
+    score_stride_ = ScoreStride(p_, shape_);
+    ASSIGN_OR_RETURN(scratch_memory_, take(ScratchBytes(p_, shape_)));
+    scores_ = reinterpret_cast<float*>(scratch_memory_->data());
+    indices_ = reinterpret_cast<int32_t*>(scratch_memory_->data() + ScoresBytes(p_, shape_));
     if (info_.summaries) {
       ASSIGN_OR_RETURN(KvMemoryPtr sums,
                        take(PageSummaries::Bytes(shape_, p_.page_size, dense_layers_)));
@@ -204,7 +234,7 @@ class SparseSelector final : public DecodeSelector {
   const kernels::KernelBackend* device_backend_ = nullptr;
   std::unique_ptr<PageSummaries> device_sums_;
   std::vector<int> device_built_;  // per layer: tokens the device summaries cover
-  KvMemoryPtr scores_memory_, indices_memory_;
+  KvMemoryPtr scratch_memory_;
   float* scores_ = nullptr;
   int32_t* indices_ = nullptr;
   int64_t score_stride_ = 0;
@@ -323,8 +353,10 @@ absl::StatusOr<size_t> DecodeSelectorBytes(const DecodeAttentionConfig& config,
                                            const ModelConfig& model, const KvCacheShape& cache) {
   if (config.mode == AttentionMode::kDense) return size_t{0};
   ASSIGN_OR_RETURN(SparseParams p, SelectorParams(config, model, cache));
-  return ModeInfo(p.mode).summaries ? PageSummaries::Bytes(cache, p.page_size, config.dense_layers)
-                                    : size_t{0};
+  const size_t summaries = ModeInfo(p.mode).summaries
+                               ? PageSummaries::Bytes(cache, p.page_size, config.dense_layers)
+                               : 0;
+  return summaries + SparseSelector::ScratchBytes(p, cache);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
@@ -332,16 +364,14 @@ absl::StatusOr<std::unique_ptr<DecodeSelector>> MakeDecodeSelector(
     KvAllocator& allocator) {
   if (config.mode == AttentionMode::kDense) return std::unique_ptr<DecodeSelector>();
   ASSIGN_OR_RETURN(SparseParams p, SelectorParams(config, model, cache));
-  std::unique_ptr<PageSummaries> summaries;
+  KvMemoryPtr summaries;
   if (ModeInfo(p.mode).summaries) {
-    ASSIGN_OR_RETURN(KvMemoryPtr mem, allocator.Allocate(PageSummaries::Bytes(
-                                          cache, p.page_size, config.dense_layers)));
-    summaries =
-        std::make_unique<PageSummaries>(cache, p.page_size, std::move(mem), config.dense_layers,
-                                        ModeInfo(p.mode).summary_tile_pages);
+    ASSIGN_OR_RETURN(summaries, allocator.Allocate(
+                                    PageSummaries::Bytes(cache, p.page_size, config.dense_layers)));
   }
-  return std::unique_ptr<DecodeSelector>(
-      new SparseSelector(p, config.dense_layers, model, cache, std::move(summaries)));
+  ASSIGN_OR_RETURN(KvMemoryPtr scratch, allocator.Allocate(SparseSelector::ScratchBytes(p, cache)));
+  return std::unique_ptr<DecodeSelector>(new SparseSelector(
+      p, config.dense_layers, model, cache, std::move(summaries), std::move(scratch)));
 }
 
 void TakePages(const std::vector<float>& score, int page, int len, int k, int32_t* out) {

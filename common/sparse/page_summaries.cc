@@ -56,7 +56,7 @@ void PageSummaries::Update(int layer, int head, const LayerCache& lc) {
   if (built == lc.len) return;
   kernels::SummaryUpdateSegment s;
   s.k = lc.k;
-  s.head_stride = lc.head_stride();
+  s.kv = lc.layout;
   s.n_heads = lc.n_heads;
   s.first = built;
   s.len = lc.len;

@@ -224,8 +224,14 @@ absl::Status KvAssembler::OnChunk(const WireChunk& c) {
   for (int h = 0; h < c.head_count; ++h) {
     const int head = c.head_begin + h;
     const size_t src = static_cast<size_t>(h) * c.token_count;
-    std::memcpy(lc.k_row(head, c.token_begin), c.k.data() + src * row, row * c.token_count);
-    std::memcpy(lc.v_row(head, c.token_begin), c.v.data() + src * row, row * c.token_count);
+    // Into the cache's rows where they are: host memory, or a device's pages (staged copies).
+    if (absl::Status st =
+            cache_->WriteRows(c.layer, head, c.token_begin, c.token_count,
+                              reinterpret_cast<const uint8_t*>(c.k.data()) + src * row,
+                              reinterpret_cast<const uint8_t*>(c.v.data()) + src * row);
+        !st.ok()) {
+      return Fail(st);
+    }
     std::memcpy(lc.positions + int64_t{head} * lc.capacity + c.token_begin,
                 c.positions.data() + src * sizeof(int32_t), sizeof(int32_t) * c.token_count);
   }

@@ -415,7 +415,7 @@ void ExactScores(const PageScoreSegment& s, int d, DType dtype) {
   for (int g = 0; g < s.group; ++g) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int t = 0; t < s.len; ++t) {
-      ToFloat(dtype, k + static_cast<size_t>(t) * d * es, row.data(), d);
+      ToFloat(dtype, k + s.kv.Row(s.head, t, d) * static_cast<int64_t>(es), row.data(), d);
       float dot = 0.f;
       for (int i = 0; i < d; ++i) dot += s.q[g * d + i] * row[i];
       e[t] = dot * s.scale;

@@ -16,13 +16,13 @@ void UpdateHeadSummaries(const SummaryUpdateSegment& s, int head) {
   lo.resize(d);
   hi.resize(d);
   row.resize(d);
-  const auto* k = static_cast<const uint8_t*>(s.k) + head * s.head_stride * es;
+  const auto* k = static_cast<const uint8_t*>(s.k);
   auto* block = static_cast<uint8_t*>(s.summaries) + head * l.head_elems() * es;
   for (int p = s.first / l.page; p < l.pages(s.len); ++p) {
     std::fill(lo.begin(), lo.end(), std::numeric_limits<float>::infinity());
     std::fill(hi.begin(), hi.end(), -std::numeric_limits<float>::infinity());
     for (int t = p * l.page; t < std::min(s.len, (p + 1) * l.page); ++t) {
-      ToFloat(l.dtype, k + static_cast<size_t>(t) * d * es, row.data(), d);
+      ToFloat(l.dtype, k + s.kv.Row(head, t, d) * static_cast<int64_t>(es), row.data(), d);
       for (int i = 0; i < d; ++i) {
         lo[i] = std::min(lo[i], row[i]);
         hi[i] = std::max(hi[i], row[i]);

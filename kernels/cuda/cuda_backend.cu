@@ -217,8 +217,18 @@ class CudaBackend final : public KernelBackend {
   absl::Status AppendKv(const AppendKvParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateAppendKv(p));  // before sizing the table from p.batch
+    // The sequences' page tables go up with them.
+    std::vector<KvAppend> seqs(p.seqs, p.seqs + p.batch);
+    std::vector<KvLayout*> layouts;
+    std::vector<int> lens;
+    for (KvAppend& s : seqs) {
+      layouts.push_back(&s.layout);
+      lens.push_back(s.t + 1);
+    }
+    RETURN_IF_ERROR(
+        cuda::UploadPageTables(layouts, lens, OpMemoryOf(*lane), cuda::kTableAppendPages));
     ASSIGN_OR_RETURN(void* table,
-                     TableOn(*lane, &lane->append_table, p.seqs, sizeof(KvAppend) * p.batch));
+                     TableOn(*lane, &lane->append_table, seqs.data(), sizeof(KvAppend) * p.batch));
     return cuda::LaunchAppendKv(p, static_cast<const KvAppend*>(table), lane->compute);
   }
   absl::Status RmsNorm(const RmsNormParams& p) override {
@@ -240,8 +250,17 @@ class CudaBackend final : public KernelBackend {
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateDecodeAttention(p));
-    ASSIGN_OR_RETURN(void* table,
-                     TableOn(*lane, &lane->seqs_table, p.seqs, sizeof(DecodeSequence) * p.batch));
+    std::vector<DecodeSequence> seqs(p.seqs, p.seqs + p.batch);
+    std::vector<KvLayout*> layouts;
+    std::vector<int> lens;
+    for (DecodeSequence& s : seqs) {
+      layouts.push_back(&s.layout);
+      lens.push_back(s.len);
+    }
+    RETURN_IF_ERROR(
+        cuda::UploadPageTables(layouts, lens, OpMemoryOf(*lane), cuda::kTableDecodePages));
+    ASSIGN_OR_RETURN(void* table, TableOn(*lane, &lane->seqs_table, seqs.data(),
+                                          sizeof(DecodeSequence) * p.batch));
     return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table), lane->compute);
   }
   // Host work between ops (sparse selection on the host) on the host's cores, idle while

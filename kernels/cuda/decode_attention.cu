@@ -5,7 +5,8 @@
  * warp-reduced dot product and the softmax is online, so any cache length works with
  * constant shared memory. K and V are read in the cache's dtype and widened in
  * registers. With `probs` set, a second pass writes each token's attention probability
- * (for fidelity measurements). Tested against ReferenceBackend::DecodeAttention. */
+ * (for fidelity measurements). A cache in one region or in pages (KvLayout): each row looked up
+ * in the sequence's page table. Tested against ReferenceBackend::DecodeAttention. */
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 
@@ -23,8 +24,9 @@ __global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, i
   const DecodeSequence& seq = seqs[item / n_heads];
   const int h = static_cast<int>(item % n_heads);
   const int c = h / (n_heads / n_cache_heads);
-  const T* kb = static_cast<const T*>(seq.k) + c * seq.head_stride;
-  const T* vb = static_cast<const T*>(seq.v) + c * seq.head_stride;
+  const T* kb = static_cast<const T*>(seq.k);
+  const T* vb = static_cast<const T*>(seq.v);
+  const KvLayout& layout = seq.layout;  // a region, or pages (their table uploaded with seqs)
   const int count = seq.indices ? seq.num_indices : seq.len;
   const int32_t* idx =
       seq.indices ? seq.indices + static_cast<int64_t>(c) * seq.num_indices : nullptr;
@@ -39,8 +41,9 @@ __global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, i
   float m = -INFINITY, l = 0.f;
   for (int t = 0; t < count; ++t) {
     const int64_t tok = idx ? idx[t] : t;
-    const T* k = kb + tok * d;
-    const T* v = vb + tok * d;
+    const int64_t row = layout.Row(c, static_cast<int>(tok), d);
+    const T* k = kb + row;
+    const T* v = vb + row;
     float part = 0.f;
 #pragma unroll
     for (int x = 0; x < DPL; ++x) {
@@ -71,7 +74,7 @@ __global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, i
   __syncwarp();
   for (int t = 0; t < count; ++t) {
     const int64_t tok = idx ? idx[t] : t;
-    const T* k = kb + tok * d;
+    const T* k = kb + layout.Row(c, static_cast<int>(tok), d);
     float part = 0.f;
 #pragma unroll
     for (int x = 0; x < DPL; ++x) {

@@ -2,6 +2,8 @@
  * which stores each sequence's new K and V rows (float32, after RoPE) in its cache's dtype
  * at token t of every cache head. One block per (sequence, cache head, K or V), a thread per
  * element. Tested against the host backends' loops (kernels/host_memory.h). */
+#include <vector>
+
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/validate.h"
@@ -25,12 +27,29 @@ __global__ void AppendKvKernel(const KvAppend* __restrict__ seqs, int n_kv_heads
   const KvAppend& s = seqs[item / 2 / n_cache_heads];
   const int g = c / (n_cache_heads / n_kv_heads);
   const float* src = (which == 0 ? s.k : s.v) + static_cast<int64_t>(g) * d;
-  T* dst = static_cast<T*>(which == 0 ? s.k_cache : s.v_cache) + c * s.head_stride +
-           static_cast<int64_t>(s.t) * d;
+  T* dst = static_cast<T*>(which == 0 ? s.k_cache : s.v_cache) + s.layout.Row(c, s.t, d);
   for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = FromF32<T>(src[i]);
 }
 
 }  // namespace
+
+absl::Status UploadPageTables(const std::vector<KvLayout*>& layouts, const std::vector<int>& lens,
+                              const OpMemory& mem, int table) {
+  std::vector<int32_t> flat;
+  std::vector<int64_t> at(layouts.size(), -1);
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const KvLayout& l = *layouts[i];
+    if (l.pages == nullptr) continue;
+    at[i] = static_cast<int64_t>(flat.size());
+    flat.insert(flat.end(), l.pages, l.pages + l.TableEntries(lens[i]));
+  }
+  if (flat.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(void* device, mem.table(table, flat.data(), flat.size() * sizeof(int32_t)));
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    if (at[i] >= 0) layouts[i]->pages = static_cast<const int32_t*>(device) + at[i];
+  }
+  return absl::OkStatus();
+}
 
 absl::Status LaunchAdd(const AddParams& p, cudaStream_t stream) {
   RETURN_IF_ERROR(ValidateAdd(p));

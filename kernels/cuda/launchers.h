@@ -41,15 +41,25 @@ enum TableId : int {
   kTableTopKOffsets,
   kTableHbw,
   kTableSummaries,
+  kTableSummaryPages,
   kTablePageScores,
+  kTablePageScorePages,
   kTableSample,
   kTableSampleOffsets,
+  kTableDecodePages,
+  kTableAppendPages,
   kTables
 };
 struct OpMemory {
   std::function<absl::StatusOr<void*>(int slot, size_t bytes)> scratch;
   std::function<absl::StatusOr<void*>(int table, const void* host, size_t bytes)> table;
 };
+
+// The page tables of paged layouts (KvLayout::pages, host arrays; each layout's first
+// TableEntries(len) entries) copied into device table `table`, and each layout pointed at its
+// copy. Layouts in one region are left as they are.
+absl::Status UploadPageTables(const std::vector<KvLayout*>& layouts, const std::vector<int>& lens,
+                              const OpMemory& mem, int table);
 
 // The selection ops (kernels/selection.h), one .cu file each; every launcher validates.
 absl::Status LaunchWindowVotes(const WindowVotesParams& p, cudaStream_t stream);

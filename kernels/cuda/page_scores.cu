@@ -152,7 +152,8 @@ __device__ void Exact(const PageScoreSegment& s, int d, float* e) {
     float local = -INFINITY;
     for (int t = threadIdx.x; t < s.len; t += blockDim.x) {
       float dot = 0.f;
-      for (int i = 0; i < d; ++i) dot += q[i] * ToF32(k[static_cast<int64_t>(t) * d + i]);
+      const T* row = k + s.kv.Row(s.head, t, d);
+      for (int i = 0; i < d; ++i) dot += q[i] * ToF32(row[i]);
       e[t] = dot * s.scale;
       local = HostMax(local, e[t]);
     }
@@ -213,6 +214,14 @@ absl::Status LaunchPageScores(const PageScoresParams& p, const OpMemory& mem, cu
   }
   ASSIGN_OR_RETURN(void* buffer,
                    mem.scratch(kScratchWork, sizeof(float) * std::max<int64_t>(work, 1)));
+  std::vector<KvLayout*> layouts;
+  std::vector<int> lens;
+  for (DeviceSegment& seg : segs) {
+    if (seg.s.kind != PageScoreKind::kExact) continue;
+    layouts.push_back(&seg.s.kv);
+    lens.push_back(seg.s.len);
+  }
+  RETURN_IF_ERROR(UploadPageTables(layouts, lens, mem, kTablePageScorePages));
   ASSIGN_OR_RETURN(void* table,
                    mem.table(kTablePageScores, segs.data(), sizeof(DeviceSegment) * segs.size()));
   return DispatchDType(p.dtype, [&]<typename T>() {

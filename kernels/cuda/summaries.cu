@@ -23,7 +23,7 @@ __global__ void UpdateSummariesKernel(const HeadItem* items) {
   const SummaryLayout& l = s.layout;
   const int first_page = s.first / l.page;
   const int64_t work = static_cast<int64_t>(l.pages(s.len) - first_page) * l.head_dim;
-  const T* k = static_cast<const T*>(s.k) + item.head * s.head_stride;
+  const T* k = static_cast<const T*>(s.k);
   T* block = static_cast<T*>(s.summaries) + item.head * l.head_elems();
   for (int64_t w = threadIdx.x; w < work; w += blockDim.x) {
     const int page = first_page + static_cast<int>(w / l.head_dim);
@@ -31,7 +31,7 @@ __global__ void UpdateSummariesKernel(const HeadItem* items) {
     float lo = INFINITY, hi = -INFINITY;
     const int end = min(s.len, (page + 1) * l.page);
     for (int t = page * l.page; t < end; ++t) {
-      const float v = ToF32(k[static_cast<int64_t>(t) * l.head_dim + d]);
+      const float v = ToF32(k[s.kv.Row(item.head, t, l.head_dim) + d]);
       lo = fminf(lo, v);
       hi = fmaxf(hi, v);
     }
@@ -57,6 +57,13 @@ absl::Status LaunchUpdateSummaries(const UpdateSummariesParams& p, const OpMemor
     for (int c = 0; c < s.n_heads; ++c) items.push_back({s, c});
   }
   if (items.empty()) return absl::OkStatus();
+  std::vector<KvLayout*> layouts;
+  std::vector<int> lens;
+  for (HeadItem& item : items) {
+    layouts.push_back(&item.s.kv);
+    lens.push_back(item.s.len);
+  }
+  RETURN_IF_ERROR(UploadPageTables(layouts, lens, mem, kTableSummaryPages));
   ASSIGN_OR_RETURN(void* table,
                    mem.table(kTableSummaries, items.data(), sizeof(HeadItem) * items.size()));
   return DispatchDType(dtype, [&]<typename T>() {

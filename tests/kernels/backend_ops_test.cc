@@ -4,6 +4,7 @@
 // CUDA cases run only where a GPU is present and skip otherwise.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -18,6 +19,41 @@
 
 namespace kvwire::kernels {
 namespace {
+
+// Rows [heads, capacity, d] of a cache in one region laid out in pages of `page_tokens` tokens
+// (KvLayout): page ids a random permutation of a pool with spare pages, pages a little further
+// apart than their rows need, two heads a page where they pair up. Equal seeds, equal pages.
+struct PagedRows {
+  std::vector<float> rows;     // the pool
+  std::vector<int32_t> table;  // the page table
+  KvLayout layout;             // pages point into `table` (host memory, as ops take it)
+};
+PagedRows ToPages(const std::vector<float>& region, int heads, int capacity, int d, int page_tokens,
+                  uint32_t seed) {
+  PagedRows p;
+  const int per_page = heads % 2 == 0 ? 2 : 1;
+  const int blocks = (capacity + page_tokens - 1) / page_tokens;
+  const int n_pages = blocks * (heads / per_page) + 3;
+  const int64_t stride = int64_t{per_page} * page_tokens * d + 8;
+  std::vector<int32_t> ids(n_pages);
+  for (int i = 0; i < n_pages; ++i) ids[i] = i;
+  std::mt19937 rng(seed);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  p.table.assign(ids.begin(), ids.begin() + int64_t{blocks} * (heads / per_page));
+  p.rows = Random(static_cast<size_t>(n_pages) * stride, seed + 1);  // what no row overwrites
+  p.layout.page_tokens = page_tokens;
+  p.layout.heads_per_page = per_page;
+  p.layout.n_heads = heads;
+  p.layout.page_stride = stride;
+  p.layout.pages = p.table.data();
+  for (int c = 0; c < heads; ++c) {
+    for (int t = 0; t < capacity; ++t) {
+      std::copy_n(region.begin() + (int64_t{c} * capacity + t) * d, d,
+                  p.rows.begin() + p.layout.Row(c, t, d));
+    }
+  }
+  return p;
+}
 
 // ---------------------------------------------------------------- MatMul
 
@@ -140,8 +176,8 @@ TEST_P(BackendOpsTest, AppendKv) {
           Arena a(be);
           std::vector<KvAppend> seqs(batch);
           for (int b = 0; b < batch; ++b) {
-            seqs[b] = {a.Upload(ks[b]),   a.Upload(vs[b]), a.Upload(kc[b]), a.Upload(vc[b]), hs,
-                       (b * 4) % capacity};
+            seqs[b] = {a.Upload(ks[b]), a.Upload(vs[b]),      a.Upload(kc[b]),
+                       a.Upload(vc[b]), KvLayout::Region(hs), (b * 4) % capacity};
           }
           AppendKvParams p{seqs.data(), batch, kv_heads, cache_heads, d, t};
           const absl::Status st = be.AppendKv(p);
@@ -177,11 +213,11 @@ TEST_P(BackendOpsTest, AppendKvRejectsATokenPastTheCache) {
   Arena a(*backend_);
   float* row = a.Zeros(16);
   float* cache = a.Zeros(16 * 4);
-  KvAppend s{row, row, cache, cache, /*head_stride=*/16, /*t=*/1};  // room for token 0 only
+  KvAppend s{row, row, cache, cache, KvLayout::Region(16), /*t=*/1};  // room for token 0 only
   AppendKvParams p{&s, 1, 1, 1, 16, DType::kF32};
   const absl::Status st = backend_->AppendKv(p);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("does not fit"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("2 tokens do not fit a head_stride of 16"), std::string::npos) << st;
 }
 
 // ---------------------------------------------------------------- RmsNorm, Rope, SwiGlu
@@ -349,9 +385,10 @@ TEST_P(BackendOpsTest, DecodeAttention) {
       for (auto [heads, cache_heads] :
            std::vector<std::pair<int, int>>{{1, 1}, {8, 2}, {4, 4}, {8, 4}, {8, 1}}) {
         for (int d : {8, 64, 128}) {
-          for (bool sparse : {false, true}) {
+          for (auto [sparse, paged] : std::vector<std::pair<bool, bool>>{
+                   {false, false}, {true, false}, {false, true}, {true, true}}) {
             SCOPED_TRACE(absl::StrCat("dtype=", DTypeName(t), " len=", len, " heads=", heads, "/",
-                                      cache_heads, " d=", d, " sparse=", sparse));
+                                      cache_heads, " d=", d, " sparse=", sparse, " paged=", paged));
             const int batch = 3;
             const int capacity = len + 5;
             const int64_t hs = int64_t{capacity} * d;
@@ -372,6 +409,12 @@ TEST_P(BackendOpsTest, DecodeAttention) {
               }
               idx.push_back(ix);
             }
+            // The same rows in pages of 4 tokens, in random pages of a pool.
+            std::vector<PagedRows> pk, pv;
+            for (int b = 0; b < batch; ++b) {
+              pk.push_back(ToPages(ks[b], cache_heads, capacity, d, 4, seed));    // one table
+              pv.push_back(ToPages(vs[b], cache_heads, capacity, d, 4, seed++));  // for both
+            }
             auto run = [&](KernelBackend& be, std::vector<float>* probs_out) {
               Arena a(be);
               std::vector<DecodeSequence> seqs(batch);
@@ -381,9 +424,15 @@ TEST_P(BackendOpsTest, DecodeAttention) {
                 s.q = a.Upload(qs[b]);
                 outs[b] = a.Zeros(heads * d);
                 s.out = outs[b];
-                s.k = a.Upload(Encode(ks[b], t));
-                s.v = a.Upload(Encode(vs[b], t));
-                s.head_stride = hs;
+                if (paged) {
+                  s.k = a.Upload(Encode(pk[b].rows, t));
+                  s.v = a.Upload(Encode(pv[b].rows, t));
+                  s.layout = pk[b].layout;
+                } else {
+                  s.k = a.Upload(Encode(ks[b], t));
+                  s.v = a.Upload(Encode(vs[b], t));
+                  s.layout = KvLayout::Region(hs);
+                }
                 s.len = len;
                 if (sparse) {
                   s.indices = a.Upload(idx[b]);
@@ -528,7 +577,7 @@ TEST(GuardedBackend, OpsRefuseHostPointers) {
   seq.q = a.Zeros(8);
   seq.out = a.Zeros(8);
   seq.k = seq.v = a.Zeros(8);
-  seq.head_stride = 8;
+  seq.layout = KvLayout::Region(8);
   seq.len = 1;
   std::vector<int32_t> host_indices = {0};
   seq.indices = host_indices.data();

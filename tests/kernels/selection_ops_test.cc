@@ -294,8 +294,8 @@ TEST_P(BackendOpsTest, UpdateSummariesRecomputesThePagesOfNewTokens) {
       const int first_len = c.capacity - 7, second_len = c.capacity - 2;
       auto run = [&](KernelBackend& b) {
         Arena a(b);
-        SummaryUpdateSegment s{
-            a.Upload(k), hs, c.heads, 0, first_len, a.Filled<uint8_t>(bytes, 0), l};
+        SummaryUpdateSegment s{a.Upload(k), KvLayout::Region(hs),        c.heads, 0,
+                               first_len,   a.Filled<uint8_t>(bytes, 0), l};
         EXPECT_TRUE(b.UpdateSummaries({&s, 1}).ok());
         s.first = first_len;
         s.len = second_len;
@@ -341,7 +341,7 @@ TEST_P(BackendOpsTest, PageScores) {
           Arena a(b);
           const uint8_t* kd = a.Upload(k);
           uint8_t* sums = a.Filled<uint8_t>(bytes, 0);
-          SummaryUpdateSegment u{kd, hs, c.heads, 0, len, sums, l};
+          SummaryUpdateSegment u{kd, KvLayout::Region(hs), c.heads, 0, len, sums, l};
           EXPECT_TRUE(b.UpdateSummaries({&u, 1}).ok());
           const float* qd = a.Upload(q);
           std::vector<PageScoreSegment> segs(c.heads);
@@ -354,7 +354,9 @@ TEST_P(BackendOpsTest, PageScores) {
             s.summaries = sums + h * l.head_elems() * DTypeSize(c.dtype);
             s.layout = l;
             s.top_r = h == 0 ? d : 1 + 5 * h;
-            s.k = kd + h * hs * DTypeSize(c.dtype);
+            s.k = kd;
+            s.kv = KvLayout::Region(hs);
+            s.head = h;
             s.scale = 0.125f;
             s.score = a.Filled<float>(n_scores, -7.f);
           }

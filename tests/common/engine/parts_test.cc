@@ -6,8 +6,9 @@
 #include <cstring>
 #include <string>
 
-#include "common/engine/kv_pool.h"
 #include "common/engine/stop_matcher.h"
+#include "common/model/kv_pool.h"
+#include "kernels/backend.h"
 #include "tests/test_util.h"
 
 namespace kvwire {
@@ -53,6 +54,65 @@ TEST(KvPool, LargeCachesAskForHugePagesSmallOnesDoNot) {
   ASSERT_TRUE(small.ok());
   EXPECT_EQ(reinterpret_cast<uintptr_t>((*small)->data()) % 64, 0u);
   EXPECT_EQ(testing::VmFlagsOf((*small)->data()).find(" hg"), std::string::npos);
+}
+
+// On a device backend (guarded here) the pool is one slab made up front: KV pages anywhere in it
+// for caches, runs of consecutive pages for other state, all counted, all given back.
+TEST(KvPool, OnABackendHandsOutPagesAndRunsOfOneSlab) {
+  auto backend = kernels::MakeBackend(kernels::BackendKind::kGuarded, 1);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::shared_ptr<kernels::KernelBackend> b = std::move(*backend);
+  std::atomic<int> released{0};
+  auto made = KvPool::OnBackend(b, 16 * 4096 + 100, 4096, [&] { ++released; });
+  ASSERT_TRUE(made.ok()) << made.status();
+  KvPool& pool = **made;
+  EXPECT_TRUE(pool.paged());
+  EXPECT_EQ(pool.capacity(), 16u * 4096);  // whole pages
+  auto pages = pool.AllocatePages(10);
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  EXPECT_EQ(pool.used(), 10u * 4096);
+  EXPECT_EQ(pool.AllocatePages(7).status().code(), absl::StatusCode::kResourceExhausted);
+  auto run = pool.Allocate(3 * 4096 - 5);  // three consecutive pages
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ((*run)->backend(), b.get());
+  EXPECT_EQ(((*run)->data() - pool.slab()) % 4096, 0);
+  EXPECT_EQ(pool.used(), 13u * 4096);
+  pages->reset();
+  EXPECT_EQ(pool.used(), 3u * 4096);
+  EXPECT_EQ(released.load(), 1);
+  // A cache in pages: its rows written through the backend read back through its layout.
+  KvCacheShape shape{2, 16, DType::kF32, {37, 9}};
+  auto cache = KvCache::CreatePaged(shape, pool);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_FALSE((*cache)->host_rows());
+  const LayerCache& lc = (*cache)->layer(0);
+  EXPECT_TRUE(lc.paged());
+  EXPECT_EQ(lc.layout.page_tokens, 4096 / (2 * 2 * 16 * 4));  // 16 tokens of K and V a page
+  std::vector<float> k(5 * 16), v(5 * 16);
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<float>(i);
+    v[i] = -static_cast<float>(i);
+  }
+  // Rows 14..18 of head 1 straddle a page boundary.
+  ASSERT_TRUE((*cache)
+                  ->WriteRows(0, 1, 14, 5, reinterpret_cast<const uint8_t*>(k.data()),
+                              reinterpret_cast<const uint8_t*>(v.data()))
+                  .ok());
+  std::vector<float> row(16);
+  ASSERT_TRUE(b->CopyToHost(row.data(), lc.k_row(1, 16), 16 * sizeof(float)).ok());
+  EXPECT_EQ(row[0], 32.f);  // row 16 is the third written
+  ASSERT_TRUE(b->CopyToHost(row.data(), lc.v_row(1, 18), 16 * sizeof(float)).ok());
+  EXPECT_EQ(row[15], -79.f);
+  EXPECT_EQ((*cache)->WriteRows(0, 1, 35, 5, nullptr, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);  // past the capacity
+  cache->reset();
+  run->reset();
+  EXPECT_EQ(pool.used(), 0u);
+  // A page too small for one token of K and V is refused, saying so.
+  KvCacheShape wide{8, 128, DType::kF32, {4}};
+  auto refused = KvCache::CreatePaged(wide, pool);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("holds no token"), std::string::npos);
 }
 
 TEST(KvPool, ParseBytes) {

@@ -641,8 +641,14 @@ TEST(SparseAttention, SelectorBytesAreWhatTheSelectorTakes) {
     auto bytes = DecodeSelectorBytes(a, mc, shape);
     ASSERT_TRUE(bytes.ok()) << bytes.status();
     EXPECT_EQ(*bytes, alloc.total) << AttentionModeName(mode);
-    const bool summaries = mode == AttentionMode::kHybrid || mode == AttentionMode::kQuest;
-    EXPECT_EQ(*bytes > 0, summaries) << AttentionModeName(mode);
+    // Dense takes nothing; a sparse mode its scores and indices (the device path's, in the
+    // pool), and the modes that keep page summaries those too.
+    EXPECT_EQ(*bytes > 0, mode != AttentionMode::kDense) << AttentionModeName(mode);
+    if (mode == AttentionMode::kHybrid || mode == AttentionMode::kQuest) {
+      auto p = ResolveSparseParams(a, 300, 64);
+      ASSERT_TRUE(p.ok());
+      EXPECT_GT(*bytes, PageSummaries::Bytes(shape, p->page_size)) << AttentionModeName(mode);
+    }
   }
 }
 
@@ -827,9 +833,14 @@ TEST(SparseAttention, LayersKeptWholeAttendDensely) {
   CountingAllocator alloc;
   auto sel = MakeDecodeSelector(a, mc, cache->shape(), alloc);
   ASSERT_TRUE(sel.ok()) << sel.status();
-  // No page summaries for the dense layer.
-  EXPECT_EQ(alloc.total, PageSummaries::Bytes(shape, a.page_size, 1));
-  EXPECT_LT(alloc.total, PageSummaries::Bytes(shape, a.page_size));
+  // No page summaries for the dense layer: the selector takes what one with every layer sparse
+  // takes, less that layer's summaries.
+  DecodeAttentionConfig all_sparse = a;
+  all_sparse.dense_layers = 0;
+  auto all_bytes = DecodeSelectorBytes(all_sparse, mc, shape);
+  ASSERT_TRUE(all_bytes.ok()) << all_bytes.status();
+  EXPECT_EQ(*all_bytes - alloc.total,
+            PageSummaries::Bytes(shape, a.page_size) - PageSummaries::Bytes(shape, a.page_size, 1));
   std::vector<float> q(4 * 16, 0.5f);
   std::vector<int32_t> idx;
   int num = 0;
