@@ -19,7 +19,7 @@ absl::StatusOr<DecodeServerOptions> OptionsFromFlags(const Flags& f) {
   o.prefill_target = f.GetString("prefill");
   o.prefill_tls = {f.GetString("prefill-tls-ca"), f.GetString("prefill-tls-cert"),
                    f.GetString("prefill-tls-key"), f.GetString("prefill-tls-server-name")};
-  o.tls = {f.GetString("tls-cert"), f.GetString("tls-key"), f.GetString("tls-client-ca")};
+  o.tls = ServerTlsFromFlags(f);
   ASSIGN_OR_RETURN(o.kv_pool_bytes, ParseBytes(f.GetString("kv-pool-bytes")));
   ASSIGN_OR_RETURN(o.kv_page_bytes, ParseBytes(f.GetString("kv-page-bytes")));
   o.engine.node_name = f.GetString("node-name");
@@ -81,9 +81,6 @@ int main(int argc, char** argv) {
   flags.Define("prefill-tls-cert", "", "this node's client certificate (mutual TLS)");
   flags.Define("prefill-tls-key", "", "this node's client key (mutual TLS)");
   flags.Define("prefill-tls-server-name", "", "name to check in the prefill certificates");
-  flags.Define("tls-cert", "", "server certificate chain for clients (PEM); enables TLS");
-  flags.Define("tls-key", "", "server private key (PEM)");
-  flags.Define("tls-client-ca", "", "require client certificates signed by this CA");
   flags.Define("kv-pool-bytes", "1GiB", "KV cache memory for all sequences");
   flags.Define("kv-page-bytes", "64KiB", "allocation granularity of the KV pool");
   flags.Define("max-batch", "32", "sequences prefilling or decoding at once");

@@ -296,8 +296,8 @@ absl::Status CpuBackend::PrefillAttention(const PrefillAttentionParams& p) {
 }
 
 // Rows by index that decode attention asks for ahead of the one it reads (see below): enough
-// to cover a miss to memory at the rate the key pass consumes rows. decode_bench at 16K: 16
-// to 48 alike within noise, 8 a few percent slower.
+// to cover a miss to memory at the rate the key pass consumes rows (docs/benchmarks.md,
+// "Decode at long context").
 constexpr int kGatherAhead = 16;
 
 // Decode attention: a task is (sequence, cache head). One pass over the keys scores all
@@ -339,8 +339,7 @@ void DecodeHeadGroup(const DecodeSequence& seq, int c, int d, float scale, float
   // over the cache, each a wait on memory unless asked for well before: the key pass asks
   // for the key and the value of the row kGatherAhead ahead, from the first row on, so that
   // the value pass finds its rows in cache. (The selection has asked for all of them already,
-  // at once; yet even 30 µs later the kernel took 1.5x its time on rows in cache, most likely
-  // because a core drops prefetches while all its misses are outstanding.)
+  // at once, but a core drops prefetches while all its misses are outstanding.)
   const int ahead = idx ? kGatherAhead : 8;
   const int row_bytes = d * (T == DType::kF32 ? 4 : 2);
   auto prefetch_row = [&](const void* base, int64_t tok) {

@@ -215,10 +215,9 @@ void TileBf16(const uint16_t* xb, int64_t kp, const uint16_t* w, int k, int i0, 
 }
 
 // One activation row (a decode step at batch 1): each weight row is read start to end
-// before the next, one forward stream per thread. Measured on Zen 4 with 4 KB rows (k 2048),
-// that reads W 13-15% faster than four rows interleaved as TileBf16 reads them, and at the
-// speed of a plain sequential read; with longer rows the two are equal. Two accumulators
-// hide the instruction's latency.
+// before the next, one forward stream per thread, which reads W faster than four rows
+// interleaved as TileBf16 reads them (docs/benchmarks.md, "Engine"). Two accumulators hide the
+// instruction's latency.
 void RowsBf16(const uint16_t* xb, const uint16_t* w, int k, int64_t j0, int64_t j1,
               const float* bias, float* y) {
   for (int64_t j = j0; j < j1; ++j) {

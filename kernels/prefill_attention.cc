@@ -37,9 +37,8 @@ void TransposeKeyTile(const float* k, int64_t stride, int n, int d, float* kt) {
 }
 
 // vt[j·d + x] = v[j·stride + x] for the tile's n value rows. The rows of one KV head sit a
-// whole K/V row apart (2 KiB for 8 heads of 64 floats), so in place they share a few L1 sets
-// and evict each other: every query row of the task would read the tile from L2 again. The
-// copy stays in L1 for all of them (the 1B model's attention ran 1.3-1.6x faster with it).
+// whole K/V row apart, so in place they share a few L1 sets and evict each other; the copy
+// stays in L1 for every query row of the task (docs/benchmarks.md, "Engine").
 void CopyValueTile(const float* v, int64_t stride, int n, int d, float* vt) {
   for (int j = 0; j < n; ++j) std::copy(v + j * stride, v + j * stride + d, vt + j * d);
 }

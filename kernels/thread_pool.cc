@@ -15,8 +15,8 @@ inline void CpuRelax() {
 #endif
 }
 
-// About 30 µs of spinning: long enough to bridge consecutive decode kernels, short
-// enough not to steal a core from other processes for long.
+// Spinning long enough to bridge consecutive decode kernels, short enough not to steal a core
+// from other processes for long.
 constexpr int kSpinIterations = 2000;
 
 }  // namespace
@@ -38,9 +38,8 @@ ThreadPool::~ThreadPool() {
 // Guided self-scheduling (Polychronopoulos and Kuck, 1987; OpenMP's schedule(guided)): each
 // grab takes the larger of the grain and 1/(2·threads) of what is left, so ranges start long
 // (long forward streams through W for a matrix product) and shrink towards the end, where
-// equal chunks left one thread idle while the other finished its last one. On the 2-core
-// development machine that idle tail was 8-20% of a 1B decode step and of a prefill
-// (docs/benchmarks.md).
+// equal chunks left one thread idle while the other finished its last one
+// (docs/benchmarks.md, "Engine").
 void ThreadPool::RunChunks() {
   const int64_t parts = 2 * size();
   int64_t begin = next_.load(std::memory_order_relaxed);

@@ -20,9 +20,6 @@ int main(int argc, char** argv) {
                "prefills that run at once (they share the cores; more than one keeps a slow "
                "reader from holding the node)");
   flags.Define("max-queue", "16", "prefills that may wait; more is RESOURCE_EXHAUSTED");
-  flags.Define("tls-cert", "", "server certificate chain (PEM); enables TLS");
-  flags.Define("tls-key", "", "server private key (PEM)");
-  flags.Define("tls-client-ca", "", "require client certificates signed by this CA (mutual TLS)");
   flags.Define("auth-token-file", "",
                "require 'authorization: Bearer <token>' with the token in this file (where TLS "
                "terminates outside the node)");
@@ -58,8 +55,7 @@ int main(int argc, char** argv) {
   }
   engine_options.workers = static_cast<int>(*workers);
   engine_options.max_queue = static_cast<int>(*queue);
-  o.tls = {flags.GetString("tls-cert"), flags.GetString("tls-key"),
-           flags.GetString("tls-client-ca")};
+  o.tls = ServerTlsFromFlags(flags);
   o.send_timeout = std::chrono::milliseconds(*send_timeout);
   o.max_deadline = std::chrono::seconds(*max_deadline);
   o.reflection = flags.GetBool("reflection");

@@ -70,7 +70,8 @@ phase() {
   fi
   ((limit > left)) && limit=$left
   local t0=$SECONDS rc
-  echo "=== $name (up to ${limit} s): $*" | tee -a "$work/session.log"
+  local cmd="$*"
+  echo "=== $name (up to ${limit} s): ${cmd:0:240}" | tee -a "$work/session.log"
   timeout -k 5 "$limit" "$@" >"$work/$name.log" 2>&1
   rc=$?
   local status=pass

@@ -28,6 +28,16 @@
 
 namespace kvwire::testing {
 
+// Stores every layer it is given into one cache, as a receiving node's assembler would.
+class CacheSink : public CompressedLayerSink {
+ public:
+  explicit CacheSink(KvCache* cache) : cache_(cache) {}
+  absl::Status Accept(CompressedLayer layer) override { return StoreLayer(layer, cache_); }
+
+ private:
+  KvCache* cache_;
+};
+
 // Bounded waits of the tests: long enough never to matter on a loaded machine.
 inline constexpr std::chrono::seconds kWait{20};
 

@@ -162,17 +162,6 @@ class Compressor : public PrefillObserver {
 // Writes a compressed layer into a cache (checks it fits and matches).
 absl::Status StoreLayer(const CompressedLayer& layer, KvCache* cache);
 
-// Stores every layer it is given into one cache (the eval harness replays captured
-// prefills through a Compressor into caches this way).
-class CacheSink : public CompressedLayerSink {
- public:
-  explicit CacheSink(KvCache* cache) : cache_(cache) {}
-  absl::Status Accept(CompressedLayer layer) override { return StoreLayer(layer, cache_); }
-
- private:
-  KvCache* cache_;
-};
-
 // Shape of the cache a compressed prompt of `len` tokens needs, with room for
 // `extra_tokens` generated ones.
 KvCacheShape CompressedCacheShape(const CompressionConfig& config, const ModelConfig& model,

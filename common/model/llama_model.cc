@@ -90,11 +90,9 @@ absl::Status LlamaModel::PlaceWeights(bool mapped) {
     return absl::OkStatus();
   }
   // On the host backends this is a copy too: from a mapped file's 4 KiB pages into the
-  // backend's buffers, which are on huge pages (host_alloc.h). Decode at batch 1 streams every
-  // weight once a token; on the development machine a 2-thread read of 1 GiB ran 5-7% faster
-  // from huge pages than from the file's mapping, and the 1B model's decode faster in 9 of 11
-  // alternated pairs (docs/benchmarks.md, "Weights on huge pages"). The cost is the copy at
-  // load, and the memory: anonymous, where a mapping's pages are the page cache's.
+  // backend's buffers, which are on huge pages (host_alloc.h), which decode at batch 1 streams
+  // faster (docs/benchmarks.md, "Weights on huge pages"). The cost is the copy at load, and the
+  // memory: anonymous, where a mapping's pages are the page cache's.
   // Each host array once (the LM head may be the embedding).
   std::map<const void*, const void*> placed;
   const int64_t total = WeightBytes();

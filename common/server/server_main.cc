@@ -83,6 +83,14 @@ void DefineServerFlags(Flags& flags, const std::string& role, const std::string&
   flags.Define("trace-file", "", "write spans as OTLP-JSON lines to this file ('-': stderr)");
   flags.Define("grace-ms", "20000", "on SIGTERM, how long in-flight requests may finish");
   flags.DefineBool("dry-run", "check the flags and exit without loading or serving");
+  flags.Define("tls-cert", "", "server certificate chain (PEM); enables TLS");
+  flags.Define("tls-key", "", "server private key (PEM)");
+  flags.Define("tls-client-ca", "", "require client certificates signed by this CA (mutual TLS)");
+}
+
+ServerTls ServerTlsFromFlags(const Flags& flags) {
+  return {flags.GetString("tls-cert"), flags.GetString("tls-key"),
+          flags.GetString("tls-client-ca")};
 }
 
 absl::StatusOr<std::unique_ptr<Telemetry>> TelemetryFromFlags(const Flags& flags,

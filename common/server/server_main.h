@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/base/flags.h"
+#include "common/server/tls_options.h"
 #include "common/telemetry/telemetry.h"
 
 namespace kvwire {
@@ -36,8 +37,11 @@ absl::StatusOr<ListenAddress> ParseListenAddress(const std::string& flag, const 
 // --listen and (when set) --metrics-listen are HOST:PORT with a port in [0, 65535].
 absl::Status CheckServerAddresses(const Flags& flags);
 
-// --metrics-listen, --trace-file, --node-name, --grace-ms, --dry-run.
+// --metrics-listen, --trace-file, --node-name, --grace-ms, --dry-run, and the server's own TLS:
+// --tls-cert, --tls-key, --tls-client-ca.
 void DefineServerFlags(Flags& flags, const std::string& role, const std::string& metrics_default);
+// The server TLS the flags DefineServerFlags defined ask for.
+ServerTls ServerTlsFromFlags(const Flags& flags);
 absl::StatusOr<std::unique_ptr<Telemetry>> TelemetryFromFlags(const Flags& flags,
                                                               const std::string& role);
 // Blocks until SIGTERM or SIGINT, then calls `shutdown` (which should drain gracefully).

@@ -42,12 +42,12 @@ struct LogitsArgs {
 
 #if KVWIRE_AVX2
 // Summary rows read together: eight forward streams are what the hardware prefetchers follow
-// best here (r at once, 40 at 16K, read at half the bandwidth; one row at a time, at 60%).
+// best (docs/benchmarks.md, "Decode at long context").
 constexpr int kRowsPerPass = 8;
 
-// Even so the scorer waited on memory (on rows already in cache it ran twice as fast). A
-// software prefetch this far ahead in each row, which past a row's end starts the next
-// pass's row at the same place, cut its time by about 30% at 16K (decode_bench).
+// Even so the scorer waits on memory: a software prefetch this far ahead in each row, which
+// past a row's end starts the next pass's row at the same place (docs/benchmarks.md, "Decode
+// at long context").
 constexpr int64_t kPrefetchAheadBytes = 768;
 
 // Prefetches, in each row of the pass [x0, x1), the `bytes` (a block's) kPrefetchAheadBytes

@@ -175,7 +175,7 @@ TEST(Replay, NarrowerWindowEqualsItsOwnPrefill) {
     auto direct = KvCache::Create(CompressedCacheShape(c, mc, (*model)->kv_dtype(), 150, 0),
                                   HeapKvAllocator());
     ASSERT_TRUE(direct.ok());
-    CacheSink sink(direct->get());
+    testing::CacheSink sink(direct->get());
     Compressor compressor(c, mc, (*model)->kv_dtype(), &sink);
     ASSERT_TRUE((*model)->Prefill(prompt.ids, &compressor).status().ok());
     EXPECT_EQ(testing::CacheDifference(*replayed->cache, **direct), "") << policy;
