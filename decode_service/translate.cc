@@ -15,7 +15,7 @@ constexpr size_t kMaxStopBytes = 256;
 constexpr size_t kMaxRequestIdBytes = 256;
 
 absl::Status Bad(absl::string_view field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+  return AboutField(absl::InvalidArgumentError(absl::StrCat(field, ": ", what)), field);
 }
 
 }  // namespace

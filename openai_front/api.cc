@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <regex>
 #include <set>
 #include <utility>
 
@@ -12,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/base/status.h"
 
 namespace kvwire::openai {
 namespace {
@@ -545,33 +545,24 @@ ParseResult ParseChat(const std::string& body, const std::string& model_id) {
   return Catching([&](ParsedRequest* out) { ParseChatBody(body, model_id, out); });
 }
 
-std::optional<std::string> GrpcParam(const std::string& details, bool chat) {
-  if (absl::StrContains(details, "max_tokens (") && absl::StrContains(details, "context")) {
-    return "max_tokens";
-  }
-  // A decode node's messages start with the request field ("sampling.max_tokens: ...",
-  // "compression.policy must be ...", "compression: budget (...) ...", "prompt (N tokens) +
-  // max_tokens (M) exceeds ...").
-  static const std::regex dotted(R"(\b(sampling|compression|attention)\.([a-z_]+))");
-  static const std::regex section_colon(R"(^(compression|attention): ([a-z_]+)\b)");
-  static const std::regex leading(R"(^([a-z_]+)(\[\d+\])?\s*[:(=])");
-  std::smatch m;
-  std::string section, name;
-  if (std::regex_search(details, m, dotted) || std::regex_search(details, m, section_colon)) {
-    section = m[1];
-    name = m[2];
-  } else if (std::regex_search(details, m, leading)) {
-    section = "sampling";
-    name = m[1];
-  } else {
+std::optional<std::string> BodyParam(const std::string& field, bool chat) {
+  // The decode node names GenerateRequest fields ("sampling.top_p", "compression.kernel",
+  // "attention.top_r", "prompt_ids[3]"); each has its OpenAI body name.
+  const size_t dot = field.find('.');
+  const std::string section = dot == std::string::npos ? "" : field.substr(0, dot);
+  std::string name = dot == std::string::npos ? field : field.substr(dot + 1);
+  if (section.empty()) {
+    name = name.substr(0, name.find('['));
+    if (name == "prompt" || name == "prompt_ids" || name == "input") {
+      return chat ? "messages" : "prompt";
+    }
+    if (name == "attention") return name;
     return std::nullopt;
   }
-  if (section == "sampling") {
-    if (name == "prompt" || name == "prompt_ids") return chat ? "messages" : "prompt";
-    if (HasField<v1::SamplingParams>(name)) return name;
-    return std::nullopt;
-  }
-  if (section == "compression" && name != "params" && HasField<v1::CompressionParams>(name)) {
+  if (section == "sampling" && HasField<v1::SamplingParams>(name)) return name;
+  if (section == "compression") {
+    // A parameter without a typed field travels in compression.params: kv_params.<name>.
+    if (name == "params") return "kv_params";
     return OneOf(name, kCompressionShortcuts) ? "kv_" + name : "kv_params." + name;
   }
   if (section == "attention" && HasField<v1::DecodeAttentionParams>(name)) {
@@ -580,38 +571,41 @@ std::optional<std::string> GrpcParam(const std::string& details, bool chat) {
   return std::nullopt;
 }
 
-ApiError FromGrpc(const std::string& code, const std::string& details, bool chat,
-                  const std::string& max_tokens_field) {
+ApiError FromGrpc(const absl::Status& status, bool chat, const std::string& max_tokens_field) {
   struct Mapping {
-    const char* grpc;
+    absl::StatusCode grpc;
     int http;
     const char* type;
   };
   static constexpr Mapping kMap[] = {
-      {"INVALID_ARGUMENT", 400, "invalid_request_error"},
-      {"OUT_OF_RANGE", 400, "invalid_request_error"},
-      {"FAILED_PRECONDITION", 400, "invalid_request_error"},
-      {"NOT_FOUND", 404, "not_found_error"},
-      {"ALREADY_EXISTS", 409, "invalid_request_error"},
-      {"UNAUTHENTICATED", 401, "authentication_error"},
-      {"PERMISSION_DENIED", 403, "permission_error"},
-      {"RESOURCE_EXHAUSTED", 429, "rate_limit_error"},
-      {"UNAVAILABLE", 503, "service_unavailable_error"},
-      {"CANCELLED", 503, "service_unavailable_error"},
-      {"ABORTED", 503, "service_unavailable_error"},
-      {"DEADLINE_EXCEEDED", 504, "timeout_error"},
-      {"UNIMPLEMENTED", 501, "server_error"},
+      {absl::StatusCode::kInvalidArgument, 400, "invalid_request_error"},
+      {absl::StatusCode::kOutOfRange, 400, "invalid_request_error"},
+      {absl::StatusCode::kFailedPrecondition, 400, "invalid_request_error"},
+      {absl::StatusCode::kNotFound, 404, "not_found_error"},
+      {absl::StatusCode::kAlreadyExists, 409, "invalid_request_error"},
+      {absl::StatusCode::kUnauthenticated, 401, "authentication_error"},
+      {absl::StatusCode::kPermissionDenied, 403, "permission_error"},
+      {absl::StatusCode::kResourceExhausted, 429, "rate_limit_error"},
+      {absl::StatusCode::kUnavailable, 503, "service_unavailable_error"},
+      {absl::StatusCode::kCancelled, 503, "service_unavailable_error"},
+      {absl::StatusCode::kAborted, 503, "service_unavailable_error"},
+      {absl::StatusCode::kDeadlineExceeded, 504, "timeout_error"},
+      {absl::StatusCode::kUnimplemented, 501, "server_error"},
   };
+  const std::string code = absl::StatusCodeToString(status.code());
   ApiError e{500, "", std::nullopt, "server_error", absl::AsciiStrToLower(code)};
   for (const Mapping& m : kMap) {
-    if (code == m.grpc) {
+    if (status.code() == m.grpc) {
       e.status = m.http;
       e.type = m.type;
     }
   }
-  if (e.status == 400) e.param = GrpcParam(details, chat);
-  if (e.param == "max_tokens") e.param = max_tokens_field;
-  e.message = absl::StrCat(details, " (", code, " from the decode tier)");
+  const std::optional<std::string> field = FieldOf(status);
+  if (e.status == 400 && field) {
+    e.param = *field == "sampling.max_tokens" ? std::optional<std::string>(max_tokens_field)
+                                              : BodyParam(*field, chat);
+  }
+  e.message = absl::StrCat(status.message(), " (", code, " from the decode tier)");
   if (e.param) e.message = *e.param + ": " + e.message;
   return e;
 }

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "kvwire/v1/generation.pb.h"
 
 namespace kvwire::openai {
@@ -63,14 +64,15 @@ struct ParseResult {
 ParseResult ParseCompletion(const std::string& body, const std::string& model_id);
 ParseResult ParseChat(const std::string& body, const std::string& model_id);
 
-// A gRPC status from the decode tier as an OpenAI error: INVALID_ARGUMENT is a 400 naming the
-// body field its message is about, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
-// DEADLINE_EXCEEDED 504 ... `code` is the status name ("INVALID_ARGUMENT").
-// `max_tokens_field` is the body field a refusal about the generation length names.
-ApiError FromGrpc(const std::string& code, const std::string& details, bool chat,
+// A gRPC status from the decode tier (FromGrpcStatus) as an OpenAI error: INVALID_ARGUMENT is
+// a 400 naming the body field its google.rpc.BadRequest names (FieldOf), RESOURCE_EXHAUSTED
+// 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504 ... `max_tokens_field` is the body field a
+// refusal about the generation length (sampling.max_tokens) names.
+ApiError FromGrpc(const absl::Status& status, bool chat,
                   const std::string& max_tokens_field = "max_tokens");
-// The body field a decode node's INVALID_ARGUMENT message is about, if any.
-std::optional<std::string> GrpcParam(const std::string& details, bool chat);
+// The body field a GenerateRequest field path ("sampling.top_p", "compression.kernel",
+// "prompt_ids[2]") is, if the API has one.
+std::optional<std::string> BodyParam(const std::string& field, bool chat);
 
 // The usage object: prompt, completion and total tokens, and under "kvwire" the decode
 // node's RequestStats plus the front's own time to first token.

@@ -419,8 +419,7 @@ void Front::AnswerWhole(std::unique_ptr<Call> call, const ParsedRequest& parsed,
   }
   const grpc::Status st = EndCall(*call, /*cancel=*/false);
   if (!st.ok()) {
-    return ReplyError(
-        res, FromGrpc(GrpcCodeName(st), st.error_message(), parsed.chat, parsed.max_tokens_field));
+    return ReplyError(res, FromGrpc(FromGrpcStatus(st), parsed.chat, parsed.max_tokens_field));
   }
   if (!final) {
     return ReplyError(res, {502, "the decode tier ended the stream without its final message",
@@ -454,8 +453,7 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
   if (!call->reader->Read(first.get())) {
     const grpc::Status st = EndCall(*call, /*cancel=*/false);
     if (!st.ok()) {
-      return ReplyError(res, FromGrpc(GrpcCodeName(st), st.error_message(), parsed.chat,
-                                      parsed.max_tokens_field));
+      return ReplyError(res, FromGrpc(FromGrpcStatus(st), parsed.chat, parsed.max_tokens_field));
     }
     return ReplyError(res, {502, "the decode tier ended the stream without any message",
                             std::nullopt, "server_error"});
@@ -559,10 +557,9 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
           }
         }
         const grpc::Status st = EndCall(c, /*cancel=*/false);
-        const ApiError e =
-            st.ok() ? ApiError{500, "the stream ended without its final message", std::nullopt,
-                               "server_error", "internal"}
-                    : FromGrpc(GrpcCodeName(st), st.error_message(), chat, max_tokens_field);
+        const ApiError e = st.ok() ? ApiError{500, "the stream ended without its final message",
+                                              std::nullopt, "server_error", "internal"}
+                                   : FromGrpc(FromGrpcStatus(st), chat, max_tokens_field);
         return finish(Sse(e.Body()));
       },
       // Normally the provider ends the call; this ends one whose response was abandoned

@@ -8,6 +8,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/base/status.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 
 namespace kvwire {
 
@@ -15,12 +17,40 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl::StatusCode and grpc::StatusCode share their numbering (both follow the
   // canonical codes), so the cast is exact.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  const auto code = static_cast<grpc::StatusCode>(status.code());
+  std::string message(status.message());
+  const std::optional<std::string> field = FieldOf(status);
+  if (!field) return grpc::Status(code, message);
+  // The rich error model: google.rpc.Status with a BadRequest naming the field, sent as the
+  // grpc-status-details-bin trailer that gRPC clients of every language decode.
+  google::rpc::BadRequest bad;
+  google::rpc::BadRequest::FieldViolation* v = bad.add_field_violations();
+  v->set_field(*field);
+  v->set_description(message);
+  google::rpc::Status rich;
+  rich.set_code(static_cast<int>(code));
+  rich.set_message(message);
+  rich.add_details()->PackFrom(bad);
+  return grpc::Status(code, message, rich.SerializeAsString());
+}
+
+std::optional<std::string> FieldOfDetails(const std::string& error_details) {
+  google::rpc::Status rich;
+  if (error_details.empty() || !rich.ParseFromString(error_details)) return std::nullopt;
+  for (const google::protobuf::Any& any : rich.details()) {
+    google::rpc::BadRequest bad;
+    if (any.UnpackTo(&bad) && bad.field_violations_size() > 0) {
+      return bad.field_violations(0).field();
+    }
+  }
+  return std::nullopt;
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  absl::Status st(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  if (auto field = FieldOfDetails(status.error_details())) st = AboutField(std::move(st), *field);
+  return st;
 }
 
 namespace {
@@ -84,9 +114,10 @@ absl::Status ApplyCompressionParams(const v1::CompressionParams& p, CompressionC
                            std::any_of(TypedFields().begin(), TypedFields().end(),
                                        [&](const TypedField& f) { return name == f.name; });
     if (own_field) {
-      return absl::InvalidArgumentError(absl::StrCat("compression.params: '", name,
-                                                     "' has a field of its own, compression.", name,
-                                                     "; set that instead"));
+      return AboutField(absl::InvalidArgumentError(absl::StrCat(
+                            "compression.params: '", name, "' has a field of its own, compression.",
+                            name, "; set that instead")),
+                        "compression.params");
     }
   }
   // Parameters named as the request's fields ("compression.kernel_small must ...").

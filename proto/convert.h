@@ -4,6 +4,9 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <optional>
+#include <string>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/compression/compression.h"
@@ -14,8 +17,12 @@
 
 namespace kvwire {
 
+// A status about a request field (FieldOf) carries a google.rpc.BadRequest naming it in the
+// rich error details; FromGrpcStatus reads it back.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
+// The first field a google.rpc.Status (grpc::Status::error_details) names in a BadRequest.
+std::optional<std::string> FieldOfDetails(const std::string& error_details);
 
 // The fields set in `params` by parameter name (ApplyCompressionValues's names).
 ParamValues CompressionValuesFromProto(const v1::CompressionParams& params);

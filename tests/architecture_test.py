@@ -73,7 +73,9 @@ def main():
           if target.startswith("tests/"):
             errors.append("%s: includes the test header %s" % (path, target))
             continue
-          owner = "proto" if target.startswith("kvwire/v1/") else folder_of(target, folders)
+          # Generated from proto/: kvwire's API and the google.rpc error details it sends.
+          generated = target.startswith(("kvwire/v1/", "google/rpc/"))
+          owner = "proto" if generated else folder_of(target, folders)
           if owner is None:
             errors.append("%s: includes %s, which is in no folder of the table" % (path, target))
           elif owner not in may:

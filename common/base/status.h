@@ -5,11 +5,13 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 #define KVWIRE_STATUS_CONCAT_INNER(a, b) a##b
@@ -41,6 +43,19 @@
   } while (0)
 
 namespace kvwire {
+
+// The request field an error is about ("sampling.top_p", "compression.kernel"), carried with
+// the status so that the gRPC layer can name it in google.rpc.BadRequest and clients need not
+// parse the message.
+inline constexpr absl::string_view kFieldPayload = "type.kvwire.dev/field";
+inline absl::Status AboutField(absl::Status status, absl::string_view field) {
+  if (!status.ok()) status.SetPayload(kFieldPayload, absl::Cord(field));
+  return status;
+}
+inline std::optional<std::string> FieldOf(const absl::Status& status) {
+  if (auto field = status.GetPayload(kFieldPayload)) return std::string(*field);
+  return std::nullopt;
+}
 
 // Prefixes a status message with context ("loading model.safetensors: ...") and keeps the
 // code, so the caller learns both what failed and where.

@@ -56,7 +56,8 @@ absl::Status CompressionConfig::Validate() const {
   }
   if (!policy->evicts()) return absl::OkStatus();
   if (budget == 0 && ratio == 0) {
-    return Bad(absl::StrCat(policy->name(), " needs a budget (tokens kept per head) or a ratio"));
+    return Bad(absl::StrCat("budget (tokens kept per head) or ratio is needed by ", policy->name()),
+               "budget");
   }
   if (skip_layers < 0) {
     return Bad(absl::StrCat("skip_layers must be >= 0, got ", skip_layers), "skip_layers");

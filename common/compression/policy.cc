@@ -67,7 +67,8 @@ absl::Status RenameParams(const absl::Status& status,
   if (status.ok() || !param) return status;
   const std::string p(*param);
   if (const auto policy = status.GetPayload(kPolicyPayload)) {
-    return absl::Status(status.code(), NotTakenMessage(p, std::string(*policy), name));
+    return AboutField(absl::Status(status.code(), NotTakenMessage(p, std::string(*policy), name)),
+                      name(p));
   }
   // "<param> <what>", maybe after a "compression: " context.
   std::string message(status.message());
@@ -75,7 +76,7 @@ absl::Status RenameParams(const absl::Status& status,
   if (at != std::string::npos) message.replace(at, p.size(), name(p));
   const std::string context = "compression: ";
   if (message.rfind(context, 0) == 0) message = message.substr(context.size());
-  return absl::Status(status.code(), message);
+  return AboutField(absl::Status(status.code(), message), name(p));
 }
 
 absl::StatusOr<KeptRows> CompressionPolicy::SelectPrefix(const LayerInput&, PromptState*) const {

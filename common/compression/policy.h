@@ -56,8 +56,8 @@ absl::Status ParamError(absl::string_view param, absl::string_view what);
 absl::Status AboutParam(absl::Status status, absl::string_view param);
 // "<param> does not apply to <policy> (it takes a, b); <param> applies to c".
 absl::Status NotTakenError(absl::string_view param, absl::string_view policy);
-// The same status with every parameter name it carries written by `name` (a status without
-// the payloads is returned as it is).
+// The same status with every parameter name it carries written by `name`, and about the field
+// `name` gives it (FieldOf); a status without the payloads is returned as it is.
 absl::Status RenameParams(const absl::Status& status,
                           const std::function<std::string(absl::string_view)>& name);
 

@@ -212,14 +212,17 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   GenerationJob& j = s.job;
   if (j.prompt_ids.empty()) {
     ASSIGN_OR_RETURN(j.prompt_ids, model_->tokenizer().Encode(j.prompt_text));
-    if (j.prompt_ids.empty()) return absl::InvalidArgumentError("prompt: encodes to no tokens");
+    if (j.prompt_ids.empty()) {
+      return AboutField(absl::InvalidArgumentError("prompt: encodes to no tokens"), "prompt");
+    }
   }
   const int len = static_cast<int>(j.prompt_ids.size());
   RETURN_IF_ERROR(ResolveTwoStage(&j.compression, &j.attention, len, j.max_tokens, mc.head_dim));
   if (len + j.max_tokens > mc.context_limit()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt (", len, " tokens) + max_tokens (", j.max_tokens,
-                     ") exceeds the model's context of ", mc.context_limit()));
+    return AboutField(absl::InvalidArgumentError(
+                          absl::StrCat("prompt (", len, " tokens) + max_tokens (", j.max_tokens,
+                                       ") exceeds the model's context of ", mc.context_limit())),
+                      "sampling.max_tokens");
   }
   const KvCacheShape shape =
       CompressedCacheShape(j.compression, mc, model_->kv_dtype(), len, j.max_tokens);

@@ -125,36 +125,48 @@ absl::Status PrefillEngine::Check(const PrefillJob& job) const {
                      " serves (the model fingerprints differ: load the same model on both nodes)"));
   }
   const int len = static_cast<int>(job.prompt_ids.size());
-  if (len == 0) return absl::InvalidArgumentError("prompt_ids is empty");
+  // Each refusal names its PrefillRequest field (FieldOf), for google.rpc.BadRequest.
+  if (len == 0) return AboutField(absl::InvalidArgumentError("prompt_ids is empty"), "prompt_ids");
   if (len > mc.context_limit()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt of ", len, " tokens exceeds the model's context of ", mc.context_limit()));
+    return AboutField(
+        absl::InvalidArgumentError(absl::StrCat(
+            "prompt of ", len, " tokens exceeds the model's context of ", mc.context_limit())),
+        "prompt_ids");
   }
   for (int i = 0; i < len; ++i) {
     if (job.prompt_ids[i] < 0 || job.prompt_ids[i] >= mc.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt_ids[", i, "] = ", job.prompt_ids[i],
-                                                     " is outside the vocabulary [0, ",
-                                                     mc.vocab_size, ")"));
+      return AboutField(absl::InvalidArgumentError(
+                            absl::StrCat("prompt_ids[", i, "] = ", job.prompt_ids[i],
+                                         " is outside the vocabulary [0, ", mc.vocab_size, ")")),
+                        absl::StrCat("prompt_ids[", i, "]"));
     }
   }
-  RETURN_IF_ERROR(job.compression.Validate());
-  RETURN_IF_ERROR(job.compression.ValidateFor(mc.num_layers));
+  const auto as_field = [](absl::string_view n) { return absl::StrCat("compression.", n); };
+  RETURN_IF_ERROR(RenameParams(job.compression.Validate(), as_field));
+  RETURN_IF_ERROR(RenameParams(job.compression.ValidateFor(mc.num_layers), as_field));
   if (!job.compression.policy->selects()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("compression.policy: ", job.compression.policy_name(),
-                     " must be resolved into its two stages by the decode node"));
+    return AboutField(absl::InvalidArgumentError(
+                          absl::StrCat("compression.policy: ", job.compression.policy_name(),
+                                       " must be resolved into its two stages by the decode node")),
+                      "compression.policy");
   }
   if (job.max_chunk_bytes < 1024 || job.max_chunk_bytes > kMaxChunkBytesLimit) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_chunk_bytes must be in [1024, ", kMaxChunkBytesLimit, "], got ", job.max_chunk_bytes));
+    return AboutField(absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes must be in [1024, ",
+                                                              kMaxChunkBytesLimit, "], got ",
+                                                              job.max_chunk_bytes)),
+                      "max_chunk_bytes");
   }
   const kernels::SamplingParams& s = job.sampling;
   // The decode node's bounds (decode_service/translate.cc): a direct caller gets no more.
-  if (!(s.temperature >= 0 && s.temperature <= 100) || !(s.top_p > 0 && s.top_p <= 1) ||
-      s.top_k < 0) {
-    return absl::InvalidArgumentError(
-        "sampling: need temperature in [0, 100], top_p in (0, 1], top_k >= 0");
+  const auto bad = [](absl::string_view field, absl::string_view what, double got) {
+    return AboutField(
+        absl::InvalidArgumentError(absl::StrCat(field, " must be ", what, ", got ", got)), field);
+  };
+  if (!(s.temperature >= 0 && s.temperature <= 100)) {
+    return bad("temperature", "in [0, 100]", s.temperature);
   }
+  if (!(s.top_p > 0 && s.top_p <= 1)) return bad("top_p", "in (0, 1]", s.top_p);
+  if (s.top_k < 0) return bad("top_k", ">= 0", s.top_k);
   return absl::OkStatus();
 }
 

@@ -52,6 +52,18 @@ absl::StatusOr<int> PlanSelection(DecodeSelector& selector, int layer, const Lay
   return n;
 }
 
+// Sequence b's attention over layer cache `lc`: its query and output rows in the step's
+// activations (q|k|v rows of `stride` floats), and the cache's rows.
+void AttendCache(const float* qkv, float* attn, int b, int64_t stride, int qd, const LayerCache& lc,
+                 DecodeSequence& s) {
+  s.q = qkv + b * stride;
+  s.out = attn + int64_t{b} * qd;
+  s.k = lc.k;
+  s.v = lc.v;
+  s.layout = lc.layout;
+  s.len = lc.len;
+}
+
 }  // namespace
 
 // One layer's attention for a batch of sequences: each appends its new K/V row to its own
@@ -77,12 +89,7 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
     const float* kr = a.qkv + b * stride + qd;
     AppendToHostCache(lc, c.num_kv_heads, kr, kr + kvd, batch[b].position);
     DecodeSequence& s = seqs[b];
-    s.q = a.qkv + b * stride;
-    s.out = a.attn + int64_t{b} * qd;
-    s.k = lc.k;
-    s.v = lc.v;
-    s.layout = lc.layout;
-    s.len = lc.len;
+    AttendCache(a.qkv, a.attn, b, stride, qd, lc, s);
     if (batch[b].selector) {
       ASSIGN_OR_RETURN(const int n, PlanSelection(*batch[b].selector, li, lc));
       if (n > 0) {
@@ -277,12 +284,7 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
     const float* kr = a.qkv + b * stride + qd;
     appends[b] = {kr, kr + kvd, lc.k, lc.v, lc.layout, t};
     DecodeSequence& s = seqs[b];
-    s.q = a.qkv + b * stride;
-    s.out = a.attn + int64_t{b} * qd;
-    s.k = lc.k;
-    s.v = lc.v;
-    s.layout = lc.layout;
-    s.len = lc.len;
+    AttendCache(a.qkv, a.attn, b, stride, qd, lc, s);
   }
   // Sequences grouped by cache layout (per KV head or per query head, dtype); each group's new
   // rows appended first, since the selection reads them.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
@@ -280,37 +281,44 @@ absl::StatusOr<AttentionMode> ParseAttentionMode(absl::string_view name) {
 }
 
 absl::Status DecodeAttentionConfig::Validate() const {
-  if (token_budget < 0 || top_k < 0 || top_r < 0 || page_size < 0 || dense_layers < 0) {
-    return absl::InvalidArgumentError(
-        "attention: token_budget, top_k, top_r, page_size and dense_layers must be >= 0");
-  }
-  if (token_budget > kMaxTokenBudget || top_k > kMaxTokenBudget || top_r > (1 << 16) ||
-      page_size > (1 << 16)) {
-    return absl::InvalidArgumentError(
-        "attention: token_budget and top_k must be <= 2^26, top_r and page_size <= 2^16");
+  // Each error is about the request field it names (attention.<param>), for google.rpc.BadRequest.
+  const auto bad = [](absl::string_view param, absl::string_view what) {
+    return AboutField(absl::InvalidArgumentError(absl::StrCat("attention: ", param, " ", what)),
+                      absl::StrCat("attention.", param));
+  };
+  struct Param {
+    const char* name;
+    int value;
+    int max;
+  };
+  const Param params[] = {{"token_budget", token_budget, kMaxTokenBudget},
+                          {"top_k", top_k, kMaxTokenBudget},
+                          {"top_r", top_r, 1 << 16},
+                          {"page_size", page_size, 1 << 16},
+                          {"dense_layers", dense_layers, std::numeric_limits<int>::max()}};
+  for (const Param& p : params) {
+    if (p.value < 0) return bad(p.name, absl::StrCat("must be >= 0, got ", p.value));
+    if (p.value > p.max) return bad(p.name, absl::StrCat("must be <= ", p.max, ", got ", p.value));
   }
   const AttentionModeInfo& info = ModeInfo(mode);
-  for (const auto& [name, value] : {std::pair<const char*, int>{"token_budget", token_budget},
-                                    {"top_k", top_k},
-                                    {"top_r", top_r},
-                                    {"page_size", page_size}}) {
-    if (value == 0) continue;
-    if (std::find_if(info.params.begin(), info.params.end(), [&](const char* p) {
-          return absl::string_view(p) == name;
+  for (const Param& p : params) {
+    if (p.value == 0 || absl::string_view(p.name) == "dense_layers") continue;
+    if (std::find_if(info.params.begin(), info.params.end(), [&](const char* q) {
+          return absl::string_view(q) == p.name;
         }) == info.params.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attention: ", name, " does not apply to ", info.name, " (",
-          info.params.empty() ? std::string("it takes no parameters")
-                              : absl::StrCat("it takes ", absl::StrJoin(info.params, ", ")),
-          ")"));
+      return bad(p.name,
+                 absl::StrCat("does not apply to ", info.name, " (",
+                              info.params.empty()
+                                  ? std::string("it takes no parameters")
+                                  : absl::StrCat("it takes ", absl::StrJoin(info.params, ", ")),
+                              ")"));
     }
   }
   if (mode != AttentionMode::kDense && token_budget == 0 && top_k == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attention: ", info.name, " needs a token_budget (or an explicit top_k)"));
+    return bad("token_budget", absl::StrCat("is needed by ", info.name, " (or an explicit top_k)"));
   }
   if (mode != AttentionMode::kDense && token_budget == 1 && top_k == 0) {
-    return absl::InvalidArgumentError("attention: token_budget must be at least 2 (k = t/2)");
+    return bad("token_budget", "must be at least 2 (k = t/2)");
   }
   return absl::OkStatus();
 }

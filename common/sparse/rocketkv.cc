@@ -80,8 +80,9 @@ const AttentionModeInfo& HybridModeInfo() { return Info(); }
 absl::StatusOr<TwoStage> ResolveRocketKV(int token_budget, int prompt_len, int max_new,
                                          int head_dim, const CompressionConfig& base) {
   if (token_budget < 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rocketkv needs a token budget of at least 2, got ", token_budget));
+    return AboutField(absl::InvalidArgumentError(absl::StrCat(
+                          "rocketkv needs a token budget of at least 2, got ", token_budget)),
+                      "compression.budget");
   }
   // The two-stage policy's own parameters: SnapKV++'s for stage 1, and the split.
   ParamValues stage1 = base.policy->selects() ? ParamValues{} : base.policy->params();

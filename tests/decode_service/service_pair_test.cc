@@ -14,6 +14,8 @@
 
 #include "common/engine/generate.h"
 #include "decode_service/decode_server.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 #include "kvwire/v1/generation.grpc.pb.h"
 #include "prefill_service/prefill_server.h"
 #include "tests/engine_fakes.h"
@@ -425,7 +427,8 @@ TEST_F(ServicePairTest, EveryBadFieldIsInvalidArgumentNamingIt) {
       {"sampling.stop_token_ids",
        [=](auto* r) { r->mutable_sampling()->add_stop_token_ids(vocab + 5); }},
       {"compression.policy", [](auto* r) { r->mutable_compression()->set_policy("h2o"); }},
-      {"needs a budget", [](auto* r) { r->mutable_compression()->set_policy("snapkv"); }},
+      {"or ratio is needed by snapkv",
+       [](auto* r) { r->mutable_compression()->set_policy("snapkv"); }},
       {"must exceed the observation window",
        [](auto* r) {
          r->mutable_compression()->set_policy("snapkv");
@@ -520,6 +523,21 @@ TEST_F(ServicePairTest, EveryBadFieldIsInvalidArgumentNamingIt) {
     EXPECT_NE(r.status.error_message().find(c.expect), std::string::npos)
         << "'" << c.expect << "' not in: " << r.status.error_message();
     EXPECT_TRUE(r.ids.empty());
+    // The rich error details name the field in a google.rpc.BadRequest, a path whose last
+    // name the message mentions ("sampling.top_p", "prompt_ids[3]").
+    google::rpc::Status rich;
+    ASSERT_TRUE(rich.ParseFromString(r.status.error_details())) << c.expect;
+    EXPECT_EQ(rich.code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+    EXPECT_EQ(rich.message(), r.status.error_message());
+    ASSERT_EQ(rich.details_size(), 1) << c.expect << ": " << r.status.error_message();
+    google::rpc::BadRequest bad;
+    ASSERT_TRUE(rich.details(0).UnpackTo(&bad)) << rich.details(0).type_url();
+    ASSERT_EQ(bad.field_violations_size(), 1);
+    const std::string field = bad.field_violations(0).field();
+    const std::string last = field.substr(field.rfind('.') + 1);
+    EXPECT_NE(r.status.error_message().find(last.substr(0, last.find('['))), std::string::npos)
+        << field << " vs " << r.status.error_message();
+    EXPECT_EQ(bad.field_violations(0).description(), r.status.error_message());
   }
   ExpectPoolEmpty();
   ExpectStillServing();

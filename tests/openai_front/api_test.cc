@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/base/status.h"
+
 namespace kvwire::openai {
 namespace {
 
@@ -252,41 +254,56 @@ TEST(ParseChatTest, RefusesEachBadFieldNamingIt) {
 
 TEST(FromGrpcTest, MapsStatusesAndNamesTheFieldOfANodesRefusal) {
   struct Case {
-    const char* code;
-    const char* details;
+    absl::StatusCode code;
+    const char* message;
+    const char* field;  // the BadRequest field the node named; "" for none
     bool chat;
     int status;
     const char* param;  // "" for none
     const char* max_tokens_field = "max_tokens";
   };
+  using C = absl::StatusCode;
   const Case cases[] = {
-      {"INVALID_ARGUMENT", "sampling.max_tokens: 9999 exceeds --max-tokens-limit 4096", false, 400,
-       "max_tokens"},
-      {"INVALID_ARGUMENT", "prompt (40 tokens) + max_tokens (600) exceeds the context of 512", true,
-       400, "max_completion_tokens", "max_completion_tokens"},
-      {"INVALID_ARGUMENT", "prompt (40 tokens) + max_tokens (600) exceeds the context of 512", true,
-       400, "max_tokens", "max_tokens"},
-      {"INVALID_ARGUMENT", "compression.policy must be one of full, snapkv, ...", false, 400,
-       "kv_policy"},
-      {"INVALID_ARGUMENT", "compression: kernel (8) must be odd", false, 400, "kv_params.kernel"},
-      {"INVALID_ARGUMENT", "attention.mode 'x' is not one of dense, hybrid", false, 400,
+      {C::kInvalidArgument, "sampling.max_tokens: 9999 exceeds --max-tokens-limit 4096",
+       "sampling.max_tokens", false, 400, "max_tokens"},
+      {C::kInvalidArgument, "prompt (40 tokens) + max_tokens (600) exceeds the context of 512",
+       "sampling.max_tokens", true, 400, "max_completion_tokens", "max_completion_tokens"},
+      {C::kInvalidArgument, "prompt (40 tokens) + max_tokens (600) exceeds the context of 512",
+       "sampling.max_tokens", true, 400, "max_tokens", "max_tokens"},
+      {C::kInvalidArgument, "sampling.top_p: must be in (0, 1]", "sampling.top_p", false, 400,
+       "top_p"},
+      {C::kInvalidArgument, "compression.policy must be one of full, snapkv, ...",
+       "compression.policy", false, 400, "kv_policy"},
+      {C::kInvalidArgument, "compression.kernel (8) must be odd", "compression.kernel", false, 400,
+       "kv_params.kernel"},
+      {C::kInvalidArgument, "compression.params: 'budget' has a field of its own",
+       "compression.params", false, 400, "kv_params"},
+      {C::kInvalidArgument, "attention.mode: unknown 'x'", "attention.mode", false, 400,
        "attention.mode"},
-      {"INVALID_ARGUMENT", "prompt: empty", true, 400, "messages"},
-      {"INVALID_ARGUMENT", "something else entirely", false, 400, ""},
-      {"RESOURCE_EXHAUSTED", "the KV pool is full", false, 429, ""},
-      {"UNAVAILABLE", "no decode node", false, 503, ""},
-      {"DEADLINE_EXCEEDED", "Deadline Exceeded", false, 504, ""},
-      {"INTERNAL", "bug", false, 500, ""},
+      {C::kInvalidArgument, "attention: rocketkv sets its own", "attention", false, 400,
+       "attention"},
+      {C::kInvalidArgument, "prompt: encodes to no tokens", "prompt", true, 400, "messages"},
+      {C::kInvalidArgument, "prompt_ids[3] = -1 is outside", "prompt_ids[3]", false, 400, "prompt"},
+      // The message alone names nothing: only the structured field does.
+      {C::kInvalidArgument, "sampling.top_k: must be >= 0", "", false, 400, ""},
+      {C::kInvalidArgument, "request_id: longer than 256 bytes", "request_id", false, 400, ""},
+      {C::kResourceExhausted, "the KV pool is full", "", false, 429, ""},
+      {C::kUnavailable, "no decode node", "", false, 503, ""},
+      {C::kDeadlineExceeded, "Deadline Exceeded", "", false, 504, ""},
+      {C::kInternal, "bug", "", false, 500, ""},
   };
   for (const Case& c : cases) {
-    const ApiError e = FromGrpc(c.code, c.details, c.chat, c.max_tokens_field);
-    EXPECT_EQ(e.status, c.status) << c.details;
-    EXPECT_EQ(e.param.value_or(""), c.param) << c.details;
-    EXPECT_NE(e.message.find(c.details), std::string::npos) << e.message;
-    EXPECT_NE(e.message.find(c.code), std::string::npos) << e.message;
+    absl::Status st(c.code, c.message);
+    if (*c.field) st = AboutField(st, c.field);
+    const ApiError e = FromGrpc(st, c.chat, c.max_tokens_field);
+    EXPECT_EQ(e.status, c.status) << c.message;
+    EXPECT_EQ(e.param.value_or(""), c.param) << c.message;
+    EXPECT_NE(e.message.find(c.message), std::string::npos) << e.message;
+    EXPECT_NE(e.message.find(absl::StatusCodeToString(c.code)), std::string::npos) << e.message;
   }
-  EXPECT_EQ(FromGrpc("DEADLINE_EXCEEDED", "x", false).type, "timeout_error");
-  EXPECT_EQ(FromGrpc("RESOURCE_EXHAUSTED", "x", false).code.value_or(""), "resource_exhausted");
+  EXPECT_EQ(FromGrpc(absl::DeadlineExceededError("x"), false).type, "timeout_error");
+  EXPECT_EQ(FromGrpc(absl::ResourceExhaustedError("x"), false).code.value_or(""),
+            "resource_exhausted");
 }
 
 TEST(ResponseTest, UsageCarriesTheNodesFiguresAndTheRatio) {

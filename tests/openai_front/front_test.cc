@@ -24,7 +24,9 @@
 #include <thread>
 #include <vector>
 
+#include "common/base/status.h"
 #include "kvwire/v1/generation.grpc.pb.h"
+#include "proto/convert.h"
 
 namespace kvwire::openai {
 namespace {
@@ -44,7 +46,10 @@ class ScriptedGeneration final : public v1::Generation::Service {
     ++started;
     const std::string& p = req->prompt();
     if (p == "refuse") {
-      return {grpc::StatusCode::INVALID_ARGUMENT, "sampling.max_tokens: 9999 exceeds 4096"};
+      // As a decode node refuses: the field in the status's google.rpc.BadRequest.
+      return ToGrpcStatus(
+          AboutField(absl::InvalidArgumentError("sampling.max_tokens: 9999 exceeds 4096"),
+                     "sampling.max_tokens"));
     }
     if (p == "full") return {grpc::StatusCode::RESOURCE_EXHAUSTED, "the KV pool is full"};
     if (p == "slow") {

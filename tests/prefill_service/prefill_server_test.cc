@@ -150,48 +150,51 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
     std::function<void(v1::PrefillRequest*)> edit;
     grpc::StatusCode code;
     std::string expect;
+    std::string field = "";  // the PrefillRequest field its google.rpc.BadRequest names
   };
   const std::vector<Case> cases = {
       {[](auto* r) { r->set_model_fingerprint("llama-other"); },
        grpc::StatusCode::FAILED_PRECONDITION, "fingerprints differ"},
       {[](auto* r) { r->clear_model_fingerprint(); }, grpc::StatusCode::FAILED_PRECONDITION,
        "fingerprints differ"},
-      {[](auto* r) { r->clear_prompt_ids(); }, grpc::StatusCode::INVALID_ARGUMENT, "empty"},
+      {[](auto* r) { r->clear_prompt_ids(); }, grpc::StatusCode::INVALID_ARGUMENT, "empty",
+       "prompt_ids"},
       {[](auto* r) { r->set_prompt_ids(2, 100000); }, grpc::StatusCode::INVALID_ARGUMENT,
-       "prompt_ids[2]"},
+       "prompt_ids[2]", "prompt_ids[2]"},
       {[](auto* r) { r->mutable_compression()->set_policy("nope"); },
-       grpc::StatusCode::INVALID_ARGUMENT, "compression.policy"},
+       grpc::StatusCode::INVALID_ARGUMENT, "compression.policy", "compression.policy"},
       {[](auto* r) { r->set_max_chunk_bytes(10); }, grpc::StatusCode::INVALID_ARGUMENT,
-       "max_chunk_bytes"},
-      {[](auto* r) { r->set_top_p(2); }, grpc::StatusCode::INVALID_ARGUMENT, "top_p"},
+       "max_chunk_bytes", "max_chunk_bytes"},
+      {[](auto* r) { r->set_top_p(2); }, grpc::StatusCode::INVALID_ARGUMENT, "top_p", "top_p"},
       // Found with prefill_request_fuzz's inputs: the prefill node took temperatures the
       // decode node refuses (infinite, above 100).
       {[](auto* r) { r->set_temperature(std::numeric_limits<float>::infinity()); },
-       grpc::StatusCode::INVALID_ARGUMENT, "temperature in [0, 100]"},
+       grpc::StatusCode::INVALID_ARGUMENT, "temperature must be in [0, 100]", "temperature"},
       {[](auto* r) { r->set_temperature(101); }, grpc::StatusCode::INVALID_ARGUMENT,
-       "temperature in [0, 100]"},
+       "temperature must be in [0, 100]", "temperature"},
       {[](auto* r) {
          r->mutable_compression()->set_policy("snapkv");
          r->mutable_compression()->set_budget(32);
          (*r->mutable_compression()->mutable_params())["budget"] = "8";
        },
-       grpc::StatusCode::INVALID_ARGUMENT, "'budget' has a field of its own"},
+       grpc::StatusCode::INVALID_ARGUMENT, "'budget' has a field of its own", "compression.params"},
       {[](auto* r) {
          r->mutable_compression()->set_policy("snapkv");
          r->mutable_compression()->set_budget(32);
          r->mutable_compression()->set_skip_layers(1000);
        },
-       grpc::StatusCode::INVALID_ARGUMENT, "skip_layers (1000) must be below the model's layer"},
+       grpc::StatusCode::INVALID_ARGUMENT, "skip_layers (1000) must be below the model's layer",
+       "compression.skip_layers"},
       {[](auto* r) {
          r->mutable_compression()->set_policy("snapkv");
          r->mutable_compression()->set_budget(32);
          r->mutable_compression()->set_ratio(0.5);
        },
-       grpc::StatusCode::INVALID_ARGUMENT, "budget and ratio are both set"},
+       grpc::StatusCode::INVALID_ARGUMENT, "budget and ratio are both set", "compression.budget"},
       {[](auto* r) {
          for (int i = 0; i < 600; ++i) r->add_prompt_ids(5);
        },
-       grpc::StatusCode::INVALID_ARGUMENT, "context"},
+       grpc::StatusCode::INVALID_ARGUMENT, "context", "prompt_ids"},
   };
   for (const Case& c : cases) {
     v1::PrefillRequest req = Request(20, CompressionConfig{});
@@ -200,6 +203,7 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
     EXPECT_EQ(r.status.error_code(), c.code) << c.expect << ": " << r.status.error_message();
     EXPECT_NE(r.status.error_message().find(c.expect), std::string::npos)
         << r.status.error_message();
+    EXPECT_EQ(FieldOfDetails(r.status.error_details()).value_or(""), c.field) << c.expect;
     // Nothing tells a caller what the node would accept.
     EXPECT_EQ(r.status.error_message().find(model_->fingerprint()), std::string::npos)
         << r.status.error_message();

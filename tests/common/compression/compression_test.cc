@@ -398,7 +398,7 @@ TEST(CompressionConfig, BadParametersSayWhich) {
     std::string expect;
   };
   const std::vector<Case> cases = {
-      {{{"budget", "0"}}, "needs a budget"},
+      {{{"budget", "0"}}, "or ratio is needed by"},
       {{{"budget", "16"}}, "must exceed the observation window"},
       {{{"kernel", "4"}}, "kernel must be odd"},
       {{{"window", "0"}}, "window must be >= 1"},

@@ -869,9 +869,13 @@ TEST(SparseAttention, BytesReadCountSummaries) {
 TEST(SparseAttention, BadConfigsSayWhy) {
   DecodeAttentionConfig a;
   a.mode = AttentionMode::kHybrid;
-  EXPECT_NE(std::string(a.Validate().message()).find("needs a token_budget"), std::string::npos);
+  EXPECT_NE(std::string(a.Validate().message()).find("token_budget is needed by hybrid"),
+            std::string::npos)
+      << a.Validate();
+  EXPECT_EQ(FieldOf(a.Validate()).value_or(""), "attention.token_budget");
   a.top_k = -1;
   EXPECT_EQ(a.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FieldOf(a.Validate()).value_or(""), "attention.top_k");
   EXPECT_FALSE(ParseAttentionMode("sparse").ok());
   EXPECT_EQ(*ParseAttentionMode("exact_topk"), AttentionMode::kExactTopK);
   // A parameter the mode does not take is refused, naming it.
@@ -882,6 +886,7 @@ TEST(SparseAttention, BadConfigsSayWhy) {
   EXPECT_NE(std::string(q.Validate().message()).find("top_r does not apply to quest"),
             std::string::npos)
       << q.Validate();
+  EXPECT_EQ(FieldOf(q.Validate()).value_or(""), "attention.top_r");
   DecodeAttentionConfig d;
   d.token_budget = 64;
   EXPECT_NE(std::string(d.Validate().message()).find("token_budget does not apply to dense"),
