@@ -6,7 +6,7 @@
 // so their figures compare side by side.
 //
 //   serving_bench --target 127.0.0.1:8080 --concurrency 8 --requests 64
-//       --data ../shared/data/stories/dev.jsonl --settings full,snapkv:64,snapkv_pp:64
+//       --data ../shared/data/stories/dev.jsonl --settings full,snapkv:64,snapkv_pp:64@int4
 //
 // --ttft-prompt N instead sends N-token prompts one at a time and compares the client's
 // time to first token with the prefill node's own forward time (from the response's
@@ -81,9 +81,12 @@ double Pct(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p / 100.0 * (v.size() - 1) + 0.5))];
 }
 
-// "full", "snapkv:64", "snapkv_pp:64", "chunkkv:128"...
+// "full", "snapkv:64", "snapkv_pp:64", "chunkkv:128"..., each optionally "@format" for the KV
+// format the kept rows travel in ("snapkv:128@int4", "full@fp8").
 void ApplySetting(const std::string& setting, v1::GenerateRequest* req) {
-  std::vector<std::string> parts = absl::StrSplit(setting, ':');
+  const std::vector<std::string> at = absl::StrSplit(setting, absl::MaxSplits('@', 1));
+  if (at.size() > 1) req->mutable_compression()->set_kv_format(at[1]);
+  std::vector<std::string> parts = absl::StrSplit(at[0], ':');
   req->mutable_compression()->set_policy(parts[0]);
   int budget = 0;
   if (parts.size() > 1 && absl::SimpleAtoi(parts[1], &budget)) {
@@ -102,9 +105,11 @@ int main(int argc, char** argv) {
   f.Define("requests", "64", "requests per setting");
   f.Define("max-tokens", "32", "tokens per request");
   f.Define("data", "", "JSONL with prompt_ids (../shared/data/stories/dev.jsonl); else synthetic");
-  f.Define("settings", "full,snapkv:64", "compression settings compared, policy[:budget]");
+  f.Define("settings", "full,snapkv:64",
+           "compression settings compared, policy[:budget][@kv_format] (snapkv:128@int4)");
   f.Define("ttft-prompt", "0", "measure TTFT vs forward time with prompts of this many tokens");
   f.Define("vocab", "512", "vocabulary for synthetic prompts");
+  f.Define("prompt-tokens", "400", "length of the synthetic prompts (without --data)");
   if (int rc = ParseFlagsOrExit(f, "serving_bench", "serving_bench --target HOST:PORT [flags]",
                                 argc, argv);
       rc >= 0) {
@@ -117,8 +122,10 @@ int main(int argc, char** argv) {
   auto concurrency_or = f.GetInt("concurrency", 1, 1024),
        requests_or = f.GetInt("requests", 1, 1 << 20),
        max_tokens_or = f.GetInt("max-tokens", 1, 1 << 16), vocab_or = f.GetInt("vocab", 4, 1 << 24),
-       ttft_or = f.GetInt("ttft-prompt", 0, 1 << 20);
-  for (const auto* v : {&concurrency_or, &requests_or, &max_tokens_or, &vocab_or, &ttft_or}) {
+       ttft_or = f.GetInt("ttft-prompt", 0, 1 << 20),
+       prompt_tokens_or = f.GetInt("prompt-tokens", 2, 1 << 20);
+  for (const auto* v :
+       {&concurrency_or, &requests_or, &max_tokens_or, &vocab_or, &ttft_or, &prompt_tokens_or}) {
     if (!v->ok()) return fail(std::string(v->status().message()));
   }
   const int concurrency = static_cast<int>(*concurrency_or);
@@ -147,7 +154,7 @@ int main(int argc, char** argv) {
   }
   if (prompts.empty() || ttft_prompt > 0) {
     prompts.clear();
-    const int len = ttft_prompt > 0 ? ttft_prompt : 400;
+    const int len = ttft_prompt > 0 ? ttft_prompt : static_cast<int>(*prompt_tokens_or);
     for (int p = 0; p < 16; ++p) {
       std::vector<int32_t> ids = {1};
       for (int i = 1; i < len; ++i) ids.push_back(3 + (i * 31 + p * 7) % (vocab - 3));
@@ -156,7 +163,7 @@ int main(int argc, char** argv) {
   }
 
   if (ttft_prompt > 0) {
-    std::printf("%-14s %8s %12s %12s %12s %8s\n", "setting", "prompt", "forward_ms", "ttft_ms",
+    std::printf("%-18s %8s %12s %12s %12s %8s\n", "setting", "prompt", "forward_ms", "ttft_ms",
                 "client_ttft", "ratio");
     for (const std::string& setting : f.GetList("settings")) {
       std::vector<double> ratios;
@@ -171,15 +178,15 @@ int main(int argc, char** argv) {
           return 1;
         }
         ratios.push_back(s.server_ttft_ms / s.prefill_ms);
-        std::printf("%-14s %8d %12.1f %12.1f %12.1f %8.3f\n", setting.c_str(), ttft_prompt,
+        std::printf("%-18s %8d %12.1f %12.1f %12.1f %8.3f\n", setting.c_str(), ttft_prompt,
                     s.prefill_ms, s.server_ttft_ms, s.ttft_ms, s.server_ttft_ms / s.prefill_ms);
       }
-      std::printf("%-14s median TTFT / forward = %.3f\n", setting.c_str(), Pct(ratios, 50));
+      std::printf("%-18s median TTFT / forward = %.3f\n", setting.c_str(), Pct(ratios, 50));
     }
     return 0;
   }
 
-  std::printf("%-14s %6s %8s %9s %9s %9s %9s %9s %9s %13s %13s %7s\n", "setting", "ok", "req/s",
+  std::printf("%-18s %6s %8s %9s %9s %9s %9s %9s %9s %13s %13s %7s\n", "setting", "ok", "req/s",
               "ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p90", "itl_p99", "full_bytes",
               "wire_bytes", "ratio");
   for (const std::string& setting : f.GetList("settings")) {
@@ -215,7 +222,7 @@ int main(int argc, char** argv) {
       full += s.full_bytes;
       wire += s.wire_bytes;
     }
-    std::printf("%-14s %6d %8.2f %9.1f %9.1f %9.1f %9.2f %9.2f %9.2f %13lld %13lld %6.1fx\n",
+    std::printf("%-18s %6d %8.2f %9.1f %9.1f %9.1f %9.2f %9.2f %9.2f %13lld %13lld %6.1fx\n",
                 setting.c_str(), ok, ok / secs, Pct(ttft, 50), Pct(ttft, 90), Pct(ttft, 99),
                 Pct(itl, 50), Pct(itl, 90), Pct(itl, 99), static_cast<long long>(full),
                 static_cast<long long>(wire), wire ? static_cast<double>(full) / wire : 0.0);

@@ -72,6 +72,7 @@ int main(int argc, char** argv) {
   Flags flags;
   DefineModelFlags(flags);
   DefineCompressionFlags(flags);
+  DefineKvFormatFlag(flags);
   DefineServerFlags(flags, "decode", "0.0.0.0:9102");
   flags.Define("listen", "0.0.0.0:50051", "gRPC address of the Generation service");
   flags.Define("prefill", "",

@@ -61,6 +61,7 @@ inline std::optional<KvStreamParams> ReadKvStreamParams(const uint8_t p[kParamBy
   if (!policy.ok()) return std::nullopt;
   CompressionConfig& c = s.compression;
   c.policy = *policy;
+  c.kv_format = kAllKvFormats[(p[2] / 12) % 5];
   c.window = 1 + p[6] % 16;
   c.skip_layers = (p[0] / 4) % 3;
   if (p[5] & 0x80) {
@@ -86,6 +87,7 @@ inline WireExpectation KvStreamExpectation(const KvStreamParams& s) {
   e.num_cache_heads = s.compression.CacheHeads(s.model.num_heads, s.model.num_kv_heads);
   e.head_dim = s.model.head_dim;
   e.dtype = s.kv_dtype;
+  e.kv_format = s.compression.kv_format;
   e.prompt_len = s.prompt_len;
   if (s.check_kept) {
     for (int l = 0; l < s.model.num_layers; ++l) {

@@ -41,6 +41,7 @@ std::string ValidStream(const std::vector<uint8_t>& param_bytes, uint32_t seed) 
   h.num_cache_heads = s->compression.CacheHeads(s->model.num_heads, s->model.num_kv_heads);
   h.head_dim = s->model.head_dim;
   h.dtype = s->kv_dtype;
+  h.kv_format = s->compression.kv_format;
   h.policy = s->compression.Describe();
   h.prompt_len = s->prompt_len;
   for (int l = 0; l < h.num_layers; ++l) {
@@ -71,7 +72,7 @@ std::string ValidStream(const std::vector<uint8_t>& param_bytes, uint32_t seed) 
     layer.v.resize(layer.k.size());
     for (uint8_t& b : layer.k) b = static_cast<uint8_t>(rng());
     for (uint8_t& b : layer.v) b = static_cast<uint8_t>(rng());
-    for (WireChunk& chunk : ChunkLayer(layer, s->max_chunk_bytes)) {
+    for (WireChunk& chunk : ChunkLayer(layer, h.kv_format, s->max_chunk_bytes)) {
       trailer.kv_payload_bytes += static_cast<int64_t>(chunk.payload_bytes());
       ++trailer.chunks;
       ToProto(std::move(chunk), msg.mutable_chunk());
@@ -95,6 +96,10 @@ const std::vector<std::vector<uint8_t>> kSeeds = {
     {3, 0, 2, 5, 80, 20, 0x27, 0x0a},  // hbw, 4 layers, 256-byte chunks split heads
     {0, 2, 3, 1, 30, 12, 2, 0x00},     // streaming, head_dim 16: chunks of single tokens
     {1, 3, 0, 0, 3, 0, 0, 0x1c},       // full, short prompt, 8 KiB chunks
+    {0, 1, 12, 2, 60, 10, 3, 0x02},    // snapkv in fp8, head_dim 2
+    {1, 2, 25, 3, 70, 14, 5, 0x06},    // snapkv_pp in int8, head_dim 4
+    {0, 0, 42, 0, 40, 0, 0, 0x0e},     // full in int4, bf16 cache, 512-byte chunks
+    {2, 1, 51, 4, 90, 0x8f, 2, 0x00},  // chunkkv in bf16 from an f32 cache, head_dim 16
 };
 
 }  // namespace

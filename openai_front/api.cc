@@ -309,6 +309,7 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
   if (budget) c.set_budget(static_cast<int32_t>(*budget));
   if (ratio) c.set_ratio(*ratio);
   if (window) c.set_window(static_cast<int32_t>(*window));
+  if (auto format = GetString(body, "kv_format")) c.set_kv_format(*format);
   if (const In* params = body.Take("kv_params")) {
     if (!params->is_object()) {
       RefuseField("kv_params", "expected an object of compression parameters");
@@ -317,6 +318,7 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
       const std::string param = "kv_params." + key;
       if (OneOf(key, kCompressionShortcuts))
         RefuseField(param, "use the top-level field kv_" + key);
+      if (key == "kv_format") RefuseField(param, "use the top-level field kv_format");
       if (key == "params") RefuseField(param, "give each parameter by name");
       bool ok = value.is_string() || value.is_number();
       if (value.is_array()) {
@@ -563,6 +565,7 @@ std::optional<std::string> BodyParam(const std::string& field, bool chat) {
   if (section == "compression") {
     // A parameter without a typed field travels in compression.params: kv_params.<name>.
     if (name == "params") return "kv_params";
+    if (name == "kv_format") return name;
     return OneOf(name, kCompressionShortcuts) ? "kv_" + name : "kv_params." + name;
   }
   if (section == "attention" && HasField<v1::DecodeAttentionParams>(name)) {

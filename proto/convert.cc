@@ -100,6 +100,7 @@ ParamValues CompressionValuesFromProto(const v1::CompressionParams& p) {
   if (p.has_ratio()) v["ratio"] = ExactDecimal(p.ratio());
   if (!p.pool().empty()) v["pool"] = p.pool();
   if (!p.gqa().empty()) v["gqa"] = p.gqa();
+  if (!p.kv_format().empty()) v["kv_format"] = p.kv_format();
   if (p.groups_size() > 0) v["groups"] = absl::StrJoin(p.groups(), ",");
   for (const auto& [name, value] : p.params()) v[name] = value;
   return v;
@@ -110,7 +111,7 @@ absl::Status ApplyCompressionParams(const v1::CompressionParams& p, CompressionC
   // silently override its field (the policy, too), so it is refused.
   for (const auto& [name, value] : p.params()) {
     const bool own_field = name == "policy" || name == "ratio" || name == "pool" || name == "gqa" ||
-                           name == "groups" ||
+                           name == "groups" || name == "kv_format" ||
                            std::any_of(TypedFields().begin(), TypedFields().end(),
                                        [&](const TypedField& f) { return name == f.name; });
     if (own_field) {
@@ -138,6 +139,8 @@ v1::CompressionParams ToProto(const CompressionConfig& c) {
       p.set_pool(value);
     } else if (name == "gqa") {
       p.set_gqa(value);
+    } else if (name == "kv_format") {
+      p.set_kv_format(value);
     } else if (name == "groups") {
       for (absl::string_view g : absl::StrSplit(value, ',')) {
         int x = 0;
@@ -184,6 +187,44 @@ absl::StatusOr<DType> FromProto(v1::KvDType dtype) {
   }
 }
 
+namespace {
+
+v1::KvFormat ToProto(KvFormat f) {
+  switch (f) {
+    case KvFormat::kAuto:
+      return v1::KV_FORMAT_AUTO;
+    case KvFormat::kBF16:
+      return v1::KV_FORMAT_BF16;
+    case KvFormat::kFP8:
+      return v1::KV_FORMAT_FP8_E4M3;
+    case KvFormat::kInt8:
+      return v1::KV_FORMAT_INT8;
+    case KvFormat::kInt4:
+      return v1::KV_FORMAT_INT4;
+  }
+  return v1::KV_FORMAT_AUTO;
+}
+
+absl::StatusOr<KvFormat> FromProto(v1::KvFormat f) {
+  switch (f) {
+    case v1::KV_FORMAT_AUTO:
+      return KvFormat::kAuto;
+    case v1::KV_FORMAT_BF16:
+      return KvFormat::kBF16;
+    case v1::KV_FORMAT_FP8_E4M3:
+      return KvFormat::kFP8;
+    case v1::KV_FORMAT_INT8:
+      return KvFormat::kInt8;
+    case v1::KV_FORMAT_INT4:
+      return KvFormat::kInt4;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("malformed KV stream: unknown KV format ", static_cast<int>(f)));
+  }
+}
+
+}  // namespace
+
 v1::KvHeader ToProto(const WireHeader& h) {
   v1::KvHeader p;
   p.set_format_version(h.format_version);
@@ -192,6 +233,7 @@ v1::KvHeader ToProto(const WireHeader& h) {
   p.set_num_cache_heads(h.num_cache_heads);
   p.set_head_dim(h.head_dim);
   p.set_dtype(ToProto(h.dtype));
+  p.set_kv_format(ToProto(h.kv_format));
   p.set_policy(h.policy);
   p.set_prompt_len(h.prompt_len);
   for (int k : h.kept_per_layer) p.add_kept_per_layer(k);
@@ -212,6 +254,7 @@ absl::StatusOr<WireHeader> FromProto(const v1::KvHeader& p) {
   h.num_cache_heads = static_cast<int>(p.num_cache_heads());
   h.head_dim = static_cast<int>(p.head_dim());
   ASSIGN_OR_RETURN(h.dtype, FromProto(p.dtype()));
+  ASSIGN_OR_RETURN(h.kv_format, FromProto(p.kv_format()));
   h.policy = p.policy();
   h.prompt_len = static_cast<int>(p.prompt_len());
   for (uint32_t k : p.kept_per_layer()) {

@@ -190,6 +190,24 @@ absl::StatusOr<std::vector<EvalPrompt>> ReadPrompts(const std::string& path, con
   return out;
 }
 
+std::vector<EvalMethod> InFormats(const std::vector<EvalMethod>& methods,
+                                  const std::vector<KvFormat>& formats) {
+  std::vector<EvalMethod> out;
+  for (const EvalMethod& m : methods) {
+    for (KvFormat f : formats) {
+      EvalMethod e = m;
+      e.kv_format = f;
+      e.compression = [inner = m.compression, f](int budget) {
+        CompressionConfig c = inner(budget);
+        c.kv_format = f;
+        return c;
+      };
+      out.push_back(std::move(e));
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<ResolvedMethod> ResolveMethod(const EvalMethod& method, int budget, int len,
                                              int max_new, const ModelConfig& model) {
   DecodeAttentionConfig attention =
@@ -197,6 +215,7 @@ absl::StatusOr<ResolvedMethod> ResolveMethod(const EvalMethod& method, int budge
   absl::StatusOr<ResolvedMethod> m =
       Resolve(method.compression(budget), attention, len, max_new, model);
   if (!m.ok()) return Annotate(m.status(), method.name);
+  RETURN_IF_ERROR(Annotate(CheckKvFormat(m->compression.kv_format, model.head_dim), method.name));
   return m;
 }
 
@@ -302,9 +321,11 @@ void ScoreOracle(const ModelConfig& mc, const Reference& ref, int budget, int le
   ++acc->prompts;
 }
 
-FidelityRecord Record(const std::string& name, int budget, const Accumulator& a, bool decoded) {
+FidelityRecord Record(const std::string& name, KvFormat format, int budget, const Accumulator& a,
+                      bool decoded) {
   FidelityRecord r;
   r.policy = name;
+  r.kv_format = std::string(KvFormatName(format));
   r.budget = budget;
   r.agreement = decoded && a.predictions ? static_cast<double>(a.agree) / a.predictions : Nan();
   r.kl = decoded && a.predictions ? a.kl / a.predictions : Nan();
@@ -351,11 +372,12 @@ absl::StatusOr<std::vector<FidelityRecord>> EvalFidelity(
   std::vector<FidelityRecord> out;
   for (size_t m = 0; m < methods.size(); ++m) {
     for (size_t b = 0; b < budgets.size(); ++b) {
-      out.push_back(Record(methods[m].name, budgets[b], acc[m * budgets.size() + b], true));
+      out.push_back(Record(methods[m].name, methods[m].kv_format, budgets[b],
+                           acc[m * budgets.size() + b], true));
     }
   }
   for (size_t b = 0; b < budgets.size(); ++b)
-    out.push_back(Record("oracle", budgets[b], oracle[b], false));
+    out.push_back(Record("oracle", KvFormat::kAuto, budgets[b], oracle[b], false));
   return out;
 }
 

@@ -54,7 +54,13 @@ struct EvalMethod {
   std::string name;
   std::function<CompressionConfig(int budget)> compression;
   std::function<DecodeAttentionConfig(int budget)> attention;  // null: dense
+  KvFormat kv_format = KvFormat::kAuto;  // what compression(budget) codes the rows in
 };
+
+// Every method in every format (`formats` outermost within a method): the same name, each
+// compression coding its rows in the format.
+std::vector<EvalMethod> InFormats(const std::vector<EvalMethod>& methods,
+                                  const std::vector<KvFormat>& formats);
 
 // `method` at `budget` for a `len`-token prompt followed by `max_new` tokens; errors name
 // the method.
@@ -68,6 +74,7 @@ absl::StatusOr<int> CaptureWindow(const std::vector<EvalMethod>& methods,
 
 struct FidelityRecord {
   std::string policy;
+  std::string kv_format = "auto";
   int budget = 0;
   double agreement = 0;  // top-1 agreement with full decoding
   double kl = 0;         // mean KL(full ‖ compressed), nats

@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -126,6 +127,21 @@ absl::StatusOr<std::vector<EvalMethod>> Methods(const std::vector<std::string>& 
     }
   }
   return methods;
+}
+
+absl::StatusOr<std::vector<KvFormat>> KvFormats(const Flags& flags) {
+  std::vector<KvFormat> out;
+  for (const std::string& name : flags.GetList("kv-formats")) {
+    auto f = ParseKvFormat(name);
+    if (!f.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--kv-formats: ", f.status().message()));
+    if (std::find(out.begin(), out.end(), *f) != out.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("--kv-formats names ", name, " twice"));
+    }
+    out.push_back(*f);
+  }
+  if (out.empty()) return absl::InvalidArgumentError("--kv-formats is empty");
+  return out;
 }
 
 absl::StatusOr<std::vector<int>> Budgets(const Flags& flags) {
@@ -293,6 +309,8 @@ absl::StatusOr<EvalSetup> Setup(const Flags& flags, const ParamValues& compressi
         absl::StrCat("--settings must be default or paper, got '", settings, "'"));
   }
   ASSIGN_OR_RETURN(e.methods, Methods(flags.GetList("policies"), compression, settings == "paper"));
+  ASSIGN_OR_RETURN(const std::vector<KvFormat> formats, KvFormats(flags));
+  e.methods = InFormats(e.methods, formats);
   ASSIGN_OR_RETURN(const int64_t limit, flags.GetInt("limit", 0, 1 << 30));
   ASSIGN_OR_RETURN(const int64_t window, flags.GetInt("window", 1, 1 << 20));
   e.window = static_cast<int>(window);
@@ -330,14 +348,15 @@ int Fidelity(const Flags& flags, const ParamValues& compression) {
   auto records = EvalFidelity(*e.model, e.prompts, e.methods, e.budgets, opts, Progress);
   if (!records.ok()) return Fail("eval fidelity", records.status());
 
-  std::printf("%-28s %7s %10s %9s %9s %9s %5s\n", "policy", "budget", "agreement", "KL", "recall",
-              absl::StrFormat("hit@%.2g", *theta).c_str(), "n");
+  std::printf("%-28s %6s %7s %10s %9s %9s %9s %5s\n", "policy", "format", "budget", "agreement",
+              "KL", "recall", absl::StrFormat("hit@%.2g", *theta).c_str(), "n");
   nlohmann::json out = nlohmann::json::array();
   for (const FidelityRecord& r : *records) {
-    std::printf("%-28s %7d %10s %9s %9s %9s %5d\n", r.policy.c_str(), r.budget,
-                Cell(100 * r.agreement, "%.1f%%").c_str(), Cell(r.kl, "%.4f").c_str(),
+    std::printf("%-28s %6s %7d %10s %9s %9s %9s %5d\n", r.policy.c_str(), r.kv_format.c_str(),
+                r.budget, Cell(100 * r.agreement, "%.1f%%").c_str(), Cell(r.kl, "%.4f").c_str(),
                 Cell(r.recall, "%.4f").c_str(), Cell(r.hit_rate, "%.4f").c_str(), r.n);
     out.push_back({{"policy", r.policy},
+                   {"kv_format", r.kv_format},
                    {"budget", r.budget},
                    {"agreement", Num(r.agreement)},
                    {"kl", Num(r.kl)},
@@ -387,9 +406,10 @@ absl::StatusOr<RemoteOptions> RemoteOptionsFromFlags(const Flags& flags) {
   return o;
 }
 
-// One table line per method and budget: accuracy over all prompts, per task and per length
-// bucket, the needle kept and read, and the compression ratio (full cache ÷ KV payload; through a
-// deployment also ÷ the KV messages' bytes).
+// One table line per method, format and budget: accuracy over all prompts, per task and per
+// length bucket, the needle kept and read, and the compression ratio (full cache ÷ KV payload,
+// and the full cache in bf16 ÷ KV payload; through a deployment also full ÷ the KV messages'
+// bytes).
 void PrintPasskeyTable(const std::vector<PasskeyRow>& rows, bool wire) {
   std::vector<std::string> columns;  // "single", "multi", "≤512", ...
   std::set<std::string> seen;
@@ -399,9 +419,9 @@ void PrintPasskeyTable(const std::vector<PasskeyRow>& rows, bool wire) {
       columns.push_back(label(r));
     }
   }
-  std::string head = absl::StrFormat("%-28s %6s %7s", "policy", "budget", "all");
+  std::string head = absl::StrFormat("%-28s %6s %6s %7s", "policy", "format", "budget", "all");
   for (const std::string& c : columns) absl::StrAppendFormat(&head, " %7s", c);
-  absl::StrAppendFormat(&head, " %7s %7s %7s", "kept", "read", "ratio");
+  absl::StrAppendFormat(&head, " %7s %7s %7s %9s", "kept", "read", "ratio", "bf16/kv");
   if (wire) absl::StrAppendFormat(&head, " %7s", "wire");
   absl::StrAppendFormat(&head, " %5s", "n");
   std::printf("%s\n", head.c_str());
@@ -412,7 +432,7 @@ void PrintPasskeyTable(const std::vector<PasskeyRow>& rows, bool wire) {
     for (size_t k = i + 1; k < rows.size() && (rows[k].task != "all" || rows[k].length != 0); ++k) {
       by[label(rows[k])] = &rows[k];
     }
-    std::string line = absl::StrFormat("%-28s %6d %7s", all.method, all.budget,
+    std::string line = absl::StrFormat("%-28s %6s %6d %7s", all.method, all.kv_format, all.budget,
                                        Cell(100 * all.accuracy(), "%.1f%%"));
     for (const std::string& c : columns) {
       absl::StrAppendFormat(&line, " %7s",
@@ -421,6 +441,7 @@ void PrintPasskeyTable(const std::vector<PasskeyRow>& rows, bool wire) {
     absl::StrAppendFormat(&line, " %7s %7s %7s", Cell(100 * all.needle_kept_share(), "%.1f%%"),
                           Cell(100 * all.needle_read_share(), "%.1f%%"),
                           Cell(all.ratio(), "%.2fx"));
+    absl::StrAppendFormat(&line, " %9s", Cell(all.ratio_bf16(), "%.2fx"));
     if (wire) absl::StrAppendFormat(&line, " %7s", Cell(all.wire_ratio(), "%.2fx"));
     absl::StrAppendFormat(&line, " %5d", all.n);
     std::printf("%s\n", line.c_str());
@@ -459,7 +480,14 @@ int Passkey(const Flags& flags, const ParamValues& compression) {
       }
     }
     run = EvalPasskeyRemote(*remote_options, fit, e.methods, e.budgets, Progress);
-    if (run.ok()) run->skipped = std::move(skipped);
+    if (run.ok()) {
+      run->skipped = std::move(skipped);
+      // The bf16 figure from the prompt's length: the deployment reports its own dtype's.
+      for (PasskeyAnswer& a : run->answers) {
+        a.full_bf16_bytes =
+            int64_t{a.prompt_tokens} * e.model->config().KvBytesPerToken(DType::kBF16);
+      }
+    }
   } else {
     run = EvalPasskey(*e.model, e.prompts, e.methods, e.budgets, e.window, Progress);
   }
@@ -510,6 +538,9 @@ int RunEval(int argc, char** argv) {
   flags.Define("policies", "snapkv,snapkv_pp,chunkkv,hbw,streaming,random",
                "methods: policy names, optionally with :flag=value overrides");
   flags.Define("budgets", "32,64,128", "budgets to evaluate (tokens per KV head)");
+  flags.Define("kv-formats", "auto",
+               absl::StrCat("KV formats to evaluate every method in (", KvFormatNames(),
+                            "): how the kept rows travel and are held"));
   flags.Define("limit", "0", "evaluate only the first N prompts (0: all)");
   flags.Define("json", "", "write one JSON record per policy and budget to this file");
   flags.Define("plot", "", "write a PNG plot to this file (needs python3 with matplotlib)");

@@ -54,6 +54,7 @@ int RunGenerate(int argc, char** argv) {
   DefineModelFlags(flags);
   DefineSamplingFlags(flags);
   DefineCompressionFlags(flags);
+  DefineKvFormatFlag(flags);
   DefineAttentionFlags(flags);
   flags.Define("prompt", "", "the prompt text (BOS is added as the tokenizer specifies)");
   const char* usage =

@@ -167,10 +167,12 @@ absl::StatusOr<PasskeyRun> EvalPasskey(LlamaModel& model, const std::vector<Eval
         a.id = prompt.id;
         a.task = prompt.task;
         a.method = method.name;
+        a.kv_format = std::string(KvFormatName(method.kv_format));
         a.budget = budget;
         a.prompt_tokens = len;
         a.expected = prompt.answer;
         a.full_cache_bytes = replayed.full_cache_bytes;
+        a.full_bf16_bytes = replayed.full_bf16_bytes;
         a.kv_payload_bytes = replayed.kv_payload_bytes;
         CheckNeedle(needle, *cache, mc, &a);
         const int per_kv = cache->shape().n_heads / mc.num_kv_heads;
@@ -203,22 +205,27 @@ double PasskeyRow::needle_read_share() const {
 double PasskeyRow::ratio() const {
   return kv_payload_bytes > 0 ? static_cast<double>(full_cache_bytes) / kv_payload_bytes : Nan();
 }
+double PasskeyRow::ratio_bf16() const {
+  return kv_payload_bytes > 0 ? static_cast<double>(full_bf16_bytes) / kv_payload_bytes : Nan();
+}
 double PasskeyRow::wire_ratio() const {
   return wire_bytes > 0 ? static_cast<double>(full_cache_bytes) / wire_bytes : Nan();
 }
 
 std::vector<PasskeyRow> SummarizePasskey(const std::vector<PasskeyAnswer>& answers) {
-  // Rows keyed by (method order, budget, task, length), in the order they are first met.
-  using Key = std::tuple<std::string, int, std::string, int>;
-  std::vector<std::pair<std::string, int>> order;
-  std::set<std::pair<std::string, int>> seen;
+  // Rows keyed by (method, format, budget, task, length), in the order they are first met.
+  using Method = std::tuple<std::string, std::string, int>;
+  using Key = std::tuple<std::string, std::string, int, std::string, int>;
+  std::vector<Method> order;
+  std::set<Method> seen;
   std::set<std::string> tasks;
   std::set<int> lengths;
   std::map<Key, PasskeyRow> rows;
   auto add = [&](const PasskeyAnswer& a, const std::string& task, int length) {
-    PasskeyRow& r = rows[{a.method, a.budget, task, length}];
+    PasskeyRow& r = rows[{a.method, a.kv_format, a.budget, task, length}];
     if (r.n == 0) {
       r.method = a.method;
+      r.kv_format = a.kv_format;
       r.budget = a.budget;
       r.task = task;
       r.length = length;
@@ -232,11 +239,14 @@ std::vector<PasskeyRow> SummarizePasskey(const std::vector<PasskeyAnswer>& answe
       r.needle_read += std::max(a.needle_read, 0);
     }
     r.full_cache_bytes += a.full_cache_bytes;
+    r.full_bf16_bytes += a.full_bf16_bytes;
     r.kv_payload_bytes += a.kv_payload_bytes;
     r.wire_bytes = r.wire_bytes < 0 || a.wire_bytes < 0 ? -1 : r.wire_bytes + a.wire_bytes;
   };
   for (const PasskeyAnswer& a : answers) {
-    if (seen.insert({a.method, a.budget}).second) order.push_back({a.method, a.budget});
+    if (seen.insert({a.method, a.kv_format, a.budget}).second) {
+      order.push_back({a.method, a.kv_format, a.budget});
+    }
     add(a, "all", 0);
     if (!a.task.empty()) {
       tasks.insert(a.task);
@@ -246,14 +256,14 @@ std::vector<PasskeyRow> SummarizePasskey(const std::vector<PasskeyAnswer>& answe
     add(a, "all", LengthBucket(a.prompt_tokens));
   }
   std::vector<PasskeyRow> out;
-  for (const auto& [method, budget] : order) {
-    out.push_back(rows[{method, budget, "all", 0}]);
+  for (const auto& [method, format, budget] : order) {
+    out.push_back(rows[{method, format, budget, "all", 0}]);
     for (const std::string& task : tasks) {
-      auto it = rows.find({method, budget, task, 0});
+      auto it = rows.find({method, format, budget, task, 0});
       if (it != rows.end()) out.push_back(it->second);
     }
     for (int length : lengths) {
-      auto it = rows.find({method, budget, "all", length});
+      auto it = rows.find({method, format, budget, "all", length});
       if (it != rows.end()) out.push_back(it->second);
     }
   }
@@ -266,6 +276,7 @@ nlohmann::json Num(double x) { return std::isnan(x) ? nlohmann::json(nullptr) : 
 
 nlohmann::json ToJson(const PasskeyRow& r) {
   nlohmann::json j = {{"policy", r.method},
+                      {"kv_format", r.kv_format},
                       {"budget", r.budget},
                       {"task", r.task},
                       {"length", r.length == 0 ? nlohmann::json("all") : nlohmann::json(r.length)},
@@ -278,6 +289,10 @@ nlohmann::json ToJson(const PasskeyRow& r) {
                       {"full_cache_bytes", r.full_cache_bytes},
                       {"kv_payload_bytes", r.kv_payload_bytes},
                       {"ratio", Num(r.ratio())}};
+  if (r.full_bf16_bytes > 0) {
+    j["full_bf16_bytes"] = r.full_bf16_bytes;
+    j["ratio_bf16"] = Num(r.ratio_bf16());
+  }
   if (r.wire_bytes >= 0) {
     j["wire_bytes"] = r.wire_bytes;
     j["wire_ratio"] = Num(r.wire_ratio());
@@ -289,6 +304,7 @@ nlohmann::json ToJson(const PasskeyAnswer& a) {
   nlohmann::json j = {{"id", a.id},
                       {"task", a.task},
                       {"policy", a.method},
+                      {"kv_format", a.kv_format},
                       {"budget", a.budget},
                       {"prompt_tokens", a.prompt_tokens},
                       {"length", LengthBucket(a.prompt_tokens)},
@@ -316,13 +332,13 @@ absl::StatusOr<std::vector<std::string>> ComparePasskey(const std::vector<Passke
     std::vector<int32_t> tokens;
     int64_t kv_payload_bytes;
   };
-  std::map<std::tuple<std::string, std::string, int>, Ref> refs;
+  std::map<std::tuple<std::string, std::string, std::string, int>, Ref> refs;
   RETURN_IF_ERROR(ForEachJsonLine(
       reference_path, [&](const nlohmann::json& j, int, const std::string& where) -> absl::Status {
         try {
           refs[{j.at("id").get<std::string>(), j.at("policy").get<std::string>(),
-                j.at("budget").get<int>()}] = {j.at("tokens").get<std::vector<int32_t>>(),
-                                               j.at("kv_payload_bytes").get<int64_t>()};
+                j.value("kv_format", std::string("auto")), j.at("budget").get<int>()}] = {
+              j.at("tokens").get<std::vector<int32_t>>(), j.at("kv_payload_bytes").get<int64_t>()};
         } catch (const nlohmann::json::exception& e) {
           return absl::InvalidArgumentError(absl::StrCat(
               where, ": not a passkey answer record (kvwire eval passkey --answers): ", e.what()));
@@ -331,8 +347,9 @@ absl::StatusOr<std::vector<std::string>> ComparePasskey(const std::vector<Passke
       }));
   std::vector<std::string> diffs;
   for (const PasskeyAnswer& a : run) {
-    const std::string what = absl::StrCat(a.id, " ", a.method, " at ", a.budget);
-    auto it = refs.find({a.id, a.method, a.budget});
+    const std::string what =
+        absl::StrCat(a.id, " ", a.method, " in ", a.kv_format, " at ", a.budget);
+    auto it = refs.find({a.id, a.method, a.kv_format, a.budget});
     if (it == refs.end()) {
       diffs.push_back(absl::StrCat(what, ": not in ", reference_path));
       continue;

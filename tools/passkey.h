@@ -35,6 +35,7 @@ int LengthBucket(int tokens);
 struct PasskeyAnswer {
   std::string id, task;  // task: the prompt's (single, multi), or empty
   std::string method;
+  std::string kv_format = "auto";
   int budget = 0;
   int prompt_tokens = 0;
   std::vector<int32_t> expected, tokens;
@@ -49,6 +50,7 @@ struct PasskeyAnswer {
   double needle_share = -1;         // of the retrieval head's window attention, on the needle
   std::vector<double> needle_mass;  // that share, token by token
   int64_t full_cache_bytes = 0;
+  int64_t full_bf16_bytes = 0;  // the full cache in bf16, however the model's is stored
   int64_t kv_payload_bytes = 0;
   int64_t wire_bytes = -1;  // through the pair: bytes of the KV messages received
 };
@@ -70,22 +72,24 @@ absl::StatusOr<PasskeyRun> EvalPasskey(LlamaModel& model, const std::vector<Eval
 // bucket (0: all).
 struct PasskeyRow {
   std::string method;
+  std::string kv_format = "auto";
   int budget = 0;
   std::string task = "all";
   int length = 0;
   int n = 0, correct = 0;
   int needle_n = 0, needle_kept = 0;  // prompts whose needle was measured, and kept
   int needle_read = 0;
-  int64_t full_cache_bytes = 0, kv_payload_bytes = 0;
+  int64_t full_cache_bytes = 0, full_bf16_bytes = 0, kv_payload_bytes = 0;
   int64_t wire_bytes = -1;  // summed when every answer has it
   double accuracy() const;
   double needle_kept_share() const;  // NaN when none was measured
   double needle_read_share() const;
   double ratio() const;       // full ÷ payload
+  double ratio_bf16() const;  // the full cache in bf16 ÷ payload
   double wire_ratio() const;  // full ÷ wire bytes, NaN without them
 };
 
-// Per method and budget (in the answers' order): the row over all prompts, then one per
+// Per method, format and budget (in the answers' order): the row over all prompts, then one per
 // task, then one per length bucket.
 std::vector<PasskeyRow> SummarizePasskey(const std::vector<PasskeyAnswer>& answers);
 
@@ -94,7 +98,8 @@ nlohmann::json ToJson(const PasskeyAnswer& answer);
 
 // Compares two runs' answers prompt for prompt (matched by id, method and budget): the
 // tokens and the KV payload bytes must be equal and every answer of `run` must have a
-// counterpart in `reference` (a JSONL file of ToJson(PasskeyAnswer) records). Returns the
+// counterpart in `reference` (a JSONL file of ToJson(PasskeyAnswer) records; matched by id,
+// method, kv_format — "auto" where a record has none — and budget). Returns the
 // differences, one line each (empty: the runs agree).
 absl::StatusOr<std::vector<std::string>> ComparePasskey(const std::vector<PasskeyAnswer>& run,
                                                         const std::string& reference_path);

@@ -27,7 +27,8 @@ v1::DecodeAttentionParams ToProto(const DecodeAttentionConfig& a) {
 
 v1::GenerateRequest Request(const EvalPrompt& prompt, const EvalMethod& method, int budget) {
   v1::GenerateRequest req;
-  req.set_request_id(absl::StrCat("passkey-", prompt.id, "-", method.name, "-", budget));
+  req.set_request_id(absl::StrCat("passkey-", prompt.id, "-", method.name, "-",
+                                  KvFormatName(method.kv_format), "-", budget));
   for (int32_t id : prompt.ids) req.mutable_prompt_ids()->add_ids(id);
   v1::SamplingParams* s = req.mutable_sampling();
   s->set_max_tokens(static_cast<int>(prompt.answer.size()));
@@ -103,6 +104,7 @@ absl::StatusOr<PasskeyRun> EvalPasskeyRemote(const RemoteOptions& options,
       a.id = prompt.id;
       a.task = prompt.task;
       a.method = method.name;
+      a.kv_format = std::string(KvFormatName(method.kv_format));
       a.budget = budget;
       a.prompt_tokens = static_cast<int>(prompt.ids.size());
       a.expected = prompt.answer;

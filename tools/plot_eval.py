@@ -5,9 +5,12 @@
 
 The kind of evaluation is read from the records: fidelity records (agreement, kl, recall)
 give three panels side by side, passkey records (accuracy, and needle_read when measured)
-one or two; passkey rows per task or length bucket are left out (the totals are plotted). x is the budget on a log2
-axis; each policy is one line with markers, in the same colour in every panel, under one
-shared legend. A null value (the oracle has no agreement or KL) leaves a gap.
+one or two, and one more of accuracy against the KV bytes shipped per prompt when the records
+are of several KV formats (kv_format) and carry kv_payload_bytes; passkey rows per task or length bucket are left out (the totals are
+plotted). x is the budget on a log2 axis (the bytes on a log10 one); each policy, in each KV
+format when the records have several (kv_format), is one line with markers, in the same
+colour in every panel, under one shared legend. A null value (the oracle has no agreement or
+KL) leaves a gap.
 
 `kvwire eval --plot` runs this script from beside the kvwire executable.
 Exit codes: 0 written, 1 the PNG could not be written, 2 bad arguments or records,
@@ -95,13 +98,23 @@ def plot(records, kind, out, title):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  policies = list(dict.fromkeys(r["policy"] for r in records))  # legend order: first seen
+  # A series per policy, and per KV format when the records hold several.
+  formats = {r.get("kv_format", "auto") for r in records}
+  for r in records:
+    f = r.get("kv_format", "auto")
+    r["series"] = r["policy"] if len(formats) == 1 else f'{r["policy"]} [{f}]'
+  policies = list(dict.fromkeys(r["series"] for r in records))  # legend order: first seen
   palette = plt.get_cmap("tab10" if len(policies) <= 10 else "tab20").colors
   colour = {p: palette[i % len(palette)] for i, p in enumerate(policies)}
   marker = {p: "osD^v<>ph*"[i % 10] for i, p in enumerate(policies)}
   budgets = sorted({r["budget"] for r in records})
   panels = [p for p in PANELS[kind]
             if p[0] not in OPTIONAL or any(r.get(p[0]) is not None for r in records)]
+  bytes_panel = (kind == "passkey" and len(formats) > 1 and
+                 all(is_number(r.get("kv_payload_bytes")) and is_number(r.get("n")) and r["n"] > 0
+                     for r in records))
+  if bytes_panel:
+    panels.append(("accuracy", "accuracy against KV bytes shipped", "accuracy"))
 
   # One legend below the panels, as many entries a row as fit (about 7 px a character).
   width = 4.6 * len(panels)
@@ -110,9 +123,11 @@ def plot(records, kind, out, title):
   legend_h = 0.27 * math.ceil(len(policies) / ncol) + 0.15  # inches
   fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.0 + legend_h), squeeze=False)
   handles = {}
-  for ax, (field, panel_title, y_label) in zip(axes[0], panels):
+  for i, (ax, (field, panel_title, y_label)) in enumerate(zip(axes[0], panels)):
+    by_bytes = bytes_panel and i == len(panels) - 1
+    x_of = ((lambda r: r["kv_payload_bytes"] / r["n"]) if by_bytes else (lambda r: r["budget"]))
     for p in policies:
-      points = sorted(((r["budget"], r.get(field)) for r in records if r["policy"] == p),
+      points = sorted(((x_of(r), r.get(field)) for r in records if r["series"] == p),
                       key=lambda point: point[0])
       y = [math.nan if v is None else float(v) for _, v in points]
       if all(math.isnan(v) for v in y):
@@ -125,11 +140,15 @@ def plot(records, kind, out, title):
     elif field in FRACTIONS:
       lo, hi = ax.get_ylim()
       ax.set_ylim(max(lo, -0.03), min(hi, 1.03))
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
-    ax.minorticks_off()
+    if by_bytes:
+      ax.set_xscale("log", base=10)
+      ax.set_xlabel("KV payload bytes per prompt (positions, K and V)")
+    else:
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+      ax.minorticks_off()
+      ax.set_xlabel(X_LABEL)
     ax.set_title(panel_title)
-    ax.set_xlabel(X_LABEL)
     ax.set_ylabel(y_label)
     ax.grid(True, color="0.9")
   fig.suptitle(textwrap.fill(title, int(width * 100 / 11.5)), fontweight="bold")

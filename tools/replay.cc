@@ -4,7 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
+#include "common/engine/prefill_engine.h"
 #include "common/sparse/rocketkv.h"
+#include "common/wire/kv_wire.h"
 
 namespace kvwire::tools {
 
@@ -88,20 +90,21 @@ absl::StatusOr<ResolvedMethod> Resolve(CompressionConfig compression,
 
 namespace {
 
-// Stores each layer in the cache and counts what its chunks would carry.
-class CountingCacheSink final : public CompressedLayerSink {
+// Sends each layer through the wire's own code, chunked and coded in the request's KV format
+// and assembled into the cache by the receiver's checks, as the pair would.
+class WireCacheSink final : public CompressedLayerSink {
  public:
-  explicit CountingCacheSink(KvCache* cache) : cache_(cache) {}
+  WireCacheSink(KvAssembler* assembler, KvFormat format) : assembler_(assembler), format_(format) {}
   absl::Status Accept(CompressedLayer layer) override {
-    bytes_ += static_cast<int64_t>(layer.positions.size() * sizeof(int32_t) + layer.k.size() +
-                                   layer.v.size());
-    return StoreLayer(layer, cache_);
+    for (const WireChunk& chunk : ChunkLayer(layer, format_, kDefaultMaxChunkBytes)) {
+      RETURN_IF_ERROR(assembler_->OnChunk(chunk));
+    }
+    return absl::OkStatus();
   }
-  int64_t bytes() const { return bytes_; }
 
  private:
-  KvCache* cache_;
-  int64_t bytes_ = 0;
+  KvAssembler* assembler_;
+  KvFormat format_;
 };
 
 }  // namespace
@@ -109,16 +112,21 @@ class CountingCacheSink final : public CompressedLayerSink {
 absl::StatusOr<ReplayedCache> ReplayInto(const LlamaModel& model, const CapturedPrefill& cap,
                                          const CompressionConfig& config, int extra) {
   const int len = cap.len();
+  RETURN_IF_ERROR(CheckKvFormat(config.kv_format, model.config().head_dim));
   const KvCacheShape shape =
       CompressedCacheShape(config, model.config(), model.kv_dtype(), len, extra);
   ReplayedCache out;
   ASSIGN_OR_RETURN(out.cache, KvCache::Create(shape, HeapKvAllocator()));
   out.cache->set_prompt_len(len);
-  CountingCacheSink sink(out.cache.get());
+  KvAssembler assembler(StreamExpectation(model, config, len, kDefaultMaxChunkBytes),
+                        out.cache.get());
+  RETURN_IF_ERROR(assembler.OnHeader(StreamHeader(model, config, len)));
+  WireCacheSink sink(&assembler, config.kv_format);
   Compressor compressor(config, model.config(), model.kv_dtype(), &sink);
   RETURN_IF_ERROR(cap.Replay(compressor));
-  out.kv_payload_bytes = sink.bytes();
+  out.kv_payload_bytes = assembler.payload_bytes();
   out.full_cache_bytes = int64_t{len} * model.config().KvBytesPerToken(model.kv_dtype());
+  out.full_bf16_bytes = int64_t{len} * model.config().KvBytesPerToken(DType::kBF16);
   return out;
 }
 

@@ -68,6 +68,7 @@ struct ReplayedCache {
   // wire's chunk payload, docs/wire_format.md), and the full cache's K and V.
   int64_t kv_payload_bytes = 0;
   int64_t full_cache_bytes = 0;
+  int64_t full_bf16_bytes = 0;  // the same in bf16, the dtype caches are deployed in
 };
 
 // Compresses the captured prefill with `config` into a new cache with room for `extra`

@@ -15,6 +15,7 @@ int RunTiming(int argc, char** argv) {
   Flags flags;
   DefineModelFlags(flags);
   DefineCompressionFlags(flags);
+  DefineKvFormatFlag(flags);
   DefineAttentionFlags(flags);
   flags.Define("prompt-ids", "", "the prompt as comma-separated token ids (no BOS is added)");
   flags.Define("decode", "64", "greedy decode steps after the prefill (0: prefill only)");

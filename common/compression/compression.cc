@@ -104,11 +104,13 @@ int CompressionConfig::CacheHeads(int n_heads, int n_kv_heads) const {
 bool CompressionConfig::NeedsScores() const { return policy->evicts() && policy->uses_scores(); }
 
 std::string CompressionConfig::Describe() const {
-  if (!policy->evicts()) return std::string(policy->name());
+  const std::string format =
+      kv_format == KvFormat::kAuto ? "" : absl::StrCat(" in ", KvFormatName(kv_format));
+  if (!policy->evicts()) return absl::StrCat(policy->name(), format);
   std::string s = absl::StrCat(policy->name(), "(", policy->DescribeBudget(budget, ratio),
                                policy->DescribeParams(window));
   if (skip_layers > 0) absl::StrAppend(&s, ", skip_layers=", skip_layers);
-  return s + ")";
+  return absl::StrCat(s, ")", format);
 }
 
 absl::Status ApplyCompressionValues(const ParamValues& values, CompressionConfig* config) {
@@ -152,6 +154,10 @@ absl::Status ApplyCompressionValues(const ParamValues& values, CompressionConfig
       RETURN_IF_ERROR(ParseInt(name, value, &c.window));
     } else if (name == "skip_layers") {
       RETURN_IF_ERROR(ParseInt(name, value, &c.skip_layers));
+    } else if (name == "kv_format") {
+      auto format = ParseKvFormat(value);
+      if (!format.ok()) return ParamError(name, format.status().message());
+      c.kv_format = *format;
     } else {
       own[name] = value;
       policy_params = true;
@@ -176,6 +182,7 @@ absl::Status ApplyCompressionValues(const ParamValues& values, CompressionConfig
 ParamValues CompressionValues(const CompressionConfig& c) {
   ParamValues v = c.policy->params();
   v["policy"] = std::string(c.policy->name());
+  if (c.kv_format != KvFormat::kAuto) v["kv_format"] = std::string(KvFormatName(c.kv_format));
   if (!c.policy->evicts()) return v;
   if (c.budget > 0) {
     v["budget"] = absl::StrCat(c.budget);

@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/base/kv_format.h"
 #include "common/compression/policy.h"
 #include "common/model/kv_cache.h"
 #include "common/model/llama_model.h"
@@ -35,6 +36,8 @@ struct CompressionConfig {
   double ratio = 0;                 // alternative: kept / prompt tokens, in (0, 1]
   int window = 16;                  // observation window w (SnapKV §4.1)
   int skip_layers = 0;
+  // How kept K/V rows are coded on the wire, for every policy (full included).
+  KvFormat kv_format = KvFormat::kAuto;
 
   absl::string_view policy_name() const { return policy->name(); }
   // Parameters that make no sense are InvalidArgument naming the parameter and why.

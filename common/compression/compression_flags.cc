@@ -46,6 +46,14 @@ void DefineCompressionFlags(Flags& flags) {
   DefineCompressionParamFlags(flags);
 }
 
+void DefineKvFormatFlag(Flags& flags) {
+  flags.Define("kv-format", "auto",
+               absl::StrCat("how kept K/V rows travel to the decode node: ", KvFormatNames(),
+                            " (auto: the cache's dtype; fp8 (E4M3), int8 and int4 quantise keys "
+                            "per channel over groups of tokens and values per row: "
+                            "docs/wire_format.md)"));
+}
+
 void DefineCompressionParamFlags(Flags& flags) {
   flags.Define("window", "16", "observation window: last prompt tokens that score (always kept)");
   flags.Define("skip-layers", "0", "first layers kept dense (uncompressed)");
@@ -67,6 +75,9 @@ ParamValues CompressionValuesFromFlags(const Flags& flags) {
   }
   for (const auto& [name, p] : PolicyParams()) {
     if (flags.IsSet(ParamFlagName(name))) values[name] = flags.GetString(ParamFlagName(name));
+  }
+  if (flags.IsDefined("kv-format") && flags.IsSet("kv-format")) {
+    values["kv_format"] = flags.GetString("kv-format");
   }
   return values;
 }

@@ -20,6 +20,9 @@ std::string ParamFlagName(absl::string_view param);
 // Defines the flags (a parameter flag another part of the program already defined, such as
 // `generate`'s sampler --seed, is shared rather than redefined).
 void DefineCompressionFlags(Flags& flags);
+// --kv-format, for the programs that send or receive a cache (the decode node, `kvwire
+// generate` and `timing`; `kvwire eval` has --kv-formats).
+void DefineKvFormatFlag(Flags& flags);
 // The same without --policy, --budget and --ratio (for commands that take policies and
 // budgets in lists, like `kvwire eval`).
 void DefineCompressionParamFlags(Flags& flags);

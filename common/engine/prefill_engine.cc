@@ -11,11 +11,11 @@ namespace {
 // Cuts each compressed layer into bounded chunks for the stream.
 class ChunkingSink final : public CompressedLayerSink {
  public:
-  ChunkingSink(KvStreamSink* out, size_t max_chunk_bytes)
-      : out_(out), max_chunk_bytes_(max_chunk_bytes) {}
+  ChunkingSink(KvStreamSink* out, KvFormat format, size_t max_chunk_bytes)
+      : out_(out), format_(format), max_chunk_bytes_(max_chunk_bytes) {}
 
   absl::Status Accept(CompressedLayer layer) override {
-    for (WireChunk& chunk : ChunkLayer(layer, max_chunk_bytes_)) {
+    for (WireChunk& chunk : ChunkLayer(layer, format_, max_chunk_bytes_)) {
       payload_bytes_ += static_cast<int64_t>(chunk.payload_bytes());
       RETURN_IF_ERROR(out_->OnChunk(std::move(chunk)));
       ++chunks_;
@@ -27,6 +27,7 @@ class ChunkingSink final : public CompressedLayerSink {
 
  private:
   KvStreamSink* out_;
+  KvFormat format_;
   size_t max_chunk_bytes_;
   int chunks_ = 0;
   int64_t payload_bytes_ = 0;
@@ -87,6 +88,7 @@ WireHeader StreamHeader(const LlamaModel& model, const CompressionConfig& config
   h.num_cache_heads = config.CacheHeads(mc.num_heads, mc.num_kv_heads);
   h.head_dim = mc.head_dim;
   h.dtype = model.kv_dtype();
+  h.kv_format = config.kv_format;
   h.policy = config.Describe();
   h.prompt_len = len;
   for (int l = 0; l < mc.num_layers; ++l) h.kept_per_layer.push_back(config.KeptTokens(l, len));
@@ -102,6 +104,7 @@ WireExpectation StreamExpectation(const LlamaModel& model, const CompressionConf
   e.num_cache_heads = h.num_cache_heads;
   e.head_dim = h.head_dim;
   e.dtype = h.dtype;
+  e.kv_format = h.kv_format;
   e.prompt_len = len;
   e.kept_per_layer = h.kept_per_layer;
   e.max_chunk_bytes = max_chunk_bytes;
@@ -144,6 +147,10 @@ absl::Status PrefillEngine::Check(const PrefillJob& job) const {
   const auto as_field = [](absl::string_view n) { return absl::StrCat("compression.", n); };
   RETURN_IF_ERROR(RenameParams(job.compression.Validate(), as_field));
   RETURN_IF_ERROR(RenameParams(job.compression.ValidateFor(mc.num_layers), as_field));
+  if (absl::Status st = CheckKvFormat(job.compression.kv_format, mc.head_dim); !st.ok()) {
+    return AboutField(absl::InvalidArgumentError(absl::StrCat("compression.", st.message())),
+                      "compression.kv_format");
+  }
   if (!job.compression.policy->selects()) {
     return AboutField(absl::InvalidArgumentError(
                           absl::StrCat("compression.policy: ", job.compression.policy_name(),
@@ -187,7 +194,7 @@ absl::StatusOr<PrefillOutcome> PrefillEngine::Run(const PrefillJob& job, KvStrea
   const WireHeader header = StreamHeader(*model_, config, len);
   RETURN_IF_ERROR(sink.OnHeader(header));
   const auto t0 = clock.Now();
-  ChunkingSink chunks(&sink, job.max_chunk_bytes);
+  ChunkingSink chunks(&sink, config.kv_format, job.max_chunk_bytes);
   Compressor compressor(config, mc, model_->kv_dtype(), &chunks);
   Span forward = telemetry ? telemetry->StartSpan("prefill.forward", span.context()) : Span();
   Guarded observer(&compressor, &sink, job, clock, telemetry, &forward);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -37,6 +38,30 @@ absl::Status Malformed(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("malformed KV stream: ", what));
 }
 
+// Unsigned LEB128, as protobuf codes its varints; a 32-bit value takes at most 5 bytes.
+constexpr size_t kMaxVarintBytes = 5;
+void AppendVarint(std::string* s, uint32_t v) {
+  while (v >= 0x80) {
+    s->push_back(static_cast<char>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  s->push_back(static_cast<char>(v));
+}
+bool ReadVarint(absl::string_view in, size_t* offset, uint32_t* v) {
+  uint64_t x = 0;
+  for (size_t i = 0; i < kMaxVarintBytes; ++i) {
+    if (*offset >= in.size()) return false;
+    const uint8_t b = static_cast<uint8_t>(in[(*offset)++]);
+    x |= uint64_t{b & 0x7fu} << (7 * i);
+    if ((b & 0x80) == 0) {
+      if (x > UINT32_MAX) return false;
+      *v = static_cast<uint32_t>(x);
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
@@ -69,10 +94,94 @@ uint32_t ChunkChecksum(const WireChunk& c) {
   return Crc32c(c.v.data(), c.v.size(), crc);
 }
 
-std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, size_t max_bytes) {
-  const size_t row = static_cast<size_t>(layer.head_dim) * DTypeSize(layer.dtype);
-  const size_t per_token = sizeof(int32_t) + 2 * row;
-  const size_t per_head = per_token * layer.count;
+void EncodePositions(const int32_t* positions, int n, std::string* out) {
+  if (n == 0) {
+    out->push_back(0);
+    return;
+  }
+  std::string deltas(1, '\0');
+  for (int i = 0; i < n; ++i) {
+    AppendVarint(&deltas, static_cast<uint32_t>(i == 0 ? positions[0]
+                                                       : positions[i] - positions[i - 1] - 1));
+  }
+  const uint32_t first = static_cast<uint32_t>(positions[0]);
+  const uint32_t span = static_cast<uint32_t>(positions[n - 1] - positions[0]) + 1;
+  std::string bitmap(1, '\1');
+  AppendVarint(&bitmap, first);
+  AppendVarint(&bitmap, span);
+  if (bitmap.size() + (span + 7) / 8 < deltas.size()) {
+    const size_t at = bitmap.size();
+    bitmap.resize(at + (span + 7) / 8, '\0');
+    for (int i = 0; i < n; ++i) {
+      const uint32_t b = static_cast<uint32_t>(positions[i]) - first;
+      bitmap[at + b / 8] = static_cast<char>(bitmap[at + b / 8] | (1u << (b % 8)));
+    }
+    out->append(bitmap);
+  } else {
+    out->append(deltas);
+  }
+}
+
+absl::Status DecodePositions(absl::string_view in, size_t* offset, int n, int prompt_len,
+                             int32_t* positions) {
+  if (*offset >= in.size()) return Malformed("positions end before every head's");
+  const uint8_t tag = static_cast<uint8_t>(in[(*offset)++]);
+  const auto bad = [&](absl::string_view what) {
+    return Malformed(absl::StrCat("positions: ", what));
+  };
+  if (tag == 0) {
+    int64_t prev = -1;
+    for (int i = 0; i < n; ++i) {
+      uint32_t gap = 0;
+      if (!ReadVarint(in, offset, &gap)) return bad("a delta is cut off or longer than 5 bytes");
+      const int64_t pos = prev + 1 + gap;
+      if (pos >= prompt_len) {
+        return bad(absl::StrCat("position ", pos, " is outside the prompt of ", prompt_len));
+      }
+      positions[i] = static_cast<int32_t>(pos);
+      prev = pos;
+    }
+    return absl::OkStatus();
+  }
+  if (tag != 1) return bad(absl::StrCat("unknown coding ", int{tag}, "; expected 0 or 1"));
+  uint32_t first = 0, span = 0;
+  if (!ReadVarint(in, offset, &first) || !ReadVarint(in, offset, &span)) {
+    return bad("a bitmap's first position or span is cut off");
+  }
+  if (span < 1 || int64_t{first} + span > prompt_len) {
+    return bad(absl::StrCat("a bitmap of ", span, " positions from ", first,
+                            " is outside the prompt of ", prompt_len));
+  }
+  const size_t bytes = (span + 7) / 8;
+  if (in.size() - *offset < bytes) return bad("a bitmap is cut off");
+  int got = 0;
+  for (uint32_t b = 0; b < span; ++b) {
+    if ((static_cast<uint8_t>(in[*offset + b / 8]) >> (b % 8)) & 1u) {
+      if (got == n) return bad(absl::StrCat("a bitmap holds more than ", n, " positions"));
+      positions[got++] = static_cast<int32_t>(first + b);
+    }
+  }
+  *offset += bytes;
+  if (got != n || positions[0] != static_cast<int32_t>(first) ||
+      positions[n - 1] != static_cast<int32_t>(first + span - 1)) {
+    return bad(absl::StrCat("a bitmap holds ", got, " positions from ", first, " over ", span,
+                            "; expected ", n, " from its first to its last bit"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, KvFormat format, size_t max_bytes) {
+  const int d = layer.head_dim;
+  const size_t row = static_cast<size_t>(d) * DTypeSize(layer.dtype);
+  const size_t v_row = KvValueRowBytes(format, layer.dtype, d);
+  const size_t k_code = KvKeyCodeBytes(format, layer.dtype, d);
+  const size_t group = format == KvFormat::kAuto || format == KvFormat::kBF16 ? 0 : 4 * size_t(d);
+  // A head's payload for n tokens, bounded from above: a position codes in at most 5 bytes, a
+  // head's positions header in 11, and n tokens of keys have at most n / G + 2 groups.
+  const auto head_bytes = [&](int n) {
+    return 2 * kMaxVarintBytes + 1 + n * (kMaxVarintBytes + k_code + v_row) +
+           (n / kKeyGroupTokens + 2) * group;
+  };
   std::vector<WireChunk> out;
   auto emit = [&](int h0, int hn, int t0, int tn) {
     WireChunk c;
@@ -81,27 +190,41 @@ std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, size_t max_bytes
     c.head_count = hn;
     c.token_begin = t0;
     c.token_count = tn;
+    const int recent = KvKeyRecentStart(format, layer.count, t0, tn);
+    const size_t k_block = KvKeyBlockBytes(format, layer.dtype, d, tn, recent);
+    c.k.resize(k_block * hn);
+    c.v.resize(v_row * hn * tn);
     for (int h = h0; h < h0 + hn; ++h) {
       const size_t base = static_cast<size_t>(h) * layer.count + t0;
-      c.positions.append(reinterpret_cast<const char*>(&layer.positions[base]),
-                         sizeof(int32_t) * tn);
-      c.k.append(reinterpret_cast<const char*>(&layer.k[base * row]), row * tn);
-      c.v.append(reinterpret_cast<const char*>(&layer.v[base * row]), row * tn);
+      EncodePositions(&layer.positions[base], tn, &c.positions);
+      EncodeKvKeys(format, layer.dtype, d, tn, recent, &layer.k[base * row],
+                   &c.k[(h - h0) * k_block]);
+      EncodeKvValues(format, layer.dtype, d, tn, &layer.v[base * row],
+                     &c.v[static_cast<size_t>(h - h0) * tn * v_row]);
     }
     c.crc32c = ChunkChecksum(c);
     out.push_back(std::move(c));
   };
+  const size_t per_head = head_bytes(layer.count);
   int h = 0;
   while (h < layer.n_heads) {
     if (per_head <= max_bytes || layer.count == 0) {
-      const int fit = per_head == 0 ? layer.n_heads : static_cast<int>(max_bytes / per_head);
+      const int fit = static_cast<int>(max_bytes / per_head);
       const int hn = std::min(layer.n_heads - h, std::max(1, fit));
       emit(h, hn, 0, layer.count);
       h += hn;
     } else {
-      const int tokens = std::max<int>(1, static_cast<int>(max_bytes / per_token));
-      for (int t = 0; t < layer.count; t += tokens)
-        emit(h, 1, t, std::min(tokens, layer.count - t));
+      // The most tokens of one head that fit (at least one).
+      int lo = 1, hi = layer.count;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (head_bytes(mid) <= max_bytes) {
+          lo = mid;
+        } else {
+          hi = mid - 1;
+        }
+      }
+      for (int t = 0; t < layer.count; t += lo) emit(h, 1, t, std::min(lo, layer.count - t));
       ++h;
     }
   }
@@ -134,6 +257,11 @@ absl::Status KvAssembler::OnHeader(const WireHeader& h) {
         "header says ", h.num_layers, " layers x ", h.num_cache_heads, " heads x ", h.head_dim, " ",
         DTypeName(h.dtype), "; expected ", expect_.num_layers, " x ", expect_.num_cache_heads,
         " x ", expect_.head_dim, " ", DTypeName(expect_.dtype))));
+  }
+  if (h.kv_format != expect_.kv_format) {
+    return Fail(
+        Malformed(absl::StrCat("header says K/V are coded in ", KvFormatName(h.kv_format),
+                               "; the request asked for ", KvFormatName(expect_.kv_format))));
   }
   if (h.prompt_len != expect_.prompt_len) {
     return Fail(Malformed(absl::StrCat("header says the prompt has ", h.prompt_len,
@@ -184,12 +312,15 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
         absl::StrCat(where, ": a chunk of several heads must hold all ", kept, " of their tokens"));
   }
   const size_t cells = static_cast<size_t>(c.head_count) * c.token_count;
-  const size_t kv_bytes = cells * header_.head_dim * DTypeSize(header_.dtype);
-  if (c.positions.size() != cells * sizeof(int32_t) || c.k.size() != kv_bytes ||
-      c.v.size() != kv_bytes) {
-    return Malformed(absl::StrCat(where, ": payload of ", c.positions.size(), "/", c.k.size(), "/",
-                                  c.v.size(), " bytes (positions/K/V); expected ",
-                                  cells * sizeof(int32_t), "/", kv_bytes, "/", kv_bytes));
+  const KvFormat f = header_.kv_format;
+  const size_t k_bytes =
+      c.head_count * KvKeyBlockBytes(f, header_.dtype, header_.head_dim, c.token_count,
+                                     KvKeyRecentStart(f, kept, c.token_begin, c.token_count));
+  const size_t v_bytes = cells * KvValueRowBytes(f, header_.dtype, header_.head_dim);
+  if (c.k.size() != k_bytes || c.v.size() != v_bytes) {
+    return Malformed(absl::StrCat(where, ": K/V of ", c.k.size(), "/", c.v.size(),
+                                  " bytes; expected ", k_bytes, "/", v_bytes, " (", cells,
+                                  " rows in ", KvFormatName(f), ")"));
   }
   if (c.payload_bytes() > std::min(expect_.max_chunk_bytes, kMaxChunkBytesLimit) &&
       c.token_count > 1) {
@@ -199,19 +330,26 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
   if (ChunkChecksum(c) != c.crc32c) {
     return absl::DataLossError(absl::StrCat(where, ": CRC-32C mismatch (corrupted in transit)"));
   }
-  LayerCache& lc = cache_->layer(c.layer);
+  const LayerCache& lc = cache_->layer(c.layer);
+  positions_.resize(cells);
+  size_t offset = 0;
   for (int h = 0; h < c.head_count; ++h) {
     const int head = c.head_begin + h;
-    int32_t prev = c.token_begin == 0 ? -1 : lc.position(head, c.token_begin - 1);
-    for (int t = 0; t < c.token_count; ++t) {
-      int32_t pos;
-      std::memcpy(&pos, c.positions.data() + (static_cast<size_t>(h) * c.token_count + t) * 4, 4);
-      if (pos <= prev || pos >= header_.prompt_len) {
-        return Malformed(absl::StrCat(where, ": position ", pos, " of head ", head,
-                                      " is not ascending within [0, ", header_.prompt_len, ")"));
-      }
-      prev = pos;
+    int32_t* pos = positions_.data() + static_cast<size_t>(h) * c.token_count;
+    if (absl::Status st =
+            DecodePositions(c.positions, &offset, c.token_count, header_.prompt_len, pos);
+        !st.ok()) {
+      return Malformed(absl::StrCat(where, ", head ", head, ": ", st.message()));
     }
+    const int32_t prev = c.token_begin == 0 ? -1 : lc.position(head, c.token_begin - 1);
+    if (pos[0] <= prev) {
+      return Malformed(absl::StrCat(where, ": position ", pos[0], " of head ", head,
+                                    " does not follow the previous chunk's ", prev));
+    }
+  }
+  if (offset != c.positions.size()) {
+    return Malformed(absl::StrCat(where, ": ", c.positions.size() - offset,
+                                  " bytes of positions left after every head's"));
   }
   return absl::OkStatus();
 }
@@ -221,19 +359,34 @@ absl::Status KvAssembler::OnChunk(const WireChunk& c) {
   if (absl::Status st = CheckChunk(c); !st.ok()) return Fail(st);
   LayerCache& lc = cache_->layer(c.layer);
   const size_t row = lc.row_bytes();
+  const KvFormat f = header_.kv_format;
+  const int recent =
+      KvKeyRecentStart(f, header_.kept_per_layer[layer_], c.token_begin, c.token_count);
+  const size_t k_block = KvKeyBlockBytes(f, lc.dtype, lc.head_dim, c.token_count, recent);
+  const size_t v_row = KvValueRowBytes(f, lc.dtype, lc.head_dim);
+  const bool raw = f == KvFormat::kAuto;
+  if (!raw) rows_.resize(2 * row * c.token_count);
   for (int h = 0; h < c.head_count; ++h) {
     const int head = c.head_begin + h;
     const size_t src = static_cast<size_t>(h) * c.token_count;
+    const auto* k = reinterpret_cast<const uint8_t*>(c.k.data()) + h * k_block;
+    const auto* v = reinterpret_cast<const uint8_t*>(c.v.data()) + src * v_row;
+    if (!raw) {
+      // Dequantised into the cache's dtype: the pool holds rows as the model computes them.
+      uint8_t* k_rows = rows_.data();
+      uint8_t* v_rows = rows_.data() + row * c.token_count;
+      DecodeKvKeys(f, lc.dtype, lc.head_dim, c.token_count, recent, k, k_rows);
+      DecodeKvValues(f, lc.dtype, lc.head_dim, c.token_count, v, v_rows);
+      k = k_rows;
+      v = v_rows;
+    }
     // Into the cache's rows where they are: host memory, or a device's pages (staged copies).
-    if (absl::Status st =
-            cache_->WriteRows(c.layer, head, c.token_begin, c.token_count,
-                              reinterpret_cast<const uint8_t*>(c.k.data()) + src * row,
-                              reinterpret_cast<const uint8_t*>(c.v.data()) + src * row);
+    if (absl::Status st = cache_->WriteRows(c.layer, head, c.token_begin, c.token_count, k, v);
         !st.ok()) {
       return Fail(st);
     }
-    std::memcpy(lc.positions + int64_t{head} * lc.capacity + c.token_begin,
-                c.positions.data() + src * sizeof(int32_t), sizeof(int32_t) * c.token_count);
+    std::memcpy(lc.positions + int64_t{head} * lc.capacity + c.token_begin, positions_.data() + src,
+                sizeof(int32_t) * c.token_count);
   }
   payload_bytes_ += static_cast<int64_t>(c.payload_bytes());
   ++chunks_;

@@ -1,4 +1,4 @@
-// The compressed KV cache on the wire (format version 1), independent of the transport:
+// The compressed KV cache on the wire (format version 2), independent of the transport:
 // a header, per-layer chunks bounded in size and checksummed, a trailer. The services
 // translate these to and from the protobuf messages of proto/kvwire/v1/kv.proto; this file
 // owns the rules: how a layer is cut into chunks, what the CRC-32C covers, and how a
@@ -10,12 +10,13 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/base/kv_format.h"
 #include "common/compression/compression.h"
 #include "common/model/kv_cache.h"
 
 namespace kvwire {
 
-inline constexpr uint32_t kWireFormatVersion = 1;
+inline constexpr uint32_t kWireFormatVersion = 2;
 inline constexpr size_t kDefaultMaxChunkBytes = 1 << 20;
 // A receiver refuses chunks above this, whatever the sender claims.
 inline constexpr size_t kMaxChunkBytesLimit = 16 << 20;
@@ -26,7 +27,8 @@ struct WireHeader {
   int num_layers = 0;
   int num_cache_heads = 0;
   int head_dim = 0;
-  DType dtype = DType::kF32;
+  DType dtype = DType::kF32;             // the cache's: what rows decode into
+  KvFormat kv_format = KvFormat::kAuto;  // how K and V rows are coded (common/base/kv_format.h)
   std::string policy;
   int prompt_len = 0;
   std::vector<int> kept_per_layer;
@@ -36,8 +38,8 @@ struct WireChunk {
   int layer = 0;
   int head_begin = 0, head_count = 0;
   int token_begin = 0, token_count = 0;
-  std::string positions;  // int32 LE [head_count, token_count]
-  std::string k, v;       // [head_count, token_count, head_dim] in the header's dtype
+  std::string positions;  // per head, the token_count positions coded (EncodePositions)
+  std::string k, v;       // [head_count, token_count] rows in the header's kv_format
   uint32_t crc32c = 0;
 
   size_t payload_bytes() const { return positions.size() + k.size() + v.size(); }
@@ -59,10 +61,20 @@ uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0);
 // The checksum a chunk carries: over its five rectangle fields (int32 LE), positions, K, V.
 uint32_t ChunkChecksum(const WireChunk& chunk);
 
+// One head's strictly ascending positions, coded as whichever is smaller (a tie: deltas):
+//   0x00, then n LEB128 varints: the first position, then each gap less one
+//   0x01, varint first, varint span (last - first + 1), then span bits LSB-first, set where
+//         first + i is kept
+void EncodePositions(const int32_t* positions, int n, std::string* out);
+// Decodes one head's n positions from in[*offset...], advancing *offset; anything but n
+// strictly ascending positions in [0, prompt_len) is an error naming what was wrong.
+absl::Status DecodePositions(absl::string_view in, size_t* offset, int n, int prompt_len,
+                             int32_t* positions);
+
 // Cuts a layer into chunks of at most `max_bytes` payload each: whole heads packed
-// together where they fit, a head's tokens split where one head alone does not.
-// Chunks come in order (heads, then tokens) and carry their checksums.
-std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, size_t max_bytes);
+// together where they fit, a head's tokens split where one head alone does not; K and V
+// coded in `format`. Chunks come in order (heads, then tokens) and carry their checksums.
+std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, KvFormat format, size_t max_bytes);
 
 // What the receiving node expects of a stream, fixed before it starts.
 struct WireExpectation {
@@ -71,6 +83,7 @@ struct WireExpectation {
   int num_cache_heads = 0;
   int head_dim = 0;
   DType dtype = DType::kF32;
+  KvFormat kv_format = KvFormat::kAuto;  // what the request asked for
   int prompt_len = 0;
   std::vector<int> kept_per_layer;  // what the request's compression keeps (empty: unchecked)
   size_t max_chunk_bytes = kDefaultMaxChunkBytes;
@@ -106,6 +119,8 @@ class KvAssembler {
   int layer_ = 0, head_ = 0, token_ = 0;  // where the next chunk must start
   int64_t payload_bytes_ = 0;
   int chunks_ = 0;
+  std::vector<int32_t> positions_;  // the chunk's, decoded by CheckChunk
+  std::vector<uint8_t> rows_;       // its K and V rows dequantised
 };
 
 }  // namespace kvwire

@@ -48,8 +48,12 @@ class PasskeyPairTest : public ::testing::Test {
     std::vector<int32_t> ids;
     v1::RequestStats stats;
   };
-  Answer Ask(const testing::PasskeyCase& c, const std::string& policy, int budget) {
+  Answer Ask(const testing::PasskeyCase& c, const std::string& policy, int budget,
+             KvFormat format = KvFormat::kAuto) {
     v1::GenerateRequest req;
+    if (format != KvFormat::kAuto) {
+      req.mutable_compression()->set_kv_format(std::string(KvFormatName(format)));
+    }
     for (int32_t id : c.prompt_ids) req.mutable_prompt_ids()->add_ids(id);
     req.mutable_sampling()->set_max_tokens(static_cast<int>(c.answer_ids.size()));
     req.mutable_sampling()->set_temperature(0);
@@ -70,8 +74,10 @@ class PasskeyPairTest : public ::testing::Test {
     return a;
   }
   std::vector<int32_t> InProcess(const testing::PasskeyCase& c, const std::string& policy,
-                                 int budget) {
-    auto r = Generate(*prefill_model_, testing::PasskeyRequest(c, policy, budget));
+                                 int budget, KvFormat format = KvFormat::kAuto) {
+    GenerationRequest req = testing::PasskeyRequest(c, policy, budget);
+    req.compression.kv_format = format;
+    auto r = Generate(*prefill_model_, req);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? r->ids : std::vector<int32_t>{};
   }
@@ -87,19 +93,35 @@ TEST_F(PasskeyPairTest, SnapKvAt128AnswersStreamingAt32DoesNot) {
   const auto cases = testing::ReadPasskeyCases(testing::kPasskeyHandful);
   ASSERT_EQ(cases.size(), testing::kPasskeyHandful.size());
   const ModelConfig& mc = decode_model_->config();
-  // One row of the stream per kept token and KV head: its position (int32), K and V.
+  // One row of the stream per kept token and KV head: its K and V, and its position coded in
+  // at most 2 bytes (gaps below 2^14) behind a byte of coding per head.
   const DType kv = decode_model_->kv_dtype();
-  const int64_t row = 4 + 2 * int64_t{mc.head_dim} * DTypeSize(kv);
+  const int64_t heads = int64_t{mc.num_layers} * mc.num_kv_heads;
+  const int64_t rows = heads * 128 * 2 * mc.head_dim * DTypeSize(kv);
   for (const auto& c : cases) {
     const int len = static_cast<int>(c.prompt_ids.size());
     const Answer snapkv = Ask(c, "snapkv", 128);
     EXPECT_EQ(snapkv.ids, c.answer_ids) << c.id;
     EXPECT_EQ(snapkv.ids, InProcess(c, "snapkv", 128)) << c.id;
     EXPECT_EQ(snapkv.stats.full_cache_bytes(), int64_t{len} * mc.KvBytesPerToken(kv));
-    EXPECT_EQ(snapkv.stats.kv_payload_bytes(), int64_t{mc.num_layers} * mc.num_kv_heads * 128 * row)
-        << c.id;
+    EXPECT_GT(snapkv.stats.kv_payload_bytes(), rows + heads) << c.id;
+    EXPECT_LE(snapkv.stats.kv_payload_bytes(), rows + heads * (1 + 2 * 128)) << c.id;
     EXPECT_GT(snapkv.stats.wire_bytes(), snapkv.stats.kv_payload_bytes());
     EXPECT_LT(snapkv.stats.wire_bytes(), snapkv.stats.kv_payload_bytes() * 1.01);
+
+    // Quantised on the wire: the same answer through the pair as in process, in a fraction of
+    // the bytes (docs/wire_format.md, "Row formats"), and still the right one.
+    for (KvFormat format : {KvFormat::kFP8, KvFormat::kInt4}) {
+      const Answer q = Ask(c, "snapkv", 128, format);
+      EXPECT_EQ(q.ids, InProcess(c, "snapkv", 128, format)) << c.id << " " << KvFormatName(format);
+      const int recent = KvKeyRecentStart(format, 128, 0, 128);
+      const int64_t q_rows =
+          heads * static_cast<int64_t>(KvKeyBlockBytes(format, kv, mc.head_dim, 128, recent) +
+                                       128 * KvValueRowBytes(format, kv, mc.head_dim));
+      EXPECT_GT(q.stats.kv_payload_bytes(), q_rows + heads) << c.id;
+      EXPECT_LE(q.stats.kv_payload_bytes(), q_rows + heads * (1 + 2 * 128)) << c.id;
+      EXPECT_EQ(q.ids, c.answer_ids) << c.id << " " << KvFormatName(format);
+    }
 
     const Answer streaming = Ask(c, "streaming", 32);
     EXPECT_NE(streaming.ids, c.answer_ids) << c.id;

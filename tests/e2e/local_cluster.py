@@ -3,6 +3,7 @@ case that runs deploy/local/cluster.sh in a temporary directory and cleans up af
 (stopping the cluster, killing stragglers, showing the nodes' logs when a test failed)."""
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -81,6 +82,23 @@ def pick_model(repo, override):
     model = "synthetic:stories"
   print("model: %s" % model, file=sys.stderr)
   return model
+
+
+def model_shape(model, cluster_dir):
+  """(layers, KV heads, head dim) of the nodes' model: its config.json, or for a synthetic
+  model the shape decode-0 printed when it started (in cluster_dir/logs)."""
+  if not model.startswith("synthetic:"):
+    with open(os.path.join(model, "config.json")) as f:
+      c = json.load(f)
+    heads = c["num_attention_heads"]
+    return (c["num_hidden_layers"], c.get("num_key_value_heads", heads),
+            c.get("head_dim", c["hidden_size"] // heads))
+  with open(os.path.join(cluster_dir, "logs", "decode-0.log")) as f:
+    log = f.read()
+  m = re.search(r"(\d+) layers, hidden \d+, \d+/(\d+) heads x (\d+)", log)
+  if not m:
+    raise AssertionError("decode-0.log does not say the synthetic model's shape:\n" + log)
+  return tuple(int(g) for g in m.groups())
 
 
 def stories_prompts(repo, model, n):

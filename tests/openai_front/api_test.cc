@@ -27,7 +27,7 @@ TEST(ParseCompletionTest, CarriesEveryFieldToTheRequest) {
       With(R"("max_tokens": 12, "temperature": 0.5, "top_p": 0.9, "seed": 18446744073709551615,
               "stop": ["\n\n", "The end"], "stream": true, "stream_options": {"include_usage": true},
               "top_k": -1, "ignore_eos": true, "stop_token_ids": [2, 7], "logprobs": 0,
-              "kv_policy": "snapkv", "kv_budget": 64, "kv_window": 8,
+              "kv_policy": "snapkv", "kv_budget": 64, "kv_window": 8, "kv_format": "int4",
               "kv_params": {"kernel": 7, "pool": "max", "groups": [1, 2], "novel": 0.25,
                             "seed": 3},
               "attention": {"mode": "hybrid", "budget": 128, "page_size": 16},
@@ -56,6 +56,7 @@ TEST(ParseCompletionTest, CarriesEveryFieldToTheRequest) {
   EXPECT_EQ(q.compression().budget(), 64);
   EXPECT_FALSE(q.compression().has_ratio());
   EXPECT_EQ(q.compression().window(), 8);
+  EXPECT_EQ(q.compression().kv_format(), "int4");
   EXPECT_EQ(q.compression().kernel(), 7);
   EXPECT_EQ(q.compression().pool(), "max");
   EXPECT_EQ(q.compression().groups_size(), 2);
@@ -130,6 +131,8 @@ TEST(ParseCompletionTest, RefusesEachBadFieldNamingIt) {
       {R"("kv_params": [1])", "kv_params"},
       {R"("kv_params": {"budget": 8})", "kv_params.budget"},
       {R"("kv_params": {"params": {}})", "kv_params.params"},
+      {R"("kv_params": {"kv_format": "fp8"})", "kv_params.kv_format"},
+      {R"("kv_format": 8)", "kv_format"},
       {R"("kv_params": {"kernel": "seven"})", "kv_params.kernel"},
       {R"("kv_params": {"kernel": 7.5})", "kv_params.kernel"},
       {R"("kv_params": {"groups": [1.5]})", "kv_params.groups"},
@@ -278,6 +281,8 @@ TEST(FromGrpcTest, MapsStatusesAndNamesTheFieldOfANodesRefusal) {
        "kv_params.kernel"},
       {C::kInvalidArgument, "compression.params: 'budget' has a field of its own",
        "compression.params", false, 400, "kv_params"},
+      {C::kInvalidArgument, "compression.kv_format: must be one of auto, bf16, fp8, int8, int4",
+       "compression.kv_format", false, 400, "kv_format"},
       {C::kInvalidArgument, "attention.mode: unknown 'x'", "attention.mode", false, 400,
        "attention.mode"},
       {C::kInvalidArgument, "attention: rocketkv sets its own", "attention", false, 400,

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/engine/generate.h"
+#include "common/wire/kv_wire.h"
 #include "tests/engine_fakes.h"
 #include "tests/test_util.h"
 #include "tools/passkey.h"
@@ -135,11 +136,23 @@ TEST(EvalPasskey, CountsExactMatchesAndSkipsLongPrompts) {
     if (a.method == "full" || a.budget == 300) {
       EXPECT_TRUE(a.correct()) << a.id << " " << a.method << " " << a.budget;
     }
-    // The bytes a stream of the cache carries: every kept row's position, K and V.
+    // The bytes a stream of the cache carries: every kept row's K and V, and the positions
+    // coded compactly (docs/wire_format.md): all 100 positions as a bitmap of 13 bytes behind
+    // 3 bytes of coding, 20 of them in at most one byte each behind the coding's.
     const int kept = a.method == "full" || a.budget >= 100 ? 100 : a.budget;
-    const int64_t row = model.config().num_kv_heads *
-                        (4 + 2 * int64_t{model.config().head_dim} * DTypeSize(model.kv_dtype()));
-    EXPECT_EQ(a.kv_payload_bytes, model.config().num_layers * kept * row) << a.method;
+    const int64_t heads = int64_t{model.config().num_layers} * model.config().num_kv_heads;
+    const int64_t kv = heads * kept * 2 * model.config().head_dim * DTypeSize(model.kv_dtype());
+    if (kept == 100) {
+      std::vector<int32_t> all(100);
+      for (int i = 0; i < 100; ++i) all[i] = i;
+      std::string coded;
+      EncodePositions(all.data(), 100, &coded);
+      EXPECT_EQ(coded.size(), 16u);
+      EXPECT_EQ(a.kv_payload_bytes, kv + heads * 16) << a.method;
+    } else {
+      EXPECT_GT(a.kv_payload_bytes, kv + heads * 3) << a.method;
+      EXPECT_LE(a.kv_payload_bytes, kv + heads * (1 + kept)) << a.method;
+    }
   }
   const std::vector<PasskeyRow> rows = SummarizePasskey(run->answers);
   // Per method and budget: all, the two tasks, one length bucket (100 tokens: <= 512).
@@ -206,12 +219,22 @@ TEST(ComparePasskey, ReportsEveryDifference) {
   b.kv_payload_bytes = 1004;
   PasskeyAnswer c = a;
   c.budget = 128;
-  auto diffs = ComparePasskey({b, c}, dir + "/ref.jsonl");
+  PasskeyAnswer d = a;  // the same method in another format is another answer
+  d.kv_format = "fp8";
+  auto diffs = ComparePasskey({b, c, d}, dir + "/ref.jsonl");
   ASSERT_TRUE(diffs.ok());
-  ASSERT_EQ(diffs->size(), 3u);
-  EXPECT_EQ((*diffs)[0], "p0 snapkv at 64: answered [5 7], the reference [5 6]");
-  EXPECT_EQ((*diffs)[1], "p0 snapkv at 64: 1004 KV payload bytes, the reference 1000");
-  EXPECT_NE((*diffs)[2].find("p0 snapkv at 128: not in"), std::string::npos);
+  ASSERT_EQ(diffs->size(), 4u);
+  EXPECT_EQ((*diffs)[0], "p0 snapkv in auto at 64: answered [5 7], the reference [5 6]");
+  EXPECT_EQ((*diffs)[1], "p0 snapkv in auto at 64: 1004 KV payload bytes, the reference 1000");
+  EXPECT_NE((*diffs)[2].find("p0 snapkv in auto at 128: not in"), std::string::npos);
+  EXPECT_NE((*diffs)[3].find("p0 snapkv in fp8 at 64: not in"), std::string::npos);
+  // A reference from before formats (no kv_format) holds answers in auto.
+  nlohmann::json old = ToJson(a);
+  old.erase("kv_format");
+  testing::WriteFile(dir + "/old.jsonl", old.dump() + "\n");
+  auto from_old = ComparePasskey({a}, dir + "/old.jsonl");
+  ASSERT_TRUE(from_old.ok()) << from_old.status();
+  EXPECT_TRUE(from_old->empty());
   testing::WriteFile(dir + "/bad.jsonl", "{\"id\": \"p0\"}\n");
   auto bad = ComparePasskey({a}, dir + "/bad.jsonl");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);

@@ -138,6 +138,32 @@ class PlotEvalScript(unittest.TestCase):
       self.assertGreater(int(colour_mask(half, TAB10[1]).sum()), 50)
     self.assertEqual(int(colour_mask(img, TAB10[2]).sum()), 0)
 
+  def test_passkey_formats_are_series_and_bytes_a_panel(self):
+    """Records of several KV formats: each policy and format is a series of its own colour,
+    and the KV bytes per prompt add a panel where a smaller format's points lie to the left."""
+    records = []
+    for fmt, row, accs in [("auto", 1024, [0.5, 0.9, 1.0]), ("int4", 144, [0.3, 0.7, 0.8])]:
+      for b, acc in zip([32, 64, 128], accs):
+        records.append({"policy": "snapkv", "kv_format": fmt, "budget": b, "accuracy": acc,
+                        "n": 2, "task": "all", "length": "all",
+                        "kv_payload_bytes": 2 * b * row})
+    path = os.path.join(self.dir, "formats.jsonl")
+    write_jsonl(path, records)
+    r, out = self.plot(path)
+    self.assertEqual(r.returncode, 0, r.stderr)
+    img = self.read_png(out)
+    height, width = img.shape[:2]
+    self.assertTrue(800 <= width <= 1000, img.shape)  # accuracy by budget, by bytes
+    panels = img[: int(height * 0.75)]
+    for i in range(2):
+      self.assertGreater(int(colour_mask(panels[:, : width // 2], TAB10[i]).sum()), 50, i)
+    self.assertEqual(int(colour_mask(img, TAB10[2]).sum()), 0)
+    # In the bytes panel, int4's series (orange) lies left of auto's (blue).
+    import numpy as np
+    right = panels[:, width // 2:]
+    cols = lambda i: np.nonzero(colour_mask(right, TAB10[i]).any(axis=0))[0]
+    self.assertLess(float(cols(1).mean()), float(cols(0).mean()))
+
   def test_bad_records_are_exit_code_2_with_a_message(self):
     cases = [
         ('{"policy": "a", "budget": 32, "accuracy": 1}\n{oops\n', "bad.jsonl:2: not valid JSON"),

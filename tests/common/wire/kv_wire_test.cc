@@ -1,6 +1,7 @@
-// The wire codec: chunking round-trips any layer exactly; every malformed stream is
-// rejected with an error that says what was wrong; and a fuzz loop of random mutations
-// never crashes the receiver nor lets a modified payload through.
+// The wire codec: chunking round-trips any layer, exactly in the cache's dtype and as each
+// KV format's coding defines in the others; positions code compactly; every malformed
+// stream is rejected with an error that says what was wrong; and a fuzz loop of random
+// mutations never crashes the receiver nor lets a modified payload through.
 #include "common/wire/kv_wire.h"
 
 #include <gtest/gtest.h>
@@ -31,10 +32,15 @@ CompressedLayer RandomLayer(int layer, int heads, int count, int d, DType dtype,
     std::sort(pos.begin(), pos.end());
     l.positions.insert(l.positions.end(), pos.begin(), pos.end());
   }
-  l.k.resize(static_cast<size_t>(heads) * count * d * DTypeSize(dtype));
+  // Values as a cache holds them (the formats quantise numbers, not bit patterns).
+  std::normal_distribution<float> n(0, 2);
+  std::vector<float> x(static_cast<size_t>(heads) * count * d);
+  l.k.resize(x.size() * DTypeSize(dtype));
   l.v.resize(l.k.size());
-  for (auto& b : l.k) b = static_cast<uint8_t>(rng());
-  for (auto& b : l.v) b = static_cast<uint8_t>(rng());
+  for (std::vector<uint8_t>* out : {&l.k, &l.v}) {
+    for (float& f : x) f = n(rng);
+    FromFloat(dtype, x.data(), out->data(), x.size());
+  }
   return l;
 }
 
@@ -46,7 +52,7 @@ struct Stream {
 };
 
 Stream MakeStream(int layers, int heads, int d, std::vector<int> kept, size_t max_bytes,
-                  DType dtype, uint32_t seed) {
+                  DType dtype, uint32_t seed, KvFormat format = KvFormat::kAuto) {
   std::mt19937 rng(seed);
   Stream s;
   s.header.model_fingerprint = "model-x";
@@ -54,11 +60,12 @@ Stream MakeStream(int layers, int heads, int d, std::vector<int> kept, size_t ma
   s.header.num_cache_heads = heads;
   s.header.head_dim = d;
   s.header.dtype = dtype;
+  s.header.kv_format = format;
   s.header.prompt_len = kPrompt;
   s.header.kept_per_layer = kept;
   for (int l = 0; l < layers; ++l) {
     s.layers.push_back(RandomLayer(l, heads, kept[l], d, dtype, rng));
-    for (auto& c : ChunkLayer(s.layers.back(), max_bytes)) {
+    for (auto& c : ChunkLayer(s.layers.back(), format, max_bytes)) {
       s.trailer.kv_payload_bytes += static_cast<int64_t>(c.payload_bytes());
       s.chunks.push_back(std::move(c));
     }
@@ -84,6 +91,7 @@ WireExpectation Expect(const Stream& s) {
   e.num_cache_heads = s.header.num_cache_heads;
   e.head_dim = s.header.head_dim;
   e.dtype = s.header.dtype;
+  e.kv_format = s.header.kv_format;
   e.prompt_len = kPrompt;
   e.kept_per_layer = s.header.kept_per_layer;
   return e;
@@ -99,7 +107,13 @@ absl::Status Feed(const Stream& s, KvCache* cache, KvAssembler* a = nullptr) {
   return a->OnTrailer(s.trailer, 512);
 }
 
-// The cache holds exactly what the layers held.
+// What an accepted stream must have stored: the positions and rows of the chunks it accepted,
+// the rows decoded from each chunk's coding into the cache's dtype.
+void ExpectCacheHoldsChunks(const std::vector<WireChunk>& chunks, KvFormat format,
+                            const std::vector<int>& kept, const KvCache& cache);
+
+// The cache holds what the layers held: the same positions, and rows exactly (auto) or as
+// the stream's chunks code them.
 void ExpectCacheEquals(const Stream& s, const KvCache& cache) {
   for (const CompressedLayer& l : s.layers) {
     const LayerCache& lc = cache.layer(l.layer);
@@ -109,11 +123,14 @@ void ExpectCacheEquals(const Stream& s, const KvCache& cache) {
       for (int t = 0; t < l.count; ++t) {
         const size_t i = static_cast<size_t>(h) * l.count + t;
         ASSERT_EQ(lc.position(h, t), l.positions[i]);
-        ASSERT_EQ(std::memcmp(lc.k_row(h, t), &l.k[i * row], row), 0);
-        ASSERT_EQ(std::memcmp(lc.v_row(h, t), &l.v[i * row], row), 0);
+        if (s.header.kv_format == KvFormat::kAuto) {
+          ASSERT_EQ(std::memcmp(lc.k_row(h, t), &l.k[i * row], row), 0);
+          ASSERT_EQ(std::memcmp(lc.v_row(h, t), &l.v[i * row], row), 0);
+        }
       }
     }
   }
+  ExpectCacheHoldsChunks(s.chunks, s.header.kv_format, s.header.kept_per_layer, cache);
 }
 
 TEST(KvWire, Crc32cKnownAnswer) {
@@ -143,9 +160,79 @@ TEST(KvWire, RoundTripsOverChunkSizes) {
       ExpectCacheEquals(s, *cache);
     }
   }
+  for (KvFormat format : kAllKvFormats) {
+    for (size_t max_bytes : {size_t{1} << 20, size_t{300}}) {
+      SCOPED_TRACE(absl::StrCat(KvFormatName(format), " ", max_bytes));
+      const Stream s = MakeStream(2, 3, 16, {64, 7}, max_bytes, DType::kBF16, 12, format);
+      for (const WireChunk& c : s.chunks) {
+        if (c.token_count > 1) {
+          EXPECT_LE(c.payload_bytes(), max_bytes);
+        }
+      }
+      auto cache = MakeCache(s);
+      ASSERT_TRUE(Feed(s, cache.get()).ok()) << Feed(s, MakeCache(s).get());
+      ExpectCacheEquals(s, *cache);
+    }
+  }
   // 1 MiB chunks pack whole heads together; tiny ones split heads by tokens.
   EXPECT_EQ(MakeStream(1, 4, 16, {64}, 1 << 20, DType::kF32, 1).chunks.size(), 1u);
   EXPECT_GT(MakeStream(1, 4, 16, {64}, 300, DType::kF32, 1).chunks.size(), 4u);
+}
+
+// A chunk's positions decoded, and coded anew (checksum included).
+std::vector<int32_t> Positions(const WireChunk& c, int prompt_len) {
+  std::vector<int32_t> pos(static_cast<size_t>(c.head_count) * c.token_count);
+  size_t offset = 0;
+  for (int h = 0; h < c.head_count; ++h) {
+    EXPECT_TRUE(DecodePositions(c.positions, &offset, c.token_count, prompt_len,
+                                &pos[static_cast<size_t>(h) * c.token_count])
+                    .ok());
+  }
+  return pos;
+}
+void SetPositions(WireChunk* c, const std::vector<int32_t>& pos) {
+  c->positions.clear();
+  for (int h = 0; h < c->head_count; ++h) {
+    EncodePositions(&pos[static_cast<size_t>(h) * c->token_count], c->token_count, &c->positions);
+  }
+  c->crc32c = ChunkChecksum(*c);
+}
+
+TEST(KvWire, PositionsCodeAsTheSmallerOfDeltasAndABitmap) {
+  std::mt19937 rng(3);
+  const int prompt = 5000;
+  for (int n : {1, 2, 17, 128, 1000, 4999, 5000}) {
+    std::vector<int32_t> all(prompt);
+    for (int i = 0; i < prompt; ++i) all[i] = i;
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<int32_t> pos(all.begin(), all.begin() + n);
+    std::sort(pos.begin(), pos.end());
+    std::string coded;
+    EncodePositions(pos.data(), n, &coded);
+    std::vector<int32_t> back(n);
+    size_t offset = 0;
+    ASSERT_TRUE(DecodePositions(coded, &offset, n, prompt, back.data()).ok()) << n;
+    EXPECT_EQ(offset, coded.size());
+    EXPECT_EQ(back, pos);
+    const size_t bitmap = 1 + 2 + 2 + (pos.back() - pos.front() + 1 + 7) / 8;
+    EXPECT_LE(coded.size(), bitmap + 1) << n;  // never worse than a bitmap (varints of <= 2 bytes)
+    if (n >= 1000) {
+      EXPECT_EQ(coded[0], 1) << "a dense head codes as a bitmap";
+    }
+    if (n <= 17) {
+      EXPECT_EQ(coded[0], 0) << "a sparse head codes as deltas";
+    }
+  }
+  // Every position of a prompt: about one bit each.
+  std::vector<int32_t> every(2048);
+  for (int i = 0; i < 2048; ++i) every[i] = i;
+  std::string coded;
+  EncodePositions(every.data(), 2048, &coded);
+  EXPECT_LE(coded.size(), 2048u / 8 + 5);
+  // A bitmap whose bits disagree with the count is refused.
+  std::vector<int32_t> out(3);
+  size_t offset = 0;
+  EXPECT_FALSE(DecodePositions(coded, &offset, 3, 2048, out.data()).ok());
 }
 
 struct Mutation {
@@ -157,8 +244,10 @@ struct Mutation {
 
 TEST(KvWire, RejectsMalformedStreams) {
   const std::vector<Mutation> cases = {
-      {"version", [](Stream& s) { s.header.format_version = 2; },
-       absl::StatusCode::kInvalidArgument, "format version 2"},
+      {"version 1 (a peer from before KV formats)", [](Stream& s) { s.header.format_version = 1; },
+       absl::StatusCode::kInvalidArgument, "format version 1; this node speaks version 2"},
+      {"kv format", [](Stream& s) { s.header.kv_format = KvFormat::kInt4; },
+       absl::StatusCode::kInvalidArgument, "coded in int4; the request asked for auto"},
       {"fingerprint", [](Stream& s) { s.header.model_fingerprint = "other"; },
        absl::StatusCode::kFailedPrecondition, "model 'other'"},
       {"heads", [](Stream& s) { s.header.num_cache_heads = 8; }, absl::StatusCode::kInvalidArgument,
@@ -188,24 +277,42 @@ TEST(KvWire, RejectsMalformedStreams) {
          s.chunks[0].k.pop_back();
          s.chunks[0].crc32c = ChunkChecksum(s.chunks[0]);
        },
-       absl::StatusCode::kInvalidArgument, "payload of"},
-      {"descending positions",
+       absl::StatusCode::kInvalidArgument, "K/V of"},
+      {"positions cut off",
        [](Stream& s) {
-         int32_t a, b;
-         std::memcpy(&a, &s.chunks[0].positions[0], 4);
-         std::memcpy(&b, &s.chunks[0].positions[4], 4);
-         std::memcpy(&s.chunks[0].positions[0], &b, 4);
-         std::memcpy(&s.chunks[0].positions[4], &a, 4);
+         s.chunks[0].positions.pop_back();
          s.chunks[0].crc32c = ChunkChecksum(s.chunks[0]);
        },
-       absl::StatusCode::kInvalidArgument, "not ascending"},
+       absl::StatusCode::kInvalidArgument, "cut off"},
+      {"positions with bytes to spare",
+       [](Stream& s) {
+         s.chunks[0].positions.push_back(0);
+         s.chunks[0].crc32c = ChunkChecksum(s.chunks[0]);
+       },
+       absl::StatusCode::kInvalidArgument, "left after every head's"},
+      {"unknown positions coding",
+       [](Stream& s) {
+         s.chunks[0].positions[0] = 7;
+         s.chunks[0].crc32c = ChunkChecksum(s.chunks[0]);
+       },
+       absl::StatusCode::kInvalidArgument, "unknown coding 7"},
       {"position beyond prompt",
        [](Stream& s) {
-         const int32_t big = 1000;
-         std::memcpy(&s.chunks[0].positions[s.chunks[0].positions.size() - 4], &big, 4);
-         s.chunks[0].crc32c = ChunkChecksum(s.chunks[0]);
+         WireChunk& c = s.chunks[0];
+         std::vector<int32_t> pos = Positions(c, kPrompt);
+         pos.back() = 1000;
+         SetPositions(&c, pos);
        },
-       absl::StatusCode::kInvalidArgument, "within [0, 100)"},
+       absl::StatusCode::kInvalidArgument, "outside the prompt of 100"},
+      {"positions not following the previous chunk's",
+       [](Stream& s) {
+         WireChunk& c = s.chunks[1];  // head 0's second chunk
+         ASSERT_GT(c.token_begin, 0);
+         std::vector<int32_t> pos = Positions(c, kPrompt);
+         pos[0] = 0;
+         SetPositions(&c, pos);
+       },
+       absl::StatusCode::kInvalidArgument, "does not follow the previous chunk's"},
       {"rectangle",
        [](Stream& s) {
          s.chunks[0].head_count = 99;
@@ -260,20 +367,25 @@ TEST(KvWire, ASecondTrailerFails) {
 }
 
 // What an accepted stream must have stored: exactly the rows of the chunks it accepted.
-void ExpectCacheHoldsChunks(const std::vector<WireChunk>& chunks, const KvCache& cache) {
+void ExpectCacheHoldsChunks(const std::vector<WireChunk>& chunks, KvFormat format,
+                            const std::vector<int>& kept, const KvCache& cache) {
   for (const WireChunk& c : chunks) {
     const LayerCache& lc = cache.layer(c.layer);
-    const size_t row = lc.row_bytes();
+    const size_t row = lc.row_bytes(), n = c.token_count;
+    const int recent = KvKeyRecentStart(format, kept[c.layer], c.token_begin, c.token_count);
+    const size_t k_block = KvKeyBlockBytes(format, lc.dtype, lc.head_dim, c.token_count, recent);
+    const size_t v_row = KvValueRowBytes(format, lc.dtype, lc.head_dim);
+    std::vector<uint8_t> k(row * n), v(row * n);
+    const std::vector<int32_t> positions = Positions(c, kPrompt);
     for (int h = 0; h < c.head_count; ++h) {
-      for (int t = 0; t < c.token_count; ++t) {
-        const size_t i = static_cast<size_t>(h) * c.token_count + t;
-        int32_t pos;
-        std::memcpy(&pos, &c.positions[i * 4], 4);
-        ASSERT_EQ(lc.position(c.head_begin + h, c.token_begin + t), pos);
-        ASSERT_EQ(std::memcmp(lc.k_row(c.head_begin + h, c.token_begin + t), &c.k[i * row], row),
-                  0);
-        ASSERT_EQ(std::memcmp(lc.v_row(c.head_begin + h, c.token_begin + t), &c.v[i * row], row),
-                  0);
+      DecodeKvKeys(format, lc.dtype, lc.head_dim, c.token_count, recent, &c.k[h * k_block],
+                   k.data());
+      DecodeKvValues(format, lc.dtype, lc.head_dim, c.token_count, &c.v[h * n * v_row], v.data());
+      for (size_t t = 0; t < n; ++t) {
+        const int head = c.head_begin + h, token = c.token_begin + static_cast<int>(t);
+        ASSERT_EQ(lc.position(head, token), positions[h * n + t]);
+        ASSERT_EQ(std::memcmp(lc.k_row(head, token), &k[t * row], row), 0);
+        ASSERT_EQ(std::memcmp(lc.v_row(head, token), &v[t * row], row), 0);
       }
     }
   }
@@ -289,12 +401,13 @@ TEST(KvWire, FuzzedStreamsNeverCorruptTheCache) {
   int accepted = 0, rejected = 0;
   for (int iter = 0; iter < 3000; ++iter) {
     const int layers = 1 + static_cast<int>(rng() % 3), heads = 1 + static_cast<int>(rng() % 4);
-    const int d = 1 + static_cast<int>(rng() % 16);
+    const int d = 2 * (1 + static_cast<int>(rng() % 8));
+    const KvFormat format = kAllKvFormats[rng() % 5];
     std::vector<int> kept;
     for (int l = 0; l < layers; ++l) kept.push_back(1 + static_cast<int>(rng() % kPrompt));
     const size_t max_bytes = 1 + rng() % 2000;
-    const Stream original =
-        MakeStream(layers, heads, d, kept, max_bytes, DType::kBF16, static_cast<uint32_t>(rng()));
+    const Stream original = MakeStream(layers, heads, d, kept, max_bytes, DType::kBF16,
+                                       static_cast<uint32_t>(rng()), format);
     Stream s = original;
     const int n_mut = 1 + static_cast<int>(rng() % 3);
     for (int m = 0; m < n_mut && !s.chunks.empty(); ++m) {
@@ -343,7 +456,7 @@ TEST(KvWire, FuzzedStreamsNeverCorruptTheCache) {
       for (const WireChunk& c : s.chunks) {
         EXPECT_EQ(c.crc32c, ChunkChecksum(c)) << "a chunk with a stale checksum was accepted";
       }
-      ExpectCacheHoldsChunks(s.chunks, *cache);
+      ExpectCacheHoldsChunks(s.chunks, format, s.header.kept_per_layer, *cache);
     } else {
       ++rejected;
       EXPECT_FALSE(st.message().empty());

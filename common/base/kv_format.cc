@@ -1,0 +1,341 @@
+#include "common/base/kv_format.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvwire {
+namespace {
+
+void PutU16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+uint16_t GetU16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// A code from a quotient that may be NaN (a cache never holds one, but the wire's input is not
+// trusted to be a cache): NaN codes as 0 rather than through an undefined conversion.
+float ClampCode(float q, float lo, float hi) {
+  return std::isnan(q) ? 0.0f : std::clamp(q, lo, hi);
+}
+
+float AbsMax(const float* x, int n) {
+  float m = 0;
+  for (int i = 0; i < n; ++i) m = std::fmax(m, std::fabs(x[i]));
+  return m;
+}
+
+// The smallest f16 (bf16) at or above v >= 0, so that a range divided by it stays in range.
+uint16_t F16Up(float v) {
+  uint16_t h = FloatToF16(v);
+  if (F16ToFloat(h) < v && (h & 0x7c00u) != 0x7c00u) ++h;
+  return h;
+}
+uint16_t Bf16Up(float v) {
+  uint16_t h = FloatToBf16(v);
+  if (Bf16ToFloat(h) < v && (h & 0x7f80u) != 0x7f80u) ++h;
+  return h;
+}
+
+void PutNibble(uint8_t* codes, int j, uint8_t c) {
+  codes[j / 2] = (j % 2 == 0) ? static_cast<uint8_t>((codes[j / 2] & 0xf0u) | c)
+                              : static_cast<uint8_t>((codes[j / 2] & 0x0fu) | (c << 4));
+}
+int GetNibble(const uint8_t* codes, int j) {
+  return (j % 2 == 0) ? (codes[j / 2] & 0x0f) : (codes[j / 2] >> 4);
+}
+
+// One key group: rows [t0, t1) of x ([n][d] floats), per channel two f16 parameters at
+// params[2c], params[2c + 1], codes into code rows of `row` bytes.
+void EncodeKeyGroup(KvFormat f, int d, const float* x, int t0, int t1, uint8_t* codes, size_t row,
+                    uint8_t* params) {
+  for (int c = 0; c < d; ++c) {
+    float lo = x[static_cast<size_t>(t0) * d + c], hi = lo;
+    for (int t = t0 + 1; t < t1; ++t) {
+      lo = std::fmin(lo, x[static_cast<size_t>(t) * d + c]);
+      hi = std::fmax(hi, x[static_cast<size_t>(t) * d + c]);
+    }
+    uint16_t a, b;
+    float base, step;
+    if (f == KvFormat::kFP8) {
+      a = FloatToF16((hi + lo) / 2);
+      base = F16ToFloat(a);
+      b = F16Up(std::fmax(hi - base, base - lo) / kE4M3Max);
+    } else {
+      a = FloatToF16(lo);
+      base = F16ToFloat(a);
+      b = F16Up((hi - base) / (f == KvFormat::kInt8 ? 255.0f : 15.0f));
+    }
+    step = F16ToFloat(b);
+    PutU16(params + 4 * c, a);
+    PutU16(params + 4 * c + 2, b);
+    for (int t = t0; t < t1; ++t) {
+      const float r = x[static_cast<size_t>(t) * d + c] - base;
+      uint8_t* out = codes + static_cast<size_t>(t) * row;
+      if (f == KvFormat::kFP8) {
+        out[c] = step > 0 ? FloatToE4M3(r / step) : 0;
+      } else {
+        const float q = step > 0 ? std::nearbyint(r / step) : 0.0f;
+        if (f == KvFormat::kInt8) {
+          out[c] = static_cast<uint8_t>(ClampCode(q, 0.0f, 255.0f));
+        } else {
+          PutNibble(out, c, static_cast<uint8_t>(ClampCode(q, 0.0f, 15.0f)));
+        }
+      }
+    }
+  }
+}
+
+float KeyValue(KvFormat f, const uint8_t* code_row, int c, const uint8_t* params) {
+  const float a = F16ToFloat(GetU16(params + 4 * c)), b = F16ToFloat(GetU16(params + 4 * c + 2));
+  switch (f) {
+    case KvFormat::kFP8:
+      return a + E4M3ToFloat(code_row[c]) * b;
+    case KvFormat::kInt8:
+      return a + static_cast<float>(code_row[c]) * b;
+    default:
+      return a + static_cast<float>(GetNibble(code_row, c)) * b;
+  }
+}
+
+// One value row (float) coded, and back.
+void EncodeValueRow(KvFormat f, int d, const float* x, uint8_t* out) {
+  switch (f) {
+    case KvFormat::kFP8: {
+      const uint16_t s = Bf16Up(AbsMax(x, d) / kE4M3Max);
+      const float scale = Bf16ToFloat(s);
+      for (int i = 0; i < d; ++i) out[i] = scale > 0 ? FloatToE4M3(x[i] / scale) : 0;
+      PutU16(out + d, s);
+      return;
+    }
+    case KvFormat::kInt8: {
+      const uint16_t s = Bf16Up(AbsMax(x, d) / 127.0f);
+      const float scale = Bf16ToFloat(s);
+      for (int i = 0; i < d; ++i) {
+        const float q = scale > 0 ? std::nearbyint(x[i] / scale) : 0.0f;
+        out[i] = static_cast<uint8_t>(static_cast<int8_t>(ClampCode(q, -127.0f, 127.0f)));
+      }
+      PutU16(out + d, s);
+      return;
+    }
+    default: {  // int4: groups of channels, each with a step and a minimum
+      const int g = std::min(kInt4ValueGroup, d);
+      uint8_t* params = out + (d + 1) / 2;
+      for (int first = 0, k = 0; first < d; first += g, ++k) {
+        const int n = std::min(g, d - first);
+        float lo = x[first], hi = x[first];
+        for (int i = first + 1; i < first + n; ++i) {
+          lo = std::fmin(lo, x[i]);
+          hi = std::fmax(hi, x[i]);
+        }
+        const uint16_t lo_h = FloatToF16(lo);
+        const float min = F16ToFloat(lo_h);
+        const uint16_t step_h = F16Up((hi - min) / 15.0f);
+        const float step = F16ToFloat(step_h);
+        for (int i = first; i < first + n; ++i) {
+          const float q = step > 0 ? std::nearbyint((x[i] - min) / step) : 0.0f;
+          PutNibble(out, i, static_cast<uint8_t>(ClampCode(q, 0.0f, 15.0f)));
+        }
+        PutU16(params + 4 * k, step_h);
+        PutU16(params + 4 * k + 2, lo_h);
+      }
+      return;
+    }
+  }
+}
+
+void DecodeValueRow(KvFormat f, int d, const uint8_t* in, float* x) {
+  switch (f) {
+    case KvFormat::kFP8: {
+      const float scale = Bf16ToFloat(GetU16(in + d));
+      for (int i = 0; i < d; ++i) x[i] = E4M3ToFloat(in[i]) * scale;
+      return;
+    }
+    case KvFormat::kInt8: {
+      const float scale = Bf16ToFloat(GetU16(in + d));
+      for (int i = 0; i < d; ++i) x[i] = static_cast<float>(static_cast<int8_t>(in[i])) * scale;
+      return;
+    }
+    default: {
+      const int g = std::min(kInt4ValueGroup, d);
+      const uint8_t* params = in + (d + 1) / 2;
+      for (int i = 0; i < d; ++i) {
+        const uint8_t* p = params + 4 * (i / g);
+        x[i] = static_cast<float>(GetNibble(in, i)) * F16ToFloat(GetU16(p)) +
+               F16ToFloat(GetU16(p + 2));
+      }
+      return;
+    }
+  }
+}
+
+// Raw formats: the rows as they are (auto), or converted to bf16.
+bool Raw(KvFormat f) { return f == KvFormat::kAuto || f == KvFormat::kBF16; }
+DType RawType(KvFormat f, DType dtype) { return f == KvFormat::kAuto ? dtype : DType::kBF16; }
+
+void ConvertRows(DType from, DType to, size_t values, const void* in, void* out) {
+  if (from == to) {
+    std::memcpy(out, in, values * DTypeSize(from));
+    return;
+  }
+  std::vector<float> x(values);
+  ToFloat(from, in, x.data(), values);
+  FromFloat(to, x.data(), out, values);
+}
+
+}  // namespace
+
+absl::string_view KvFormatName(KvFormat f) {
+  switch (f) {
+    case KvFormat::kAuto:
+      return "auto";
+    case KvFormat::kBF16:
+      return "bf16";
+    case KvFormat::kFP8:
+      return "fp8";
+    case KvFormat::kInt8:
+      return "int8";
+    case KvFormat::kInt4:
+      return "int4";
+  }
+  return "?";
+}
+
+const char* KvFormatNames() { return "auto, bf16, fp8, int8, int4"; }
+
+absl::StatusOr<KvFormat> ParseKvFormat(absl::string_view name) {
+  for (KvFormat f : kAllKvFormats) {
+    if (name == KvFormatName(f)) return f;
+  }
+  if (name == "fp8_e4m3") return KvFormat::kFP8;
+  return absl::InvalidArgumentError(
+      absl::StrCat("must be one of ", KvFormatNames(), "; got '", name, "'"));
+}
+
+absl::Status CheckKvFormat(KvFormat format, int head_dim) {
+  if (format == KvFormat::kInt4 && head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_format int4 packs two values per byte and needs an even head_dim; the model's is ",
+        head_dim));
+  }
+  return absl::OkStatus();
+}
+
+size_t KvKeyCodeBytes(KvFormat format, DType dtype, int head_dim) {
+  const size_t d = static_cast<size_t>(head_dim);
+  switch (format) {
+    case KvFormat::kAuto:
+      return d * DTypeSize(dtype);
+    case KvFormat::kBF16:
+      return d * 2;
+    case KvFormat::kFP8:
+    case KvFormat::kInt8:
+      return d;
+    case KvFormat::kInt4:
+      return (d + 1) / 2;
+  }
+  return 0;
+}
+
+size_t KvValueRowBytes(KvFormat format, DType dtype, int head_dim) {
+  const size_t d = static_cast<size_t>(head_dim);
+  switch (format) {
+    case KvFormat::kAuto:
+    case KvFormat::kBF16:
+      return KvKeyCodeBytes(format, dtype, head_dim);
+    case KvFormat::kFP8:
+    case KvFormat::kInt8:
+      return d + 2;
+    case KvFormat::kInt4: {
+      const size_t g = std::min<size_t>(kInt4ValueGroup, d);
+      return (d + 1) / 2 + 4 * ((d + g - 1) / g);
+    }
+  }
+  return 0;
+}
+
+int KvKeyRecentStart(KvFormat format, int kept, int first, int n) {
+  if (format != KvFormat::kInt4) return n;
+  return std::clamp(kept - kInt4RecentTokens - first, 0, n);
+}
+
+int KvKeyGroups(KvFormat format, int n, int recent) {
+  if (Raw(format) || n == 0) return 0;
+  return (recent + kKeyGroupTokens - 1) / kKeyGroupTokens + (recent < n ? 1 : 0);
+}
+
+size_t KvKeyBlockBytes(KvFormat format, DType dtype, int head_dim, int n, int recent) {
+  return static_cast<size_t>(n) * KvKeyCodeBytes(format, dtype, head_dim) +
+         static_cast<size_t>(KvKeyGroups(format, n, recent)) * 4 * head_dim;
+}
+
+void EncodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const void* in,
+                  void* out) {
+  if (Raw(format)) {
+    ConvertRows(dtype, RawType(format, dtype), static_cast<size_t>(n) * d, in, out);
+    return;
+  }
+  std::vector<float> x(static_cast<size_t>(n) * d);
+  ToFloat(dtype, in, x.data(), x.size());
+  auto* codes = static_cast<uint8_t*>(out);
+  const size_t row = KvKeyCodeBytes(format, dtype, d);
+  uint8_t* params = codes + static_cast<size_t>(n) * row;
+  for (int t0 = 0; t0 < n; params += 4 * static_cast<size_t>(d)) {
+    const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+    EncodeKeyGroup(format, d, x.data(), t0, t1, codes, row, params);
+    t0 = t1;
+  }
+}
+
+void DecodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const void* in,
+                  void* out) {
+  if (Raw(format)) {
+    ConvertRows(RawType(format, dtype), dtype, static_cast<size_t>(n) * d, in, out);
+    return;
+  }
+  const auto* codes = static_cast<const uint8_t*>(in);
+  const size_t row = KvKeyCodeBytes(format, dtype, d);
+  const uint8_t* params = codes + static_cast<size_t>(n) * row;
+  std::vector<float> x(d);
+  const size_t out_row = static_cast<size_t>(d) * DTypeSize(dtype);
+  for (int t0 = 0; t0 < n; params += 4 * static_cast<size_t>(d)) {
+    const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+    for (int t = t0; t < t1; ++t) {
+      for (int c = 0; c < d; ++c) x[c] = KeyValue(format, codes + t * row, c, params);
+      FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + t * out_row, d);
+    }
+    t0 = t1;
+  }
+}
+
+void EncodeKvValues(KvFormat format, DType dtype, int d, int64_t rows, const void* in, void* out) {
+  if (Raw(format)) {
+    ConvertRows(dtype, RawType(format, dtype), static_cast<size_t>(rows) * d, in, out);
+    return;
+  }
+  const size_t src_row = static_cast<size_t>(d) * DTypeSize(dtype);
+  const size_t dst_row = KvValueRowBytes(format, dtype, d);
+  std::vector<float> x(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    ToFloat(dtype, static_cast<const uint8_t*>(in) + r * src_row, x.data(), d);
+    EncodeValueRow(format, d, x.data(), static_cast<uint8_t*>(out) + r * dst_row);
+  }
+}
+
+void DecodeKvValues(KvFormat format, DType dtype, int d, int64_t rows, const void* in, void* out) {
+  if (Raw(format)) {
+    ConvertRows(RawType(format, dtype), dtype, static_cast<size_t>(rows) * d, in, out);
+    return;
+  }
+  const size_t src_row = KvValueRowBytes(format, dtype, d);
+  const size_t dst_row = static_cast<size_t>(d) * DTypeSize(dtype);
+  std::vector<float> x(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    DecodeValueRow(format, d, static_cast<const uint8_t*>(in) + r * src_row, x.data());
+    FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + r * dst_row, d);
+  }
+}
+
+}  // namespace kvwire

@@ -1,0 +1,116 @@
+// How K and V rows are coded on the wire: the cache's own dtype (`auto`, as before formats
+// existed), bf16, fp8 (E4M3), int8 or int4. This is the specification: the encoders and
+// decoders here are the reference every faster path is tested against.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/base/dtype.h"
+
+namespace kvwire {
+
+enum class KvFormat : uint8_t { kAuto = 0, kBF16 = 1, kFP8 = 2, kInt8 = 3, kInt4 = 4 };
+
+inline constexpr KvFormat kAllKvFormats[] = {KvFormat::kAuto, KvFormat::kBF16, KvFormat::kFP8,
+                                             KvFormat::kInt8, KvFormat::kInt4};
+
+absl::string_view KvFormatName(KvFormat f);
+// "auto", "bf16", "fp8" (or "fp8_e4m3", vLLM's spelling), "int8", "int4".
+absl::StatusOr<KvFormat> ParseKvFormat(absl::string_view name);
+// "auto, bf16, fp8, int8, int4", for messages and help.
+const char* KvFormatNames();
+
+// Keys and values are coded differently, as KIVI (§3) found they must be: keys have channels
+// of large, slowly varying values (RoPE's low frequencies) beside small ones, so a key is
+// quantised per channel over a group of tokens; values per token. The sizes below are the
+// specification's constants (docs/algorithms.md, "KV formats", says how they were chosen).
+//
+// Keys: one cache head's consecutive tokens (a block: one head's rows of a wire chunk) are
+// cut into groups of kKeyGroupTokens tokens from the block's first; int4 also starts a group of
+// its own at the head's last kInt4RecentTokens tokens. Each group has, per channel, two f16
+// parameters; the block is every row's codes, then every group's parameters:
+//   auto  the rows as the cache holds them, no parameters
+//   bf16  bf16 rows, no parameters
+//   fp8   a byte per value, E4M3 of (x − centre) / scale; per channel the group's centre
+//         (max + min) / 2 and scale (max − min) / 2 / 448
+//   int8  a byte per value, round((x − min) / step) in [0, 255]; per channel min and step
+//   int4  half a byte per value (the even channel in the low nibble), [0, 15]; min and step
+// Values: each row by itself, its parameters after its codes:
+//   auto, bf16  as keys
+//   fp8   d E4M3 codes of x / scale, then the bf16 scale max|x| / 448
+//   int8  d codes round(x / scale) in [−127, 127], then the bf16 scale max|x| / 127
+//   int4  d / 2 bytes of codes, then per group of kInt4ValueGroup channels an f16 step and an f16
+//         minimum (KIVI's asymmetric quantisation)
+// Every step and scale is rounded up to its f16 or bf16, so that no code exceeds its range.
+inline constexpr int kKeyGroupTokens = 128;
+inline constexpr int kInt4RecentTokens = 16;
+inline constexpr int kInt4ValueGroup = 128;
+
+// Whether `format` can code heads of `head_dim` values (int4 packs pairs: an even head_dim).
+absl::Status CheckKvFormat(KvFormat format, int head_dim);
+
+// Bytes of one value row, and of one key row's codes.
+size_t KvValueRowBytes(KvFormat format, DType dtype, int head_dim);
+size_t KvKeyCodeBytes(KvFormat format, DType dtype, int head_dim);
+// Where the last group of a key block starts: a block of tokens [first, first + n) of a head
+// that keeps `kept` tokens (n when the format has no group for the recent tokens, or the block
+// ends before them).
+int KvKeyRecentStart(KvFormat format, int kept, int first, int n);
+// Groups of a key block of n tokens whose recent group starts at `recent` (≤ n).
+int KvKeyGroups(KvFormat format, int n, int recent);
+// Bytes of a key block.
+size_t KvKeyBlockBytes(KvFormat format, DType dtype, int head_dim, int n, int recent);
+
+// Encodes n rows of `head_dim` values in `dtype` (consecutive) as one key block or as value
+// rows, and decodes them back into `dtype`.
+void EncodeKvKeys(KvFormat format, DType dtype, int head_dim, int n, int recent, const void* in,
+                  void* out);
+void DecodeKvKeys(KvFormat format, DType dtype, int head_dim, int n, int recent, const void* in,
+                  void* out);
+void EncodeKvValues(KvFormat format, DType dtype, int head_dim, int64_t rows, const void* in,
+                    void* out);
+void DecodeKvValues(KvFormat format, DType dtype, int head_dim, int64_t rows, const void* in,
+                    void* out);
+
+// E4M3 (the "fn" variant: no infinities, 0x7f/0xff NaN, largest finite 448), rounded to
+// nearest even and saturated at ±448, as OCP FP8 and Hopper's cvt.satfinite do.
+inline constexpr float kE4M3Max = 448.0f;
+inline uint8_t FloatToE4M3(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7f;  // NaN
+  float a;
+  std::memcpy(&a, &abs, 4);
+  if (a >= kE4M3Max) return sign | 0x7e;
+  if (a < 0.015625f) {  // below 2^-6: subnormal, steps of 2^-9 (8 rounds up to the smallest normal)
+    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));
+  }
+  uint32_t r = abs + 0x7ffffu + ((abs >> 20) & 1u);  // round the mantissa to 3 bits, ties to even
+  const int e = static_cast<int>(r >> 23) - 127 + 7;
+  const uint32_t m = (r >> 20) & 7u;
+  if (e > 15 || (e == 15 && m == 7)) return sign | 0x7e;
+  return sign | static_cast<uint8_t>(e << 3) | static_cast<uint8_t>(m);
+}
+
+inline float E4M3ToFloat(uint8_t x) {
+  const int e = (x >> 3) & 15;
+  const int m = x & 7;
+  float v;
+  if (e == 15 && m == 7) {
+    v = NAN;
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<float>(m), -9);
+  } else {
+    v = std::ldexp(1.0f + m / 8.0f, e - 7);
+  }
+  return (x & 0x80) ? -v : v;
+}
+
+}  // namespace kvwire

@@ -1,0 +1,249 @@
+// The KV row formats: E4M3 against its definition code by code, each format's row size, and
+// every format's reconstruction error within the bound its coding promises.
+#include "common/base/kv_format.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace kvwire {
+namespace {
+
+// E4M3 by its definition (sign, 4 exponent bits biased by 7, 3 mantissa bits; exponent 0 is
+// subnormal; S.1111.111 is NaN), written independently of the bit-level coder.
+float E4M3ByDefinition(int code) {
+  const int s = code >> 7, e = (code >> 3) & 15, m = code & 7;
+  if (e == 15 && m == 7) return NAN;
+  const double mag = e == 0 ? m / 8.0 * std::pow(2.0, -6) : (1 + m / 8.0) * std::pow(2.0, e - 7);
+  return static_cast<float>(s ? -mag : mag);
+}
+
+TEST(KvFormat, E4M3DecodesEveryCodeByDefinition) {
+  for (int c = 0; c < 256; ++c) {
+    const float want = E4M3ByDefinition(c);
+    const float got = E4M3ToFloat(static_cast<uint8_t>(c));
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << c;
+      continue;
+    }
+    EXPECT_EQ(got, want) << "code " << c;
+    // Every finite value codes back to itself (negative zero included).
+    EXPECT_EQ(FloatToE4M3(got), c) << "code " << c;
+  }
+}
+
+TEST(KvFormat, E4M3RoundsToNearestEvenAndSaturates) {
+  EXPECT_EQ(FloatToE4M3(1.0f), 0x38);
+  EXPECT_EQ(FloatToE4M3(448.0f), 0x7e);
+  EXPECT_EQ(FloatToE4M3(1e6f), 0x7e);  // saturated, not NaN
+  EXPECT_EQ(FloatToE4M3(-1e6f), 0xfe);
+  EXPECT_EQ(FloatToE4M3(464.0f), 0x7e);  // between 448 and the (absent) 480: saturates
+  EXPECT_EQ(FloatToE4M3(NAN), 0x7f);
+  EXPECT_EQ(FloatToE4M3(1.0625f), 0x38);  // halfway between 1 and 1.125: to the even 1
+  EXPECT_EQ(FloatToE4M3(1.1875f), 0x3a);  // halfway between 1.125 and 1.25: to the even 1.25
+  EXPECT_EQ(FloatToE4M3(1.07f), 0x39);
+  EXPECT_EQ(FloatToE4M3(std::ldexp(1.0f, -9)), 0x01);   // the smallest subnormal
+  EXPECT_EQ(FloatToE4M3(std::ldexp(1.0f, -10)), 0x00);  // half of it: ties to even zero
+  EXPECT_EQ(FloatToE4M3(std::ldexp(1.5f, -10)), 0x01);
+  EXPECT_EQ(FloatToE4M3(std::ldexp(7.5f, -9)), 0x08);  // rounds up into the normals
+  // The nearest code for every value on a fine grid: no code is closer than the one chosen.
+  for (float x = -500; x <= 500; x += 0.0371f) {
+    const float got = E4M3ToFloat(FloatToE4M3(x));
+    if (std::fabs(x) >= 448) {
+      EXPECT_EQ(std::fabs(got), 448.0f);
+      continue;
+    }
+    for (int c = 0; c < 256; ++c) {
+      const float other = E4M3ByDefinition(c);
+      if (!std::isnan(other)) {
+        ASSERT_LE(std::fabs(got - x), std::fabs(other - x)) << x << " coded " << got;
+      }
+    }
+  }
+}
+
+TEST(KvFormat, Sizes) {
+  // Value rows: codes, then the row's scale (bf16) or per 128 channels a step and a minimum.
+  EXPECT_EQ(KvValueRowBytes(KvFormat::kAuto, DType::kF32, 128), 512u);
+  EXPECT_EQ(KvValueRowBytes(KvFormat::kAuto, DType::kBF16, 128), 256u);
+  EXPECT_EQ(KvValueRowBytes(KvFormat::kBF16, DType::kF32, 128), 256u);
+  EXPECT_EQ(KvValueRowBytes(KvFormat::kFP8, DType::kBF16, 128), 130u);
+  EXPECT_EQ(KvValueRowBytes(KvFormat::kInt8, DType::kBF16, 128), 130u);
+  EXPECT_EQ(KvValueRowBytes(KvFormat::kInt4, DType::kBF16, 128), 64u + 4);
+  EXPECT_EQ(KvValueRowBytes(KvFormat::kInt4, DType::kF32, 256), 128u + 2 * 4);
+  EXPECT_EQ(KvValueRowBytes(KvFormat::kInt4, DType::kF32, 8), 4u + 4);
+  // Key blocks: codes, then per group of tokens two f16 per channel.
+  EXPECT_EQ(KvKeyBlockBytes(KvFormat::kBF16, DType::kF32, 64, 300, 300), 300u * 128);
+  EXPECT_EQ(KvKeyGroups(KvFormat::kFP8, 300, 300), 3);  // 128 + 128 + 44
+  EXPECT_EQ(KvKeyBlockBytes(KvFormat::kFP8, DType::kBF16, 64, 300, 300), 300u * 64 + 3 * 256);
+  EXPECT_EQ(KvKeyBlockBytes(KvFormat::kInt4, DType::kBF16, 64, 300, 300), 300u * 32 + 3 * 256);
+  // int4's recent tokens are a group of their own; the other formats have none.
+  EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt4, 300, 0, 300), 284);
+  EXPECT_EQ(KvKeyGroups(KvFormat::kInt4, 300, 284), 4);  // 128 + 128 + 28 + 16
+  EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt8, 300, 0, 300), 300);
+  EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt4, 300, 290, 10), 0);   // a block inside the recent
+  EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt4, 300, 0, 100), 100);  // a block before them
+  EXPECT_EQ(KvKeyGroups(KvFormat::kInt4, 10, 0), 1);
+  EXPECT_TRUE(CheckKvFormat(KvFormat::kInt4, 64).ok());
+  const absl::Status odd = CheckKvFormat(KvFormat::kInt4, 7);
+  EXPECT_EQ(odd.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(odd.message().find("even head_dim"), absl::string_view::npos) << odd;
+}
+
+TEST(KvFormat, ParsesNamesAndRefusesOthers) {
+  for (KvFormat f : kAllKvFormats) EXPECT_EQ(*ParseKvFormat(KvFormatName(f)), f);
+  EXPECT_EQ(*ParseKvFormat("fp8_e4m3"), KvFormat::kFP8);
+  const auto bad = ParseKvFormat("fp4");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("auto, bf16, fp8, int8, int4"), absl::string_view::npos);
+}
+
+// Rows of several magnitudes, with channels as real keys have them: one an outlier, one large
+// and slowly varying over tokens (a low RoPE frequency), the rest noise.
+std::vector<float> Rows(int rows, int d, std::mt19937& rng) {
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> x(static_cast<size_t>(rows) * d);
+  for (int r = 0; r < rows; ++r) {
+    const float mag = std::ldexp(1.0f, r % 9 - 4);
+    for (int i = 0; i < d; ++i) x[static_cast<size_t>(r) * d + i] = mag * n(rng);
+    x[static_cast<size_t>(r) * d] *= 20;
+    x[static_cast<size_t>(r) * d + 1] = 180 * std::cos(3e-4f * r);
+  }
+  return x;
+}
+
+// |x − decode(encode(x))| for each format: within half a code step, the step being what
+// each format's parameters make it (a group's range per channel for keys, a row's for values).
+TEST(KvFormat, KeysWithinHalfAStepOfTheirChannelsRange) {
+  std::mt19937 rng(7);
+  for (int d : {8, 64, 96, 256}) {
+    for (int n : {1, 37, 300}) {
+      const std::vector<float> x = Rows(n, d, rng);
+      for (KvFormat f : kAllKvFormats) {
+        SCOPED_TRACE(absl::StrCat(KvFormatName(f), " d=", d, " n=", n));
+        const int recent = KvKeyRecentStart(f, n, 0, n);
+        std::vector<uint8_t> coded(KvKeyBlockBytes(f, DType::kF32, d, n, recent));
+        std::vector<float> back(x.size());
+        EncodeKvKeys(f, DType::kF32, d, n, recent, x.data(), coded.data());
+        DecodeKvKeys(f, DType::kF32, d, n, recent, coded.data(), back.data());
+        for (int t0 = 0; t0 < n;) {
+          const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+          for (int c = 0; c < d; ++c) {
+            float lo = x[static_cast<size_t>(t0) * d + c], hi = lo;
+            for (int t = t0; t < t1; ++t) {
+              lo = std::min(lo, x[static_cast<size_t>(t) * d + c]);
+              hi = std::max(hi, x[static_cast<size_t>(t) * d + c]);
+            }
+            // The f16 parameters' own rounding: a part in 2^11 of the channel's magnitude.
+            const float f16 = std::max(std::fabs(lo), std::fabs(hi)) * std::ldexp(1.0f, -10);
+            for (int t = t0; t < t1; ++t) {
+              const float a = x[static_cast<size_t>(t) * d + c];
+              const float b = back[static_cast<size_t>(t) * d + c];
+              float bound = 0;
+              switch (f) {
+                case KvFormat::kAuto:
+                  break;
+                case KvFormat::kBF16:
+                  bound = std::fabs(a) * std::ldexp(1.0f, -8);
+                  break;
+                case KvFormat::kFP8: {  // 3 mantissa bits of the distance from the centre
+                  const float half = (hi - lo) / 2;
+                  bound = std::max(half / 16, half / 448 * std::ldexp(1.0f, -9)) * 1.01f + f16;
+                  break;
+                }
+                case KvFormat::kInt8:
+                  bound = (hi - lo) / 255 / 2 * 1.01f + f16;
+                  break;
+                case KvFormat::kInt4:
+                  bound = (hi - lo) / 15 / 2 * 1.01f + f16;
+                  break;
+              }
+              ASSERT_LE(std::fabs(a - b), bound) << "token " << t << " channel " << c << ": " << a;
+            }
+          }
+          t0 = t1;
+        }
+      }
+    }
+  }
+}
+
+TEST(KvFormat, ValuesWithinHalfAStepOfTheirRowsRange) {
+  std::mt19937 rng(8);
+  for (int d : {8, 64, 96, 256}) {
+    const int rows = 37;
+    const std::vector<float> x = Rows(rows, d, rng);
+    for (KvFormat f : kAllKvFormats) {
+      SCOPED_TRACE(absl::StrCat(KvFormatName(f), " d=", d));
+      std::vector<uint8_t> coded(KvValueRowBytes(f, DType::kF32, d) * rows);
+      std::vector<float> back(x.size());
+      EncodeKvValues(f, DType::kF32, d, rows, x.data(), coded.data());
+      DecodeKvValues(f, DType::kF32, d, rows, coded.data(), back.data());
+      for (int r = 0; r < rows; ++r) {
+        const float* a = &x[static_cast<size_t>(r) * d];
+        const float* b = &back[static_cast<size_t>(r) * d];
+        float amax = 0;
+        for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(a[i]));
+        for (int i = 0; i < d; ++i) {
+          float bound = 0;
+          switch (f) {
+            case KvFormat::kAuto:
+              break;
+            case KvFormat::kBF16:
+              bound = std::fabs(a[i]) * std::ldexp(1.0f, -8);
+              break;
+            case KvFormat::kFP8:  // relative 2^-4, or a subnormal step; the bf16 scale's 2^-8
+              bound = std::max(std::fabs(a[i]) / 16, amax / 448 * std::ldexp(1.0f, -9)) * 1.01f;
+              break;
+            case KvFormat::kInt8:
+              bound = amax / 127 / 2 * 1.01f;
+              break;
+            case KvFormat::kInt4: {
+              const int g = std::min(kInt4ValueGroup, d), first = i / g * g;
+              float lo = a[first], hi = a[first];
+              for (int j = first; j < std::min(d, first + g); ++j) {
+                lo = std::min(lo, a[j]);
+                hi = std::max(hi, a[j]);
+              }
+              bound = (hi - lo) / 15 / 2 * 1.01f + std::fabs(lo) * std::ldexp(1.0f, -10);
+              break;
+            }
+          }
+          ASSERT_LE(std::fabs(a[i] - b[i]), bound) << "row " << r << " [" << i << "] " << a[i];
+        }
+      }
+    }
+  }
+}
+
+TEST(KvFormat, QuantisedBytesPerValue) {
+  // A 128-dim value row in each format, against bf16's 2 bytes per value; keys in groups of
+  // 128 tokens cost 4 bytes per channel per group: 1/32 of a byte per value.
+  EXPECT_NEAR(KvValueRowBytes(KvFormat::kFP8, DType::kBF16, 128) / 128.0, 1.016, 0.001);
+  EXPECT_NEAR(KvValueRowBytes(KvFormat::kInt4, DType::kBF16, 128) / 128.0, 0.53125, 1e-9);
+  EXPECT_NEAR(KvKeyBlockBytes(KvFormat::kInt4, DType::kBF16, 128, 128, 128) / (128.0 * 128),
+              0.53125, 1e-9);
+}
+
+TEST(KvFormat, ZeroRowsAndNonFiniteInputAreDefined) {
+  const int d = 16, n = 3;
+  std::vector<float> zero(d * n, 0.0f), nan(d * n, NAN), back(d * n);
+  for (KvFormat f : kAllKvFormats) {
+    std::vector<uint8_t> keys(KvKeyBlockBytes(f, DType::kF32, d, n, n));
+    std::vector<uint8_t> values(KvValueRowBytes(f, DType::kF32, d) * n);
+    EncodeKvKeys(f, DType::kF32, d, n, n, zero.data(), keys.data());
+    DecodeKvKeys(f, DType::kF32, d, n, n, keys.data(), back.data());
+    for (float b : back) EXPECT_EQ(b, 0.0f) << KvFormatName(f);
+    EncodeKvValues(f, DType::kF32, d, n, zero.data(), values.data());
+    DecodeKvValues(f, DType::kF32, d, n, values.data(), back.data());
+    for (float b : back) EXPECT_EQ(b, 0.0f) << KvFormatName(f);
+    // NaN input (not a cache's, but the encoders must not invoke undefined behaviour).
+    EncodeKvKeys(f, DType::kF32, d, n, n, nan.data(), keys.data());
+    EncodeKvValues(f, DType::kF32, d, n, nan.data(), values.data());
+  }
+}
+
+}  // namespace
+}  // namespace kvwire
