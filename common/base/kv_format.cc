@@ -33,11 +33,33 @@ uint16_t F16Up(float v) {
   if (F16ToFloat(h) < v && (h & 0x7c00u) != 0x7c00u) ++h;
   return h;
 }
+// The largest f16 at or below v.
+uint16_t F16Down(float v) {
+  uint16_t h = FloatToF16(v);
+  if (F16ToFloat(h) > v)
+    h = (h & 0x8000u) ? static_cast<uint16_t>(h + 1)
+                      : (h == 0 ? 0x8001u : static_cast<uint16_t>(h - 1));
+  return h;
+}
 uint16_t Bf16Up(float v) {
   uint16_t h = FloatToBf16(v);
   if (Bf16ToFloat(h) < v && (h & 0x7f80u) != 0x7f80u) ++h;
   return h;
 }
+
+}  // namespace
+
+uint8_t E8M0Up(float v, float limit) {
+  if (!(v > 0)) return 0;
+  if (!std::isfinite(v / limit)) return 254;
+  int k;
+  std::frexp(v / limit, &k);  // v / limit = m · 2^k, m in [0.5, 1): 2^k >= v / limit
+  if (std::ldexp(1.0f, k - 1) * limit >= v) --k;  // v / limit a power of two
+  if (v / std::ldexp(1.0f, k) > limit) ++k;       // the division's rounding
+  return static_cast<uint8_t>(std::clamp(k + 127, 0, 254));
+}
+
+namespace {
 
 void PutNibble(uint8_t* codes, int j, uint8_t c) {
   codes[j / 2] = (j % 2 == 0) ? static_cast<uint8_t>((codes[j / 2] & 0xf0u) | c)
@@ -47,28 +69,34 @@ int GetNibble(const uint8_t* codes, int j) {
   return (j % 2 == 0) ? (codes[j / 2] & 0x0f) : (codes[j / 2] >> 4);
 }
 
-// One key group: rows [t0, t1) of x ([n][d] floats), per channel two f16 parameters at
-// params[2c], params[2c + 1], codes into code rows of `row` bytes.
+// One key group: rows [t0, t1) of x ([n][d] floats), codes into code rows of `row` bytes,
+// per channel parameters into `params` (KvKeyGroupBytes: fp8 the f16 centres, then the E8M0
+// scales; int8 and int4 an f16 minimum and an f16 step per channel).
 void EncodeKeyGroup(KvFormat f, int d, const float* x, int t0, int t1, uint8_t* codes, size_t row,
                     uint8_t* params) {
   for (int c = 0; c < d; ++c) {
-    float lo = x[static_cast<size_t>(t0) * d + c], hi = lo;
+    float lo = x[static_cast<size_t>(t0) * d + c], hi = lo, base;
     for (int t = t0 + 1; t < t1; ++t) {
       lo = std::fmin(lo, x[static_cast<size_t>(t) * d + c]);
       hi = std::fmax(hi, x[static_cast<size_t>(t) * d + c]);
     }
+    // Both parameters f16; the step rounded up, so that the extremes code to the range's ends
+    // (E4M3's ±448, the integers' 0 and 255 or 15) and come back within a part in 2^11: a
+    // power-of-two scale, which leaves them anywhere in the top binade, loses the retrieval
+    // model's positional heads (docs/algorithms.md §10.3). A constant channel, too, codes its
+    // distance from its rounded centre or minimum: an offset that the tokens decode appends
+    // would not share shifts their scores against the prompt's.
     uint16_t a, b;
-    float base, step;
     if (f == KvFormat::kFP8) {
       a = FloatToF16((hi + lo) / 2);
       base = F16ToFloat(a);
       b = F16Up(std::fmax(hi - base, base - lo) / kE4M3Max);
     } else {
-      a = FloatToF16(lo);
+      a = F16Down(lo);  // at or below every value: codes are never negative
       base = F16ToFloat(a);
       b = F16Up((hi - base) / (f == KvFormat::kInt8 ? 255.0f : 15.0f));
     }
-    step = F16ToFloat(b);
+    const float step = F16ToFloat(b);
     PutU16(params + 4 * c, a);
     PutU16(params + 4 * c + 2, b);
     for (int t = t0; t < t1; ++t) {
@@ -100,16 +128,9 @@ float KeyValue(KvFormat f, const uint8_t* code_row, int c, const uint8_t* params
   }
 }
 
-// One value row (float) coded, and back.
+// One value row (float) coded, and back: int8 and int4 (fp8 rows share their group's scale).
 void EncodeValueRow(KvFormat f, int d, const float* x, uint8_t* out) {
   switch (f) {
-    case KvFormat::kFP8: {
-      const uint16_t s = Bf16Up(AbsMax(x, d) / kE4M3Max);
-      const float scale = Bf16ToFloat(s);
-      for (int i = 0; i < d; ++i) out[i] = scale > 0 ? FloatToE4M3(x[i] / scale) : 0;
-      PutU16(out + d, s);
-      return;
-    }
     case KvFormat::kInt8: {
       const uint16_t s = Bf16Up(AbsMax(x, d) / 127.0f);
       const float scale = Bf16ToFloat(s);
@@ -130,7 +151,7 @@ void EncodeValueRow(KvFormat f, int d, const float* x, uint8_t* out) {
           lo = std::fmin(lo, x[i]);
           hi = std::fmax(hi, x[i]);
         }
-        const uint16_t lo_h = FloatToF16(lo);
+        const uint16_t lo_h = F16Down(lo);
         const float min = F16ToFloat(lo_h);
         const uint16_t step_h = F16Up((hi - min) / 15.0f);
         const float step = F16ToFloat(step_h);
@@ -148,11 +169,6 @@ void EncodeValueRow(KvFormat f, int d, const float* x, uint8_t* out) {
 
 void DecodeValueRow(KvFormat f, int d, const uint8_t* in, float* x) {
   switch (f) {
-    case KvFormat::kFP8: {
-      const float scale = Bf16ToFloat(GetU16(in + d));
-      for (int i = 0; i < d; ++i) x[i] = E4M3ToFloat(in[i]) * scale;
-      return;
-    }
     case KvFormat::kInt8: {
       const float scale = Bf16ToFloat(GetU16(in + d));
       for (int i = 0; i < d; ++i) x[i] = static_cast<float>(static_cast<int8_t>(in[i])) * scale;
@@ -239,13 +255,15 @@ size_t KvKeyCodeBytes(KvFormat format, DType dtype, int head_dim) {
   return 0;
 }
 
-size_t KvValueRowBytes(KvFormat format, DType dtype, int head_dim) {
+namespace {
+
+size_t ValueRowBytes(KvFormat format, DType dtype, int head_dim) {
   const size_t d = static_cast<size_t>(head_dim);
   switch (format) {
     case KvFormat::kAuto:
     case KvFormat::kBF16:
-      return KvKeyCodeBytes(format, dtype, head_dim);
     case KvFormat::kFP8:
+      return KvKeyCodeBytes(format, dtype, head_dim);
     case KvFormat::kInt8:
       return d + 2;
     case KvFormat::kInt4: {
@@ -256,9 +274,23 @@ size_t KvValueRowBytes(KvFormat format, DType dtype, int head_dim) {
   return 0;
 }
 
+}  // namespace
+
+size_t KvValueBlockBytes(KvFormat format, DType dtype, int head_dim, int n, int recent) {
+  if (format == KvFormat::kFP8) {
+    return static_cast<size_t>(n) * head_dim + KvKeyGroups(format, n, recent);
+  }
+  return static_cast<size_t>(n) * ValueRowBytes(format, dtype, head_dim);
+}
+
+size_t KvKeyGroupBytes(KvFormat format, int head_dim) {
+  if (Raw(format)) return 0;
+  return static_cast<size_t>(head_dim) * 4;
+}
+
 int KvKeyRecentStart(KvFormat format, int kept, int first, int n) {
-  if (format != KvFormat::kInt4) return n;
-  return std::clamp(kept - kInt4RecentTokens - first, 0, n);
+  if (Raw(format)) return n;
+  return std::clamp(kept - kKeyRecentTokens - first, 0, n);
 }
 
 int KvKeyGroups(KvFormat format, int n, int recent) {
@@ -268,7 +300,7 @@ int KvKeyGroups(KvFormat format, int n, int recent) {
 
 size_t KvKeyBlockBytes(KvFormat format, DType dtype, int head_dim, int n, int recent) {
   return static_cast<size_t>(n) * KvKeyCodeBytes(format, dtype, head_dim) +
-         static_cast<size_t>(KvKeyGroups(format, n, recent)) * 4 * head_dim;
+         static_cast<size_t>(KvKeyGroups(format, n, recent)) * KvKeyGroupBytes(format, head_dim);
 }
 
 void EncodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const void* in,
@@ -282,7 +314,7 @@ void EncodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const 
   auto* codes = static_cast<uint8_t*>(out);
   const size_t row = KvKeyCodeBytes(format, dtype, d);
   uint8_t* params = codes + static_cast<size_t>(n) * row;
-  for (int t0 = 0; t0 < n; params += 4 * static_cast<size_t>(d)) {
+  for (int t0 = 0; t0 < n; params += KvKeyGroupBytes(format, d)) {
     const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
     EncodeKeyGroup(format, d, x.data(), t0, t1, codes, row, params);
     t0 = t1;
@@ -300,7 +332,7 @@ void DecodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const 
   const uint8_t* params = codes + static_cast<size_t>(n) * row;
   std::vector<float> x(d);
   const size_t out_row = static_cast<size_t>(d) * DTypeSize(dtype);
-  for (int t0 = 0; t0 < n; params += 4 * static_cast<size_t>(d)) {
+  for (int t0 = 0; t0 < n; params += KvKeyGroupBytes(format, d)) {
     const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
     for (int t = t0; t < t1; ++t) {
       for (int c = 0; c < d; ++c) x[c] = KeyValue(format, codes + t * row, c, params);
@@ -310,30 +342,62 @@ void DecodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const 
   }
 }
 
-void EncodeKvValues(KvFormat format, DType dtype, int d, int64_t rows, const void* in, void* out) {
+void EncodeKvValues(KvFormat format, DType dtype, int d, int n, int recent, const void* in,
+                    void* out) {
   if (Raw(format)) {
-    ConvertRows(dtype, RawType(format, dtype), static_cast<size_t>(rows) * d, in, out);
+    ConvertRows(dtype, RawType(format, dtype), static_cast<size_t>(n) * d, in, out);
     return;
   }
-  const size_t src_row = static_cast<size_t>(d) * DTypeSize(dtype);
-  const size_t dst_row = KvValueRowBytes(format, dtype, d);
-  std::vector<float> x(d);
-  for (int64_t r = 0; r < rows; ++r) {
-    ToFloat(dtype, static_cast<const uint8_t*>(in) + r * src_row, x.data(), d);
-    EncodeValueRow(format, d, x.data(), static_cast<uint8_t*>(out) + r * dst_row);
+  std::vector<float> x(static_cast<size_t>(n) * d);
+  ToFloat(dtype, in, x.data(), x.size());
+  auto* dst = static_cast<uint8_t*>(out);
+  if (format == KvFormat::kFP8) {
+    // E4M3's floating point spans 2^17 within one scale, so the rows of a group share one, a
+    // power of two (an E8M0 byte), rather than each row carrying its own.
+    uint8_t* scales = dst + static_cast<size_t>(n) * d;
+    for (int t0 = 0; t0 < n; ++scales) {
+      const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+      const float amax = AbsMax(x.data() + static_cast<size_t>(t0) * d, (t1 - t0) * d);
+      *scales = E8M0Up(amax, kE4M3Max);
+      const float scale = E8M0ToFloat(*scales);
+      for (size_t i = static_cast<size_t>(t0) * d; i < static_cast<size_t>(t1) * d; ++i) {
+        dst[i] = amax > 0 ? FloatToE4M3(x[i] / scale) : 0;
+      }
+      t0 = t1;
+    }
+    return;
+  }
+  const size_t dst_row = ValueRowBytes(format, dtype, d);
+  for (int r = 0; r < n; ++r) {
+    EncodeValueRow(format, d, x.data() + static_cast<size_t>(r) * d, dst + r * dst_row);
   }
 }
 
-void DecodeKvValues(KvFormat format, DType dtype, int d, int64_t rows, const void* in, void* out) {
+void DecodeKvValues(KvFormat format, DType dtype, int d, int n, int recent, const void* in,
+                    void* out) {
   if (Raw(format)) {
-    ConvertRows(RawType(format, dtype), dtype, static_cast<size_t>(rows) * d, in, out);
+    ConvertRows(RawType(format, dtype), dtype, static_cast<size_t>(n) * d, in, out);
     return;
   }
-  const size_t src_row = KvValueRowBytes(format, dtype, d);
+  const auto* src = static_cast<const uint8_t*>(in);
   const size_t dst_row = static_cast<size_t>(d) * DTypeSize(dtype);
   std::vector<float> x(d);
-  for (int64_t r = 0; r < rows; ++r) {
-    DecodeValueRow(format, d, static_cast<const uint8_t*>(in) + r * src_row, x.data());
+  if (format == KvFormat::kFP8) {
+    const uint8_t* scales = src + static_cast<size_t>(n) * d;
+    for (int t0 = 0; t0 < n; ++scales) {
+      const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+      const float scale = E8M0ToFloat(*scales);
+      for (int t = t0; t < t1; ++t) {
+        for (int i = 0; i < d; ++i) x[i] = E4M3ToFloat(src[static_cast<size_t>(t) * d + i]) * scale;
+        FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + t * dst_row, d);
+      }
+      t0 = t1;
+    }
+    return;
+  }
+  const size_t src_row = ValueRowBytes(format, dtype, d);
+  for (int r = 0; r < n; ++r) {
+    DecodeValueRow(format, d, src + r * src_row, x.data());
     FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + r * dst_row, d);
   }
 }

@@ -30,51 +30,60 @@ const char* KvFormatNames();
 // quantised per channel over a group of tokens; values per token. The sizes below are the
 // specification's constants (docs/algorithms.md, "KV formats", says how they were chosen).
 //
-// Keys: one cache head's consecutive tokens (a block: one head's rows of a wire chunk) are
-// cut into groups of kKeyGroupTokens tokens from the block's first; int4 also starts a group of
-// its own at the head's last kInt4RecentTokens tokens. Each group has, per channel, two f16
-// parameters; the block is every row's codes, then every group's parameters:
+// Keys and values of one cache head's consecutive tokens (a block: one head's rows of a wire
+// chunk) are cut into groups of kKeyGroupTokens tokens from the block's first, and the head's
+// last kKeyRecentTokens kept tokens start a group of their own (so that the latest tokens,
+// which local heads read, are coded within their own narrow range).
+// Keys, per channel and group two f16 parameters; the block is every row's codes, then every
+// group's parameters [group][channel]{a, b}:
 //   auto  the rows as the cache holds them, no parameters
 //   bf16  bf16 rows, no parameters
-//   fp8   a byte per value, E4M3 of (x − centre) / scale; per channel the group's centre
-//         (max + min) / 2 and scale (max − min) / 2 / 448
-//   int8  a byte per value, round((x − min) / step) in [0, 255]; per channel min and step
-//   int4  half a byte per value (the even channel in the low nibble), [0, 15]; min and step
-// Values: each row by itself, its parameters after its codes:
+//   fp8   a byte per value, E4M3 of (x − centre) / scale; a = centre (max + min) / 2, b = scale
+//         max|x − centre| / 448
+//   int8  a byte per value, round((x − min) / step) in [0, 255]; a = min, b = step
+//   int4  half a byte per value (the even channel in the low nibble), [0, 15]; a = min, b = step
+// Values, per token:
 //   auto, bf16  as keys
-//   fp8   d E4M3 codes of x / scale, then the bf16 scale max|x| / 448
-//   int8  d codes round(x / scale) in [−127, 127], then the bf16 scale max|x| / 127
-//   int4  d / 2 bytes of codes, then per group of kInt4ValueGroup channels an f16 step and an f16
-//         minimum (KIVI's asymmetric quantisation)
-// Every step and scale is rounded up to its f16 or bf16, so that no code exceeds its range.
+//   fp8   every row's E4M3 codes of x / scale, then per group its scale, a power of two: an
+//         E8M0 byte (OCP MX's scale), the smallest with max|x| / scale <= 448
+//   int8  each row d codes round(x / scale) in [−127, 127], then its bf16 scale max|x| / 127
+//   int4  each row d / 2 bytes of codes, then per group of kInt4ValueGroup channels an f16 step
+//         and an f16 minimum (KIVI's asymmetric quantisation)
+// Steps and scales are rounded up and minimums down, so that no code leaves its range.
 inline constexpr int kKeyGroupTokens = 128;
-inline constexpr int kInt4RecentTokens = 16;
+inline constexpr int kKeyRecentTokens = 16;
 inline constexpr int kInt4ValueGroup = 128;
+
+// E8M0, OCP MX's scale: the byte e stands for 2^(e − 127) (255, NaN, is never written).
+// The smallest power of two s with v / s <= limit, as its byte (v >= 0; 0 for v = 0).
+uint8_t E8M0Up(float v, float limit);
+inline float E8M0ToFloat(uint8_t e) { return std::ldexp(1.0f, int{e} - 127); }
 
 // Whether `format` can code heads of `head_dim` values (int4 packs pairs: an even head_dim).
 absl::Status CheckKvFormat(KvFormat format, int head_dim);
 
-// Bytes of one value row, and of one key row's codes.
-size_t KvValueRowBytes(KvFormat format, DType dtype, int head_dim);
+// Bytes of one key row's codes, of one key group's parameters, and of a block of values.
+size_t KvValueBlockBytes(KvFormat format, DType dtype, int head_dim, int n, int recent);
 size_t KvKeyCodeBytes(KvFormat format, DType dtype, int head_dim);
-// Where the last group of a key block starts: a block of tokens [first, first + n) of a head
+size_t KvKeyGroupBytes(KvFormat format, int head_dim);
+// Where the last group of a block starts: a block of tokens [first, first + n) of a head
 // that keeps `kept` tokens (n when the format has no group for the recent tokens, or the block
 // ends before them).
 int KvKeyRecentStart(KvFormat format, int kept, int first, int n);
-// Groups of a key block of n tokens whose recent group starts at `recent` (≤ n).
+// Groups of a block of n tokens whose recent group starts at `recent` (≤ n).
 int KvKeyGroups(KvFormat format, int n, int recent);
 // Bytes of a key block.
 size_t KvKeyBlockBytes(KvFormat format, DType dtype, int head_dim, int n, int recent);
 
-// Encodes n rows of `head_dim` values in `dtype` (consecutive) as one key block or as value
-// rows, and decodes them back into `dtype`.
+// Encodes n rows of `head_dim` values in `dtype` (consecutive) as one key or value block, and
+// decodes them back into `dtype`.
 void EncodeKvKeys(KvFormat format, DType dtype, int head_dim, int n, int recent, const void* in,
                   void* out);
 void DecodeKvKeys(KvFormat format, DType dtype, int head_dim, int n, int recent, const void* in,
                   void* out);
-void EncodeKvValues(KvFormat format, DType dtype, int head_dim, int64_t rows, const void* in,
+void EncodeKvValues(KvFormat format, DType dtype, int head_dim, int n, int recent, const void* in,
                     void* out);
-void DecodeKvValues(KvFormat format, DType dtype, int head_dim, int64_t rows, const void* in,
+void DecodeKvValues(KvFormat format, DType dtype, int head_dim, int n, int recent, const void* in,
                     void* out);
 
 // E4M3 (the "fn" variant: no infinities, 0x7f/0xff NaN, largest finite 448), rounded to

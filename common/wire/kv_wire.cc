@@ -173,14 +173,14 @@ absl::Status DecodePositions(absl::string_view in, size_t* offset, int n, int pr
 std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, KvFormat format, size_t max_bytes) {
   const int d = layer.head_dim;
   const size_t row = static_cast<size_t>(d) * DTypeSize(layer.dtype);
-  const size_t v_row = KvValueRowBytes(format, layer.dtype, d);
-  const size_t k_code = KvKeyCodeBytes(format, layer.dtype, d);
-  const size_t group = format == KvFormat::kAuto || format == KvFormat::kBF16 ? 0 : 4 * size_t(d);
   // A head's payload for n tokens, bounded from above: a position codes in at most 5 bytes, a
-  // head's positions header in 11, and n tokens of keys have at most n / G + 2 groups.
+  // head's positions header in 11, and n tokens have at most n / G + 2 groups.
   const auto head_bytes = [&](int n) {
-    return 2 * kMaxVarintBytes + 1 + n * (kMaxVarintBytes + k_code + v_row) +
-           (n / kKeyGroupTokens + 2) * group;
+    const int groups = n / kKeyGroupTokens + 2, recent = std::max(0, n - 1);
+    return 2 * kMaxVarintBytes + 1 + n * kMaxVarintBytes +
+           KvKeyBlockBytes(format, layer.dtype, d, n, recent) +
+           KvValueBlockBytes(format, layer.dtype, d, n, recent) +
+           groups * (KvKeyGroupBytes(format, d) + 1);
   };
   std::vector<WireChunk> out;
   auto emit = [&](int h0, int hn, int t0, int tn) {
@@ -192,15 +192,16 @@ std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, KvFormat format,
     c.token_count = tn;
     const int recent = KvKeyRecentStart(format, layer.count, t0, tn);
     const size_t k_block = KvKeyBlockBytes(format, layer.dtype, d, tn, recent);
+    const size_t v_block = KvValueBlockBytes(format, layer.dtype, d, tn, recent);
     c.k.resize(k_block * hn);
-    c.v.resize(v_row * hn * tn);
+    c.v.resize(v_block * hn);
     for (int h = h0; h < h0 + hn; ++h) {
       const size_t base = static_cast<size_t>(h) * layer.count + t0;
       EncodePositions(&layer.positions[base], tn, &c.positions);
       EncodeKvKeys(format, layer.dtype, d, tn, recent, &layer.k[base * row],
                    &c.k[(h - h0) * k_block]);
-      EncodeKvValues(format, layer.dtype, d, tn, &layer.v[base * row],
-                     &c.v[static_cast<size_t>(h - h0) * tn * v_row]);
+      EncodeKvValues(format, layer.dtype, d, tn, recent, &layer.v[base * row],
+                     &c.v[(h - h0) * v_block]);
     }
     c.crc32c = ChunkChecksum(c);
     out.push_back(std::move(c));
@@ -313,10 +314,11 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
   }
   const size_t cells = static_cast<size_t>(c.head_count) * c.token_count;
   const KvFormat f = header_.kv_format;
+  const int recent = KvKeyRecentStart(f, kept, c.token_begin, c.token_count);
   const size_t k_bytes =
-      c.head_count * KvKeyBlockBytes(f, header_.dtype, header_.head_dim, c.token_count,
-                                     KvKeyRecentStart(f, kept, c.token_begin, c.token_count));
-  const size_t v_bytes = cells * KvValueRowBytes(f, header_.dtype, header_.head_dim);
+      c.head_count * KvKeyBlockBytes(f, header_.dtype, header_.head_dim, c.token_count, recent);
+  const size_t v_bytes =
+      c.head_count * KvValueBlockBytes(f, header_.dtype, header_.head_dim, c.token_count, recent);
   if (c.k.size() != k_bytes || c.v.size() != v_bytes) {
     return Malformed(absl::StrCat(where, ": K/V of ", c.k.size(), "/", c.v.size(),
                                   " bytes; expected ", k_bytes, "/", v_bytes, " (", cells,
@@ -363,20 +365,20 @@ absl::Status KvAssembler::OnChunk(const WireChunk& c) {
   const int recent =
       KvKeyRecentStart(f, header_.kept_per_layer[layer_], c.token_begin, c.token_count);
   const size_t k_block = KvKeyBlockBytes(f, lc.dtype, lc.head_dim, c.token_count, recent);
-  const size_t v_row = KvValueRowBytes(f, lc.dtype, lc.head_dim);
+  const size_t v_block = KvValueBlockBytes(f, lc.dtype, lc.head_dim, c.token_count, recent);
   const bool raw = f == KvFormat::kAuto;
   if (!raw) rows_.resize(2 * row * c.token_count);
   for (int h = 0; h < c.head_count; ++h) {
     const int head = c.head_begin + h;
     const size_t src = static_cast<size_t>(h) * c.token_count;
     const auto* k = reinterpret_cast<const uint8_t*>(c.k.data()) + h * k_block;
-    const auto* v = reinterpret_cast<const uint8_t*>(c.v.data()) + src * v_row;
+    const auto* v = reinterpret_cast<const uint8_t*>(c.v.data()) + h * v_block;
     if (!raw) {
       // Dequantised into the cache's dtype: the pool holds rows as the model computes them.
       uint8_t* k_rows = rows_.data();
       uint8_t* v_rows = rows_.data() + row * c.token_count;
       DecodeKvKeys(f, lc.dtype, lc.head_dim, c.token_count, recent, k, k_rows);
-      DecodeKvValues(f, lc.dtype, lc.head_dim, c.token_count, v, v_rows);
+      DecodeKvValues(f, lc.dtype, lc.head_dim, c.token_count, recent, v, v_rows);
       k = k_rows;
       v = v_rows;
     }

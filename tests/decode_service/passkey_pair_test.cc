@@ -117,7 +117,7 @@ TEST_F(PasskeyPairTest, SnapKvAt128AnswersStreamingAt32DoesNot) {
       const int recent = KvKeyRecentStart(format, 128, 0, 128);
       const int64_t q_rows =
           heads * static_cast<int64_t>(KvKeyBlockBytes(format, kv, mc.head_dim, 128, recent) +
-                                       128 * KvValueRowBytes(format, kv, mc.head_dim));
+                                       KvValueBlockBytes(format, kv, mc.head_dim, 128, recent));
       EXPECT_GT(q.stats.kv_payload_bytes(), q_rows + heads) << c.id;
       EXPECT_LE(q.stats.kv_payload_bytes(), q_rows + heads * (1 + 2 * 128)) << c.id;
       EXPECT_EQ(q.ids, c.answer_ids) << c.id << " " << KvFormatName(format);

@@ -65,24 +65,25 @@ TEST(KvFormat, E4M3RoundsToNearestEvenAndSaturates) {
 }
 
 TEST(KvFormat, Sizes) {
-  // Value rows: codes, then the row's scale (bf16) or per 128 channels a step and a minimum.
-  EXPECT_EQ(KvValueRowBytes(KvFormat::kAuto, DType::kF32, 128), 512u);
-  EXPECT_EQ(KvValueRowBytes(KvFormat::kAuto, DType::kBF16, 128), 256u);
-  EXPECT_EQ(KvValueRowBytes(KvFormat::kBF16, DType::kF32, 128), 256u);
-  EXPECT_EQ(KvValueRowBytes(KvFormat::kFP8, DType::kBF16, 128), 130u);
-  EXPECT_EQ(KvValueRowBytes(KvFormat::kInt8, DType::kBF16, 128), 130u);
-  EXPECT_EQ(KvValueRowBytes(KvFormat::kInt4, DType::kBF16, 128), 64u + 4);
-  EXPECT_EQ(KvValueRowBytes(KvFormat::kInt4, DType::kF32, 256), 128u + 2 * 4);
-  EXPECT_EQ(KvValueRowBytes(KvFormat::kInt4, DType::kF32, 8), 4u + 4);
+  // Value blocks: int8 and int4 rows carry their parameters; fp8 rows share a group's E8M0.
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kAuto, DType::kF32, 128, 10, 10), 10u * 512);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kAuto, DType::kBF16, 128, 10, 10), 10u * 256);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kBF16, DType::kF32, 128, 10, 10), 10u * 256);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kFP8, DType::kBF16, 128, 300, 284), 300u * 128 + 4);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt8, DType::kBF16, 128, 10, 10), 10u * 130);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt4, DType::kBF16, 128, 10, 10), 10u * (64 + 4));
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt4, DType::kF32, 256, 10, 10), 10u * (128 + 2 * 4));
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt4, DType::kF32, 8, 10, 10), 10u * (4 + 4));
   // Key blocks: codes, then per group of tokens two f16 per channel.
   EXPECT_EQ(KvKeyBlockBytes(KvFormat::kBF16, DType::kF32, 64, 300, 300), 300u * 128);
   EXPECT_EQ(KvKeyGroups(KvFormat::kFP8, 300, 300), 3);  // 128 + 128 + 44
   EXPECT_EQ(KvKeyBlockBytes(KvFormat::kFP8, DType::kBF16, 64, 300, 300), 300u * 64 + 3 * 256);
   EXPECT_EQ(KvKeyBlockBytes(KvFormat::kInt4, DType::kBF16, 64, 300, 300), 300u * 32 + 3 * 256);
-  // int4's recent tokens are a group of their own; the other formats have none.
+  // The head's recent tokens are a group of their own; the raw formats have no groups.
   EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt4, 300, 0, 300), 284);
   EXPECT_EQ(KvKeyGroups(KvFormat::kInt4, 300, 284), 4);  // 128 + 128 + 28 + 16
-  EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt8, 300, 0, 300), 300);
+  EXPECT_EQ(KvKeyRecentStart(KvFormat::kFP8, 300, 0, 300), 284);
+  EXPECT_EQ(KvKeyRecentStart(KvFormat::kBF16, 300, 0, 300), 300);
   EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt4, 300, 290, 10), 0);   // a block inside the recent
   EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt4, 300, 0, 100), 100);  // a block before them
   EXPECT_EQ(KvKeyGroups(KvFormat::kInt4, 10, 0), 1);
@@ -90,6 +91,25 @@ TEST(KvFormat, Sizes) {
   const absl::Status odd = CheckKvFormat(KvFormat::kInt4, 7);
   EXPECT_EQ(odd.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(odd.message().find("even head_dim"), absl::string_view::npos) << odd;
+}
+
+TEST(KvFormat, E8M0ScalesAreTheSmallestPowerOfTwoThatFits) {
+  EXPECT_EQ(E8M0ToFloat(127), 1.0f);
+  EXPECT_EQ(E8M0Up(448.0f, 448.0f), 127);  // exactly 1
+  EXPECT_EQ(E8M0Up(449.0f, 448.0f), 128);  // 2
+  EXPECT_EQ(E8M0Up(224.0f, 448.0f), 126);  // 0.5
+  EXPECT_EQ(E8M0Up(225.0f, 448.0f), 127);
+  EXPECT_EQ(E8M0Up(0.0f, 448.0f), 0);
+  EXPECT_EQ(E8M0Up(1e-40f, 448.0f), 0);  // below the range: the smallest scale
+  EXPECT_EQ(E8M0Up(INFINITY, 448.0f), 254);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-30, 30);
+  for (int i = 0; i < 10000; ++i) {
+    const float v = std::ldexp(1.0f + std::fabs(u(rng)) / 30, static_cast<int>(u(rng)));
+    const float s = E8M0ToFloat(E8M0Up(v, 448.0f));
+    ASSERT_LE(v / s, 448.0f) << v;
+    ASSERT_GT(v / s, 224.0f) << v;
+  }
 }
 
 TEST(KvFormat, ParsesNamesAndRefusesOthers) {
@@ -149,8 +169,10 @@ TEST(KvFormat, KeysWithinHalfAStepOfTheirChannelsRange) {
                   bound = std::fabs(a) * std::ldexp(1.0f, -8);
                   break;
                 case KvFormat::kFP8: {  // 3 mantissa bits of the distance from the centre
-                  const float half = (hi - lo) / 2;
+                  const float half = (hi - lo) / 2 + f16;
                   bound = std::max(half / 16, half / 448 * std::ldexp(1.0f, -9)) * 1.01f + f16;
+                  // The extremes code to ±448 exactly: they come back as the rounded scale does.
+                  if (a == hi || a == lo) bound = half * std::ldexp(1.0f, -10) + f16;
                   break;
                 }
                 case KvFormat::kInt8:
@@ -173,19 +195,23 @@ TEST(KvFormat, KeysWithinHalfAStepOfTheirChannelsRange) {
 TEST(KvFormat, ValuesWithinHalfAStepOfTheirRowsRange) {
   std::mt19937 rng(8);
   for (int d : {8, 64, 96, 256}) {
-    const int rows = 37;
+    const int rows = 300, recent = 284;
     const std::vector<float> x = Rows(rows, d, rng);
     for (KvFormat f : kAllKvFormats) {
       SCOPED_TRACE(absl::StrCat(KvFormatName(f), " d=", d));
-      std::vector<uint8_t> coded(KvValueRowBytes(f, DType::kF32, d) * rows);
+      std::vector<uint8_t> coded(KvValueBlockBytes(f, DType::kF32, d, rows, recent));
       std::vector<float> back(x.size());
-      EncodeKvValues(f, DType::kF32, d, rows, x.data(), coded.data());
-      DecodeKvValues(f, DType::kF32, d, rows, coded.data(), back.data());
+      EncodeKvValues(f, DType::kF32, d, rows, recent, x.data(), coded.data());
+      DecodeKvValues(f, DType::kF32, d, rows, recent, coded.data(), back.data());
       for (int r = 0; r < rows; ++r) {
         const float* a = &x[static_cast<size_t>(r) * d];
         const float* b = &back[static_cast<size_t>(r) * d];
-        float amax = 0;
-        for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(a[i]));
+        float amax = 0;  // the row's, or for fp8 its group's
+        const int g0 = r < recent ? r / kKeyGroupTokens * kKeyGroupTokens : recent;
+        const int g1 = r < recent ? std::min(g0 + kKeyGroupTokens, recent) : rows;
+        for (int t = f == KvFormat::kFP8 ? g0 : r; t < (f == KvFormat::kFP8 ? g1 : r + 1); ++t) {
+          for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[size_t(t) * d + i]));
+        }
         for (int i = 0; i < d; ++i) {
           float bound = 0;
           switch (f) {
@@ -194,8 +220,8 @@ TEST(KvFormat, ValuesWithinHalfAStepOfTheirRowsRange) {
             case KvFormat::kBF16:
               bound = std::fabs(a[i]) * std::ldexp(1.0f, -8);
               break;
-            case KvFormat::kFP8:  // relative 2^-4, or a subnormal step; the bf16 scale's 2^-8
-              bound = std::max(std::fabs(a[i]) / 16, amax / 448 * std::ldexp(1.0f, -9)) * 1.01f;
+            case KvFormat::kFP8:  // relative 2^-4, or a subnormal step of the power-of-two scale
+              bound = std::max(std::fabs(a[i]) / 16, 2 * amax / 448 * std::ldexp(1.0f, -9)) * 1.01f;
               break;
             case KvFormat::kInt8:
               bound = amax / 127 / 2 * 1.01f;
@@ -219,10 +245,12 @@ TEST(KvFormat, ValuesWithinHalfAStepOfTheirRowsRange) {
 }
 
 TEST(KvFormat, QuantisedBytesPerValue) {
-  // A 128-dim value row in each format, against bf16's 2 bytes per value; keys in groups of
-  // 128 tokens cost 4 bytes per channel per group: 1/32 of a byte per value.
-  EXPECT_NEAR(KvValueRowBytes(KvFormat::kFP8, DType::kBF16, 128) / 128.0, 1.016, 0.001);
-  EXPECT_NEAR(KvValueRowBytes(KvFormat::kInt4, DType::kBF16, 128) / 128.0, 0.53125, 1e-9);
+  // Bytes per value of 128-dim heads: fp8 values share a byte per 128 tokens, int4 values a
+  // step and a minimum per row; keys in groups of 128 tokens cost 4 bytes per channel per
+  // group: 1/32 of a byte per value.
+  EXPECT_NEAR(KvValueBlockBytes(KvFormat::kFP8, DType::kBF16, 128, 128, 128) / (128.0 * 128), 1.0,
+              1e-4);
+  EXPECT_NEAR(KvValueBlockBytes(KvFormat::kInt4, DType::kBF16, 128, 1, 1) / 128.0, 0.53125, 1e-9);
   EXPECT_NEAR(KvKeyBlockBytes(KvFormat::kInt4, DType::kBF16, 128, 128, 128) / (128.0 * 128),
               0.53125, 1e-9);
 }
@@ -232,16 +260,16 @@ TEST(KvFormat, ZeroRowsAndNonFiniteInputAreDefined) {
   std::vector<float> zero(d * n, 0.0f), nan(d * n, NAN), back(d * n);
   for (KvFormat f : kAllKvFormats) {
     std::vector<uint8_t> keys(KvKeyBlockBytes(f, DType::kF32, d, n, n));
-    std::vector<uint8_t> values(KvValueRowBytes(f, DType::kF32, d) * n);
+    std::vector<uint8_t> values(KvValueBlockBytes(f, DType::kF32, d, n, n));
     EncodeKvKeys(f, DType::kF32, d, n, n, zero.data(), keys.data());
     DecodeKvKeys(f, DType::kF32, d, n, n, keys.data(), back.data());
     for (float b : back) EXPECT_EQ(b, 0.0f) << KvFormatName(f);
-    EncodeKvValues(f, DType::kF32, d, n, zero.data(), values.data());
-    DecodeKvValues(f, DType::kF32, d, n, values.data(), back.data());
+    EncodeKvValues(f, DType::kF32, d, n, n, zero.data(), values.data());
+    DecodeKvValues(f, DType::kF32, d, n, n, values.data(), back.data());
     for (float b : back) EXPECT_EQ(b, 0.0f) << KvFormatName(f);
     // NaN input (not a cache's, but the encoders must not invoke undefined behaviour).
     EncodeKvKeys(f, DType::kF32, d, n, n, nan.data(), keys.data());
-    EncodeKvValues(f, DType::kF32, d, n, nan.data(), values.data());
+    EncodeKvValues(f, DType::kF32, d, n, n, nan.data(), values.data());
   }
 }
 

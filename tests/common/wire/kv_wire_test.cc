@@ -374,13 +374,14 @@ void ExpectCacheHoldsChunks(const std::vector<WireChunk>& chunks, KvFormat forma
     const size_t row = lc.row_bytes(), n = c.token_count;
     const int recent = KvKeyRecentStart(format, kept[c.layer], c.token_begin, c.token_count);
     const size_t k_block = KvKeyBlockBytes(format, lc.dtype, lc.head_dim, c.token_count, recent);
-    const size_t v_row = KvValueRowBytes(format, lc.dtype, lc.head_dim);
+    const size_t v_block = KvValueBlockBytes(format, lc.dtype, lc.head_dim, c.token_count, recent);
     std::vector<uint8_t> k(row * n), v(row * n);
     const std::vector<int32_t> positions = Positions(c, kPrompt);
     for (int h = 0; h < c.head_count; ++h) {
       DecodeKvKeys(format, lc.dtype, lc.head_dim, c.token_count, recent, &c.k[h * k_block],
                    k.data());
-      DecodeKvValues(format, lc.dtype, lc.head_dim, c.token_count, &c.v[h * n * v_row], v.data());
+      DecodeKvValues(format, lc.dtype, lc.head_dim, c.token_count, recent, &c.v[h * v_block],
+                     v.data());
       for (size_t t = 0; t < n; ++t) {
         const int head = c.head_begin + h, token = c.token_begin + static_cast<int>(t);
         ASSERT_EQ(lc.position(head, token), positions[h * n + t]);
