@@ -116,10 +116,10 @@ def plot(records, kind, out, title):
   if bytes_panel:
     panels.append(("accuracy", "accuracy against KV bytes shipped", "accuracy"))
 
-  # One legend below the panels, as many entries a row as fit (about 7 px a character).
+  # One legend below the panels, as many entries a row as fit (about 8 px a character).
   width = 4.6 * len(panels)
   longest = max(len(p) for p in policies)
-  ncol = max(1, min(len(policies), int(width * 100 // ((longest + 5) * 7))))
+  ncol = max(1, min(len(policies), int(width * 100 // ((longest + 6) * 8))))
   legend_h = 0.27 * math.ceil(len(policies) / ncol) + 0.15  # inches
   fig, axes = plt.subplots(1, len(panels), figsize=(width, 4.0 + legend_h), squeeze=False)
   handles = {}
