@@ -187,6 +187,12 @@ void DecodeValueRow(KvFormat f, int d, const uint8_t* in, float* x) {
   }
 }
 
+// The end of the group of a block of n tokens that starts at token t0: groups of
+// kKeyGroupTokens up to the recent tokens, then the recent tokens as one.
+int GroupEnd(int t0, int n, int recent) {
+  return t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+}
+
 // Raw formats: the rows as they are (auto), or converted to bf16.
 bool Raw(KvFormat f) { return f == KvFormat::kAuto || f == KvFormat::kBF16; }
 DType RawType(KvFormat f, DType dtype) { return f == KvFormat::kAuto ? dtype : DType::kBF16; }
@@ -315,7 +321,7 @@ void EncodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const 
   const size_t row = KvKeyCodeBytes(format, dtype, d);
   uint8_t* params = codes + static_cast<size_t>(n) * row;
   for (int t0 = 0; t0 < n; params += KvKeyGroupBytes(format, d)) {
-    const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+    const int t1 = GroupEnd(t0, n, recent);
     EncodeKeyGroup(format, d, x.data(), t0, t1, codes, row, params);
     t0 = t1;
   }
@@ -333,7 +339,7 @@ void DecodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const 
   std::vector<float> x(d);
   const size_t out_row = static_cast<size_t>(d) * DTypeSize(dtype);
   for (int t0 = 0; t0 < n; params += KvKeyGroupBytes(format, d)) {
-    const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+    const int t1 = GroupEnd(t0, n, recent);
     for (int t = t0; t < t1; ++t) {
       for (int c = 0; c < d; ++c) x[c] = KeyValue(format, codes + t * row, c, params);
       FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + t * out_row, d);
@@ -356,7 +362,7 @@ void EncodeKvValues(KvFormat format, DType dtype, int d, int n, int recent, cons
     // power of two (an E8M0 byte), rather than each row carrying its own.
     uint8_t* scales = dst + static_cast<size_t>(n) * d;
     for (int t0 = 0; t0 < n; ++scales) {
-      const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+      const int t1 = GroupEnd(t0, n, recent);
       const float amax = AbsMax(x.data() + static_cast<size_t>(t0) * d, (t1 - t0) * d);
       *scales = E8M0Up(amax, kE4M3Max);
       const float scale = E8M0ToFloat(*scales);
@@ -385,7 +391,7 @@ void DecodeKvValues(KvFormat format, DType dtype, int d, int n, int recent, cons
   if (format == KvFormat::kFP8) {
     const uint8_t* scales = src + static_cast<size_t>(n) * d;
     for (int t0 = 0; t0 < n; ++scales) {
-      const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+      const int t1 = GroupEnd(t0, n, recent);
       const float scale = E8M0ToFloat(*scales);
       for (int t = t0; t < t1; ++t) {
         for (int i = 0; i < d; ++i) x[i] = E4M3ToFloat(src[static_cast<size_t>(t) * d + i]) * scale;
