@@ -116,15 +116,31 @@ void EncodeKeyGroup(KvFormat f, int d, const float* x, int t0, int t1, uint8_t* 
   }
 }
 
-float KeyValue(KvFormat f, const uint8_t* code_row, int c, const uint8_t* params) {
-  const float a = F16ToFloat(GetU16(params + 4 * c)), b = F16ToFloat(GetU16(params + 4 * c + 2));
+// Every E4M3 code's value, so that decoding is a lookup (E4M3ToFloat is the definition).
+const float* E4M3Table() {
+  static const auto* const kTable = [] {
+    auto* t = new float[256];
+    for (int c = 0; c < 256; ++c) t[c] = E4M3ToFloat(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return kTable;
+}
+
+// One key row of a group whose per-channel parameters a, b are decoded already.
+void DecodeKeyRow(KvFormat f, int d, const uint8_t* code_row, const float* a, const float* b,
+                  float* x) {
   switch (f) {
-    case KvFormat::kFP8:
-      return a + E4M3ToFloat(code_row[c]) * b;
+    case KvFormat::kFP8: {
+      const float* e4m3 = E4M3Table();
+      for (int c = 0; c < d; ++c) x[c] = a[c] + e4m3[code_row[c]] * b[c];
+      return;
+    }
     case KvFormat::kInt8:
-      return a + static_cast<float>(code_row[c]) * b;
+      for (int c = 0; c < d; ++c) x[c] = a[c] + static_cast<float>(code_row[c]) * b[c];
+      return;
     default:
-      return a + static_cast<float>(GetNibble(code_row, c)) * b;
+      for (int c = 0; c < d; ++c) x[c] = a[c] + static_cast<float>(GetNibble(code_row, c)) * b[c];
+      return;
   }
 }
 
@@ -176,11 +192,12 @@ void DecodeValueRow(KvFormat f, int d, const uint8_t* in, float* x) {
     }
     default: {
       const int g = std::min(kInt4ValueGroup, d);
-      const uint8_t* params = in + (d + 1) / 2;
-      for (int i = 0; i < d; ++i) {
-        const uint8_t* p = params + 4 * (i / g);
-        x[i] = static_cast<float>(GetNibble(in, i)) * F16ToFloat(GetU16(p)) +
-               F16ToFloat(GetU16(p + 2));
+      const uint8_t* p = in + (d + 1) / 2;
+      for (int first = 0; first < d; first += g, p += 4) {
+        const float step = F16ToFloat(GetU16(p)), min = F16ToFloat(GetU16(p + 2));
+        for (int i = first; i < std::min(d, first + g); ++i) {
+          x[i] = static_cast<float>(GetNibble(in, i)) * step + min;
+        }
       }
       return;
     }
@@ -336,12 +353,16 @@ void DecodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const 
   const auto* codes = static_cast<const uint8_t*>(in);
   const size_t row = KvKeyCodeBytes(format, dtype, d);
   const uint8_t* params = codes + static_cast<size_t>(n) * row;
-  std::vector<float> x(d);
+  std::vector<float> x(d), a(d), b(d);
   const size_t out_row = static_cast<size_t>(d) * DTypeSize(dtype);
   for (int t0 = 0; t0 < n; params += KvKeyGroupBytes(format, d)) {
     const int t1 = GroupEnd(t0, n, recent);
+    for (int c = 0; c < d; ++c) {
+      a[c] = F16ToFloat(GetU16(params + 4 * c));
+      b[c] = F16ToFloat(GetU16(params + 4 * c + 2));
+    }
     for (int t = t0; t < t1; ++t) {
-      for (int c = 0; c < d; ++c) x[c] = KeyValue(format, codes + t * row, c, params);
+      DecodeKeyRow(format, d, codes + t * row, a.data(), b.data(), x.data());
       FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + t * out_row, d);
     }
     t0 = t1;
@@ -365,9 +386,10 @@ void EncodeKvValues(KvFormat format, DType dtype, int d, int n, int recent, cons
       const int t1 = GroupEnd(t0, n, recent);
       const float amax = AbsMax(x.data() + static_cast<size_t>(t0) * d, (t1 - t0) * d);
       *scales = E8M0Up(amax, kE4M3Max);
-      const float scale = E8M0ToFloat(*scales);
+      // A power of two: multiplying by its inverse is the division, exactly.
+      const float inverse = 1.0f / E8M0ToFloat(*scales);
       for (size_t i = static_cast<size_t>(t0) * d; i < static_cast<size_t>(t1) * d; ++i) {
-        dst[i] = amax > 0 ? FloatToE4M3(x[i] / scale) : 0;
+        dst[i] = amax > 0 ? FloatToE4M3(x[i] * inverse) : 0;
       }
       t0 = t1;
     }
@@ -393,8 +415,9 @@ void DecodeKvValues(KvFormat format, DType dtype, int d, int n, int recent, cons
     for (int t0 = 0; t0 < n; ++scales) {
       const int t1 = GroupEnd(t0, n, recent);
       const float scale = E8M0ToFloat(*scales);
+      const float* e4m3 = E4M3Table();
       for (int t = t0; t < t1; ++t) {
-        for (int i = 0; i < d; ++i) x[i] = E4M3ToFloat(src[static_cast<size_t>(t) * d + i]) * scale;
+        for (int i = 0; i < d; ++i) x[i] = e4m3[src[static_cast<size_t>(t) * d + i]] * scale;
         FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + t * dst_row, d);
       }
       t0 = t1;
