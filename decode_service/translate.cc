@@ -117,9 +117,9 @@ absl::StatusOr<GenerationJob> TranslateGenerateRequest(const v1::GenerateRequest
 
   j.compression = options.default_compression;
   RETURN_IF_ERROR(ApplyCompressionParams(req.compression(), &j.compression));
-  RETURN_IF_ERROR(RenameParams(j.compression.ValidateFor(mc.num_layers), [](absl::string_view n) {
-    return absl::StrCat("compression.", n);
-  }));
+  RETURN_IF_ERROR(
+      RenameParams(j.compression.ValidateFor(mc.num_layers, mc.head_dim),
+                   [](absl::string_view n) { return absl::StrCat("compression.", n); }));
   const v1::DecodeAttentionParams& ap = req.attention();
   const bool attention_set = !ap.mode().empty() || ap.has_token_budget() || ap.has_top_k() ||
                              ap.has_top_r() || ap.has_page_size();

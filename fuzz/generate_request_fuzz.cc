@@ -69,7 +69,7 @@ void CheckTranslated(const v1::GenerateRequest& req, const GenerationJob& j,
   if (absl::Status st = j.compression.Validate(); !st.ok()) {
     Fail("accepted compression ", j.compression.Describe(), ": ", st.ToString());
   }
-  if (absl::Status st = j.compression.ValidateFor(mc.num_layers); !st.ok()) {
+  if (absl::Status st = j.compression.ValidateFor(mc.num_layers, mc.head_dim); !st.ok()) {
     Fail("accepted compression ", j.compression.Describe(), ": ", st.ToString());
   }
   if (j.compression.policy->selects()) {
@@ -105,7 +105,7 @@ void Prepare(GenerationJob& j) {
     return Note("not resolved: ", st.ToString());
   }
   if (!j.compression.policy->selects()) Fail(j.compression.Describe(), " left unresolved");
-  if (absl::Status st = j.compression.ValidateFor(mc.num_layers); !st.ok()) {
+  if (absl::Status st = j.compression.ValidateFor(mc.num_layers, mc.head_dim); !st.ok()) {
     Fail("resolved compression ", j.compression.Describe(), ": ", st.ToString());
   }
   if (absl::Status st = j.attention.Validate(); !st.ok()) {

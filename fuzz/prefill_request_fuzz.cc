@@ -39,7 +39,8 @@ void CheckAccepted(const PrefillJob& job) {
   for (int32_t id : job.prompt_ids) {
     if (id < 0 || id >= mc.vocab_size) Fail("accepted prompt id ", id);
   }
-  if (!job.compression.Validate().ok() || !job.compression.ValidateFor(mc.num_layers).ok() ||
+  if (!job.compression.Validate().ok() ||
+      !job.compression.ValidateFor(mc.num_layers, mc.head_dim).ok() ||
       !job.compression.policy->selects()) {
     Fail("accepted compression ", job.compression.Describe());
   }

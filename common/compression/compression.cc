@@ -70,7 +70,10 @@ absl::Status CompressionConfig::Validate() const {
   return absl::OkStatus();
 }
 
-absl::Status CompressionConfig::ValidateFor(int num_layers) const {
+absl::Status CompressionConfig::ValidateFor(int num_layers, int head_dim) const {
+  if (absl::Status st = CheckKvFormat(kv_format, head_dim); !st.ok()) {
+    return Bad(st.message(), "kv_format");
+  }
   if (policy->evicts() && skip_layers >= num_layers) {
     return Bad(
         absl::StrCat("skip_layers (", skip_layers, ") must be below the model's layer count (",

@@ -42,8 +42,8 @@ struct CompressionConfig {
   absl::string_view policy_name() const { return policy->name(); }
   // Parameters that make no sense are InvalidArgument naming the parameter and why.
   absl::Status Validate() const;
-  // What needs the model: skip_layers below its layer count.
-  absl::Status ValidateFor(int num_layers) const;
+  // What needs the model: skip_layers below its layer count, a KV format its heads can take.
+  absl::Status ValidateFor(int num_layers, int head_dim) const;
   // The budget for a prompt of `len` tokens (from `ratio` when budget is 0).
   int EffectiveBudget(int len) const;
   // Whether a prompt of `len` tokens is compressed at all.

@@ -217,10 +217,6 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
     }
   }
   const int len = static_cast<int>(j.prompt_ids.size());
-  if (absl::Status st = CheckKvFormat(j.compression.kv_format, mc.head_dim); !st.ok()) {
-    return AboutField(absl::InvalidArgumentError(absl::StrCat("compression.", st.message())),
-                      "compression.kv_format");
-  }
   RETURN_IF_ERROR(ResolveTwoStage(&j.compression, &j.attention, len, j.max_tokens, mc.head_dim));
   if (len + j.max_tokens > mc.context_limit()) {
     return AboutField(absl::InvalidArgumentError(

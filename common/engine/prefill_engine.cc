@@ -146,11 +146,7 @@ absl::Status PrefillEngine::Check(const PrefillJob& job) const {
   }
   const auto as_field = [](absl::string_view n) { return absl::StrCat("compression.", n); };
   RETURN_IF_ERROR(RenameParams(job.compression.Validate(), as_field));
-  RETURN_IF_ERROR(RenameParams(job.compression.ValidateFor(mc.num_layers), as_field));
-  if (absl::Status st = CheckKvFormat(job.compression.kv_format, mc.head_dim); !st.ok()) {
-    return AboutField(absl::InvalidArgumentError(absl::StrCat("compression.", st.message())),
-                      "compression.kv_format");
-  }
+  RETURN_IF_ERROR(RenameParams(job.compression.ValidateFor(mc.num_layers, mc.head_dim), as_field));
   if (!job.compression.policy->selects()) {
     return AboutField(absl::InvalidArgumentError(
                           absl::StrCat("compression.policy: ", job.compression.policy_name(),

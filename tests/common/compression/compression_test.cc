@@ -524,3 +524,26 @@ TEST(CompressedGeneration, KeepsTheBudgetAndContinuesOriginalPositions) {
 
 }  // namespace
 }  // namespace kvwire
+
+namespace kvwire {
+namespace {
+
+// What needs the model, checked in one place for the nodes and the engines: a KV format its
+// heads can take (int4 packs pairs), named as the request's field once renamed.
+TEST(CompressionConfig, ValidateForRefusesAFormatTheHeadsCannotTake) {
+  CompressionConfig c;
+  c.kv_format = KvFormat::kInt4;
+  EXPECT_TRUE(c.ValidateFor(2, 8).ok());
+  const absl::Status st = RenameParams(
+      c.ValidateFor(2, 7), [](absl::string_view n) { return absl::StrCat("compression.", n); });
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FieldOf(st).value_or(""), "compression.kv_format") << st;
+  EXPECT_NE(st.message().find("compression.kv_format int4 packs two values per byte"),
+            absl::string_view::npos)
+      << st;
+  c.kv_format = KvFormat::kFP8;
+  EXPECT_TRUE(c.ValidateFor(2, 7).ok());
+}
+
+}  // namespace
+}  // namespace kvwire
