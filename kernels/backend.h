@@ -97,13 +97,15 @@ struct PrefillAttentionParams {
 // cache head, K and V in kv_dtype with token t of cache head c at layout.Row(c, t) elements
 // from k and v (one region per layer, or pages: KvLayout). Query head h reads cache head
 // h / (n_heads / n_cache_heads): n_cache_heads is the KV head count, or the query head
-// count for a cache compressed per query head.
+// count for a cache compressed per query head. A coded cache (coding.coded()) is read through
+// its coding, and dequantised in the kernel.
 struct DecodeSequence {
   const float* q = nullptr;  // [n_heads, head_dim]
   float* out = nullptr;      // [n_heads, head_dim]
   const void* k = nullptr;
   const void* v = nullptr;
   KvLayout layout;
+  KvCoding coding;
   int len = 0;
   // Sparse attention: attend only to indices[c, 0..num_indices) of cache head c
   // (num_indices ≤ len, any order). Null means all len tokens.
@@ -124,12 +126,15 @@ struct AddParams {
 // One sequence's new token for AppendKv: its K (after RoPE) and V rows in float32, one per
 // KV head, to be stored in the cache's dtype as token t of every cache head (a cache kept per
 // query head stores its KV head's row once per query head), laid out as DecodeSequence's.
+// A coded cache takes the row into its residual, and codes the residual into its rows when
+// the token completes a group (KvCoding).
 struct KvAppend {
   const float* k = nullptr;  // [n_kv_heads, head_dim]
   const float* v = nullptr;
   void* k_cache = nullptr;  // cache head c, token t at layout.Row(c, t) elements
   void* v_cache = nullptr;
   KvLayout layout;
+  KvCoding coding;
   int t = 0;
 };
 

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/base/status.h"
+#include "kernels/cpu/decode_coded.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/gemm_few_rows.h"
 #include "kernels/host_memory.h"
@@ -535,6 +536,10 @@ absl::Status CpuBackend::DecodeAttention(const DecodeAttentionParams& p) {
           const DecodeSequence& seq = p.seqs[task / p.n_cache_heads];
           const int c = static_cast<int>(task % p.n_cache_heads);
           s.resize(int64_t{group} * (seq.indices ? seq.num_indices : seq.len));
+          if (seq.coding.coded()) {
+            cpu::DecodeHeadCoded(seq, c, group, p.head_dim, p.kv_dtype, p.scale, s.data());
+            continue;
+          }
           switch (group) {
             case 1:
               DecodeHeadGroupAnyType<1>(seq, c, p.head_dim, p.kv_dtype, p.scale, s.data());

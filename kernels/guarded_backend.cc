@@ -160,6 +160,7 @@ class GuardedBackend final : public KernelBackend {
   }
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
     RETURN_IF_ERROR(ValidateDecodeAttention(p));
+    RETURN_IF_ERROR(RequireDtypeRows(p, "guarded"));
     std::vector<Extent> ext;
     const int64_t qd = int64_t{p.n_heads} * p.head_dim;
     for (int b = 0; b < p.batch; ++b) {
@@ -191,6 +192,7 @@ class GuardedBackend final : public KernelBackend {
   }
   absl::Status AppendKv(const AppendKvParams& p) override {
     RETURN_IF_ERROR(ValidateAppendKv(p));
+    RETURN_IF_ERROR(RequireDtypeRows(p, "guarded"));
     std::vector<Extent> ext;
     const int64_t kvd = Floats(int64_t{p.n_kv_heads} * p.head_dim);
     for (int b = 0; b < p.batch; ++b) {

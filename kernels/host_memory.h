@@ -9,6 +9,7 @@
 #include "common/base/host_alloc.h"
 #include "common/base/status.h"
 #include "kernels/backend.h"
+#include "kernels/coded_rows.h"
 #include "kernels/validate.h"
 
 namespace kvwire::kernels {
@@ -47,6 +48,11 @@ class HostMemoryBackend : public KernelBackend {
       const KvAppend& s = p.seqs[b];
       for (int c = 0; c < p.n_cache_heads; ++c) {
         const int64_t src = int64_t{c / per_kv} * p.head_dim;
+        if (s.coding.coded()) {
+          AppendCodedRow(s.k_cache, s.v_cache, s.layout, s.coding, p.kv_dtype, p.head_dim, c, s.t,
+                         s.k + src, s.v + src);
+          continue;
+        }
         const int64_t dst = s.layout.Row(c, s.t, p.head_dim) * static_cast<int64_t>(elem);
         FromFloat(p.kv_dtype, s.k + src, static_cast<uint8_t*>(s.k_cache) + dst, p.head_dim);
         FromFloat(p.kv_dtype, s.v + src, static_cast<uint8_t*>(s.v_cache) + dst, p.head_dim);

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
+#include "kernels/coded_rows.h"
 #include "kernels/host_memory.h"
 #include "kernels/reference_selection.h"
 #include "kernels/validate.h"
@@ -147,14 +148,20 @@ class ReferenceBackend final : public HostMemoryBackend {
         const int32_t* idx =
             seq.indices ? seq.indices + static_cast<int64_t>(c) * seq.num_indices : nullptr;
         const float* q = seq.q + static_cast<int64_t>(h) * p.head_dim;
-        std::vector<float> s(count);
+        std::vector<float> s(count), row(p.head_dim);
         float mx = -std::numeric_limits<float>::infinity();
         for (int t = 0; t < count; ++t) {
           const int64_t tok = idx ? idx[t] : t;
-          const int64_t base = seq.layout.Row(c, static_cast<int>(tok), p.head_dim);
+          // Every row as float32 first (a coded cache's dequantised), then one dot product.
+          if (seq.coding.coded()) {
+            CodedKeyRow(seq.k, seq.layout, seq.coding, p.kv_dtype, p.head_dim, seq.len, c,
+                        static_cast<int>(tok), row.data());
+          } else {
+            const int64_t base = seq.layout.Row(c, static_cast<int>(tok), p.head_dim);
+            for (int d = 0; d < p.head_dim; ++d) row[d] = LoadElement(seq.k, p.kv_dtype, base + d);
+          }
           float dot = 0.f;
-          for (int d = 0; d < p.head_dim; ++d)
-            dot += q[d] * LoadElement(seq.k, p.kv_dtype, base + d);
+          for (int d = 0; d < p.head_dim; ++d) dot += q[d] * row[d];
           s[t] = dot * p.scale;
           mx = std::max(mx, s[t]);
         }
@@ -169,9 +176,15 @@ class ReferenceBackend final : public HostMemoryBackend {
         if (probs) std::fill(probs, probs + seq.len, 0.f);
         for (int t = 0; t < count; ++t) {
           const int64_t tok = idx ? idx[t] : t;
-          const int64_t base = seq.layout.Row(c, static_cast<int>(tok), p.head_dim);
           const float w = s[t] / sum;
-          for (int d = 0; d < p.head_dim; ++d) o[d] += w * LoadElement(seq.v, p.kv_dtype, base + d);
+          if (seq.coding.coded()) {
+            CodedValueRow(seq.v, seq.coding, p.kv_dtype, p.head_dim, seq.len, c,
+                          static_cast<int>(tok), row.data());
+          } else {
+            const int64_t base = seq.layout.Row(c, static_cast<int>(tok), p.head_dim);
+            for (int d = 0; d < p.head_dim; ++d) row[d] = LoadElement(seq.v, p.kv_dtype, base + d);
+          }
+          for (int d = 0; d < p.head_dim; ++d) o[d] += w * row[d];
           if (probs) probs[tok] = w;
         }
       }

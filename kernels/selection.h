@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "common/base/dtype.h"
+#include "common/base/kv_format.h"
 #include "kernels/sampling.h"
 
 #if defined(__CUDACC__)
@@ -69,6 +70,31 @@ struct KvLayout {
     KvLayout l;
     l.head_stride = head_stride;
     return l;
+  }
+};
+
+// A cache layer whose rows are coded as the wire ships them (common/base/kv_format.h) rather
+// than held in the cache dtype: key code rows at the sequence's KvLayout and value rows at
+// v_layout (both in bytes: Row(c, t, row bytes)), each key group's per-channel parameters and
+// (fp8) each value group's scale beside them, and the tokens appended since the last whole
+// group in the cache dtype (KIVI's residual), until AppendKv fills a group and codes it.
+struct KvCoding {
+  KvFormat format = KvFormat::kAuto;  // kAuto: rows in the cache dtype; nothing below applies
+  int kept = 0;                       // the prompt's tokens per head, which fix the groups
+  int max_groups = 0;                 // groups per head in k_params and v_scales
+  int resid_tokens = 0;               // residual rows per head
+  uint8_t* k_params = nullptr;        // head c's group g at (c·max_groups + g)·KvKeyGroupBytes
+  uint8_t* v_scales = nullptr;        // fp8: head c's group g at c·max_groups + g
+  void* k_resid = nullptr;            // head c's slot i at (c·resid_tokens + i)·head_dim elements
+  void* v_resid = nullptr;
+  KvLayout v_layout;
+
+  KVWIRE_HOST_DEVICE bool coded() const {
+    return format == KvFormat::kFP8 || format == KvFormat::kInt8 || format == KvFormat::kInt4;
+  }
+  // Tokens [ResidBegin(len), len) of a head are in the residual, at slot t − ResidBegin(len).
+  KVWIRE_HOST_DEVICE int ResidBegin(int len) const {
+    return len <= kept ? len : kept + (len - kept) / kKeyGroupTokens * kKeyGroupTokens;
   }
 };
 

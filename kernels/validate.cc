@@ -41,6 +41,34 @@ absl::Status ValidateKvLayout(const KvLayout& l, int n_heads, int len, int head_
                  });
 }
 
+// The rows of `len` tokens per head: in the cache dtype at `l`, or a coded cache's (KvCoding).
+absl::Status ValidateKvRows(const KvLayout& l, const KvCoding& c, int n_heads, int len,
+                            int head_dim, DType dtype, absl::string_view op, int item) {
+  if (c.format == KvFormat::kAuto) return ValidateKvLayout(l, n_heads, len, head_dim, op, item);
+  RETURN_IF_ERROR(Require(c.coded() && CheckKvFormat(c.format, head_dim).ok(), op, [&] {
+    return absl::StrCat("item ", item, ": a cache coded in ", KvFormatName(c.format),
+                        " cannot hold heads of ", head_dim);
+  }));
+  const int coded = c.ResidBegin(len);
+  const KvGroups groups{c.kept};
+  RETURN_IF_ERROR(Require(
+      c.kept >= 0 && c.kept <= len && c.k_params && (c.format != KvFormat::kFP8 || c.v_scales) &&
+          (len == 0 || groups.Of(len - 1) < c.max_groups),
+      op, [&] {
+        return absl::StrCat("item ", item, ": a coded cache of ", len, " tokens keeping ", c.kept,
+                            " needs its group parameters (", c.max_groups, " groups per head)");
+      }));
+  RETURN_IF_ERROR(
+      Require(len == coded || (c.k_resid && c.v_resid && len - coded <= c.resid_tokens), op, [&] {
+        return absl::StrCat("item ", item, ": ", len - coded,
+                            " appended tokens do not fit a residual of ", c.resid_tokens);
+      }));
+  RETURN_IF_ERROR(ValidateKvLayout(
+      l, n_heads, coded, static_cast<int>(KvKeyCodeBytes(c.format, dtype, head_dim)), op, item));
+  return ValidateKvLayout(c.v_layout, n_heads, coded,
+                          static_cast<int>(KvValueRowBytes(c.format, dtype, head_dim)), op, item);
+}
+
 }  // namespace
 
 absl::Status ValidateMatMul(const MatMulParams& p) {
@@ -113,7 +141,8 @@ absl::Status ValidateDecodeAttention(const DecodeAttentionParams& p) {
     RETURN_IF_ERROR(Require(s.len > 0, kOp, [&] {
       return absl::StrCat("sequence ", b, ": need len > 0, got ", s.len);
     }));
-    RETURN_IF_ERROR(ValidateKvLayout(s.layout, p.n_cache_heads, s.len, p.head_dim, kOp, b));
+    RETURN_IF_ERROR(
+        ValidateKvRows(s.layout, s.coding, p.n_cache_heads, s.len, p.head_dim, p.kv_dtype, kOp, b));
     if (s.indices) {
       RETURN_IF_ERROR(Require(s.num_indices > 0 && s.num_indices <= s.len, kOp, [&] {
         return absl::StrCat("sequence ", b, ": num_indices must be in [1, len=", s.len, "], got ",
@@ -147,7 +176,22 @@ absl::Status ValidateAppendKv(const AppendKvParams& p) {
     RETURN_IF_ERROR(Require(s.t >= 0, kOp, [&] {
       return absl::StrCat("sequence ", b, ": token ", s.t, " is negative");
     }));
-    RETURN_IF_ERROR(ValidateKvLayout(s.layout, p.n_cache_heads, s.t + 1, p.head_dim, kOp, b));
+    RETURN_IF_ERROR(ValidateKvRows(s.layout, s.coding, p.n_cache_heads, s.t + 1, p.head_dim,
+                                   p.kv_dtype, kOp, b));
+    // A token that completes a group passes through a full residual.
+    RETURN_IF_ERROR(Require(
+        !s.coding.coded() || s.t < s.coding.kept ||
+            ((s.t + 1 - s.coding.kept) % kKeyGroupTokens != 0 &&
+             s.t - s.coding.ResidBegin(s.t) < s.coding.resid_tokens) ||
+            (s.coding.resid_tokens >= kKeyGroupTokens && s.coding.k_resid && s.coding.v_resid),
+        kOp, [&] {
+          return absl::StrCat("sequence ", b, ": token ", s.t, " does not fit a residual of ",
+                              s.coding.resid_tokens, " tokens");
+        }));
+    RETURN_IF_ERROR(Require(!s.coding.coded() || s.t >= s.coding.kept, kOp, [&] {
+      return absl::StrCat("sequence ", b, ": token ", s.t, " is among the ", s.coding.kept,
+                          " a coded cache holds from the wire");
+    }));
   }
   return absl::OkStatus();
 }
@@ -327,6 +371,35 @@ absl::Status ValidateSample(const SampleParams& p) {
                                                   ": need temperature >= 0, top_k >= 0, top_p "
                                                   "in (0, 1] and uniform in [0, 1)");
                             }));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status CodedRefusal(absl::string_view op, absl::string_view backend, int item,
+                          KvFormat format) {
+  return absl::UnimplementedError(absl::StrCat(
+      op, ": item ", item, " is a cache coded in ", KvFormatName(format), "; ", backend,
+      " reads caches in their dtype (coded caches are read on reference and cpu so far)"));
+}
+
+}  // namespace
+
+absl::Status RequireDtypeRows(const DecodeAttentionParams& p, absl::string_view backend) {
+  for (int b = 0; b < p.batch; ++b) {
+    if (p.seqs[b].coding.format != KvFormat::kAuto) {
+      return CodedRefusal("DecodeAttention", backend, b, p.seqs[b].coding.format);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RequireDtypeRows(const AppendKvParams& p, absl::string_view backend) {
+  for (int b = 0; b < p.batch; ++b) {
+    if (p.seqs[b].coding.format != KvFormat::kAuto) {
+      return CodedRefusal("AppendKv", backend, b, p.seqs[b].coding.format);
+    }
   }
   return absl::OkStatus();
 }

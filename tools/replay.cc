@@ -110,11 +110,12 @@ class WireCacheSink final : public CompressedLayerSink {
 }  // namespace
 
 absl::StatusOr<ReplayedCache> ReplayInto(const LlamaModel& model, const CapturedPrefill& cap,
-                                         const CompressionConfig& config, int extra) {
+                                         const CompressionConfig& config, int extra,
+                                         bool dense_decode) {
   const int len = cap.len();
   RETURN_IF_ERROR(CheckKvFormat(config.kv_format, model.config().head_dim));
-  const KvCacheShape shape =
-      CompressedCacheShape(config, model.config(), model.kv_dtype(), len, extra);
+  KvCacheShape shape = CompressedCacheShape(config, model.config(), model.kv_dtype(), len, extra);
+  shape.format = DecodeCacheFormat(config.kv_format, dense_decode, model.backend()->kind());
   ReplayedCache out;
   ASSIGN_OR_RETURN(out.cache, KvCache::Create(shape, HeapKvAllocator()));
   out.cache->set_prompt_len(len);

@@ -70,10 +70,9 @@ int GetNibble(const uint8_t* codes, int j) {
 }
 
 // One key group: rows [t0, t1) of x ([n][d] floats), codes into code rows of `row` bytes,
-// per channel parameters into `params` (KvKeyGroupBytes: fp8 the f16 centres, then the E8M0
-// scales; int8 and int4 an f16 minimum and an f16 step per channel).
-void EncodeKeyGroup(KvFormat f, int d, const float* x, int t0, int t1, uint8_t* codes, size_t row,
-                    uint8_t* params) {
+// per channel parameters into `params` (KvKeyGroupBytes: {a, b} per channel, f16).
+void CodeKeyGroup(KvFormat f, int d, const float* x, int t0, int t1, uint8_t* codes, size_t row,
+                  uint8_t* params) {
   for (int c = 0; c < d; ++c) {
     float lo = x[static_cast<size_t>(t0) * d + c], hi = lo, base;
     for (int t = t0 + 1; t < t1; ++t) {
@@ -127,8 +126,8 @@ const float* E4M3Table() {
 }
 
 // One key row of a group whose per-channel parameters a, b are decoded already.
-void DecodeKeyRow(KvFormat f, int d, const uint8_t* code_row, const float* a, const float* b,
-                  float* x) {
+void KeyRowFromParams(KvFormat f, int d, const uint8_t* code_row, const float* a, const float* b,
+                      float* x) {
   switch (f) {
     case KvFormat::kFP8: {
       const float* e4m3 = E4M3Table();
@@ -145,7 +144,7 @@ void DecodeKeyRow(KvFormat f, int d, const uint8_t* code_row, const float* a, co
 }
 
 // One value row (float) coded, and back: int8 and int4 (fp8 rows share their group's scale).
-void EncodeValueRow(KvFormat f, int d, const float* x, uint8_t* out) {
+void CodeIntValueRow(KvFormat f, int d, const float* x, uint8_t* out) {
   switch (f) {
     case KvFormat::kInt8: {
       const uint16_t s = Bf16Up(AbsMax(x, d) / 127.0f);
@@ -183,7 +182,7 @@ void EncodeValueRow(KvFormat f, int d, const float* x, uint8_t* out) {
   }
 }
 
-void DecodeValueRow(KvFormat f, int d, const uint8_t* in, float* x) {
+void IntValueRowToFloat(KvFormat f, int d, const uint8_t* in, float* x) {
   switch (f) {
     case KvFormat::kInt8: {
       const float scale = Bf16ToFloat(GetU16(in + d));
@@ -204,14 +203,7 @@ void DecodeValueRow(KvFormat f, int d, const uint8_t* in, float* x) {
   }
 }
 
-// The end of the group of a block of n tokens that starts at token t0: groups of
-// kKeyGroupTokens up to the recent tokens, then the recent tokens as one.
-int GroupEnd(int t0, int n, int recent) {
-  return t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
-}
-
 // Raw formats: the rows as they are (auto), or converted to bf16.
-bool Raw(KvFormat f) { return f == KvFormat::kAuto || f == KvFormat::kBF16; }
 DType RawType(KvFormat f, DType dtype) { return f == KvFormat::kAuto ? dtype : DType::kBF16; }
 
 void ConvertRows(DType from, DType to, size_t values, const void* in, void* out) {
@@ -278,9 +270,7 @@ size_t KvKeyCodeBytes(KvFormat format, DType dtype, int head_dim) {
   return 0;
 }
 
-namespace {
-
-size_t ValueRowBytes(KvFormat format, DType dtype, int head_dim) {
+size_t KvValueRowBytes(KvFormat format, DType dtype, int head_dim) {
   const size_t d = static_cast<size_t>(head_dim);
   switch (format) {
     case KvFormat::kAuto:
@@ -297,137 +287,183 @@ size_t ValueRowBytes(KvFormat format, DType dtype, int head_dim) {
   return 0;
 }
 
-}  // namespace
-
-size_t KvValueBlockBytes(KvFormat format, DType dtype, int head_dim, int n, int recent) {
-  if (format == KvFormat::kFP8) {
-    return static_cast<size_t>(n) * head_dim + KvKeyGroups(format, n, recent);
-  }
-  return static_cast<size_t>(n) * ValueRowBytes(format, dtype, head_dim);
-}
-
 size_t KvKeyGroupBytes(KvFormat format, int head_dim) {
-  if (Raw(format)) return 0;
+  if (!KvCoded(format)) return 0;
   return static_cast<size_t>(head_dim) * 4;
 }
 
-int KvKeyRecentStart(KvFormat format, int kept, int first, int n) {
-  if (Raw(format)) return n;
-  return std::clamp(kept - kKeyRecentTokens - first, 0, n);
+int KvBlockGroups(KvFormat format, int kept, int first, int n) {
+  if (!KvCoded(format) || n <= 0) return 0;
+  const KvGroups g{kept};
+  return g.Of(first + n - 1) - g.Of(first) + 1;
 }
 
-int KvKeyGroups(KvFormat format, int n, int recent) {
-  if (Raw(format) || n == 0) return 0;
-  return (recent + kKeyGroupTokens - 1) / kKeyGroupTokens + (recent < n ? 1 : 0);
-}
-
-size_t KvKeyBlockBytes(KvFormat format, DType dtype, int head_dim, int n, int recent) {
+size_t KvKeyBlockBytes(KvFormat format, DType dtype, int head_dim, int kept, int first, int n) {
   return static_cast<size_t>(n) * KvKeyCodeBytes(format, dtype, head_dim) +
-         static_cast<size_t>(KvKeyGroups(format, n, recent)) * KvKeyGroupBytes(format, head_dim);
+         static_cast<size_t>(KvBlockGroups(format, kept, first, n)) *
+             KvKeyGroupBytes(format, head_dim);
 }
 
-void EncodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const void* in,
-                  void* out) {
-  if (Raw(format)) {
-    ConvertRows(dtype, RawType(format, dtype), static_cast<size_t>(n) * d, in, out);
+size_t KvValueBlockBytes(KvFormat format, DType dtype, int head_dim, int kept, int first, int n) {
+  return static_cast<size_t>(n) * KvValueRowBytes(format, dtype, head_dim) +
+         (format == KvFormat::kFP8 ? KvBlockGroups(format, kept, first, n) : 0);
+}
+
+void EncodeKeyGroup(KvFormat format, DType dtype, int d, int n, const void* rows, uint8_t* codes,
+                    uint8_t* params) {
+  std::vector<float> x(static_cast<size_t>(n) * d);
+  ToFloat(dtype, rows, x.data(), x.size());
+  CodeKeyGroup(format, d, x.data(), 0, n, codes, KvKeyCodeBytes(format, dtype, d), params);
+}
+
+void EncodeValueGroup(KvFormat format, DType dtype, int d, int n, const void* rows, uint8_t* codes,
+                      uint8_t* fp8_scale) {
+  std::vector<float> x(static_cast<size_t>(n) * d);
+  ToFloat(dtype, rows, x.data(), x.size());
+  if (format == KvFormat::kFP8) {
+    // E4M3's floating point spans 2^17 within one scale, so the rows of a group share one, a
+    // power of two (an E8M0 byte), rather than each row carrying its own.
+    const float amax = AbsMax(x.data(), static_cast<int>(x.size()));
+    *fp8_scale = E8M0Up(amax, kE4M3Max);
+    // A power of two: multiplying by its inverse is the division, exactly.
+    const float inverse = 1.0f / E8M0ToFloat(*fp8_scale);
+    for (size_t i = 0; i < x.size(); ++i) codes[i] = amax > 0 ? FloatToE4M3(x[i] * inverse) : 0;
     return;
   }
-  std::vector<float> x(static_cast<size_t>(n) * d);
-  ToFloat(dtype, in, x.data(), x.size());
-  auto* codes = static_cast<uint8_t*>(out);
-  const size_t row = KvKeyCodeBytes(format, dtype, d);
-  uint8_t* params = codes + static_cast<size_t>(n) * row;
-  for (int t0 = 0; t0 < n; params += KvKeyGroupBytes(format, d)) {
-    const int t1 = GroupEnd(t0, n, recent);
-    EncodeKeyGroup(format, d, x.data(), t0, t1, codes, row, params);
-    t0 = t1;
+  const size_t row = KvValueRowBytes(format, dtype, d);
+  for (int r = 0; r < n; ++r)
+    CodeIntValueRow(format, d, x.data() + static_cast<size_t>(r) * d, codes + r * row);
+}
+
+namespace {
+
+// A key group's parameters as floats: a and b per channel.
+void GroupParams(int d, const uint8_t* params, float* a, float* b) {
+  for (int c = 0; c < d; ++c) {
+    a[c] = F16ToFloat(GetU16(params + 4 * c));
+    b[c] = F16ToFloat(GetU16(params + 4 * c + 2));
   }
 }
 
-void DecodeKvKeys(KvFormat format, DType dtype, int d, int n, int recent, const void* in,
+}  // namespace
+
+void DecodeKeyRow(KvFormat format, int d, const uint8_t* codes, const uint8_t* params, float* out) {
+  std::vector<float> a(d), b(d);
+  GroupParams(d, params, a.data(), b.data());
+  KeyRowFromParams(format, d, codes, a.data(), b.data(), out);
+}
+
+void DecodeValueRow(KvFormat format, int d, const uint8_t* row, uint8_t fp8_scale, float* out) {
+  if (format == KvFormat::kFP8) {
+    const float* e4m3 = E4M3Table();
+    const float scale = E8M0ToFloat(fp8_scale);
+    for (int i = 0; i < d; ++i) out[i] = e4m3[row[i]] * scale;
+    return;
+  }
+  IntValueRowToFloat(format, d, row, out);
+}
+
+void EncodeKvKeys(KvFormat format, DType dtype, int d, int kept, int first, int n, const void* head,
                   void* out) {
-  if (Raw(format)) {
+  const size_t in_row = static_cast<size_t>(d) * DTypeSize(dtype);
+  const auto* rows = static_cast<const uint8_t*>(head);
+  if (!KvCoded(format)) {
+    ConvertRows(dtype, RawType(format, dtype), static_cast<size_t>(n) * d, rows + first * in_row,
+                out);
+    return;
+  }
+  const KvGroups groups{kept};
+  const size_t row = KvKeyCodeBytes(format, dtype, d);
+  auto* codes = static_cast<uint8_t*>(out);
+  uint8_t* params = codes + static_cast<size_t>(n) * row;
+  std::vector<uint8_t> group_codes;
+  for (int g = groups.Of(first); n > 0 && g <= groups.Of(first + n - 1); ++g) {
+    // The whole group's parameters; this block's rows of its codes.
+    const int b = groups.Begin(g), e = groups.End(g);
+    group_codes.resize(static_cast<size_t>(e - b) * row);
+    EncodeKeyGroup(format, dtype, d, e - b, rows + b * in_row, group_codes.data(), params);
+    params += KvKeyGroupBytes(format, d);
+    const int lo = std::max(b, first), hi = std::min(e, first + n);
+    std::memcpy(codes + (lo - first) * row, group_codes.data() + (lo - b) * row, (hi - lo) * row);
+  }
+}
+
+void DecodeKvKeys(KvFormat format, DType dtype, int d, int kept, int first, int n, const void* in,
+                  void* out) {
+  if (!KvCoded(format)) {
     ConvertRows(RawType(format, dtype), dtype, static_cast<size_t>(n) * d, in, out);
     return;
   }
+  const KvGroups groups{kept};
   const auto* codes = static_cast<const uint8_t*>(in);
   const size_t row = KvKeyCodeBytes(format, dtype, d);
   const uint8_t* params = codes + static_cast<size_t>(n) * row;
   std::vector<float> x(d), a(d), b(d);
   const size_t out_row = static_cast<size_t>(d) * DTypeSize(dtype);
-  for (int t0 = 0; t0 < n; params += KvKeyGroupBytes(format, d)) {
-    const int t1 = GroupEnd(t0, n, recent);
-    for (int c = 0; c < d; ++c) {
-      a[c] = F16ToFloat(GetU16(params + 4 * c));
-      b[c] = F16ToFloat(GetU16(params + 4 * c + 2));
+  for (int g = groups.Of(first); n > 0 && g <= groups.Of(first + n - 1); ++g) {
+    GroupParams(d, params, a.data(), b.data());
+    params += KvKeyGroupBytes(format, d);
+    const int lo = std::max(groups.Begin(g), first), hi = std::min(groups.End(g), first + n);
+    for (int t = lo; t < hi; ++t) {
+      KeyRowFromParams(format, d, codes + (t - first) * row, a.data(), b.data(), x.data());
+      FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + (t - first) * out_row, d);
     }
-    for (int t = t0; t < t1; ++t) {
-      DecodeKeyRow(format, d, codes + t * row, a.data(), b.data(), x.data());
-      FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + t * out_row, d);
-    }
-    t0 = t1;
   }
 }
 
-void EncodeKvValues(KvFormat format, DType dtype, int d, int n, int recent, const void* in,
-                    void* out) {
-  if (Raw(format)) {
-    ConvertRows(dtype, RawType(format, dtype), static_cast<size_t>(n) * d, in, out);
-    return;
-  }
-  std::vector<float> x(static_cast<size_t>(n) * d);
-  ToFloat(dtype, in, x.data(), x.size());
+void EncodeKvValues(KvFormat format, DType dtype, int d, int kept, int first, int n,
+                    const void* head, void* out) {
+  const size_t in_row = static_cast<size_t>(d) * DTypeSize(dtype);
+  const auto* rows = static_cast<const uint8_t*>(head);
   auto* dst = static_cast<uint8_t*>(out);
-  if (format == KvFormat::kFP8) {
-    // E4M3's floating point spans 2^17 within one scale, so the rows of a group share one, a
-    // power of two (an E8M0 byte), rather than each row carrying its own.
-    uint8_t* scales = dst + static_cast<size_t>(n) * d;
-    for (int t0 = 0; t0 < n; ++scales) {
-      const int t1 = GroupEnd(t0, n, recent);
-      const float amax = AbsMax(x.data() + static_cast<size_t>(t0) * d, (t1 - t0) * d);
-      *scales = E8M0Up(amax, kE4M3Max);
-      // A power of two: multiplying by its inverse is the division, exactly.
-      const float inverse = 1.0f / E8M0ToFloat(*scales);
-      for (size_t i = static_cast<size_t>(t0) * d; i < static_cast<size_t>(t1) * d; ++i) {
-        dst[i] = amax > 0 ? FloatToE4M3(x[i] * inverse) : 0;
-      }
-      t0 = t1;
-    }
+  if (!KvCoded(format)) {
+    ConvertRows(dtype, RawType(format, dtype), static_cast<size_t>(n) * d, rows + first * in_row,
+                out);
     return;
   }
-  const size_t dst_row = ValueRowBytes(format, dtype, d);
-  for (int r = 0; r < n; ++r) {
-    EncodeValueRow(format, d, x.data() + static_cast<size_t>(r) * d, dst + r * dst_row);
+  if (format != KvFormat::kFP8) {  // rows of their own
+    EncodeValueGroup(format, dtype, d, n, rows + first * in_row, dst, nullptr);
+    return;
+  }
+  const KvGroups groups{kept};
+  uint8_t* scales = dst + static_cast<size_t>(n) * d;
+  std::vector<uint8_t> group_codes;
+  for (int g = groups.Of(first); n > 0 && g <= groups.Of(first + n - 1); ++g, ++scales) {
+    const int b = groups.Begin(g), e = groups.End(g);
+    group_codes.resize(static_cast<size_t>(e - b) * d);
+    EncodeValueGroup(format, dtype, d, e - b, rows + b * in_row, group_codes.data(), scales);
+    const int lo = std::max(b, first), hi = std::min(e, first + n);
+    std::memcpy(dst + static_cast<size_t>(lo - first) * d,
+                group_codes.data() + static_cast<size_t>(lo - b) * d,
+                static_cast<size_t>(hi - lo) * d);
   }
 }
 
-void DecodeKvValues(KvFormat format, DType dtype, int d, int n, int recent, const void* in,
+void DecodeKvValues(KvFormat format, DType dtype, int d, int kept, int first, int n, const void* in,
                     void* out) {
-  if (Raw(format)) {
+  if (!KvCoded(format)) {
     ConvertRows(RawType(format, dtype), dtype, static_cast<size_t>(n) * d, in, out);
     return;
   }
   const auto* src = static_cast<const uint8_t*>(in);
   const size_t dst_row = static_cast<size_t>(d) * DTypeSize(dtype);
+  const size_t src_row = KvValueRowBytes(format, dtype, d);
   std::vector<float> x(d);
-  if (format == KvFormat::kFP8) {
-    const uint8_t* scales = src + static_cast<size_t>(n) * d;
-    for (int t0 = 0; t0 < n; ++scales) {
-      const int t1 = GroupEnd(t0, n, recent);
-      const float scale = E8M0ToFloat(*scales);
-      const float* e4m3 = E4M3Table();
-      for (int t = t0; t < t1; ++t) {
-        for (int i = 0; i < d; ++i) x[i] = e4m3[src[static_cast<size_t>(t) * d + i]] * scale;
-        FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + t * dst_row, d);
-      }
-      t0 = t1;
+  if (format != KvFormat::kFP8) {
+    for (int r = 0; r < n; ++r) {
+      IntValueRowToFloat(format, d, src + r * src_row, x.data());
+      FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + r * dst_row, d);
     }
     return;
   }
-  const size_t src_row = ValueRowBytes(format, dtype, d);
-  for (int r = 0; r < n; ++r) {
-    DecodeValueRow(format, d, src + r * src_row, x.data());
-    FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + r * dst_row, d);
+  const KvGroups groups{kept};
+  const uint8_t* scales = src + static_cast<size_t>(n) * d;
+  for (int g = groups.Of(first); n > 0 && g <= groups.Of(first + n - 1); ++g, ++scales) {
+    const int lo = std::max(groups.Begin(g), first), hi = std::min(groups.End(g), first + n);
+    for (int t = lo; t < hi; ++t) {
+      DecodeValueRow(format, d, src + static_cast<size_t>(t - first) * d, *scales, x.data());
+      FromFloat(dtype, x.data(), static_cast<uint8_t*>(out) + (t - first) * dst_row, d);
+    }
   }
 }
 

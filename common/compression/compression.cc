@@ -429,7 +429,14 @@ KvCacheShape CompressedCacheShape(const CompressionConfig& config, const ModelCo
   for (int l = 0; l < model.num_layers; ++l) {
     shape.capacity.push_back(config.KeptTokens(l, len) + extra_tokens);
   }
+  shape.appended = extra_tokens;
   return shape;
+}
+
+KvFormat DecodeCacheFormat(KvFormat wire, bool dense_decode, kernels::BackendKind backend) {
+  const bool host =
+      backend == kernels::BackendKind::kReference || backend == kernels::BackendKind::kCpu;
+  return KvCoded(wire) && dense_decode && host ? wire : KvFormat::kAuto;
 }
 
 absl::Status StoreLayer(const CompressedLayer& layer, KvCache* cache) {

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
 #include "common/model/forward.h"
+#include "kernels/coded_rows.h"
 
 namespace kvwire {
 
@@ -33,8 +34,13 @@ void AppendToHostCache(LayerCache& lc, int n_kv_heads, const float* k, const flo
     lc.positions[int64_t{ch} * lc.capacity + t] = position;
     if (k != nullptr) {
       const int64_t g = (ch / heads_per_kv) * int64_t{lc.head_dim};
-      FromFloat(lc.dtype, k + g, lc.k_row(ch, t), lc.head_dim);
-      FromFloat(lc.dtype, v + g, lc.v_row(ch, t), lc.head_dim);
+      if (lc.coded()) {
+        kernels::AppendCodedRow(lc.k, lc.v, lc.layout, lc.coding(), lc.dtype, lc.head_dim, ch, t,
+                                k + g, v + g);
+      } else {
+        FromFloat(lc.dtype, k + g, lc.k_row(ch, t), lc.head_dim);
+        FromFloat(lc.dtype, v + g, lc.v_row(ch, t), lc.head_dim);
+      }
     }
   }
   lc.len = t + 1;
@@ -61,6 +67,7 @@ void AttendCache(const float* qkv, float* attn, int b, int64_t stride, int qd, c
   s.k = lc.k;
   s.v = lc.v;
   s.layout = lc.layout;
+  s.coding = lc.coding();
   s.len = lc.len;
 }
 
@@ -92,6 +99,11 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
     AttendCache(a.qkv, a.attn, b, stride, qd, lc, s);
     if (batch[b].selector) {
       ASSIGN_OR_RETURN(const int n, PlanSelection(*batch[b].selector, li, lc));
+      if (n > 0 && lc.coded()) {
+        return absl::UnimplementedError(absl::StrCat(
+            "sparse decode reads a cache in its dtype; this one keeps its rows coded in ",
+            KvFormatName(lc.format), " (DecodeCacheFormat chooses coded rows for dense decode)"));
+      }
       if (n > 0) {
         indices[b].resize(static_cast<size_t>(lc.n_heads) * n);
         s.indices = indices[b].data();
@@ -282,7 +294,7 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
       }
     }
     const float* kr = a.qkv + b * stride + qd;
-    appends[b] = {kr, kr + kvd, lc.k, lc.v, lc.layout, t};
+    appends[b] = {kr, kr + kvd, lc.k, lc.v, lc.layout, lc.coding(), t};
     DecodeSequence& s = seqs[b];
     AttendCache(a.qkv, a.attn, b, stride, qd, lc, s);
   }

@@ -38,10 +38,38 @@ class HeapAllocator final : public KvAllocator {
   }
 };
 
-// Per layer: K, V, then positions, each aligned.
+// A coded layer's parts, per head: code rows (the tokens kept and the appended tokens' whole
+// groups; the rest wait in the residual), key group parameters, fp8 value scales, residual.
+struct CodedSizes {
+  int rows = 0, groups = 0, resid = 0;
+  size_t k_row = 0, v_row = 0, params = 0, scales = 0, resid_row = 0;
+};
+CodedSizes CodedSizesFor(const KvCacheShape& s, int capacity) {
+  CodedSizes z;
+  const int appended = std::min(s.appended, capacity);
+  z.rows = capacity - appended % kKeyGroupTokens;
+  z.groups = KvGroups::Max(capacity);
+  z.resid = std::min(kKeyGroupTokens, appended);
+  z.k_row = KvKeyCodeBytes(s.format, s.dtype, s.head_dim);
+  z.v_row = KvValueRowBytes(s.format, s.dtype, s.head_dim);
+  z.params = KvKeyGroupBytes(s.format, s.head_dim);
+  z.scales = s.format == KvFormat::kFP8 ? 1 : 0;
+  z.resid_row = static_cast<size_t>(s.head_dim) * DTypeSize(s.dtype);
+  return z;
+}
+
+// Per layer: K, V, then positions, each aligned; a coded layer's parameters, scales and
+// residual after them.
 size_t LayerBytes(const KvCacheShape& s, int capacity) {
-  const size_t rows = static_cast<size_t>(s.n_heads) * capacity;
-  return 2 * AlignUp(rows * s.head_dim * DTypeSize(s.dtype)) + AlignUp(rows * sizeof(int32_t));
+  const size_t heads = static_cast<size_t>(s.n_heads);
+  const size_t positions = AlignUp(heads * capacity * sizeof(int32_t));
+  if (!KvCoded(s.format)) {
+    return 2 * AlignUp(heads * capacity * s.head_dim * DTypeSize(s.dtype)) + positions;
+  }
+  const CodedSizes z = CodedSizesFor(s, capacity);
+  return AlignUp(heads * z.rows * z.k_row) + AlignUp(heads * z.rows * z.v_row) + positions +
+         AlignUp(heads * z.groups * z.params) + AlignUp(heads * z.groups * z.scales) +
+         2 * AlignUp(heads * z.resid * z.resid_row);
 }
 
 }  // namespace
@@ -65,6 +93,15 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& sha
   for (int c : shape.capacity) {
     if (c < 0) return absl::InvalidArgumentError("KV cache capacity must be >= 0");
   }
+  if (shape.format != KvFormat::kAuto) {
+    if (!KvCoded(shape.format) || shape.appended < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a KV cache keeps its rows in its dtype (auto) or coded (fp8, int8, int4), with >= 0 "
+          "appended tokens; got ",
+          KvFormatName(shape.format), " and ", shape.appended));
+    }
+    RETURN_IF_ERROR(CheckKvFormat(shape.format, shape.head_dim));
+  }
   auto cache = std::unique_ptr<KvCache>(new KvCache());
   cache->shape_ = shape;
   auto mem = allocator.Allocate(BytesFor(shape));
@@ -77,12 +114,35 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& sha
     l.head_dim = shape.head_dim;
     l.dtype = shape.dtype;
     l.capacity = c;
-    const size_t rows = static_cast<size_t>(shape.n_heads) * c;
-    const size_t kv_bytes = AlignUp(rows * shape.head_dim * DTypeSize(shape.dtype));
-    l.k = p;
-    l.v = p + kv_bytes;
-    l.positions = reinterpret_cast<int32_t*>(p + 2 * kv_bytes);
-    l.layout = kernels::KvLayout::Region(l.head_stride());
+    const size_t heads = static_cast<size_t>(shape.n_heads);
+    if (KvCoded(shape.format)) {
+      const CodedSizes z = CodedSizesFor(shape, c);
+      uint8_t* at = p;
+      const auto take = [&](size_t bytes) {
+        uint8_t* part = at;
+        at += AlignUp(bytes);
+        return part;
+      };
+      l.format = shape.format;
+      l.max_groups = z.groups;
+      l.resid_tokens = z.resid;
+      l.k = take(heads * z.rows * z.k_row);
+      l.v = take(heads * z.rows * z.v_row);
+      l.positions = reinterpret_cast<int32_t*>(take(heads * c * sizeof(int32_t)));
+      l.k_params = take(heads * z.groups * z.params);
+      l.v_scales = z.scales > 0 ? take(heads * z.groups * z.scales) : nullptr;
+      l.k_resid = take(heads * z.resid * z.resid_row);
+      l.v_resid = take(heads * z.resid * z.resid_row);
+      // Bytes: code rows and value rows of a head are z.rows rows apart.
+      l.layout = kernels::KvLayout::Region(static_cast<int64_t>(z.rows * z.k_row));
+      l.v_layout = kernels::KvLayout::Region(static_cast<int64_t>(z.rows * z.v_row));
+    } else {
+      const size_t kv_bytes = AlignUp(heads * c * shape.head_dim * DTypeSize(shape.dtype));
+      l.k = p;
+      l.v = p + kv_bytes;
+      l.positions = reinterpret_cast<int32_t*>(p + 2 * kv_bytes);
+      l.layout = kernels::KvLayout::Region(l.head_stride());
+    }
     p += LayerBytes(shape, c);
     cache->layers_.push_back(l);
   }
@@ -112,6 +172,11 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape
   if (!pool.paged()) {
     return absl::FailedPreconditionError(
         "a paged KV cache needs a backend pool (KvPool::OnBackend)");
+  }
+  if (shape.format != KvFormat::kAuto) {
+    return absl::UnimplementedError(
+        absl::StrCat("a paged KV cache keeps rows in its dtype; coded rows (",
+                     KvFormatName(shape.format), ") are kept in host caches only so far"));
   }
   const size_t es = DTypeSize(shape.dtype);
   const size_t token = 2 * static_cast<size_t>(shape.n_heads) * shape.head_dim * es;
@@ -169,6 +234,11 @@ absl::Status KvCache::WriteRows(int layer, int head, int t0, int count, const ui
                                                    " are outside the cache"));
   }
   LayerCache& lc = layers_[layer];
+  if (lc.coded()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " keeps its rows coded in ", KvFormatName(lc.format),
+                     "; it takes the wire's blocks (WriteCodedBlock), not rows"));
+  }
   const size_t row = lc.row_bytes();
   for (int t = t0; t < t0 + count;) {
     const int run = lc.layout.RunFrom(t, t0 + count);
@@ -191,9 +261,9 @@ absl::Status KvCache::WriteRows(int layer, int head, int t0, int count, const ui
 absl::Status KvCache::CopyFrom(const KvCache& from) {
   if (!from.host_rows() || from.num_layers() != num_layers() ||
       from.shape().n_heads != shape_.n_heads || from.shape().head_dim != shape_.head_dim ||
-      from.shape().dtype != shape_.dtype) {
+      from.shape().dtype != shape_.dtype || from.shape().format != KvFormat::kAuto) {
     return absl::InvalidArgumentError(
-        "a KV cache copies from one of its shape whose rows are host memory");
+        "a KV cache copies from one of its shape whose rows are host memory in its dtype");
   }
   for (int l = 0; l < num_layers(); ++l) {
     const LayerCache& src = from.layer(l);
@@ -219,8 +289,66 @@ absl::Status KvCache::CopyFrom(const KvCache& from) {
 
 int64_t KvCache::StoredBytes() const {
   int64_t total = 0;
-  for (const LayerCache& l : layers_) total += int64_t{2} * l.n_heads * l.len * l.row_bytes();
+  for (const LayerCache& l : layers_) {
+    if (!l.coded()) {
+      total += int64_t{2} * l.n_heads * l.len * l.row_bytes();
+      continue;
+    }
+    // Code rows, the groups' parameters and scales so far, and the residual's rows.
+    const KvGroups groups{l.kept};
+    const int coded = l.coding().ResidBegin(l.len);
+    const int64_t used_groups = coded > 0 ? groups.Of(coded - 1) + 1 : 0;
+    total += int64_t{l.n_heads} *
+             (coded * static_cast<int64_t>(KvKeyCodeBytes(l.format, l.dtype, l.head_dim) +
+                                           KvValueRowBytes(l.format, l.dtype, l.head_dim)) +
+              used_groups * static_cast<int64_t>(KvKeyGroupBytes(l.format, l.head_dim) +
+                                                 (l.format == KvFormat::kFP8 ? 1 : 0)) +
+              (l.len - coded) * 2 * static_cast<int64_t>(l.row_bytes()));
+  }
   return total;
+}
+
+absl::Status KvCache::WriteCodedBlock(int layer, int head, int first, int n, const uint8_t* k,
+                                      const uint8_t* v) {
+  if (layer < 0 || layer >= num_layers() || !layers_[layer].coded()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " is not a coded layer of this cache"));
+  }
+  LayerCache& lc = layers_[layer];
+  const KvGroups groups{lc.kept};
+  if (head < 0 || head >= lc.n_heads || first < 0 || n < 1 || first + n > lc.kept ||
+      groups.Of(first + n - 1) >= lc.max_groups ||
+      (lc.layout.pages == nullptr &&
+       lc.layout.head_stride < int64_t{lc.kept} * static_cast<int64_t>(KvKeyCodeBytes(
+                                                      lc.format, lc.dtype, lc.head_dim)))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block of tokens [", first, ", ", first + n, ") of head ", head, " of layer ",
+                     layer, " is outside the cache's ", lc.kept, " kept tokens"));
+  }
+  if (!host_rows()) {
+    return absl::UnimplementedError("coded rows are kept in host caches only so far");
+  }
+  const size_t kc = KvKeyCodeBytes(lc.format, lc.dtype, lc.head_dim);
+  const size_t vc = KvValueRowBytes(lc.format, lc.dtype, lc.head_dim);
+  for (int t = first; t < first + n;) {
+    const int run = lc.layout.RunFrom(t, first + n);
+    std::memcpy(lc.k + lc.layout.Row(head, t, static_cast<int>(kc)), k + (t - first) * kc,
+                run * kc);
+    std::memcpy(lc.v + lc.v_layout.Row(head, t, static_cast<int>(vc)), v + (t - first) * vc,
+                run * vc);
+    t += run;
+  }
+  // Then each group's parameters (keys) and scale (fp8 values), as the block lists them.
+  const uint8_t* k_params = k + static_cast<size_t>(n) * kc;
+  const uint8_t* v_scales = v + static_cast<size_t>(n) * vc;
+  const size_t gb = KvKeyGroupBytes(lc.format, lc.head_dim);
+  for (int g = groups.Of(first), i = 0; g <= groups.Of(first + n - 1); ++g, ++i) {
+    std::memcpy(lc.k_params + (int64_t{head} * lc.max_groups + g) * gb, k_params + i * gb, gb);
+    if (lc.format == KvFormat::kFP8) {
+      lc.v_scales[int64_t{head} * lc.max_groups + g] = v_scales[i];
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvwire

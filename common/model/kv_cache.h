@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "common/base/dtype.h"
 #include "common/base/host_alloc.h"
+#include "common/base/kv_format.h"
 #include "kernels/backend.h"
 
 namespace kvwire {
@@ -54,7 +55,36 @@ struct LayerCache {
   int32_t* positions = nullptr;  // [n_heads, capacity]: original position of each token
   kernels::KvLayout layout;      // where token t of head c is, from k and from v
 
+  // A coded cache (format fp8, int8 or int4) keeps the wire's codes (common/base/kv_format.h):
+  // k and v hold key code rows and value rows (bytes, at layout and v_layout), and beside them
+  // each group's parameters, and the tokens decode appended since the last whole group in
+  // `dtype` (KIVI's residual) until a group of kKeyGroupTokens fills and is coded.
+  KvFormat format = KvFormat::kAuto;  // kAuto: rows in dtype, and nothing below applies
+  int kept = 0;                       // prompt tokens per head, which fix its groups
+  int max_groups = 0;
+  int resid_tokens = 0;
+  uint8_t* k_params = nullptr;  // [n_heads, max_groups] × KvKeyGroupBytes
+  uint8_t* v_scales = nullptr;  // fp8: [n_heads, max_groups]
+  uint8_t* k_resid = nullptr;   // [n_heads, resid_tokens, head_dim] in dtype
+  uint8_t* v_resid = nullptr;
+  kernels::KvLayout v_layout;  // a coded cache's value rows (its key code rows are at layout)
+
   bool paged() const { return layout.pages != nullptr; }
+  bool coded() const { return KvCoded(format); }
+  // What the kernels read of a coded cache.
+  kernels::KvCoding coding() const {
+    kernels::KvCoding c;
+    c.format = format;
+    c.kept = kept;
+    c.max_groups = max_groups;
+    c.resid_tokens = resid_tokens;
+    c.k_params = k_params;
+    c.v_scales = v_scales;
+    c.k_resid = k_resid;
+    c.v_resid = v_resid;
+    c.v_layout = v_layout;
+    return c;
+  }
   // A region's: elements between heads.
   int64_t head_stride() const { return int64_t{capacity} * head_dim; }
   size_t row_bytes() const { return static_cast<size_t>(head_dim) * DTypeSize(dtype); }
@@ -79,6 +109,10 @@ struct KvCacheShape {
   int head_dim = 0;
   DType dtype = DType::kF32;
   std::vector<int> capacity;  // per layer
+  // Rows coded as the wire ships them (a coded KvFormat), or in dtype (kAuto); `appended` of
+  // each layer's capacity are for the tokens decode appends (a coded cache's residual).
+  KvFormat format = KvFormat::kAuto;
+  int appended = 0;
 };
 
 class KvPool;
@@ -119,6 +153,11 @@ class KvCache {
   // consecutive): copied in place on the host, or to the backend's pages.
   absl::Status WriteRows(int layer, int head, int t0, int count, const uint8_t* k,
                          const uint8_t* v);
+  // A coded layer's block of tokens [first, first + n) of `head`, as the wire codes it
+  // (common/base/kv_format.h): K codes then the groups' parameters, value rows then (fp8) the
+  // groups' scales. The layer's `kept` must be set.
+  absl::Status WriteCodedBlock(int layer, int head, int first, int n, const uint8_t* k,
+                               const uint8_t* v);
   // Every layer's rows, positions and lengths of `from` (a cache of the same shape whose rows
   // the host reads), as the wire would deliver them.
   absl::Status CopyFrom(const KvCache& from);

@@ -176,10 +176,9 @@ std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, KvFormat format,
   // A head's payload for n tokens, bounded from above: a position codes in at most 5 bytes, a
   // head's positions header in 11, and n tokens have at most n / G + 2 groups.
   const auto head_bytes = [&](int n) {
-    const int groups = n / kKeyGroupTokens + 2, recent = std::max(0, n - 1);
+    const int groups = KvCoded(format) ? n / kKeyGroupTokens + 3 : 0;
     return 2 * kMaxVarintBytes + 1 + n * kMaxVarintBytes +
-           KvKeyBlockBytes(format, layer.dtype, d, n, recent) +
-           KvValueBlockBytes(format, layer.dtype, d, n, recent) +
+           n * (KvKeyCodeBytes(format, layer.dtype, d) + KvValueRowBytes(format, layer.dtype, d)) +
            groups * (KvKeyGroupBytes(format, d) + 1);
   };
   std::vector<WireChunk> out;
@@ -190,17 +189,16 @@ std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, KvFormat format,
     c.head_count = hn;
     c.token_begin = t0;
     c.token_count = tn;
-    const int recent = KvKeyRecentStart(format, layer.count, t0, tn);
-    const size_t k_block = KvKeyBlockBytes(format, layer.dtype, d, tn, recent);
-    const size_t v_block = KvValueBlockBytes(format, layer.dtype, d, tn, recent);
+    const size_t k_block = KvKeyBlockBytes(format, layer.dtype, d, layer.count, t0, tn);
+    const size_t v_block = KvValueBlockBytes(format, layer.dtype, d, layer.count, t0, tn);
     c.k.resize(k_block * hn);
     c.v.resize(v_block * hn);
     for (int h = h0; h < h0 + hn; ++h) {
-      const size_t base = static_cast<size_t>(h) * layer.count + t0;
-      EncodePositions(&layer.positions[base], tn, &c.positions);
-      EncodeKvKeys(format, layer.dtype, d, tn, recent, &layer.k[base * row],
+      const size_t base = static_cast<size_t>(h) * layer.count;
+      EncodePositions(&layer.positions[base + t0], tn, &c.positions);
+      EncodeKvKeys(format, layer.dtype, d, layer.count, t0, tn, &layer.k[base * row],
                    &c.k[(h - h0) * k_block]);
-      EncodeKvValues(format, layer.dtype, d, tn, recent, &layer.v[base * row],
+      EncodeKvValues(format, layer.dtype, d, layer.count, t0, tn, &layer.v[base * row],
                      &c.v[(h - h0) * v_block]);
     }
     c.crc32c = ChunkChecksum(c);
@@ -283,7 +281,14 @@ absl::Status KvAssembler::OnHeader(const WireHeader& h) {
                                          " tokens but the request's compression keeps ",
                                          expect_.kept_per_layer[l])));
     }
-    cache_->layer(l).len = 0;
+    LayerCache& lc = cache_->layer(l);
+    if (lc.coded() && lc.format != h.kv_format) {
+      return Fail(absl::FailedPreconditionError(
+          absl::StrCat("the cache keeps rows coded in ", KvFormatName(lc.format),
+                       " but the stream codes them in ", KvFormatName(h.kv_format))));
+    }
+    lc.len = 0;
+    lc.kept = kept;
   }
   header_ = h;
   header_seen_ = true;
@@ -314,11 +319,10 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
   }
   const size_t cells = static_cast<size_t>(c.head_count) * c.token_count;
   const KvFormat f = header_.kv_format;
-  const int recent = KvKeyRecentStart(f, kept, c.token_begin, c.token_count);
-  const size_t k_bytes =
-      c.head_count * KvKeyBlockBytes(f, header_.dtype, header_.head_dim, c.token_count, recent);
-  const size_t v_bytes =
-      c.head_count * KvValueBlockBytes(f, header_.dtype, header_.head_dim, c.token_count, recent);
+  const size_t k_bytes = c.head_count * KvKeyBlockBytes(f, header_.dtype, header_.head_dim, kept,
+                                                        c.token_begin, c.token_count);
+  const size_t v_bytes = c.head_count * KvValueBlockBytes(f, header_.dtype, header_.head_dim, kept,
+                                                          c.token_begin, c.token_count);
   if (c.k.size() != k_bytes || c.v.size() != v_bytes) {
     return Malformed(absl::StrCat(where, ": K/V of ", c.k.size(), "/", c.v.size(),
                                   " bytes; expected ", k_bytes, "/", v_bytes, " (", cells,
@@ -362,37 +366,41 @@ absl::Status KvAssembler::OnChunk(const WireChunk& c) {
   LayerCache& lc = cache_->layer(c.layer);
   const size_t row = lc.row_bytes();
   const KvFormat f = header_.kv_format;
-  const int recent =
-      KvKeyRecentStart(f, header_.kept_per_layer[layer_], c.token_begin, c.token_count);
-  const size_t k_block = KvKeyBlockBytes(f, lc.dtype, lc.head_dim, c.token_count, recent);
-  const size_t v_block = KvValueBlockBytes(f, lc.dtype, lc.head_dim, c.token_count, recent);
-  const bool raw = f == KvFormat::kAuto;
-  if (!raw) rows_.resize(2 * row * c.token_count);
+  const int kept = header_.kept_per_layer[layer_];
+  const size_t k_block =
+      KvKeyBlockBytes(f, lc.dtype, lc.head_dim, kept, c.token_begin, c.token_count);
+  const size_t v_block =
+      KvValueBlockBytes(f, lc.dtype, lc.head_dim, kept, c.token_begin, c.token_count);
+  const bool as_sent = f == KvFormat::kAuto || lc.coded();
+  if (!as_sent) rows_.resize(2 * row * c.token_count);
   for (int h = 0; h < c.head_count; ++h) {
     const int head = c.head_begin + h;
     const size_t src = static_cast<size_t>(h) * c.token_count;
     const auto* k = reinterpret_cast<const uint8_t*>(c.k.data()) + h * k_block;
     const auto* v = reinterpret_cast<const uint8_t*>(c.v.data()) + h * v_block;
-    if (!raw) {
-      // Dequantised into the cache's dtype: the pool holds rows as the model computes them.
-      uint8_t* k_rows = rows_.data();
-      uint8_t* v_rows = rows_.data() + row * c.token_count;
-      DecodeKvKeys(f, lc.dtype, lc.head_dim, c.token_count, recent, k, k_rows);
-      DecodeKvValues(f, lc.dtype, lc.head_dim, c.token_count, recent, v, v_rows);
-      k = k_rows;
-      v = v_rows;
+    absl::Status st;
+    if (lc.coded()) {
+      // Kept as coded: the cache's groups are the stream's (KvGroups).
+      st = cache_->WriteCodedBlock(c.layer, head, c.token_begin, c.token_count, k, v);
+    } else {
+      if (!as_sent) {
+        // Dequantised into the cache's dtype.
+        uint8_t* k_rows = rows_.data();
+        uint8_t* v_rows = rows_.data() + row * c.token_count;
+        DecodeKvKeys(f, lc.dtype, lc.head_dim, kept, c.token_begin, c.token_count, k, k_rows);
+        DecodeKvValues(f, lc.dtype, lc.head_dim, kept, c.token_begin, c.token_count, v, v_rows);
+        k = k_rows;
+        v = v_rows;
+      }
+      // Into the cache's rows where they are: host memory, or a device's pages (staged copies).
+      st = cache_->WriteRows(c.layer, head, c.token_begin, c.token_count, k, v);
     }
-    // Into the cache's rows where they are: host memory, or a device's pages (staged copies).
-    if (absl::Status st = cache_->WriteRows(c.layer, head, c.token_begin, c.token_count, k, v);
-        !st.ok()) {
-      return Fail(st);
-    }
+    if (!st.ok()) return Fail(st);
     std::memcpy(lc.positions + int64_t{head} * lc.capacity + c.token_begin, positions_.data() + src,
                 sizeof(int32_t) * c.token_count);
   }
   payload_bytes_ += static_cast<int64_t>(c.payload_bytes());
   ++chunks_;
-  const int kept = header_.kept_per_layer[layer_];
   if (c.token_begin + c.token_count == kept) {
     head_ += c.head_count;
     token_ = 0;

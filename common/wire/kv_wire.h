@@ -16,7 +16,7 @@
 
 namespace kvwire {
 
-inline constexpr uint32_t kWireFormatVersion = 2;
+inline constexpr uint32_t kWireFormatVersion = 3;
 inline constexpr size_t kDefaultMaxChunkBytes = 1 << 20;
 // A receiver refuses chunks above this, whatever the sender claims.
 inline constexpr size_t kMaxChunkBytesLimit = 16 << 20;

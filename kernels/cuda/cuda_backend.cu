@@ -217,6 +217,7 @@ class CudaBackend final : public KernelBackend {
   absl::Status AppendKv(const AppendKvParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateAppendKv(p));  // before sizing the table from p.batch
+    RETURN_IF_ERROR(RequireDtypeRows(p, "cuda"));
     // The sequences' page tables go up with them.
     std::vector<KvAppend> seqs(p.seqs, p.seqs + p.batch);
     std::vector<KvLayout*> layouts;
@@ -250,6 +251,7 @@ class CudaBackend final : public KernelBackend {
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateDecodeAttention(p));
+    RETURN_IF_ERROR(RequireDtypeRows(p, "cuda"));
     std::vector<DecodeSequence> seqs(p.seqs, p.seqs + p.batch);
     std::vector<KvLayout*> layouts;
     std::vector<int> lens;

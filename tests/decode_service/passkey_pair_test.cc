@@ -114,10 +114,9 @@ TEST_F(PasskeyPairTest, SnapKvAt128AnswersStreamingAt32DoesNot) {
     for (KvFormat format : {KvFormat::kFP8, KvFormat::kInt4}) {
       const Answer q = Ask(c, "snapkv", 128, format);
       EXPECT_EQ(q.ids, InProcess(c, "snapkv", 128, format)) << c.id << " " << KvFormatName(format);
-      const int recent = KvKeyRecentStart(format, 128, 0, 128);
       const int64_t q_rows =
-          heads * static_cast<int64_t>(KvKeyBlockBytes(format, kv, mc.head_dim, 128, recent) +
-                                       KvValueBlockBytes(format, kv, mc.head_dim, 128, recent));
+          heads * static_cast<int64_t>(KvKeyBlockBytes(format, kv, mc.head_dim, 128, 0, 128) +
+                                       KvValueBlockBytes(format, kv, mc.head_dim, 128, 0, 128));
       EXPECT_GT(q.stats.kv_payload_bytes(), q_rows + heads) << c.id;
       EXPECT_LE(q.stats.kv_payload_bytes(), q_rows + heads * (1 + 2 * 128)) << c.id;
       EXPECT_EQ(q.ids, c.answer_ids) << c.id << " " << KvFormatName(format);

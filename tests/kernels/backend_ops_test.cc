@@ -176,8 +176,9 @@ TEST_P(BackendOpsTest, AppendKv) {
           Arena a(be);
           std::vector<KvAppend> seqs(batch);
           for (int b = 0; b < batch; ++b) {
-            seqs[b] = {a.Upload(ks[b]), a.Upload(vs[b]),      a.Upload(kc[b]),
-                       a.Upload(vc[b]), KvLayout::Region(hs), (b * 4) % capacity};
+            seqs[b] = {a.Upload(ks[b]),   a.Upload(vs[b]),      a.Upload(kc[b]),
+                       a.Upload(vc[b]),   KvLayout::Region(hs), {},
+                       (b * 4) % capacity};
           }
           AppendKvParams p{seqs.data(), batch, kv_heads, cache_heads, d, t};
           const absl::Status st = be.AppendKv(p);
@@ -213,7 +214,7 @@ TEST_P(BackendOpsTest, AppendKvRejectsATokenPastTheCache) {
   Arena a(*backend_);
   float* row = a.Zeros(16);
   float* cache = a.Zeros(16 * 4);
-  KvAppend s{row, row, cache, cache, KvLayout::Region(16), /*t=*/1};  // room for token 0 only
+  KvAppend s{row, row, cache, cache, KvLayout::Region(16), {}, /*t=*/1};  // room for token 0 only
   AppendKvParams p{&s, 1, 1, 1, 16, DType::kF32};
   const absl::Status st = backend_->AppendKv(p);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);

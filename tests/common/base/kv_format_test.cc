@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace kvwire {
@@ -66,27 +69,70 @@ TEST(KvFormat, E4M3RoundsToNearestEvenAndSaturates) {
 
 TEST(KvFormat, Sizes) {
   // Value blocks: int8 and int4 rows carry their parameters; fp8 rows share a group's E8M0.
-  EXPECT_EQ(KvValueBlockBytes(KvFormat::kAuto, DType::kF32, 128, 10, 10), 10u * 512);
-  EXPECT_EQ(KvValueBlockBytes(KvFormat::kAuto, DType::kBF16, 128, 10, 10), 10u * 256);
-  EXPECT_EQ(KvValueBlockBytes(KvFormat::kBF16, DType::kF32, 128, 10, 10), 10u * 256);
-  EXPECT_EQ(KvValueBlockBytes(KvFormat::kFP8, DType::kBF16, 128, 300, 284), 300u * 128 + 4);
-  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt8, DType::kBF16, 128, 10, 10), 10u * 130);
-  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt4, DType::kBF16, 128, 10, 10), 10u * (64 + 4));
-  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt4, DType::kF32, 256, 10, 10), 10u * (128 + 2 * 4));
-  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt4, DType::kF32, 8, 10, 10), 10u * (4 + 4));
-  // Key blocks: codes, then per group of tokens two f16 per channel.
-  EXPECT_EQ(KvKeyBlockBytes(KvFormat::kBF16, DType::kF32, 64, 300, 300), 300u * 128);
-  EXPECT_EQ(KvKeyGroups(KvFormat::kFP8, 300, 300), 3);  // 128 + 128 + 44
-  EXPECT_EQ(KvKeyBlockBytes(KvFormat::kFP8, DType::kBF16, 64, 300, 300), 300u * 64 + 3 * 256);
-  EXPECT_EQ(KvKeyBlockBytes(KvFormat::kInt4, DType::kBF16, 64, 300, 300), 300u * 32 + 3 * 256);
-  // The head's recent tokens are a group of their own; the raw formats have no groups.
-  EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt4, 300, 0, 300), 284);
-  EXPECT_EQ(KvKeyGroups(KvFormat::kInt4, 300, 284), 4);  // 128 + 128 + 28 + 16
-  EXPECT_EQ(KvKeyRecentStart(KvFormat::kFP8, 300, 0, 300), 284);
-  EXPECT_EQ(KvKeyRecentStart(KvFormat::kBF16, 300, 0, 300), 300);
-  EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt4, 300, 290, 10), 0);   // a block inside the recent
-  EXPECT_EQ(KvKeyRecentStart(KvFormat::kInt4, 300, 0, 100), 100);  // a block before them
-  EXPECT_EQ(KvKeyGroups(KvFormat::kInt4, 10, 0), 1);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kAuto, DType::kF32, 128, 10, 0, 10), 10u * 512);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kAuto, DType::kBF16, 128, 10, 0, 10), 10u * 256);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kBF16, DType::kF32, 128, 10, 0, 10), 10u * 256);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kFP8, DType::kBF16, 128, 300, 0, 300), 300u * 128 + 4);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt8, DType::kBF16, 128, 10, 0, 10), 10u * 130);
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt4, DType::kBF16, 128, 10, 0, 10), 10u * (64 + 4));
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt4, DType::kF32, 256, 10, 0, 10), 10u * (128 + 2 * 4));
+  EXPECT_EQ(KvValueBlockBytes(KvFormat::kInt4, DType::kF32, 8, 10, 0, 10), 10u * (4 + 4));
+  // Key blocks: codes, then per group the block touches two f16 per channel.
+  EXPECT_EQ(KvKeyBlockBytes(KvFormat::kBF16, DType::kF32, 64, 300, 0, 300), 300u * 128);
+  EXPECT_EQ(KvBlockGroups(KvFormat::kFP8, 300, 0, 300), 4);  // 128 + 128 + 28 + 16
+  EXPECT_EQ(KvKeyBlockBytes(KvFormat::kFP8, DType::kBF16, 64, 300, 0, 300), 300u * 64 + 4 * 256);
+  EXPECT_EQ(KvKeyBlockBytes(KvFormat::kInt4, DType::kBF16, 64, 300, 0, 300), 300u * 32 + 4 * 256);
+  EXPECT_EQ(KvBlockGroups(KvFormat::kBF16, 300, 0, 300), 0);
+  EXPECT_EQ(KvBlockGroups(KvFormat::kInt4, 300, 290, 10), 1);   // inside the recent group
+  EXPECT_EQ(KvBlockGroups(KvFormat::kInt4, 300, 100, 100), 2);  // across groups 0 and 1
+  EXPECT_EQ(KvBlockGroups(KvFormat::kInt4, 10, 0, 10), 1);
+}
+
+// The groups belong to the head: 128 tokens from its first, its last 16 kept tokens, then the
+// appended tokens' groups of 128 from the first appended.
+TEST(KvFormat, GroupsOfAHead) {
+  const KvGroups g{300};
+  EXPECT_EQ(g.recent(), 284);
+  EXPECT_EQ(g.prompt_groups(), 4);
+  for (auto [t, want] : std::vector<std::pair<int, int>>{{0, 0},
+                                                         {127, 0},
+                                                         {128, 1},
+                                                         {255, 1},
+                                                         {256, 2},
+                                                         {283, 2},
+                                                         {284, 3},
+                                                         {299, 3},
+                                                         {300, 4},
+                                                         {427, 4},
+                                                         {428, 5}}) {
+    EXPECT_EQ(g.Of(t), want) << t;
+  }
+  for (auto [grp, b, e] : std::vector<std::tuple<int, int, int>>{{0, 0, 128},
+                                                                 {1, 128, 256},
+                                                                 {2, 256, 284},
+                                                                 {3, 284, 300},
+                                                                 {4, 300, 428},
+                                                                 {5, 428, 556}}) {
+    EXPECT_EQ(g.Begin(grp), b) << grp;
+    EXPECT_EQ(g.End(grp), e) << grp;
+  }
+  EXPECT_EQ(KvGroups{10}.prompt_groups(), 1);  // all recent
+  EXPECT_EQ(KvGroups{10}.Of(9), 0);
+  EXPECT_EQ(KvGroups{10}.Of(10), 1);
+  EXPECT_EQ(KvGroups{272}.Of(255), 1);  // 256 below the recent: two whole groups
+  EXPECT_EQ(KvGroups{272}.Of(256), 2);
+  EXPECT_EQ(KvGroups{272}.prompt_groups(), 3);
+  EXPECT_EQ(KvGroups{0}.Of(5), 0);
+  EXPECT_EQ(KvGroups{0}.End(0), 128);
+  // Every token of a cache of `capacity` has a group below Max(capacity).
+  for (int capacity : {1, 16, 17, 129, 300, 1000}) {
+    for (int kept = 0; kept <= capacity; kept += std::max(1, capacity / 7)) {
+      EXPECT_LT(KvGroups{kept}.Of(capacity - 1), KvGroups::Max(capacity)) << kept;
+    }
+  }
+}
+
+TEST(KvFormat, RefusesAnOddHeadForInt4) {
   EXPECT_TRUE(CheckKvFormat(KvFormat::kInt4, 64).ok());
   const absl::Status odd = CheckKvFormat(KvFormat::kInt4, 7);
   EXPECT_EQ(odd.code(), absl::StatusCode::kInvalidArgument);
@@ -143,13 +189,13 @@ TEST(KvFormat, KeysWithinHalfAStepOfTheirChannelsRange) {
       const std::vector<float> x = Rows(n, d, rng);
       for (KvFormat f : kAllKvFormats) {
         SCOPED_TRACE(absl::StrCat(KvFormatName(f), " d=", d, " n=", n));
-        const int recent = KvKeyRecentStart(f, n, 0, n);
-        std::vector<uint8_t> coded(KvKeyBlockBytes(f, DType::kF32, d, n, recent));
+        const KvGroups groups{n};
+        std::vector<uint8_t> coded(KvKeyBlockBytes(f, DType::kF32, d, n, 0, n));
         std::vector<float> back(x.size());
-        EncodeKvKeys(f, DType::kF32, d, n, recent, x.data(), coded.data());
-        DecodeKvKeys(f, DType::kF32, d, n, recent, coded.data(), back.data());
+        EncodeKvKeys(f, DType::kF32, d, n, 0, n, x.data(), coded.data());
+        DecodeKvKeys(f, DType::kF32, d, n, 0, n, coded.data(), back.data());
         for (int t0 = 0; t0 < n;) {
-          const int t1 = t0 < recent ? std::min(t0 + kKeyGroupTokens, recent) : n;
+          const int t1 = KvCoded(f) ? groups.End(groups.Of(t0)) : n;
           for (int c = 0; c < d; ++c) {
             float lo = x[static_cast<size_t>(t0) * d + c], hi = lo;
             for (int t = t0; t < t1; ++t) {
@@ -192,23 +238,57 @@ TEST(KvFormat, KeysWithinHalfAStepOfTheirChannelsRange) {
   }
 }
 
+// However a stream cuts a head into blocks, each block carries its groups' parameters computed
+// over the whole group, so the codes and the decoded rows are the whole head's.
+TEST(KvFormat, ABlockCodesAsTheWholeHeadDoes) {
+  std::mt19937 rng(9);
+  const int d = 16, kept = 300;
+  const std::vector<float> x = Rows(kept, d, rng);
+  for (KvFormat f : kAllKvFormats) {
+    SCOPED_TRACE(KvFormatName(f));
+    std::vector<uint8_t> whole_k(KvKeyBlockBytes(f, DType::kF32, d, kept, 0, kept));
+    std::vector<uint8_t> whole_v(KvValueBlockBytes(f, DType::kF32, d, kept, 0, kept));
+    EncodeKvKeys(f, DType::kF32, d, kept, 0, kept, x.data(), whole_k.data());
+    EncodeKvValues(f, DType::kF32, d, kept, 0, kept, x.data(), whole_v.data());
+    std::vector<float> want(x.size()), got(x.size());
+    DecodeKvKeys(f, DType::kF32, d, kept, 0, kept, whole_k.data(), want.data());
+    const std::vector<int> cuts = {0, 50, 200, 290, 299, 300};
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      const int first = cuts[i], n = cuts[i + 1] - cuts[i];
+      std::vector<uint8_t> k(KvKeyBlockBytes(f, DType::kF32, d, kept, first, n));
+      std::vector<uint8_t> v(KvValueBlockBytes(f, DType::kF32, d, kept, first, n));
+      EncodeKvKeys(f, DType::kF32, d, kept, first, n, x.data(), k.data());
+      EncodeKvValues(f, DType::kF32, d, kept, first, n, x.data(), v.data());
+      const size_t code = KvKeyCodeBytes(f, DType::kF32, d);
+      ASSERT_EQ(std::memcmp(k.data(), whole_k.data() + first * code, n * code), 0) << first;
+      DecodeKvKeys(f, DType::kF32, d, kept, first, n, k.data(), got.data() + first * d);
+      std::vector<float> values(static_cast<size_t>(n) * d), whole_values(x.size());
+      DecodeKvValues(f, DType::kF32, d, kept, first, n, v.data(), values.data());
+      DecodeKvValues(f, DType::kF32, d, kept, 0, kept, whole_v.data(), whole_values.data());
+      ASSERT_EQ(std::memcmp(values.data(), whole_values.data() + first * d, values.size() * 4), 0)
+          << first;
+    }
+    ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0);
+  }
+}
+
 TEST(KvFormat, ValuesWithinHalfAStepOfTheirRowsRange) {
   std::mt19937 rng(8);
   for (int d : {8, 64, 96, 256}) {
-    const int rows = 300, recent = 284;
+    const int rows = 300;
+    const KvGroups groups{rows};
     const std::vector<float> x = Rows(rows, d, rng);
     for (KvFormat f : kAllKvFormats) {
       SCOPED_TRACE(absl::StrCat(KvFormatName(f), " d=", d));
-      std::vector<uint8_t> coded(KvValueBlockBytes(f, DType::kF32, d, rows, recent));
+      std::vector<uint8_t> coded(KvValueBlockBytes(f, DType::kF32, d, rows, 0, rows));
       std::vector<float> back(x.size());
-      EncodeKvValues(f, DType::kF32, d, rows, recent, x.data(), coded.data());
-      DecodeKvValues(f, DType::kF32, d, rows, recent, coded.data(), back.data());
+      EncodeKvValues(f, DType::kF32, d, rows, 0, rows, x.data(), coded.data());
+      DecodeKvValues(f, DType::kF32, d, rows, 0, rows, coded.data(), back.data());
       for (int r = 0; r < rows; ++r) {
         const float* a = &x[static_cast<size_t>(r) * d];
         const float* b = &back[static_cast<size_t>(r) * d];
         float amax = 0;  // the row's, or for fp8 its group's
-        const int g0 = r < recent ? r / kKeyGroupTokens * kKeyGroupTokens : recent;
-        const int g1 = r < recent ? std::min(g0 + kKeyGroupTokens, recent) : rows;
+        const int g0 = groups.Begin(groups.Of(r)), g1 = groups.End(groups.Of(r));
         for (int t = f == KvFormat::kFP8 ? g0 : r; t < (f == KvFormat::kFP8 ? g1 : r + 1); ++t) {
           for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[size_t(t) * d + i]));
         }
@@ -248,10 +328,11 @@ TEST(KvFormat, QuantisedBytesPerValue) {
   // Bytes per value of 128-dim heads: fp8 values share a byte per 128 tokens, int4 values a
   // step and a minimum per row; keys in groups of 128 tokens cost 4 bytes per channel per
   // group: 1/32 of a byte per value.
-  EXPECT_NEAR(KvValueBlockBytes(KvFormat::kFP8, DType::kBF16, 128, 128, 128) / (128.0 * 128), 1.0,
-              1e-4);
-  EXPECT_NEAR(KvValueBlockBytes(KvFormat::kInt4, DType::kBF16, 128, 1, 1) / 128.0, 0.53125, 1e-9);
-  EXPECT_NEAR(KvKeyBlockBytes(KvFormat::kInt4, DType::kBF16, 128, 128, 128) / (128.0 * 128),
+  EXPECT_NEAR(KvValueBlockBytes(KvFormat::kFP8, DType::kBF16, 128, 256, 0, 128) / (128.0 * 128),
+              1.0, 1e-4);
+  EXPECT_NEAR(KvValueBlockBytes(KvFormat::kInt4, DType::kBF16, 128, 1, 0, 1) / 128.0, 0.53125,
+              1e-9);
+  EXPECT_NEAR(KvKeyBlockBytes(KvFormat::kInt4, DType::kBF16, 128, 256, 0, 128) / (128.0 * 128),
               0.53125, 1e-9);
 }
 
@@ -259,17 +340,17 @@ TEST(KvFormat, ZeroRowsAndNonFiniteInputAreDefined) {
   const int d = 16, n = 3;
   std::vector<float> zero(d * n, 0.0f), nan(d * n, NAN), back(d * n);
   for (KvFormat f : kAllKvFormats) {
-    std::vector<uint8_t> keys(KvKeyBlockBytes(f, DType::kF32, d, n, n));
-    std::vector<uint8_t> values(KvValueBlockBytes(f, DType::kF32, d, n, n));
-    EncodeKvKeys(f, DType::kF32, d, n, n, zero.data(), keys.data());
-    DecodeKvKeys(f, DType::kF32, d, n, n, keys.data(), back.data());
+    std::vector<uint8_t> keys(KvKeyBlockBytes(f, DType::kF32, d, n, 0, n));
+    std::vector<uint8_t> values(KvValueBlockBytes(f, DType::kF32, d, n, 0, n));
+    EncodeKvKeys(f, DType::kF32, d, n, 0, n, zero.data(), keys.data());
+    DecodeKvKeys(f, DType::kF32, d, n, 0, n, keys.data(), back.data());
     for (float b : back) EXPECT_EQ(b, 0.0f) << KvFormatName(f);
-    EncodeKvValues(f, DType::kF32, d, n, n, zero.data(), values.data());
-    DecodeKvValues(f, DType::kF32, d, n, n, values.data(), back.data());
+    EncodeKvValues(f, DType::kF32, d, n, 0, n, zero.data(), values.data());
+    DecodeKvValues(f, DType::kF32, d, n, 0, n, values.data(), back.data());
     for (float b : back) EXPECT_EQ(b, 0.0f) << KvFormatName(f);
     // NaN input (not a cache's, but the encoders must not invoke undefined behaviour).
-    EncodeKvKeys(f, DType::kF32, d, n, n, nan.data(), keys.data());
-    EncodeKvValues(f, DType::kF32, d, n, n, nan.data(), values.data());
+    EncodeKvKeys(f, DType::kF32, d, n, 0, n, nan.data(), keys.data());
+    EncodeKvValues(f, DType::kF32, d, n, 0, n, nan.data(), values.data());
   }
 }
 

@@ -245,7 +245,10 @@ struct Mutation {
 TEST(KvWire, RejectsMalformedStreams) {
   const std::vector<Mutation> cases = {
       {"version 1 (a peer from before KV formats)", [](Stream& s) { s.header.format_version = 1; },
-       absl::StatusCode::kInvalidArgument, "format version 1; this node speaks version 2"},
+       absl::StatusCode::kInvalidArgument, "format version 1; this node speaks version 3"},
+      {"version 2 (groups of a block, not of the head)",
+       [](Stream& s) { s.header.format_version = 2; }, absl::StatusCode::kInvalidArgument,
+       "format version 2; this node speaks version 3"},
       {"kv format", [](Stream& s) { s.header.kv_format = KvFormat::kInt4; },
        absl::StatusCode::kInvalidArgument, "coded in int4; the request asked for auto"},
       {"fingerprint", [](Stream& s) { s.header.model_fingerprint = "other"; },
@@ -372,16 +375,18 @@ void ExpectCacheHoldsChunks(const std::vector<WireChunk>& chunks, KvFormat forma
   for (const WireChunk& c : chunks) {
     const LayerCache& lc = cache.layer(c.layer);
     const size_t row = lc.row_bytes(), n = c.token_count;
-    const int recent = KvKeyRecentStart(format, kept[c.layer], c.token_begin, c.token_count);
-    const size_t k_block = KvKeyBlockBytes(format, lc.dtype, lc.head_dim, c.token_count, recent);
-    const size_t v_block = KvValueBlockBytes(format, lc.dtype, lc.head_dim, c.token_count, recent);
+    const int kl = kept[c.layer];
+    const size_t k_block =
+        KvKeyBlockBytes(format, lc.dtype, lc.head_dim, kl, c.token_begin, c.token_count);
+    const size_t v_block =
+        KvValueBlockBytes(format, lc.dtype, lc.head_dim, kl, c.token_begin, c.token_count);
     std::vector<uint8_t> k(row * n), v(row * n);
     const std::vector<int32_t> positions = Positions(c, kPrompt);
     for (int h = 0; h < c.head_count; ++h) {
-      DecodeKvKeys(format, lc.dtype, lc.head_dim, c.token_count, recent, &c.k[h * k_block],
-                   k.data());
-      DecodeKvValues(format, lc.dtype, lc.head_dim, c.token_count, recent, &c.v[h * v_block],
-                     v.data());
+      DecodeKvKeys(format, lc.dtype, lc.head_dim, kl, c.token_begin, c.token_count,
+                   &c.k[h * k_block], k.data());
+      DecodeKvValues(format, lc.dtype, lc.head_dim, kl, c.token_begin, c.token_count,
+                     &c.v[h * v_block], v.data());
       for (size_t t = 0; t < n; ++t) {
         const int head = c.head_begin + h, token = c.token_begin + static_cast<int>(t);
         ASSERT_EQ(lc.position(head, token), positions[h * n + t]);

@@ -1,0 +1,275 @@
+// A cache kept in the wire's codes (KvCacheShape::format fp8, int8, int4): the wire's blocks
+// stored as they arrive, decode attention dequantising as it reads, tokens appended into the
+// residual and coded a group at a time. The specification is a float32 cache holding what the
+// codes decode to: the reference backend over the coded cache must equal the reference over
+// that cache exactly, and the CPU kernel must match the reference.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/base/kv_format.h"
+#include "common/model/kv_cache.h"
+#include "common/model/kv_pool.h"
+#include "kernels/backend.h"
+#include "tests/kernels/ops_test_util.h"
+
+namespace kvwire {
+namespace {
+
+using kernels::DecodeAttentionParams;
+using kernels::DecodeSequence;
+using kernels::KvAppend;
+
+constexpr int kHeads = 2, kGroup = 2, kDim = 64, kKept = 300, kAppended = 260;
+// The CPU kernel sums q·a + (q∘b)·codes where the reference sums q·(a + b·codes).
+constexpr kernels::Tolerance kTolerance{1e-5f, 1e-3f};
+
+std::vector<float> RandomRows(int n, std::mt19937& rng, float scale = 1.f) {
+  std::normal_distribution<float> dist(0.f, scale);
+  std::vector<float> x(static_cast<size_t>(n) * kDim);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = dist(rng) + (i % kDim == 3 ? 8.f : 0.f);  // one large channel, as RoPE'd keys have
+  }
+  return x;
+}
+
+// The float32 rows a block of `rows` (in `dtype`) decodes to.
+std::vector<float> Decoded(KvFormat f, DType dtype, const std::vector<uint8_t>& rows, int kept,
+                           bool keys) {
+  std::vector<uint8_t> block(keys ? KvKeyBlockBytes(f, dtype, kDim, kept, 0, kept)
+                                  : KvValueBlockBytes(f, dtype, kDim, kept, 0, kept));
+  std::vector<float> back(static_cast<size_t>(kept) * kDim);
+  if (keys) {
+    EncodeKvKeys(f, dtype, kDim, kept, 0, kept, rows.data(), block.data());
+    DecodeKvKeys(f, DType::kF32, kDim, kept, 0, kept, block.data(), back.data());
+  } else {
+    EncodeKvValues(f, dtype, kDim, kept, 0, kept, rows.data(), block.data());
+    DecodeKvValues(f, DType::kF32, kDim, kept, 0, kept, block.data(), back.data());
+  }
+  return back;
+}
+
+class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DType>> {
+ protected:
+  KvFormat format() const { return std::get<0>(GetParam()); }
+  DType dtype() const { return std::get<1>(GetParam()); }
+
+  KvCacheShape Shape(KvFormat f, DType t) const {
+    KvCacheShape s;
+    s.n_heads = kHeads;
+    s.head_dim = kDim;
+    s.dtype = t;
+    s.capacity = {kKept + kAppended};
+    s.format = f;
+    s.appended = kAppended;
+    return s;
+  }
+
+  // A coded cache holding `keys` and `values` ([head][kept][d] in dtype) as the wire would
+  // deliver them, cut into blocks at `cut`.
+  std::unique_ptr<KvCache> CodedCache(const std::vector<uint8_t>& keys,
+                                      const std::vector<uint8_t>& values, int cut) {
+    auto cache = KvCache::Create(Shape(format(), dtype()), HeapKvAllocator());
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    LayerCache& lc = (*cache)->layer(0);
+    lc.kept = kKept;
+    const size_t row = kDim * DTypeSize(dtype());
+    for (int h = 0; h < kHeads; ++h) {
+      const uint8_t* k = keys.data() + h * kKept * row;
+      const uint8_t* v = values.data() + h * kKept * row;
+      for (auto [first, n] : {std::pair{0, cut}, std::pair{cut, kKept - cut}}) {
+        std::vector<uint8_t> kb(KvKeyBlockBytes(format(), dtype(), kDim, kKept, first, n));
+        std::vector<uint8_t> vb(KvValueBlockBytes(format(), dtype(), kDim, kKept, first, n));
+        EncodeKvKeys(format(), dtype(), kDim, kKept, first, n, k, kb.data());
+        EncodeKvValues(format(), dtype(), kDim, kKept, first, n, v, vb.data());
+        EXPECT_TRUE((*cache)->WriteCodedBlock(0, h, first, n, kb.data(), vb.data()).ok());
+      }
+      for (int t = 0; t < kKept; ++t) lc.positions[h * lc.capacity + t] = t;
+    }
+    lc.len = kKept;
+    return std::move(*cache);
+  }
+
+  // Attention of kHeads · kGroup query heads `q` over layer 0 of `cache` (all tokens, or
+  // `indices` per cache head), with probabilities.
+  std::vector<float> Attend(kernels::KernelBackend& backend, const KvCache& cache,
+                            const std::vector<float>& q, const std::vector<int32_t>* indices,
+                            int num_indices) {
+    const LayerCache& lc = cache.layer(0);
+    std::vector<float> out(q.size()), probs(static_cast<size_t>(kHeads) * kGroup * lc.len);
+    DecodeSequence s;
+    s.q = q.data();
+    s.out = out.data();
+    s.k = lc.k;
+    s.v = lc.v;
+    s.layout = lc.layout;
+    s.coding = lc.coding();
+    s.len = lc.len;
+    s.probs = probs.data();
+    if (indices) {
+      s.indices = indices->data();
+      s.num_indices = num_indices;
+    }
+    DecodeAttentionParams p;
+    p.seqs = &s;
+    p.batch = 1;
+    p.n_heads = kHeads * kGroup;
+    p.n_cache_heads = kHeads;
+    p.head_dim = kDim;
+    p.kv_dtype = lc.dtype;
+    p.scale = 0.125f;
+    const absl::Status st = backend.DecodeAttention(p);
+    EXPECT_TRUE(st.ok()) << st;
+    out.insert(out.end(), probs.begin(), probs.end());
+    return out;
+  }
+};
+
+TEST_P(CodedCacheTest, DecodeReadsAndAppendsAsTheSpecification) {
+  auto reference = kernels::MakeBackend(kernels::BackendKind::kReference);
+  auto cpu = kernels::MakeBackend(kernels::BackendKind::kCpu, 2);
+  ASSERT_TRUE(reference.ok() && cpu.ok());
+  std::mt19937 rng(11);
+  const size_t row = kDim * DTypeSize(dtype());
+  std::vector<uint8_t> keys(kHeads * kKept * row), values(kHeads * kKept * row);
+  for (int h = 0; h < kHeads; ++h) {
+    const std::vector<float> k = RandomRows(kKept, rng), v = RandomRows(kKept, rng, 0.5f);
+    FromFloat(dtype(), k.data(), keys.data() + h * kKept * row, k.size());
+    FromFloat(dtype(), v.data(), values.data() + h * kKept * row, v.size());
+  }
+  // One cache per backend (appends write them), cut differently: the codes are the same.
+  std::unique_ptr<KvCache> on_ref = CodedCache(keys, values, 50);
+  std::unique_ptr<KvCache> on_cpu = CodedCache(keys, values, 290);
+  // The specification: a float32 cache of what the codes decode to.
+  auto plain = KvCache::Create(Shape(KvFormat::kAuto, DType::kF32), HeapKvAllocator());
+  ASSERT_TRUE(plain.ok());
+  LayerCache& pc = (*plain)->layer(0);
+  for (int h = 0; h < kHeads; ++h) {
+    const std::vector<uint8_t> k(keys.begin() + h * kKept * row,
+                                 keys.begin() + (h + 1) * kKept * row);
+    const std::vector<uint8_t> v(values.begin() + h * kKept * row,
+                                 values.begin() + (h + 1) * kKept * row);
+    const std::vector<float> kf = Decoded(format(), dtype(), k, kKept, true);
+    const std::vector<float> vf = Decoded(format(), dtype(), v, kKept, false);
+    for (int t = 0; t < kKept; ++t) {
+      std::memcpy(pc.k_row(h, t), &kf[t * kDim], kDim * 4);
+      std::memcpy(pc.v_row(h, t), &vf[t * kDim], kDim * 4);
+    }
+  }
+  pc.len = kKept;
+  // Decode appends kAppended tokens: two groups fill and are coded, 4 stay in the residual.
+  std::vector<std::vector<uint8_t>> resid_k(kHeads), resid_v(kHeads);
+  for (int step = 0; step <= kAppended; ++step) {
+    SCOPED_TRACE(absl::StrCat("after ", step, " appended"));
+    const std::vector<float> q = RandomRows(kHeads * kGroup, rng, 0.3f);
+    const std::vector<float> want = Attend(**reference, **plain, q, nullptr, 0);
+    ASSERT_EQ(Attend(**reference, *on_ref, q, nullptr, 0), want);
+    const std::vector<float> got = Attend(**cpu, *on_cpu, q, nullptr, 0);
+    ASSERT_TRUE(kernels::AllClose(got, want, kTolerance));
+    if (step % 37 == 0) {  // a sparse selection, in any order
+      const int n = 40;
+      std::vector<int32_t> idx(kHeads * n);
+      for (int32_t& i : idx) i = static_cast<int32_t>(rng() % pc.len);
+      ASSERT_EQ(Attend(**reference, *on_ref, q, &idx, n), Attend(**reference, **plain, q, &idx, n));
+      ASSERT_TRUE(kernels::AllClose(Attend(**cpu, *on_cpu, q, &idx, n),
+                                    Attend(**reference, **plain, q, &idx, n), kTolerance));
+    }
+    if (step == kAppended) break;
+    // Token t: into each coded cache through its backend, into the specification by hand.
+    const int t = kKept + step;
+    const std::vector<float> k = RandomRows(kHeads, rng), v = RandomRows(kHeads, rng, 0.5f);
+    for (auto [backend, cache] :
+         {std::pair{reference->get(), on_ref.get()}, std::pair{cpu->get(), on_cpu.get()}}) {
+      LayerCache& lc = cache->layer(0);
+      KvAppend a{k.data(), v.data(), lc.k, lc.v, lc.layout, lc.coding(), t};
+      const absl::Status st = backend->AppendKv({&a, 1, kHeads, kHeads, kDim, dtype()});
+      ASSERT_TRUE(st.ok()) << st;
+      lc.len = t + 1;
+    }
+    for (int h = 0; h < kHeads; ++h) {
+      // A token in the residual is its row in the cache dtype.
+      std::vector<uint8_t> kr(row), vr(row);
+      FromFloat(dtype(), k.data() + h * kDim, kr.data(), kDim);
+      FromFloat(dtype(), v.data() + h * kDim, vr.data(), kDim);
+      ToFloat(dtype(), kr.data(), reinterpret_cast<float*>(pc.k_row(h, t)), kDim);
+      ToFloat(dtype(), vr.data(), reinterpret_cast<float*>(pc.v_row(h, t)), kDim);
+      resid_k[h].insert(resid_k[h].end(), kr.begin(), kr.end());
+      resid_v[h].insert(resid_v[h].end(), vr.begin(), vr.end());
+      if (resid_k[h].size() < kKeyGroupTokens * row) continue;
+      // A whole group: its rows are what the group's codes decode to.
+      const int first = t + 1 - kKeyGroupTokens;
+      std::vector<uint8_t> codes(kKeyGroupTokens * row), params(4 * kDim);
+      uint8_t scale = 0;
+      std::vector<float> x(kDim);
+      const size_t kc = KvKeyCodeBytes(format(), dtype(), kDim);
+      const size_t vc = KvValueRowBytes(format(), dtype(), kDim);
+      EncodeKeyGroup(format(), dtype(), kDim, kKeyGroupTokens, resid_k[h].data(), codes.data(),
+                     params.data());
+      for (int i = 0; i < kKeyGroupTokens; ++i) {
+        DecodeKeyRow(format(), kDim, codes.data() + i * kc, params.data(),
+                     reinterpret_cast<float*>(pc.k_row(h, first + i)));
+      }
+      EncodeValueGroup(format(), dtype(), kDim, kKeyGroupTokens, resid_v[h].data(), codes.data(),
+                       &scale);
+      for (int i = 0; i < kKeyGroupTokens; ++i) {
+        DecodeValueRow(format(), kDim, codes.data() + i * vc, scale,
+                       reinterpret_cast<float*>(pc.v_row(h, first + i)));
+      }
+      resid_k[h].clear();
+      resid_v[h].clear();
+    }
+    pc.len = t + 1;
+  }
+  EXPECT_EQ(on_ref->layer(0).coding().ResidBegin(kKept + kAppended), kKept + 256);
+}
+
+// Its bytes: the codes and their parameters, and a residual of at most a group in the dtype.
+TEST_P(CodedCacheTest, TakesAFractionOfThePool) {
+  KvCacheShape coded = Shape(format(), dtype()), plain = Shape(KvFormat::kAuto, dtype());
+  coded.capacity = plain.capacity = {16384 + 128};
+  coded.appended = plain.appended = 128;
+  const double ratio = static_cast<double>(KvCache::BytesFor(plain)) / KvCache::BytesFor(coded);
+  // Per token and head of 64 values: fp8 64 + 2 bytes of keys (a group's parameters over 128
+  // tokens), 64 of values; int8 66 and 66; int4 34 and 36; and 4 of position either way. A
+  // pool of bf16 caches takes 260, of float32 516; the residual's 128 rows cost a little.
+  const bool f32 = dtype() == DType::kF32;
+  const double want = format() == KvFormat::kFP8    ? (f32 ? 3.7 : 1.9)
+                      : format() == KvFormat::kInt8 ? (f32 ? 3.65 : 1.85)
+                                                    : (f32 ? 6.5 : 3.35);
+  EXPECT_GT(ratio, want) << KvFormatName(format());
+  KvPool pool(size_t{64} << 20, 4096);
+  EXPECT_EQ(pool.BytesFor(coded), KvCache::BytesFor(coded));
+}
+
+TEST_P(CodedCacheTest, RefusesRowsAndTheWrongBlocks) {
+  auto cache = KvCache::Create(Shape(format(), dtype()), HeapKvAllocator());
+  ASSERT_TRUE(cache.ok());
+  std::vector<uint8_t> rows(64 * kDim * 4);
+  const absl::Status st = (*cache)->WriteRows(0, 0, 0, 1, rows.data(), rows.data());
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  (*cache)->layer(0).kept = 10;
+  EXPECT_EQ((*cache)->WriteCodedBlock(0, 0, 5, 6, rows.data(), rows.data()).code(),
+            absl::StatusCode::kInvalidArgument);  // past the kept tokens
+  EXPECT_EQ((*cache)->WriteCodedBlock(0, kHeads, 0, 1, rows.data(), rows.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  KvCacheShape paged = Shape(format(), dtype());
+  auto backend = kernels::MakeBackend(kernels::BackendKind::kGuarded);
+  ASSERT_TRUE(backend.ok());
+  auto pool = KvPool::OnBackend(std::move(*backend), size_t{4} << 20, 4096);
+  ASSERT_TRUE(pool.ok());
+  EXPECT_EQ(KvCache::CreatePaged(paged, **pool).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, CodedCacheTest,
+                         ::testing::Combine(::testing::Values(KvFormat::kFP8, KvFormat::kInt8,
+                                                              KvFormat::kInt4),
+                                            ::testing::Values(DType::kF32, DType::kBF16)),
+                         [](const auto& info) {
+                           return absl::StrCat(KvFormatName(std::get<0>(info.param)), "_",
+                                               DTypeName(std::get<1>(info.param)));
+                         });
+
+}  // namespace
+}  // namespace kvwire
