@@ -17,10 +17,11 @@
 //
 // `--batch` decodes that many sequences per step (each its own cache and selector, the same
 // rows), and `--backend cuda` runs it on a GPU (selection on the host, attention on the device;
-// KV bytes then count the whole batch).
+// KV bytes then count the whole batch). `--kv-formats fp8,int4` adds the dense modes over caches
+// kept in those formats (the wire's codes, dequantised as attention reads them; a host backend).
 //
 // Run: build/bench/decode_bench [--ctx 16384 --kept 2048 --t 1024 --steps 24 --threads 2
-//                                --batch 1 --backend cpu]
+//                                --batch 1 --backend cpu --kv-formats fp8,int4]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -30,7 +31,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/base/flags.h"
+#include "common/base/kv_format.h"
+#include "common/base/status.h"
 #include "common/model/kv_cache.h"
 #include "common/model/kv_pool.h"
 #include "common/model/llama_model.h"
@@ -42,7 +46,8 @@ namespace {
 
 struct Mode {
   std::string name;
-  int prompt_kept;  // tokens per KV head in the cache before decoding
+  int prompt_kept;                    // tokens per KV head in the cache before decoding
+  KvFormat format = KvFormat::kAuto;  // how the cache keeps its rows
   DecodeAttentionConfig attention;
   std::vector<std::unique_ptr<KvCache>> caches;  // one per sequence of the batch
   std::vector<std::unique_ptr<DecodeSelector>> selectors;
@@ -69,6 +74,28 @@ void Fill(KvCache& cache, int len, uint64_t seed) {
   }
 }
 
+// The rows of `host` (a cache in its dtype), into a coded cache as the wire delivers them.
+absl::Status FillCoded(KvCache& cache, const KvCache& host) {
+  for (int l = 0; l < cache.num_layers(); ++l) {
+    const LayerCache& from = host.layer(l);
+    LayerCache& lc = cache.layer(l);
+    const int n = from.len;
+    lc.kept = n;
+    std::vector<uint8_t> k(KvKeyBlockBytes(lc.format, lc.dtype, lc.head_dim, n, 0, n));
+    std::vector<uint8_t> v(KvValueBlockBytes(lc.format, lc.dtype, lc.head_dim, n, 0, n));
+    for (int h = 0; h < lc.n_heads; ++h) {
+      EncodeKvKeys(lc.format, lc.dtype, lc.head_dim, n, 0, n, from.k_row(h, 0), k.data());
+      EncodeKvValues(lc.format, lc.dtype, lc.head_dim, n, 0, n, from.v_row(h, 0), v.data());
+      RETURN_IF_ERROR(cache.WriteCodedBlock(l, h, 0, n, k.data(), v.data()));
+      std::copy_n(from.positions + int64_t{h} * from.capacity, n,
+                  lc.positions + int64_t{h} * lc.capacity);
+    }
+    lc.len = n;
+  }
+  cache.set_prompt_len(host.prompt_len());
+  return absl::OkStatus();
+}
+
 }  // namespace
 }  // namespace kvwire
 
@@ -83,6 +110,8 @@ int main(int argc, char** argv) {
   f.Define("threads", "2", "CPU threads");
   f.Define("batch", "1", "sequences decoded together in each step (each with its own cache)");
   f.Define("backend", "cpu", "kernel backend: cpu, reference, cuda or guarded");
+  f.Define("kv-formats", "",
+           "coded KV formats (fp8, int8, int4) whose full and compressed dense caches to add");
   if (int rc = ParseFlagsOrExit(f, "decode_bench", "decode_bench [flags]", argc, argv); rc >= 0) {
     return rc;
   }
@@ -124,11 +153,13 @@ int main(int argc, char** argv) {
   // The pool (on a device) outlives the modes' caches, which return their pages to it.
   std::unique_ptr<KvPool> pool;
   std::vector<Mode> modes;
-  auto add = [&](std::string name, int prompt_kept, DecodeAttentionConfig a) {
+  auto add = [&](std::string name, int prompt_kept, DecodeAttentionConfig a,
+                 KvFormat format = KvFormat::kAuto) {
     Mode md;
     md.name = std::move(name);
     md.prompt_kept = prompt_kept;
     md.attention = a;
+    md.format = format;
     modes.push_back(std::move(md));
   };
   DecodeAttentionConfig dense;
@@ -149,6 +180,22 @@ int main(int argc, char** argv) {
   quest.mode = AttentionMode::kQuest;
   quest.token_budget = t;
   add("quest (full cache)", ctx, quest);
+  for (absl::string_view name : absl::StrSplit(f.GetString("kv-formats"), ',', absl::SkipEmpty())) {
+    auto format = ParseKvFormat(name);
+    if (!format.ok() || !KvCoded(*format) || m.on_device()) {
+      std::fprintf(stderr,
+                   "decode_bench: --kv-formats: '%s': coded caches are fp8, int8 or int4, on a "
+                   "host backend\n",
+                   std::string(name).c_str());
+      return 2;
+    }
+    if (absl::Status st = CheckKvFormat(*format, c.head_dim); !st.ok()) {
+      std::fprintf(stderr, "decode_bench: --kv-formats: %s\n", std::string(st.message()).c_str());
+      return 2;
+    }
+    add(absl::StrCat("full dense ", name), ctx, dense, *format);
+    add(absl::StrCat("compressed dense ", name), kept, dense, *format);
+  }
 
   // On a device the caches and their selectors' state are pages of one KV pool in its memory,
   // as on a decode node (KvPool::OnBackend); on the host, heap memory.
@@ -175,6 +222,8 @@ int main(int argc, char** argv) {
                        std::vector<int>(c.num_layers, md.prompt_kept + steps + 2)};
     // Every sequence of the batch holds the same rows (filled once on the host, copied).
     auto host = KvCache::Create(shape, HeapKvAllocator());
+    shape.format = md.format;
+    shape.appended = steps + 2;
     if (!host.ok()) {
       std::fprintf(stderr, "%s: %s\n", md.name.c_str(),
                    std::string(host.status().message()).c_str());
@@ -189,7 +238,9 @@ int main(int argc, char** argv) {
                      std::string(cache.status().message()).c_str());
         return 1;
       }
-      if (absl::Status st = (*cache)->CopyFrom(**host); !st.ok()) {
+      if (absl::Status st = md.format == KvFormat::kAuto ? (*cache)->CopyFrom(**host)
+                                                         : FillCoded(**cache, **host);
+          !st.ok()) {
         std::fprintf(stderr, "%s: %s\n", md.name.c_str(), std::string(st.message()).c_str());
         return 1;
       }
@@ -253,8 +304,12 @@ int main(int argc, char** argv) {
     const double med = median(md.ms);
     const int len = md.caches[0]->layer(0).len;
     auto p = ResolveSparseParams(md.attention, md.prompt_kept + steps + 2, c.head_dim);
-    const double kv = static_cast<double>(BytesReadPerStep(*p, len, c.head_dim, m.kv_dtype())) *
-                      c.num_kv_heads * c.num_layers * batch;
+    // A coded cache is read whole by dense attention: its codes, parameters and residual.
+    const double kv =
+        md.format == KvFormat::kAuto
+            ? static_cast<double>(BytesReadPerStep(*p, len, c.head_dim, m.kv_dtype())) *
+                  c.num_kv_heads * c.num_layers * batch
+            : static_cast<double>(md.caches[0]->StoredBytes()) * batch;
     kv_of.push_back(kv);
     if (base_ms == 0) {
       base_ms = med;
