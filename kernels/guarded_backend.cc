@@ -271,6 +271,7 @@ class GuardedBackend final : public KernelBackend {
   }
   absl::Status UpdateSummaries(const UpdateSummariesParams& p) override {
     RETURN_IF_ERROR(ValidateUpdateSummaries(p));
+    RETURN_IF_ERROR(RequireDtypeRows(p, "guarded"));
     std::vector<Extent> ext;
     for (int i = 0; i < p.count; ++i) {
       const SummaryUpdateSegment& s = p.segs[i];
@@ -291,6 +292,7 @@ class GuardedBackend final : public KernelBackend {
   }
   absl::Status PageScores(const PageScoresParams& p) override {
     RETURN_IF_ERROR(ValidatePageScores(p));
+    RETURN_IF_ERROR(RequireDtypeRows(p, "guarded"));
     std::vector<Extent> ext;
     for (int i = 0; i < p.count; ++i) {
       const PageScoreSegment& s = p.segs[i];

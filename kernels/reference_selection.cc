@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/base/ranking.h"
+#include "kernels/coded_rows.h"
 
 namespace kvwire::kernels::reference {
 namespace {
@@ -185,13 +186,20 @@ void UpdateSummaries(const UpdateSummariesParams& p) {
   for (int i = 0; i < p.count; ++i) {
     const SummaryUpdateSegment& s = p.segs[i];
     const SummaryLayout& l = s.layout;
+    std::vector<float> row(l.head_dim);
     for (int c = 0; c < s.n_heads; ++c) {
       for (int page = s.first / l.page; page < l.pages(s.len); ++page) {
         for (int d = 0; d < l.head_dim; ++d) {
           float lo = std::numeric_limits<float>::infinity();
           float hi = -std::numeric_limits<float>::infinity();
           for (int t = page * l.page; t < std::min(s.len, (page + 1) * l.page); ++t) {
-            const float v = Load(s.k, l.dtype, s.kv.Row(c, t, l.head_dim) + d);
+            float v;
+            if (s.coding.coded()) {
+              CodedKeyRow(s.k, s.kv, s.coding, l.dtype, l.head_dim, s.len, c, t, row.data());
+              v = row[d];
+            } else {
+              v = Load(s.k, l.dtype, s.kv.Row(c, t, l.head_dim) + d);
+            }
             lo = std::min(lo, v);
             hi = std::max(hi, v);
           }
@@ -267,13 +275,18 @@ void QuestScores(const PageScoreSegment& s, int d, DType dtype) {
 
 void ExactScores(const PageScoreSegment& s, int d, DType dtype) {
   std::fill(s.score, s.score + s.len, 0.f);
-  std::vector<float> e(s.len);
+  std::vector<float> e(s.len), row(d);
   for (int g = 0; g < s.group; ++g) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int t = 0; t < s.len; ++t) {
       float dot = 0.f;
-      for (int i = 0; i < d; ++i)
-        dot += s.q[g * d + i] * Load(s.k, dtype, s.kv.Row(s.head, t, d) + i);
+      if (s.coding.coded()) {
+        CodedKeyRow(s.k, s.kv, s.coding, dtype, d, s.len, s.head, t, row.data());
+        for (int i = 0; i < d; ++i) dot += s.q[g * d + i] * row[i];
+      } else {
+        for (int i = 0; i < d; ++i)
+          dot += s.q[g * d + i] * Load(s.k, dtype, s.kv.Row(s.head, t, d) + i);
+      }
       e[t] = dot * s.scale;
       mx = std::max(mx, e[t]);
     }

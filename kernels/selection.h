@@ -229,6 +229,7 @@ struct SummaryLayout {
 struct SummaryUpdateSegment {
   const void* k = nullptr;  // the keys: cache head c, token t at kv.Row(c, t) elements from k
   KvLayout kv;
+  KvCoding coding;  // a coded cache's (then each key dequantised, and its min and max rounded)
   int n_heads = 0;
   int first = 0, len = 0;
   void* summaries = nullptr;  // head c's block at c·layout.head_elems() elements
@@ -261,6 +262,7 @@ struct PageScoreSegment {
   int top_r = 0;                    // hybrid
   const void* k = nullptr;          // exact: the keys, cache head c's token t at kv.Row(c, t)
   KvLayout kv;                      // exact
+  KvCoding coding;                  // exact: a coded cache's
   int head = 0;                     // exact: the cache head
   float scale = 1.f;                // exact: the attention scale
   float* score = nullptr;           // [pages(len)], or [len] for kExact

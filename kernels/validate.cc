@@ -316,7 +316,8 @@ absl::Status ValidateUpdateSummaries(const UpdateSummariesParams& p) {
           return absl::StrCat("segment ", i, ": tokens [", s.first, ", ", s.len, ") do not fit ",
                               s.layout.max_pages, " pages of ", s.layout.page);
         }));
-    RETURN_IF_ERROR(ValidateKvLayout(s.kv, s.n_heads, s.len, s.layout.head_dim, kOp, i));
+    RETURN_IF_ERROR(ValidateKvRows(s.kv, s.coding, s.n_heads, s.len, s.layout.head_dim,
+                                   s.layout.dtype, kOp, i));
   }
   return absl::OkStatus();
 }
@@ -334,7 +335,8 @@ absl::Status ValidatePageScores(const PageScoresParams& p) {
       RETURN_IF_ERROR(Require(s.k != nullptr && s.head >= 0, kOp, [&] {
         return absl::StrCat("segment ", i, ": exact scores need k and a cache head");
       }));
-      RETURN_IF_ERROR(ValidateKvLayout(s.kv, s.head + 1, s.len, p.head_dim, kOp, i));
+      RETURN_IF_ERROR(
+          ValidateKvRows(s.kv, s.coding, s.head + 1, s.len, p.head_dim, p.dtype, kOp, i));
       continue;
     }
     RETURN_IF_ERROR(Require(s.summaries != nullptr, kOp, [&] {
@@ -390,6 +392,24 @@ absl::Status RequireDtypeRows(const DecodeAttentionParams& p, absl::string_view 
   for (int b = 0; b < p.batch; ++b) {
     if (p.seqs[b].coding.format != KvFormat::kAuto) {
       return CodedRefusal("DecodeAttention", backend, b, p.seqs[b].coding.format);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RequireDtypeRows(const UpdateSummariesParams& p, absl::string_view backend) {
+  for (int i = 0; i < p.count; ++i) {
+    if (p.segs[i].coding.format != KvFormat::kAuto) {
+      return CodedRefusal("UpdateSummaries", backend, i, p.segs[i].coding.format);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RequireDtypeRows(const PageScoresParams& p, absl::string_view backend) {
+  for (int i = 0; i < p.count; ++i) {
+    if (p.segs[i].coding.format != KvFormat::kAuto) {
+      return CodedRefusal("PageScores", backend, i, p.segs[i].coding.format);
     }
   }
   return absl::OkStatus();

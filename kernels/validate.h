@@ -29,5 +29,7 @@ absl::Status ValidateSample(const SampleParams& p);
 // these, naming itself; the reference and CPU backends read both.
 absl::Status RequireDtypeRows(const DecodeAttentionParams& p, absl::string_view backend);
 absl::Status RequireDtypeRows(const AppendKvParams& p, absl::string_view backend);
+absl::Status RequireDtypeRows(const UpdateSummariesParams& p, absl::string_view backend);
+absl::Status RequireDtypeRows(const PageScoresParams& p, absl::string_view backend);
 
 }  // namespace kvwire::kernels

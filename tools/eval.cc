@@ -269,8 +269,7 @@ absl::Status ScoreMethod(LlamaModel& model, const CapturedPrefill& cap, const Re
   const ModelConfig& mc = model.config();
   const int gen = options.gen, vocab = mc.vocab_size;
   ASSIGN_OR_RETURN(ResolvedMethod m, ResolveMethod(method, budget, len, gen + 1, mc));
-  ASSIGN_OR_RETURN(ReplayedCache replayed, ReplayInto(model, cap, m.compression, gen,
-                                                      m.attention.mode == AttentionMode::kDense));
+  ASSIGN_OR_RETURN(ReplayedCache replayed, ReplayInto(model, cap, m.compression, gen));
   KvCache* cache = replayed.cache.get();
   ASSIGN_OR_RETURN(auto selector,
                    MakeDecodeSelector(m.attention, mc, cache->shape(), HeapKvAllocator()));

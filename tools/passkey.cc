@@ -159,9 +159,7 @@ absl::StatusOr<PasskeyRun> EvalPasskey(LlamaModel& model, const std::vector<Eval
     for (const EvalMethod& method : methods) {
       for (int budget : budgets) {
         ASSIGN_OR_RETURN(ResolvedMethod m, ResolveMethod(method, budget, len, n_ans, mc));
-        ASSIGN_OR_RETURN(ReplayedCache replayed,
-                         ReplayInto(model, cap, m.compression, n_ans,
-                                    m.attention.mode == AttentionMode::kDense));
+        ASSIGN_OR_RETURN(ReplayedCache replayed, ReplayInto(model, cap, m.compression, n_ans));
         KvCache* cache = replayed.cache.get();
         ASSIGN_OR_RETURN(auto selector,
                          MakeDecodeSelector(m.attention, mc, cache->shape(), HeapKvAllocator()));

@@ -110,12 +110,11 @@ class WireCacheSink final : public CompressedLayerSink {
 }  // namespace
 
 absl::StatusOr<ReplayedCache> ReplayInto(const LlamaModel& model, const CapturedPrefill& cap,
-                                         const CompressionConfig& config, int extra,
-                                         bool dense_decode) {
+                                         const CompressionConfig& config, int extra) {
   const int len = cap.len();
   RETURN_IF_ERROR(CheckKvFormat(config.kv_format, model.config().head_dim));
   KvCacheShape shape = CompressedCacheShape(config, model.config(), model.kv_dtype(), len, extra);
-  shape.format = DecodeCacheFormat(config.kv_format, dense_decode, model.backend()->kind());
+  shape.format = DecodeCacheFormat(config.kv_format, model.backend()->kind());
   ReplayedCache out;
   ASSIGN_OR_RETURN(out.cache, KvCache::Create(shape, HeapKvAllocator()));
   out.cache->set_prompt_len(len);

@@ -72,12 +72,10 @@ struct ReplayedCache {
 };
 
 // Compresses the captured prefill with `config` into a new cache with room for `extra`
-// generated tokens, through the wire's chunks and receiver as a decode node would, keeping a
-// coded kv_format's rows as a decode node would (DecodeCacheFormat; `dense_decode`: the
-// decode that follows attends densely).
+// generated tokens, through the wire's chunks and receiver, keeping a coded kv_format's rows
+// as a decode node on the model's backend would (DecodeCacheFormat).
 absl::StatusOr<ReplayedCache> ReplayInto(const LlamaModel& model, const CapturedPrefill& cap,
-                                         const CompressionConfig& config, int extra,
-                                         bool dense_decode = true);
+                                         const CompressionConfig& config, int extra);
 
 // The greedy token: the first of the largest logits.
 inline int32_t Argmax(const float* logits, int n) {

@@ -433,10 +433,10 @@ KvCacheShape CompressedCacheShape(const CompressionConfig& config, const ModelCo
   return shape;
 }
 
-KvFormat DecodeCacheFormat(KvFormat wire, bool dense_decode, kernels::BackendKind backend) {
+KvFormat DecodeCacheFormat(KvFormat wire, kernels::BackendKind backend) {
   const bool host =
       backend == kernels::BackendKind::kReference || backend == kernels::BackendKind::kCpu;
-  return KvCoded(wire) && dense_decode && host ? wire : KvFormat::kAuto;
+  return KvCoded(wire) && host ? wire : KvFormat::kAuto;
 }
 
 absl::Status StoreLayer(const CompressedLayer& layer, KvCache* cache) {

@@ -171,9 +171,9 @@ KvCacheShape CompressedCacheShape(const CompressionConfig& config, const ModelCo
                                   DType kv_dtype, int len, int extra_tokens);
 
 // How a decode cache keeps the rows of a stream coded in `wire` (KvCacheShape::format): as the
-// wire's codes, dequantised by decode attention as it reads them, where that is built (a coded
-// format, dense decode attention, a host backend's cache); else in the cache dtype, dequantised
-// on arrival (docs/algorithms.md §10).
-KvFormat DecodeCacheFormat(KvFormat wire, bool dense_decode, kernels::BackendKind backend);
+// wire's codes, dequantised by decode attention (dense and sparse) as it reads them, where that
+// is built (a coded format, a host backend's cache); else in the cache dtype, dequantised on
+// arrival (docs/algorithms.md §10).
+KvFormat DecodeCacheFormat(KvFormat wire, kernels::BackendKind backend);
 
 }  // namespace kvwire

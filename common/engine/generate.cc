@@ -12,12 +12,12 @@ namespace kvwire {
 
 absl::StatusOr<PrefilledSequence> PrefillSequence(
     LlamaModel& model, absl::Span<const int32_t> prompt, const CompressionConfig& compression,
-    int extra_tokens, const kernels::SamplingParams& sampling, uint64_t seed, bool dense_decode) {
+    int extra_tokens, const kernels::SamplingParams& sampling, uint64_t seed) {
   RETURN_IF_ERROR(compression.Validate());
   const int len = static_cast<int>(prompt.size());
   KvCacheShape shape =
       CompressedCacheShape(compression, model.config(), model.kv_dtype(), len, extra_tokens);
-  shape.format = DecodeCacheFormat(compression.kv_format, dense_decode, model.backend()->kind());
+  shape.format = DecodeCacheFormat(compression.kv_format, model.backend()->kind());
   PrefilledSequence seq;
   ASSIGN_OR_RETURN(seq.cache, model.NewCache(shape));
   seq.cache->set_prompt_len(len);
@@ -59,10 +59,9 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
   DecodeAttentionConfig attention = request.attention;
   RETURN_IF_ERROR(ResolveTwoStage(&compression, &attention, len, request.max_tokens, c.head_dim));
   const kernels::KernelBackend::CopyCounts before = model.copy_counts();
-  ASSIGN_OR_RETURN(
-      PrefilledSequence seq,
-      PrefillSequence(model, request.prompt_ids, compression, request.max_tokens, request.sampling,
-                      request.seed, attention.mode == AttentionMode::kDense));
+  ASSIGN_OR_RETURN(PrefilledSequence seq,
+                   PrefillSequence(model, request.prompt_ids, compression, request.max_tokens,
+                                   request.sampling, request.seed));
   const kernels::KernelBackend::CopyCounts prefilled = model.copy_counts();
   KvCache* cache = seq.cache.get();
   ASSIGN_OR_RETURN(KvAllocator * memory, model.CacheAllocator());

@@ -36,14 +36,10 @@ struct PrefilledSequence {
 // Runs the prompt through the model, compressing each layer by `compression` into a new
 // cache for the model (LlamaModel::NewCache) with room for `extra_tokens` generated tokens; the
 // first token is sampled with `sampling` and the first draw of `seed`. The cache keeps a coded
-// kv_format's rows as coded where decode reads them so (DecodeCacheFormat; `dense_decode`: the
-// decode that follows attends densely).
-absl::StatusOr<PrefilledSequence> PrefillSequence(LlamaModel& model,
-                                                  absl::Span<const int32_t> prompt,
-                                                  const CompressionConfig& compression,
-                                                  int extra_tokens,
-                                                  const kernels::SamplingParams& sampling = {0.f},
-                                                  uint64_t seed = 0, bool dense_decode = true);
+// kv_format's rows coded where decode reads them so (DecodeCacheFormat).
+absl::StatusOr<PrefilledSequence> PrefillSequence(
+    LlamaModel& model, absl::Span<const int32_t> prompt, const CompressionConfig& compression,
+    int extra_tokens, const kernels::SamplingParams& sampling = {0.f}, uint64_t seed = 0);
 
 struct GenerationRequest {
   std::vector<int32_t> prompt_ids;

@@ -46,6 +46,23 @@ void AppendToHostCache(LayerCache& lc, int n_kv_heads, const float* k, const flo
   lc.len = t + 1;
 }
 
+// Cache head c of a coded host cache as a cache of one head (its rows, group parameters and
+// residual), for attention over that head alone.
+void HeadView(const LayerCache& lc, int c, DecodeSequence* one) {
+  kernels::KvCoding coding = lc.coding();
+  const size_t es = DTypeSize(lc.dtype);
+  one->k = lc.k + c * lc.layout.head_stride;
+  one->v = lc.v + c * lc.v_layout.head_stride;
+  one->layout = kernels::KvLayout::Region(lc.layout.head_stride);
+  coding.k_params += int64_t{c} * coding.max_groups * KvKeyGroupBytes(lc.format, lc.head_dim);
+  if (coding.v_scales != nullptr) coding.v_scales += int64_t{c} * coding.max_groups;
+  const int64_t resid = int64_t{c} * coding.resid_tokens * lc.head_dim * static_cast<int64_t>(es);
+  coding.k_resid = static_cast<uint8_t*>(coding.k_resid) + resid;
+  coding.v_resid = static_cast<uint8_t*>(coding.v_resid) + resid;
+  coding.v_layout = kernels::KvLayout::Region(lc.v_layout.head_stride);
+  one->coding = coding;
+}
+
 // The selector's plan for `layer` (over a cache that already holds the new token): 0 for
 // dense attention, else the tokens each cache head attends.
 absl::StatusOr<int> PlanSelection(DecodeSelector& selector, int layer, const LayerCache& lc) {
@@ -99,11 +116,6 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
     AttendCache(a.qkv, a.attn, b, stride, qd, lc, s);
     if (batch[b].selector) {
       ASSIGN_OR_RETURN(const int n, PlanSelection(*batch[b].selector, li, lc));
-      if (n > 0 && lc.coded()) {
-        return absl::UnimplementedError(absl::StrCat(
-            "sparse decode reads a cache in its dtype; this one keeps its rows coded in ",
-            KvFormatName(lc.format), " (DecodeCacheFormat chooses coded rows for dense decode)"));
-      }
       if (n > 0) {
         indices[b].resize(static_cast<size_t>(lc.n_heads) * n);
         s.indices = indices[b].data();
@@ -143,9 +155,13 @@ absl::Status LlamaModel::DecodeAttentionLayer(int li, absl::Span<const DecodeInp
       DecodeSequence one;
       one.q = s.q + int64_t{ch} * group * d;
       one.out = s.out + int64_t{ch} * group * d;
-      one.k = lc.k_row(ch, 0);
-      one.v = lc.v_row(ch, 0);
-      one.layout = kernels::KvLayout::Region(lc.head_stride());
+      if (lc.coded()) {
+        HeadView(lc, ch, &one);
+      } else {
+        one.k = lc.k_row(ch, 0);
+        one.v = lc.v_row(ch, 0);
+        one.layout = kernels::KvLayout::Region(lc.head_stride());
+      }
       one.len = s.len;
       one.indices = out;
       one.num_indices = s.num_indices;

@@ -122,7 +122,7 @@ class SparseSelector final : public DecodeSelector {
     // tokens) it reads at a fraction of the streaming rate, waiting on each; asking for all of
     // them now overlaps those misses with one another. (Runs of many rows, Quest's pages, it
     // streams well enough: no need.)
-    if (p_.page_size > kShortRun) return;
+    if (p_.page_size > kShortRun || lc.coded()) return;  // (a coded cache's rows are short)
     const size_t row = lc.row_bytes();
     for (int x = 0; x < p_.top_k; ++x) {
       const uint8_t* k = lc.k_row(c, out[x]);
@@ -150,6 +150,7 @@ class SparseSelector final : public DecodeSelector {
         kernels::SummaryUpdateSegment u;
         u.k = lc.k;
         u.kv = lc.layout;
+        u.coding = lc.coding();
         u.n_heads = lc.n_heads;
         u.first = built;
         u.len = lc.len;
@@ -175,6 +176,7 @@ class SparseSelector final : public DecodeSelector {
       s.top_r = p_.top_r;
       s.k = lc.k;
       s.kv = lc.layout;
+      s.coding = lc.coding();
       s.head = c;
       s.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
       s.score = scores_ + int64_t{c} * score_stride_;

@@ -20,7 +20,10 @@ void ExactSelect(const HeadQuery& hq) {
   s.q = hq.q;
   s.group = hq.group;
   s.len = lc.len;
-  s.k = lc.k_row(hq.head, 0);
+  s.k = lc.k;
+  s.kv = lc.layout;
+  s.coding = lc.coding();
+  s.head = hq.head;
   s.scale = 1.f / std::sqrt(static_cast<float>(lc.head_dim));
   s.score = total.data();
   kernels::cpu::HeadPageScores(s, lc.head_dim, lc.dtype);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/base/ranking.h"
+#include "kernels/coded_rows.h"
 #include "kernels/cpu/selection.h"
 #include "kernels/simd.h"
 
@@ -415,7 +416,11 @@ void ExactScores(const PageScoreSegment& s, int d, DType dtype) {
   for (int g = 0; g < s.group; ++g) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int t = 0; t < s.len; ++t) {
-      ToFloat(dtype, k + s.kv.Row(s.head, t, d) * static_cast<int64_t>(es), row.data(), d);
+      if (s.coding.coded()) {
+        CodedKeyRow(k, s.kv, s.coding, dtype, d, s.len, s.head, t, row.data());
+      } else {
+        ToFloat(dtype, k + s.kv.Row(s.head, t, d) * static_cast<int64_t>(es), row.data(), d);
+      }
       float dot = 0.f;
       for (int i = 0; i < d; ++i) dot += s.q[g * d + i] * row[i];
       e[t] = dot * s.scale;

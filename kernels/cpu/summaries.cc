@@ -4,6 +4,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/coded_rows.h"
 #include "kernels/cpu/selection.h"
 
 namespace kvwire::kernels::cpu {
@@ -22,7 +23,11 @@ void UpdateHeadSummaries(const SummaryUpdateSegment& s, int head) {
     std::fill(lo.begin(), lo.end(), std::numeric_limits<float>::infinity());
     std::fill(hi.begin(), hi.end(), -std::numeric_limits<float>::infinity());
     for (int t = p * l.page; t < std::min(s.len, (p + 1) * l.page); ++t) {
-      ToFloat(l.dtype, k + s.kv.Row(head, t, d) * static_cast<int64_t>(es), row.data(), d);
+      if (s.coding.coded()) {
+        CodedKeyRow(k, s.kv, s.coding, l.dtype, d, s.len, head, t, row.data());
+      } else {
+        ToFloat(l.dtype, k + s.kv.Row(head, t, d) * static_cast<int64_t>(es), row.data(), d);
+      }
       for (int i = 0; i < d; ++i) {
         lo[i] = std::min(lo[i], row[i]);
         hi[i] = std::max(hi[i], row[i]);

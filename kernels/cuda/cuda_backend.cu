@@ -298,10 +298,14 @@ class CudaBackend final : public KernelBackend {
   }
   absl::Status UpdateSummaries(const UpdateSummariesParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    RETURN_IF_ERROR(ValidateUpdateSummaries(p));
+    RETURN_IF_ERROR(RequireDtypeRows(p, "cuda"));
     return cuda::LaunchUpdateSummaries(p, OpMemoryOf(*lane), lane->compute);
   }
   absl::Status PageScores(const PageScoresParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    RETURN_IF_ERROR(ValidatePageScores(p));
+    RETURN_IF_ERROR(RequireDtypeRows(p, "cuda"));
     return cuda::LaunchPageScores(p, OpMemoryOf(*lane), lane->compute);
   }
   absl::Status Sample(const SampleParams& p) override {

@@ -294,7 +294,7 @@ TEST_P(BackendOpsTest, UpdateSummariesRecomputesThePagesOfNewTokens) {
       const int first_len = c.capacity - 7, second_len = c.capacity - 2;
       auto run = [&](KernelBackend& b) {
         Arena a(b);
-        SummaryUpdateSegment s{a.Upload(k), KvLayout::Region(hs),        c.heads, 0,
+        SummaryUpdateSegment s{a.Upload(k), KvLayout::Region(hs),        {}, c.heads, 0,
                                first_len,   a.Filled<uint8_t>(bytes, 0), l};
         EXPECT_TRUE(b.UpdateSummaries({&s, 1}).ok());
         s.first = first_len;
@@ -341,7 +341,7 @@ TEST_P(BackendOpsTest, PageScores) {
           Arena a(b);
           const uint8_t* kd = a.Upload(k);
           uint8_t* sums = a.Filled<uint8_t>(bytes, 0);
-          SummaryUpdateSegment u{kd, KvLayout::Region(hs), c.heads, 0, len, sums, l};
+          SummaryUpdateSegment u{kd, KvLayout::Region(hs), {}, c.heads, 0, len, sums, l};
           EXPECT_TRUE(b.UpdateSummaries({&u, 1}).ok());
           const float* qd = a.Upload(q);
           std::vector<PageScoreSegment> segs(c.heads);

@@ -1,8 +1,9 @@
 // A cache kept in the wire's codes (KvCacheShape::format fp8, int8, int4): the wire's blocks
-// stored as they arrive, decode attention dequantising as it reads, tokens appended into the
-// residual and coded a group at a time. The specification is a float32 cache holding what the
-// codes decode to: the reference backend over the coded cache must equal the reference over
-// that cache exactly, and the CPU kernel must match the reference.
+// stored as they arrive, decode attention and sparse selection (page summaries, exact scores)
+// dequantising as they read, tokens appended into the residual and coded a group at a time. The
+// specification is a float32 cache holding what the codes decode to: the reference backend over the
+// coded cache must equal the reference over that cache exactly, and the CPU kernel must match the
+// reference.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -125,6 +126,42 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
     out.insert(out.end(), probs.begin(), probs.end());
     return out;
   }
+
+  // Sparse decode's reads of layer 0: page summaries (min and max per channel of pages of 16)
+  // and exact scores of query heads `q` for cache head 1, as floats.
+  std::vector<float> Selection(kernels::KernelBackend& backend, const KvCache& cache,
+                               const std::vector<float>& q) {
+    const LayerCache& lc = cache.layer(0);
+    kernels::SummaryLayout layout{kDim, 16, 1 << 30, (lc.capacity + 15) / 16, lc.dtype};
+    std::vector<uint8_t> sums(kHeads * layout.head_elems() * DTypeSize(lc.dtype), 0);
+    kernels::SummaryUpdateSegment u;
+    u.k = lc.k;
+    u.kv = lc.layout;
+    u.coding = lc.coding();
+    u.n_heads = kHeads;
+    u.len = lc.len;
+    u.summaries = sums.data();
+    u.layout = layout;
+    EXPECT_TRUE(backend.UpdateSummaries({&u, 1}).ok());
+    std::vector<float> out(sums.size() / DTypeSize(lc.dtype));
+    ToFloat(lc.dtype, sums.data(), out.data(), out.size());
+    std::vector<float> score(lc.len);
+    kernels::PageScoreSegment e;
+    e.kind = kernels::PageScoreKind::kExact;
+    e.q = q.data() + kGroup * kDim;
+    e.group = kGroup;
+    e.len = lc.len;
+    e.k = lc.k;
+    e.kv = lc.layout;
+    e.coding = lc.coding();
+    e.head = 1;
+    e.scale = 0.125f;
+    e.score = score.data();
+    const absl::Status st = backend.PageScores({&e, 1, kDim, lc.dtype});
+    EXPECT_TRUE(st.ok()) << st;
+    out.insert(out.end(), score.begin(), score.end());
+    return out;
+  }
 };
 
 TEST_P(CodedCacheTest, DecodeReadsAndAppendsAsTheSpecification) {
@@ -168,6 +205,13 @@ TEST_P(CodedCacheTest, DecodeReadsAndAppendsAsTheSpecification) {
     ASSERT_EQ(Attend(**reference, *on_ref, q, nullptr, 0), want);
     const std::vector<float> got = Attend(**cpu, *on_cpu, q, nullptr, 0);
     ASSERT_TRUE(kernels::AllClose(got, want, kTolerance));
+    if (step % 64 == 0 || step == kAppended) {  // what sparse selection reads
+      const std::vector<float> sel = Selection(**reference, *on_ref, q);
+      ASSERT_TRUE(kernels::AllClose(Selection(**cpu, *on_cpu, q), sel, kTolerance));
+      if (dtype() == DType::kF32) {  // (summaries are kept in the cache dtype)
+        ASSERT_TRUE(kernels::AllClose(sel, Selection(**reference, **plain, q), kTolerance));
+      }
+    }
     if (step % 37 == 0) {  // a sparse selection, in any order
       const int n = 40;
       std::vector<int32_t> idx(kHeads * n);
