@@ -12,11 +12,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <vector>
 
 #include "common/base/status.h"
+#include "common/compression/compression.h"
 #include "common/model/kv_cache.h"
 #include "common/wire/kv_wire.h"
 #include "fuzz/kv_stream_input.h"
+#include "kernels/coded_rows.h"
 #include "kvwire/v1/prefill.pb.h"
 #include "proto/convert.h"
 
@@ -56,11 +59,18 @@ void CheckComplete(const KvAssembler& assembler, const WireExpectation& expect,
     const LayerCache& lc = cache.layer(l);
     KVWIRE_CHECK(lc.len == h.kept_per_layer[l] && lc.len >= 1 && lc.len <= lc.capacity);
     if (!expect.kept_per_layer.empty()) KVWIRE_CHECK(lc.len == expect.kept_per_layer[l]);
+    std::vector<float> row(lc.head_dim);
     for (int head = 0; head < lc.n_heads; ++head) {
       for (int t = 0; t < lc.len; ++t) {
         const int32_t pos = lc.position(head, t);
         KVWIRE_CHECK(pos >= 0 && pos < h.prompt_len);
         KVWIRE_CHECK(t == 0 || pos > lc.position(head, t - 1));
+        if (lc.coded()) {  // every row the stream stored reads back from within the cache
+          kernels::CodedKeyRow(lc.k, lc.layout, lc.coding(), lc.dtype, lc.head_dim, lc.len, head, t,
+                               row.data());
+          kernels::CodedValueRow(lc.v, lc.coding(), lc.dtype, lc.head_dim, lc.len, head, t,
+                                 row.data());
+        }
       }
     }
   }
@@ -74,10 +84,11 @@ int Run(const uint8_t* data, size_t size) {
   size -= kParamBytes;
 
   const WireExpectation expect = KvStreamExpectation(*params);
-  auto cache =
-      KvCache::Create(CompressedCacheShape(params->compression, params->model, params->kv_dtype,
-                                           params->prompt_len, params->extra_tokens),
-                      HeapKvAllocator());
+  // A coded format's stream goes into a coded cache, as on a CPU decode node.
+  KvCacheShape shape = CompressedCacheShape(params->compression, params->model, params->kv_dtype,
+                                            params->prompt_len, params->extra_tokens);
+  shape.format = DecodeCacheFormat(params->compression.kv_format, kernels::BackendKind::kCpu);
+  auto cache = KvCache::Create(shape, HeapKvAllocator());
   KVWIRE_CHECK(cache.ok());
   KvAssembler assembler(expect, cache->get());
 

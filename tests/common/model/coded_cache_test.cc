@@ -304,6 +304,23 @@ TEST_P(CodedCacheTest, RefusesRowsAndTheWrongBlocks) {
   auto pool = KvPool::OnBackend(std::move(*backend), size_t{4} << 20, 4096);
   ASSERT_TRUE(pool.ok());
   EXPECT_EQ(KvCache::CreatePaged(paged, **pool).status().code(), absl::StatusCode::kUnimplemented);
+  // A device backend's kernels read caches in their dtype: a coded one is refused by name.
+  LayerCache& lc = (*cache)->layer(0);
+  lc.len = 10;
+  std::vector<float> q(kHeads * kGroup * kDim), out(q.size());
+  DecodeSequence seq;
+  seq.q = q.data();
+  seq.out = out.data();
+  seq.k = lc.k;
+  seq.v = lc.v;
+  seq.layout = lc.layout;
+  seq.coding = lc.coding();
+  seq.len = lc.len;
+  const absl::Status refused = (*pool)->backend()->DecodeAttention(
+      {&seq, 1, kHeads * kGroup, kHeads, kDim, lc.dtype, 0.125f});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented) << refused;
+  EXPECT_NE(refused.message().find("guarded reads caches in their dtype"), std::string::npos)
+      << refused;
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, CodedCacheTest,
