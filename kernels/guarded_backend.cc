@@ -51,6 +51,31 @@ void OwnPages(KvLayout* l, int len, std::vector<std::vector<int32_t>>* store) {
 }
 
 int64_t Floats(int64_t n) { return n * static_cast<int64_t>(sizeof(float)); }
+
+// The ranges of a cache's K and V rows for `len` tokens per head: in the dtype at `layout`, or a
+// coded cache's (KvCoding) code and value rows (bytes), group parameters, scales and residual.
+void RowExtents(const void* k, const void* v, const KvLayout& layout, const KvCoding& c,
+                int n_heads, int len, int head_dim, DType dtype, std::vector<Extent>* ext) {
+  const int64_t es = static_cast<int64_t>(DTypeSize(dtype));
+  if (!c.coded()) {
+    const int64_t kv = LayoutElements(layout, n_heads, len, head_dim) * es;
+    ext->push_back({k, kv, "k"});
+    ext->push_back({v, kv, "v"});
+    return;
+  }
+  const int rows = c.ResidBegin(len);
+  const int kc = static_cast<int>(KvKeyCodeBytes(c.format, dtype, head_dim));
+  const int vc = static_cast<int>(KvValueRowBytes(c.format, dtype, head_dim));
+  const int64_t groups = int64_t{n_heads} * c.max_groups;
+  const int64_t resid = int64_t{n_heads} * c.resid_tokens * head_dim * es;
+  ext->push_back({k, LayoutElements(layout, n_heads, rows, kc), "k"});
+  ext->push_back({v, LayoutElements(c.v_layout, n_heads, rows, vc), "v"});
+  ext->push_back(
+      {c.k_params, groups * static_cast<int64_t>(KvKeyGroupBytes(c.format, head_dim)), "k_params"});
+  ext->push_back({c.v_scales, c.format == KvFormat::kFP8 ? groups : 0, "v_scales"});
+  ext->push_back({c.k_resid, resid, "k_resid"});
+  ext->push_back({c.v_resid, resid, "v_resid"});
+}
 int64_t Ints(int64_t n) { return n * static_cast<int64_t>(sizeof(int32_t)); }
 int64_t Elements(int64_t n, DType t) { return n * static_cast<int64_t>(DTypeSize(t)); }
 
@@ -160,17 +185,14 @@ class GuardedBackend final : public KernelBackend {
   }
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
     RETURN_IF_ERROR(ValidateDecodeAttention(p));
-    RETURN_IF_ERROR(RequireDtypeRows(p, "guarded"));
     std::vector<Extent> ext;
     const int64_t qd = int64_t{p.n_heads} * p.head_dim;
     for (int b = 0; b < p.batch; ++b) {
       const DecodeSequence& s = p.seqs[b];
-      const int64_t kv =
-          Elements(LayoutElements(s.layout, p.n_cache_heads, s.len, p.head_dim), p.kv_dtype);
+      RowExtents(s.k, s.v, s.layout, s.coding, p.n_cache_heads, s.len, p.head_dim, p.kv_dtype,
+                 &ext);
       ext.insert(ext.end(), {{s.q, Floats(qd), "q"},
                              {s.out, Floats(qd), "out"},
-                             {s.k, kv, "k"},
-                             {s.v, kv, "v"},
                              {s.indices, Ints(int64_t{p.n_cache_heads} * s.num_indices), "indices"},
                              {s.probs, Floats(int64_t{p.n_heads} * s.len), "probs"}});
     }
@@ -178,7 +200,10 @@ class GuardedBackend final : public KernelBackend {
     // backend uploads them.
     std::vector<DecodeSequence> seqs(p.seqs, p.seqs + p.batch);
     auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
-    for (DecodeSequence& seq : seqs) OwnPages(&seq.layout, seq.len, pages.get());
+    for (DecodeSequence& seq : seqs) {
+      OwnPages(&seq.layout, seq.len, pages.get());
+      OwnPages(&seq.coding.v_layout, seq.len, pages.get());
+    }
     return Queue("DecodeAttention", ext, [this, p, seqs, pages]() mutable {
       DecodeAttentionParams q = p;
       q.seqs = seqs.data();
@@ -192,21 +217,20 @@ class GuardedBackend final : public KernelBackend {
   }
   absl::Status AppendKv(const AppendKvParams& p) override {
     RETURN_IF_ERROR(ValidateAppendKv(p));
-    RETURN_IF_ERROR(RequireDtypeRows(p, "guarded"));
     std::vector<Extent> ext;
     const int64_t kvd = Floats(int64_t{p.n_kv_heads} * p.head_dim);
     for (int b = 0; b < p.batch; ++b) {
       const KvAppend& s = p.seqs[b];
-      const int64_t cache =
-          Elements(LayoutElements(s.layout, p.n_cache_heads, s.t + 1, p.head_dim), p.kv_dtype);
-      ext.insert(ext.end(), {{s.k, kvd, "k"},
-                             {s.v, kvd, "v"},
-                             {s.k_cache, cache, "k_cache"},
-                             {s.v_cache, cache, "v_cache"}});
+      RowExtents(s.k_cache, s.v_cache, s.layout, s.coding, p.n_cache_heads, s.t + 1, p.head_dim,
+                 p.kv_dtype, &ext);
+      ext.insert(ext.end(), {{s.k, kvd, "k"}, {s.v, kvd, "v"}});
     }
     std::vector<KvAppend> seqs(p.seqs, p.seqs + p.batch);
     auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
-    for (KvAppend& seq : seqs) OwnPages(&seq.layout, seq.t + 1, pages.get());
+    for (KvAppend& seq : seqs) {
+      OwnPages(&seq.layout, seq.t + 1, pages.get());
+      OwnPages(&seq.coding.v_layout, seq.t + 1, pages.get());
+    }
     return Queue("AppendKv", ext, [this, p, seqs, pages]() mutable {
       AppendKvParams q = p;
       q.seqs = seqs.data();
@@ -271,19 +295,19 @@ class GuardedBackend final : public KernelBackend {
   }
   absl::Status UpdateSummaries(const UpdateSummariesParams& p) override {
     RETURN_IF_ERROR(ValidateUpdateSummaries(p));
-    RETURN_IF_ERROR(RequireDtypeRows(p, "guarded"));
     std::vector<Extent> ext;
     for (int i = 0; i < p.count; ++i) {
       const SummaryUpdateSegment& s = p.segs[i];
       const DType t = s.layout.dtype;
-      ext.insert(
-          ext.end(),
-          {{s.k, Elements(LayoutElements(s.kv, s.n_heads, s.len, s.layout.head_dim), t), "k"},
-           {s.summaries, Elements(s.n_heads * s.layout.head_elems(), t), "summaries"}});
+      RowExtents(s.k, nullptr, s.kv, s.coding, s.n_heads, s.len, s.layout.head_dim, t, &ext);
+      ext.push_back({s.summaries, Elements(s.n_heads * s.layout.head_elems(), t), "summaries"});
     }
     std::vector<SummaryUpdateSegment> segs(p.segs, p.segs + p.count);
     auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
-    for (SummaryUpdateSegment& seg : segs) OwnPages(&seg.kv, seg.len, pages.get());
+    for (SummaryUpdateSegment& seg : segs) {
+      OwnPages(&seg.kv, seg.len, pages.get());
+      OwnPages(&seg.coding.v_layout, seg.len, pages.get());
+    }
     return Queue("UpdateSummaries", ext, [this, p, segs, pages]() mutable {
       UpdateSummariesParams q = p;
       q.segs = segs.data();
@@ -292,23 +316,25 @@ class GuardedBackend final : public KernelBackend {
   }
   absl::Status PageScores(const PageScoresParams& p) override {
     RETURN_IF_ERROR(ValidatePageScores(p));
-    RETURN_IF_ERROR(RequireDtypeRows(p, "guarded"));
     std::vector<Extent> ext;
     for (int i = 0; i < p.count; ++i) {
       const PageScoreSegment& s = p.segs[i];
       const bool exact = s.kind == PageScoreKind::kExact;
-      ext.insert(
-          ext.end(),
-          {{s.q, Floats(int64_t{s.group} * p.head_dim), "q"},
-           {exact ? nullptr : s.summaries, Elements(s.layout.head_elems(), p.dtype), "summaries"},
-           {exact ? s.k : nullptr,
-            Elements(LayoutElements(s.kv, s.head + 1, s.len, p.head_dim), p.dtype), "k"},
-           {s.score, Floats(exact ? s.len : s.layout.pages(s.len)), "score"}});
+      if (exact) {
+        RowExtents(s.k, nullptr, s.kv, s.coding, s.head + 1, s.len, p.head_dim, p.dtype, &ext);
+      }
+      ext.insert(ext.end(), {{s.q, Floats(int64_t{s.group} * p.head_dim), "q"},
+                             {exact ? nullptr : s.summaries,
+                              Elements(s.layout.head_elems(), p.dtype), "summaries"},
+                             {s.score, Floats(exact ? s.len : s.layout.pages(s.len)), "score"}});
     }
     std::vector<PageScoreSegment> segs(p.segs, p.segs + p.count);
     auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
     for (PageScoreSegment& seg : segs) {
-      if (seg.kind == PageScoreKind::kExact) OwnPages(&seg.kv, seg.len, pages.get());
+      if (seg.kind == PageScoreKind::kExact) {
+        OwnPages(&seg.kv, seg.len, pages.get());
+        OwnPages(&seg.coding.v_layout, seg.len, pages.get());
+      }
     }
     return Queue("PageScores", ext, [this, p, segs, pages]() mutable {
       PageScoresParams q = p;

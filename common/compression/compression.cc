@@ -434,9 +434,8 @@ KvCacheShape CompressedCacheShape(const CompressionConfig& config, const ModelCo
 }
 
 KvFormat DecodeCacheFormat(KvFormat wire, kernels::BackendKind backend) {
-  const bool host =
-      backend == kernels::BackendKind::kReference || backend == kernels::BackendKind::kCpu;
-  return KvCoded(wire) && host ? wire : KvFormat::kAuto;
+  // The CUDA backend's kernels read caches in their dtype so far.
+  return KvCoded(wire) && backend != kernels::BackendKind::kCuda ? wire : KvFormat::kAuto;
 }
 
 absl::Status StoreLayer(const CompressedLayer& layer, KvCache* cache) {

@@ -172,8 +172,8 @@ KvCacheShape CompressedCacheShape(const CompressionConfig& config, const ModelCo
 
 // How a decode cache keeps the rows of a stream coded in `wire` (KvCacheShape::format): as the
 // wire's codes, dequantised by decode attention (dense and sparse) as it reads them, where that
-// is built (a coded format, a host backend's cache); else in the cache dtype, dequantised on
-// arrival (docs/algorithms.md §10).
+// is built (a coded format; the reference, cpu and guarded backends); else in the cache dtype,
+// dequantised on arrival (docs/algorithms.md §10.7).
 KvFormat DecodeCacheFormat(KvFormat wire, kernels::BackendKind backend);
 
 }  // namespace kvwire

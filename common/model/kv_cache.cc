@@ -151,14 +151,47 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& sha
 
 KvCache::~KvCache() = default;
 
+namespace {
+
+// A paged cache's bytes of K and V per token (all heads): rows in the dtype, or a coded cache's
+// key code and value rows.
+size_t PagedTokenBytes(const KvCacheShape& s) {
+  if (!KvCoded(s.format)) {
+    return 2 * static_cast<size_t>(s.n_heads) * s.head_dim * DTypeSize(s.dtype);
+  }
+  return static_cast<size_t>(s.n_heads) * (KvKeyCodeBytes(s.format, s.dtype, s.head_dim) +
+                                           KvValueRowBytes(s.format, s.dtype, s.head_dim));
+}
+
+// Rows per head a layer of `capacity` keeps in pages: all of them, or a coded layer's code rows.
+int PagedRows(const KvCacheShape& s, int capacity) {
+  return KvCoded(s.format) ? CodedSizesFor(s, capacity).rows : capacity;
+}
+
+// A coded paged cache's other state, every layer's: group parameters, fp8 scales and residual,
+// each aligned, in one run of the pool's pages.
+size_t CodedSideBytes(const KvCacheShape& s) {
+  if (!KvCoded(s.format)) return 0;
+  size_t total = 0;
+  const size_t heads = static_cast<size_t>(s.n_heads);
+  for (int c : s.capacity) {
+    const CodedSizes z = CodedSizesFor(s, c);
+    total += AlignUp(heads * z.groups * z.params) + AlignUp(heads * z.groups * z.scales) +
+             2 * AlignUp(heads * z.resid * z.resid_row);
+  }
+  return total;
+}
+
+}  // namespace
+
 int64_t KvCache::PagedPages(const KvCacheShape& shape, size_t page_bytes) {
-  const size_t token =
-      2 * static_cast<size_t>(shape.n_heads) * shape.head_dim * DTypeSize(shape.dtype);
+  const size_t token = PagedTokenBytes(shape);
   const int64_t page_tokens = static_cast<int64_t>(page_bytes / std::max<size_t>(token, 1));
   if (page_tokens == 0) return 0;
   int64_t pages = 0;
-  for (int c : shape.capacity) pages += (c + page_tokens - 1) / page_tokens;
-  return pages;
+  for (int c : shape.capacity) pages += (PagedRows(shape, c) + page_tokens - 1) / page_tokens;
+  const size_t side = CodedSideBytes(shape);
+  return pages + static_cast<int64_t>((side + page_bytes - 1) / page_bytes);
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape& shape,
@@ -174,12 +207,21 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape
         "a paged KV cache needs a backend pool (KvPool::OnBackend)");
   }
   if (shape.format != KvFormat::kAuto) {
-    return absl::UnimplementedError(
-        absl::StrCat("a paged KV cache keeps rows in its dtype; coded rows (",
-                     KvFormatName(shape.format), ") are kept in host caches only so far"));
+    if (!KvCoded(shape.format) || shape.appended < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a KV cache keeps its rows in its dtype (auto) or coded (fp8, int8, int4), with >= 0 "
+          "appended tokens; got ",
+          KvFormatName(shape.format), " and ", shape.appended));
+    }
+    RETURN_IF_ERROR(CheckKvFormat(shape.format, shape.head_dim));
   }
+  const bool coded = KvCoded(shape.format);
   const size_t es = DTypeSize(shape.dtype);
-  const size_t token = 2 * static_cast<size_t>(shape.n_heads) * shape.head_dim * es;
+  // A coded cache's rows are bytes: its layouts count bytes (Row(c, t, row bytes)).
+  const size_t kc = coded ? KvKeyCodeBytes(shape.format, shape.dtype, shape.head_dim)
+                          : static_cast<size_t>(shape.head_dim);
+  const size_t unit = coded ? 1 : es;
+  const size_t token = PagedTokenBytes(shape);
   const int page_tokens = static_cast<int>(pool.page_bytes() / token);
   if (page_tokens == 0) {
     return absl::InvalidArgumentError(
@@ -190,7 +232,14 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape
   auto cache = std::unique_ptr<KvCache>(new KvCache());
   cache->shape_ = shape;
   cache->backend_ = pool.backend();
-  ASSIGN_OR_RETURN(cache->pages_, pool.AllocatePages(PagedPages(shape, pool.page_bytes())));
+  const size_t side = CodedSideBytes(shape);
+  ASSIGN_OR_RETURN(cache->pages_, pool.AllocatePages(PagedPages(shape, pool.page_bytes()) -
+                                                     static_cast<int64_t>(pool.RoundUp(side) /
+                                                                          pool.page_bytes())));
+  if (side > 0) {
+    ASSIGN_OR_RETURN(cache->memory_, pool.Allocate(side));
+  }
+  uint8_t* side_at = side > 0 ? cache->memory_->data() : nullptr;
   int64_t positions = 0;
   for (int c : shape.capacity) positions += int64_t{shape.n_heads} * c;
   cache->positions_.assign(positions, 0);
@@ -198,7 +247,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape
   size_t next = 0;
   int64_t at = 0;
   for (int c : shape.capacity) {
-    const int blocks = (c + page_tokens - 1) / page_tokens;
+    const int blocks = (PagedRows(shape, c) + page_tokens - 1) / page_tokens;
     cache->tables_.emplace_back(ids.begin() + next, ids.begin() + next + blocks);
     next += blocks;
     LayerCache l;
@@ -207,14 +256,31 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape
     l.dtype = shape.dtype;
     l.capacity = c;
     l.k = pool.slab();
-    l.v = pool.slab() + static_cast<size_t>(shape.n_heads) * page_tokens * shape.head_dim * es;
+    l.v = pool.slab() + static_cast<size_t>(shape.n_heads) * page_tokens * kc * unit;
+    if (coded) {
+      const CodedSizes z = CodedSizesFor(shape, c);
+      const size_t heads = static_cast<size_t>(shape.n_heads);
+      const auto take = [&](size_t bytes) {
+        uint8_t* part = side_at;
+        side_at += AlignUp(bytes);
+        return part;
+      };
+      l.format = shape.format;
+      l.max_groups = z.groups;
+      l.resid_tokens = z.resid;
+      l.k_params = take(heads * z.groups * z.params);
+      l.v_scales = z.scales > 0 ? take(heads * z.groups * z.scales) : nullptr;
+      l.k_resid = take(heads * z.resid * z.resid_row);
+      l.v_resid = take(heads * z.resid * z.resid_row);
+    }
     l.positions = cache->positions_.data() + at;
     at += int64_t{shape.n_heads} * c;
     l.layout.pages = cache->tables_.back().data();
     l.layout.page_tokens = page_tokens;
     l.layout.heads_per_page = shape.n_heads;
     l.layout.n_heads = shape.n_heads;
-    l.layout.page_stride = static_cast<int64_t>(pool.page_bytes() / es);
+    l.layout.page_stride = static_cast<int64_t>(pool.page_bytes() / unit);
+    if (coded) l.v_layout = l.layout;  // the same pages; V's rows follow K's in each
     cache->layers_.push_back(l);
   }
   return cache;
@@ -308,6 +374,16 @@ int64_t KvCache::StoredBytes() const {
   return total;
 }
 
+int KvCache::CodedRows(int layer) const {
+  const LayerCache& lc = layers_[layer];
+  if (lc.paged()) {
+    return static_cast<int>(tables_[layer].size()) / (lc.n_heads / lc.layout.heads_per_page) *
+           lc.layout.page_tokens;
+  }
+  return static_cast<int>(lc.layout.head_stride /
+                          static_cast<int64_t>(KvKeyCodeBytes(lc.format, lc.dtype, lc.head_dim)));
+}
+
 absl::Status KvCache::WriteCodedBlock(int layer, int head, int first, int n, const uint8_t* k,
                                       const uint8_t* v) {
   if (layer < 0 || layer >= num_layers() || !layers_[layer].coded()) {
@@ -317,36 +393,38 @@ absl::Status KvCache::WriteCodedBlock(int layer, int head, int first, int n, con
   LayerCache& lc = layers_[layer];
   const KvGroups groups{lc.kept};
   if (head < 0 || head >= lc.n_heads || first < 0 || n < 1 || first + n > lc.kept ||
-      groups.Of(first + n - 1) >= lc.max_groups ||
-      (lc.layout.pages == nullptr &&
-       lc.layout.head_stride < int64_t{lc.kept} * static_cast<int64_t>(KvKeyCodeBytes(
-                                                      lc.format, lc.dtype, lc.head_dim)))) {
+      groups.Of(first + n - 1) >= lc.max_groups || first + n > CodedRows(layer)) {
     return absl::InvalidArgumentError(
         absl::StrCat("block of tokens [", first, ", ", first + n, ") of head ", head, " of layer ",
                      layer, " is outside the cache's ", lc.kept, " kept tokens"));
   }
-  if (!host_rows()) {
-    return absl::UnimplementedError("coded rows are kept in host caches only so far");
-  }
+  // Into host memory, or a device's (staged copies).
+  const auto put = [&](uint8_t* dst, const uint8_t* src, size_t bytes) -> absl::Status {
+    if (host_rows()) {
+      std::memcpy(dst, src, bytes);
+      return absl::OkStatus();
+    }
+    return backend_->CopyToDevice(dst, src, bytes);
+  };
   const size_t kc = KvKeyCodeBytes(lc.format, lc.dtype, lc.head_dim);
   const size_t vc = KvValueRowBytes(lc.format, lc.dtype, lc.head_dim);
   for (int t = first; t < first + n;) {
     const int run = lc.layout.RunFrom(t, first + n);
-    std::memcpy(lc.k + lc.layout.Row(head, t, static_cast<int>(kc)), k + (t - first) * kc,
-                run * kc);
-    std::memcpy(lc.v + lc.v_layout.Row(head, t, static_cast<int>(vc)), v + (t - first) * vc,
-                run * vc);
+    RETURN_IF_ERROR(
+        put(lc.k + lc.layout.Row(head, t, static_cast<int>(kc)), k + (t - first) * kc, run * kc));
+    RETURN_IF_ERROR(
+        put(lc.v + lc.v_layout.Row(head, t, static_cast<int>(vc)), v + (t - first) * vc, run * vc));
     t += run;
   }
-  // Then each group's parameters (keys) and scale (fp8 values), as the block lists them.
-  const uint8_t* k_params = k + static_cast<size_t>(n) * kc;
-  const uint8_t* v_scales = v + static_cast<size_t>(n) * vc;
+  // Then each group's parameters (keys) and scale (fp8 values), as the block lists them: one
+  // head's groups are consecutive.
+  const int g0 = groups.Of(first), g1 = groups.Of(first + n - 1);
   const size_t gb = KvKeyGroupBytes(lc.format, lc.head_dim);
-  for (int g = groups.Of(first), i = 0; g <= groups.Of(first + n - 1); ++g, ++i) {
-    std::memcpy(lc.k_params + (int64_t{head} * lc.max_groups + g) * gb, k_params + i * gb, gb);
-    if (lc.format == KvFormat::kFP8) {
-      lc.v_scales[int64_t{head} * lc.max_groups + g] = v_scales[i];
-    }
+  RETURN_IF_ERROR(put(lc.k_params + (int64_t{head} * lc.max_groups + g0) * gb,
+                      k + static_cast<size_t>(n) * kc, (g1 - g0 + 1) * gb));
+  if (lc.format == KvFormat::kFP8) {
+    RETURN_IF_ERROR(put(lc.v_scales + int64_t{head} * lc.max_groups + g0,
+                        v + static_cast<size_t>(n) * vc, g1 - g0 + 1));
   }
   return absl::OkStatus();
 }

@@ -158,6 +158,8 @@ class KvCache {
   // groups' scales. The layer's `kept` must be set.
   absl::Status WriteCodedBlock(int layer, int head, int first, int n, const uint8_t* k,
                                const uint8_t* v);
+  // A coded layer's code rows per head (its tokens but those its residual holds).
+  int CodedRows(int layer) const;
   // Every layer's rows, positions and lengths of `from` (a cache of the same shape whose rows
   // the host reads), as the wire would deliver them.
   absl::Status CopyFrom(const KvCache& from);

@@ -14,6 +14,7 @@
 #include "common/model/kv_cache.h"
 #include "common/model/kv_pool.h"
 #include "kernels/backend.h"
+#include "kernels/validate.h"
 #include "tests/kernels/ops_test_util.h"
 
 namespace kvwire {
@@ -285,6 +286,17 @@ TEST_P(CodedCacheTest, TakesAFractionOfThePool) {
   EXPECT_GT(ratio, want) << KvFormatName(format());
   KvPool pool(size_t{64} << 20, 4096);
   EXPECT_EQ(pool.BytesFor(coded), KvCache::BytesFor(coded));
+  // In a device's pool: pages of code rows, and a run of pages for the parameters and residual.
+  auto backend = kernels::MakeBackend(kernels::BackendKind::kGuarded);
+  ASSERT_TRUE(backend.ok());
+  auto paged = KvPool::OnBackend(std::move(*backend), size_t{64} << 20, size_t{64} << 10);
+  ASSERT_TRUE(paged.ok());
+  const double paged_ratio =
+      static_cast<double>((*paged)->BytesFor(plain)) / (*paged)->BytesFor(coded);
+  EXPECT_GT(paged_ratio, want * 0.98) << KvFormatName(format());
+  auto made = KvCache::CreatePaged(coded, **paged);
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_EQ((*paged)->used(), (*paged)->BytesFor(coded));
 }
 
 TEST_P(CodedCacheTest, RefusesRowsAndTheWrongBlocks) {
@@ -298,28 +310,15 @@ TEST_P(CodedCacheTest, RefusesRowsAndTheWrongBlocks) {
             absl::StatusCode::kInvalidArgument);  // past the kept tokens
   EXPECT_EQ((*cache)->WriteCodedBlock(0, kHeads, 0, 1, rows.data(), rows.data()).code(),
             absl::StatusCode::kInvalidArgument);
-  KvCacheShape paged = Shape(format(), dtype());
-  auto backend = kernels::MakeBackend(kernels::BackendKind::kGuarded);
-  ASSERT_TRUE(backend.ok());
-  auto pool = KvPool::OnBackend(std::move(*backend), size_t{4} << 20, 4096);
-  ASSERT_TRUE(pool.ok());
-  EXPECT_EQ(KvCache::CreatePaged(paged, **pool).status().code(), absl::StatusCode::kUnimplemented);
-  // A device backend's kernels read caches in their dtype: a coded one is refused by name.
+  // The CUDA backend's kernels read caches in their dtype: it refuses a coded one by name.
   LayerCache& lc = (*cache)->layer(0);
   lc.len = 10;
-  std::vector<float> q(kHeads * kGroup * kDim), out(q.size());
   DecodeSequence seq;
-  seq.q = q.data();
-  seq.out = out.data();
-  seq.k = lc.k;
-  seq.v = lc.v;
-  seq.layout = lc.layout;
   seq.coding = lc.coding();
-  seq.len = lc.len;
-  const absl::Status refused = (*pool)->backend()->DecodeAttention(
-      {&seq, 1, kHeads * kGroup, kHeads, kDim, lc.dtype, 0.125f});
+  const absl::Status refused = kernels::RequireDtypeRows(
+      DecodeAttentionParams{&seq, 1, kHeads * kGroup, kHeads, kDim, lc.dtype, 0.125f}, "cuda");
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented) << refused;
-  EXPECT_NE(refused.message().find("guarded reads caches in their dtype"), std::string::npos)
+  EXPECT_NE(refused.message().find("cuda reads caches in their dtype"), std::string::npos)
       << refused;
 }
 

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "common/compression/compression.h"
 #include "common/compression/policy.h"
 #include "common/engine/generate.h"
@@ -222,6 +223,47 @@ TEST_P(DeviceEngine, SparseDecodeEqualsTheCpuEngine) {
       if (sampled) {
         req.sampling = {0.8f, 0, 0.9f};
         req.seed = 11;
+      }
+      auto want = Generate(*cpu, req);
+      auto got = Generate(*dev, req);
+      ASSERT_TRUE(want.ok()) << want.status();
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->ids, want->ids);
+      ASSERT_EQ(got->logprobs.size(), want->logprobs.size());
+      for (size_t i = 0; i < got->logprobs.size(); ++i) {
+        EXPECT_NEAR(got->logprobs[i], want->logprobs[i], 1e-3) << i;
+      }
+    }
+  }
+}
+
+// A coded KV format's cache kept coded in the device's pool (paged, its group parameters and
+// residual in runs of the pool's pages) decodes as the CPU engine's coded cache does, densely and
+// sparsely, past the appended tokens' first groups (coded on the device by AppendKv).
+TEST_P(DeviceEngine, CodedCachesEqualTheCpuEngine) {
+  if (device() == kernels::BackendKind::kCuda) {
+    GTEST_SKIP() << "the CUDA backend keeps caches in their dtype (DecodeCacheFormat)";
+  }
+  auto cpu = Load("synthetic:tiny", On(kernels::BackendKind::kCpu));
+  auto dev = Load("synthetic:tiny", On(device()));
+  ASSERT_TRUE(cpu && dev);
+  const int vocab = cpu->config().vocab_size;
+  std::vector<int32_t> prompt = {1};
+  for (int i = 0; i < 90; ++i) prompt.push_back(5 + (i * 31) % (vocab - 5));
+  for (KvFormat format : {KvFormat::kFP8, KvFormat::kInt8, KvFormat::kInt4}) {
+    for (AttentionMode mode : {AttentionMode::kDense, AttentionMode::kHybrid}) {
+      SCOPED_TRACE(absl::StrCat(KvFormatName(format), " ", AttentionModeName(mode)));
+      GenerationRequest req;
+      req.prompt_ids = prompt;
+      req.max_tokens = 140;
+      req.compression.policy = *MakePolicy("snapkv");
+      req.compression.budget = 40;
+      req.compression.kv_format = format;
+      req.attention.mode = mode;
+      if (mode == AttentionMode::kHybrid) {
+        req.attention.top_k = 16;
+        req.attention.top_r = 4;
+        req.attention.page_size = 4;
       }
       auto want = Generate(*cpu, req);
       auto got = Generate(*dev, req);
