@@ -388,40 +388,29 @@ absl::Status CodedRefusal(absl::string_view op, absl::string_view backend, int i
 
 }  // namespace
 
+// Each item's coding (DecodeSequence, KvAppend, SummaryUpdateSegment, PageScoreSegment).
+template <typename Item>
+absl::Status RequireDtypeRowsOf(absl::string_view op, absl::string_view backend, const Item* items,
+                                int n) {
+  for (int i = 0; i < n; ++i) {
+    if (items[i].coding.format != KvFormat::kAuto) {
+      return CodedRefusal(op, backend, i, items[i].coding.format);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RequireDtypeRows(const DecodeAttentionParams& p, absl::string_view backend) {
-  for (int b = 0; b < p.batch; ++b) {
-    if (p.seqs[b].coding.format != KvFormat::kAuto) {
-      return CodedRefusal("DecodeAttention", backend, b, p.seqs[b].coding.format);
-    }
-  }
-  return absl::OkStatus();
+  return RequireDtypeRowsOf("DecodeAttention", backend, p.seqs, p.batch);
 }
-
-absl::Status RequireDtypeRows(const UpdateSummariesParams& p, absl::string_view backend) {
-  for (int i = 0; i < p.count; ++i) {
-    if (p.segs[i].coding.format != KvFormat::kAuto) {
-      return CodedRefusal("UpdateSummaries", backend, i, p.segs[i].coding.format);
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status RequireDtypeRows(const PageScoresParams& p, absl::string_view backend) {
-  for (int i = 0; i < p.count; ++i) {
-    if (p.segs[i].coding.format != KvFormat::kAuto) {
-      return CodedRefusal("PageScores", backend, i, p.segs[i].coding.format);
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status RequireDtypeRows(const AppendKvParams& p, absl::string_view backend) {
-  for (int b = 0; b < p.batch; ++b) {
-    if (p.seqs[b].coding.format != KvFormat::kAuto) {
-      return CodedRefusal("AppendKv", backend, b, p.seqs[b].coding.format);
-    }
-  }
-  return absl::OkStatus();
+  return RequireDtypeRowsOf("AppendKv", backend, p.seqs, p.batch);
+}
+absl::Status RequireDtypeRows(const UpdateSummariesParams& p, absl::string_view backend) {
+  return RequireDtypeRowsOf("UpdateSummaries", backend, p.segs, p.count);
+}
+absl::Status RequireDtypeRows(const PageScoresParams& p, absl::string_view backend) {
+  return RequireDtypeRowsOf("PageScores", backend, p.segs, p.count);
 }
 
 }  // namespace kvwire::kernels

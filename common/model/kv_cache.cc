@@ -58,6 +58,38 @@ CodedSizes CodedSizesFor(const KvCacheShape& s, int capacity) {
   return z;
 }
 
+// `bytes` from *at, which moves past them, aligned.
+uint8_t* Take(size_t bytes, uint8_t** at) {
+  uint8_t* part = *at;
+  *at += AlignUp(bytes);
+  return part;
+}
+
+// A coded layer's parameters, fp8 scales and residual, laid out from *at (CodedSideBytes).
+void PlaceCodedSide(const KvCacheShape& s, const CodedSizes& z, uint8_t** at, LayerCache* l) {
+  const size_t heads = static_cast<size_t>(s.n_heads);
+  l->format = s.format;
+  l->max_groups = z.groups;
+  l->resid_tokens = z.resid;
+  l->k_params = Take(heads * z.groups * z.params, at);
+  l->v_scales = z.scales > 0 ? Take(heads * z.groups * z.scales, at) : nullptr;
+  l->k_resid = Take(heads * z.resid * z.resid_row, at);
+  l->v_resid = Take(heads * z.resid * z.resid_row, at);
+}
+
+// A shape's rows: in its dtype, or coded (fp8, int8, int4) with >= 0 appended tokens and a
+// head_dim the format can code.
+absl::Status CheckCodedShape(const KvCacheShape& shape) {
+  if (shape.format == KvFormat::kAuto) return absl::OkStatus();
+  if (!KvCoded(shape.format) || shape.appended < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a KV cache keeps its rows in its dtype (auto) or coded (fp8, int8, int4), with >= 0 "
+        "appended tokens; got ",
+        KvFormatName(shape.format), " and ", shape.appended));
+  }
+  return CheckKvFormat(shape.format, shape.head_dim);
+}
+
 // Per layer: K, V, then positions, each aligned; a coded layer's parameters, scales and
 // residual after them.
 size_t LayerBytes(const KvCacheShape& s, int capacity) {
@@ -93,15 +125,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& sha
   for (int c : shape.capacity) {
     if (c < 0) return absl::InvalidArgumentError("KV cache capacity must be >= 0");
   }
-  if (shape.format != KvFormat::kAuto) {
-    if (!KvCoded(shape.format) || shape.appended < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a KV cache keeps its rows in its dtype (auto) or coded (fp8, int8, int4), with >= 0 "
-          "appended tokens; got ",
-          KvFormatName(shape.format), " and ", shape.appended));
-    }
-    RETURN_IF_ERROR(CheckKvFormat(shape.format, shape.head_dim));
-  }
+  RETURN_IF_ERROR(CheckCodedShape(shape));
   auto cache = std::unique_ptr<KvCache>(new KvCache());
   cache->shape_ = shape;
   auto mem = allocator.Allocate(BytesFor(shape));
@@ -118,21 +142,10 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& sha
     if (KvCoded(shape.format)) {
       const CodedSizes z = CodedSizesFor(shape, c);
       uint8_t* at = p;
-      const auto take = [&](size_t bytes) {
-        uint8_t* part = at;
-        at += AlignUp(bytes);
-        return part;
-      };
-      l.format = shape.format;
-      l.max_groups = z.groups;
-      l.resid_tokens = z.resid;
-      l.k = take(heads * z.rows * z.k_row);
-      l.v = take(heads * z.rows * z.v_row);
-      l.positions = reinterpret_cast<int32_t*>(take(heads * c * sizeof(int32_t)));
-      l.k_params = take(heads * z.groups * z.params);
-      l.v_scales = z.scales > 0 ? take(heads * z.groups * z.scales) : nullptr;
-      l.k_resid = take(heads * z.resid * z.resid_row);
-      l.v_resid = take(heads * z.resid * z.resid_row);
+      l.k = Take(heads * z.rows * z.k_row, &at);
+      l.v = Take(heads * z.rows * z.v_row, &at);
+      l.positions = reinterpret_cast<int32_t*>(Take(heads * c * sizeof(int32_t), &at));
+      PlaceCodedSide(shape, z, &at, &l);
       // Bytes: code rows and value rows of a head are z.rows rows apart.
       l.layout = kernels::KvLayout::Region(static_cast<int64_t>(z.rows * z.k_row));
       l.v_layout = kernels::KvLayout::Region(static_cast<int64_t>(z.rows * z.v_row));
@@ -206,15 +219,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape
     return absl::FailedPreconditionError(
         "a paged KV cache needs a backend pool (KvPool::OnBackend)");
   }
-  if (shape.format != KvFormat::kAuto) {
-    if (!KvCoded(shape.format) || shape.appended < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a KV cache keeps its rows in its dtype (auto) or coded (fp8, int8, int4), with >= 0 "
-          "appended tokens; got ",
-          KvFormatName(shape.format), " and ", shape.appended));
-    }
-    RETURN_IF_ERROR(CheckKvFormat(shape.format, shape.head_dim));
-  }
+  RETURN_IF_ERROR(CheckCodedShape(shape));
   const bool coded = KvCoded(shape.format);
   const size_t es = DTypeSize(shape.dtype);
   // A coded cache's rows are bytes: its layouts count bytes (Row(c, t, row bytes)).
@@ -257,22 +262,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape
     l.capacity = c;
     l.k = pool.slab();
     l.v = pool.slab() + static_cast<size_t>(shape.n_heads) * page_tokens * kc * unit;
-    if (coded) {
-      const CodedSizes z = CodedSizesFor(shape, c);
-      const size_t heads = static_cast<size_t>(shape.n_heads);
-      const auto take = [&](size_t bytes) {
-        uint8_t* part = side_at;
-        side_at += AlignUp(bytes);
-        return part;
-      };
-      l.format = shape.format;
-      l.max_groups = z.groups;
-      l.resid_tokens = z.resid;
-      l.k_params = take(heads * z.groups * z.params);
-      l.v_scales = z.scales > 0 ? take(heads * z.groups * z.scales) : nullptr;
-      l.k_resid = take(heads * z.resid * z.resid_row);
-      l.v_resid = take(heads * z.resid * z.resid_row);
-    }
+    if (coded) PlaceCodedSide(shape, CodedSizesFor(shape, c), &side_at, &l);
     l.positions = cache->positions_.data() + at;
     at += int64_t{shape.n_heads} * c;
     l.layout.pages = cache->tables_.back().data();

@@ -93,6 +93,37 @@ void ValueRow(KvFormat f, int d, const uint8_t* row, float* out) {
   }
 }
 
+// A key group's parameters folded into the group's query heads: qb = q ∘ b and qa = q·a, so
+// that a key of the group scores qa + qb·codes.
+void FoldGroup(const uint8_t* params, const float* q, int group, int d, float* qb, float* qa) {
+  for (int g = 0; g < group; ++g) {
+    float dot = 0.f;
+    for (int i = 0; i < d; ++i) {
+      qb[g * d + i] = q[g * d + i] * F16At(params + 4 * i + 2);
+      dot += q[g * d + i] * F16At(params + 4 * i);
+    }
+    qa[g] = dot;
+  }
+}
+
+// The scores of each query head made its softmax, written to its probabilities if asked for,
+// and its output cleared.
+void Normalise(const DecodeSequence& seq, int c, int group, int d, const int32_t* idx, int count,
+               float* s, float* out) {
+  for (int h = 0; h < group; ++h) {
+    float* sh = s + int64_t{h} * count;
+    const float mx = simd::Max(sh, count);
+    const float inv = 1.f / simd::ExpShiftSum(sh, count, mx);
+    for (int x = 0; x < count; ++x) sh[x] *= inv;
+    std::fill(out + h * d, out + (h + 1) * d, 0.f);
+    if (seq.probs) {
+      float* probs = seq.probs + (int64_t{c} * group + h) * seq.len;
+      std::fill(probs, probs + seq.len, 0.f);
+      for (int x = 0; x < count; ++x) probs[idx ? idx[x] : x] = sh[x];
+    }
+  }
+}
+
 #if KVWIRE_AVX2
 // The hardware prefetcher alone does not run far enough ahead of a stream of short rows with
 // work between (as in the dtype kernel): each pass asks for the row kAhead tokens on.
@@ -218,15 +249,7 @@ void DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
     }
     const int gi = groups.Of(tok);
     if (gi != current) {
-      const uint8_t* params = coding.k_params + KeyParamsAt(coding, d, c, gi);
-      for (int g = 0; g < G; ++g) {
-        float dot = 0.f;
-        for (int i = 0; i < d; ++i) {
-          qb[g * d + i] = q[g * d + i] * F16At(params + 4 * i + 2);
-          dot += q[g * d + i] * F16At(params + 4 * i);
-        }
-        qa[g] = dot;
-      }
+      FoldGroup(coding.k_params + KeyParamsAt(coding, d, c, gi), q, G, d, qb.data(), qa);
       current = gi;
     }
     if (x + kAhead < count) {
@@ -242,18 +265,7 @@ void DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
     }
     for (int g = 0; g < G; ++g) s[int64_t{g} * count + x] = (V::Sum(acc[g]) + qa[g]) * scale;
   }
-  for (int g = 0; g < G; ++g) {
-    float* sh = s + int64_t{g} * count;
-    const float mx = simd::Max(sh, count);
-    const float inv = 1.f / simd::ExpShiftSum(sh, count, mx);
-    for (int x = 0; x < count; ++x) sh[x] *= inv;
-    std::fill(out + g * d, out + (g + 1) * d, 0.f);
-    if (seq.probs) {
-      float* probs = seq.probs + (int64_t{c} * G + g) * seq.len;
-      std::fill(probs, probs + seq.len, 0.f);
-      for (int x = 0; x < count; ++x) probs[idx ? idx[x] : x] = sh[x];
-    }
-  }
+  Normalise(seq, c, G, d, idx, count, s, out);
   // Values in tiles of tokens that stay in L1 while each block of 32 channels reads them: first
   // each token's weight for head g folded with its row's scale (int8: its bf16 scale; fp8: its
   // group's power of two; int4: per channel group its step, its minimum summed apart), then the
@@ -436,15 +448,7 @@ void DecodeHeadCoded(const DecodeSequence& seq, int c, int group, int d, DType d
     }
     const int gi = groups.Of(tok);
     if (gi != current) {
-      const uint8_t* params = coding.k_params + KeyParamsAt(coding, d, c, gi);
-      for (int g = 0; g < group; ++g) {
-        float dot = 0.f;
-        for (int i = 0; i < d; ++i) {
-          qb[g * d + i] = q[g * d + i] * F16At(params + 4 * i + 2);
-          dot += q[g * d + i] * F16At(params + 4 * i);
-        }
-        qa[g] = dot;
-      }
+      FoldGroup(coding.k_params + KeyParamsAt(coding, d, c, gi), q, group, d, qb.data(), qa.data());
       current = gi;
     }
     KeyCodes(f, d, k + seq.layout.Row(c, tok, kc), row.data());
@@ -453,18 +457,7 @@ void DecodeHeadCoded(const DecodeSequence& seq, int c, int group, int d, DType d
           (simd::Dot(qb.data() + g * d, row.data(), DType::kF32, d) + qa[g]) * scale;
     }
   }
-  for (int g = 0; g < group; ++g) {
-    float* sh = s + int64_t{g} * count;
-    const float mx = simd::Max(sh, count);
-    const float inv = 1.f / simd::ExpShiftSum(sh, count, mx);
-    for (int x = 0; x < count; ++x) sh[x] *= inv;
-    std::fill(out + g * d, out + (g + 1) * d, 0.f);
-    if (seq.probs) {
-      float* probs = seq.probs + (int64_t{c} * group + g) * seq.len;
-      std::fill(probs, probs + seq.len, 0.f);
-      for (int x = 0; x < count; ++x) probs[idx ? idx[x] : x] = sh[x];
-    }
-  }
+  Normalise(seq, c, group, d, idx, count, s, out);
   int value_group = -1;
   float group_scale = 1.f;
   for (int x = 0; x < count; ++x) {

@@ -56,6 +56,19 @@ std::unique_ptr<LlamaModel> Load(const std::string& spec, const LoadOptions& opt
 
 std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); }
 
+// The device engine generates the CPU engine's tokens, their log-probabilities within 1e-3.
+void ExpectSameGeneration(LlamaModel& cpu, LlamaModel& dev, const GenerationRequest& req) {
+  auto want = Generate(cpu, req);
+  auto got = Generate(dev, req);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->ids, want->ids);
+  ASSERT_EQ(got->logprobs.size(), want->logprobs.size());
+  for (size_t i = 0; i < got->logprobs.size(); ++i) {
+    EXPECT_NEAR(got->logprobs[i], want->logprobs[i], 1e-3) << i;
+  }
+}
+
 TEST_P(DeviceEngine, StoriesGreedyIdsEqualTheReference) {
   KVWIRE_REQUIRE_SHARED();
   auto dev = Load(testing::StoriesModelDir(), On(device()));
@@ -224,15 +237,7 @@ TEST_P(DeviceEngine, SparseDecodeEqualsTheCpuEngine) {
         req.sampling = {0.8f, 0, 0.9f};
         req.seed = 11;
       }
-      auto want = Generate(*cpu, req);
-      auto got = Generate(*dev, req);
-      ASSERT_TRUE(want.ok()) << want.status();
-      ASSERT_TRUE(got.ok()) << got.status();
-      EXPECT_EQ(got->ids, want->ids);
-      ASSERT_EQ(got->logprobs.size(), want->logprobs.size());
-      for (size_t i = 0; i < got->logprobs.size(); ++i) {
-        EXPECT_NEAR(got->logprobs[i], want->logprobs[i], 1e-3) << i;
-      }
+      ExpectSameGeneration(*cpu, *dev, req);
     }
   }
 }
@@ -265,15 +270,7 @@ TEST_P(DeviceEngine, CodedCachesEqualTheCpuEngine) {
         req.attention.top_r = 4;
         req.attention.page_size = 4;
       }
-      auto want = Generate(*cpu, req);
-      auto got = Generate(*dev, req);
-      ASSERT_TRUE(want.ok()) << want.status();
-      ASSERT_TRUE(got.ok()) << got.status();
-      EXPECT_EQ(got->ids, want->ids);
-      ASSERT_EQ(got->logprobs.size(), want->logprobs.size());
-      for (size_t i = 0; i < got->logprobs.size(); ++i) {
-        EXPECT_NEAR(got->logprobs[i], want->logprobs[i], 1e-3) << i;
-      }
+      ExpectSameGeneration(*cpu, *dev, req);
     }
   }
 }
