@@ -383,7 +383,7 @@ absl::Status CodedRefusal(absl::string_view op, absl::string_view backend, int i
                           KvFormat format) {
   return absl::UnimplementedError(absl::StrCat(
       op, ": item ", item, " is a cache coded in ", KvFormatName(format), "; ", backend,
-      " reads caches in their dtype (coded caches are read on reference and cpu so far)"));
+      " reads caches in their dtype (coded caches are read on reference, cpu and guarded so far)"));
 }
 
 }  // namespace
