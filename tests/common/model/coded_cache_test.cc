@@ -291,17 +291,26 @@ TEST_P(CodedCacheTest, TakesAFractionOfThePool) {
   EXPECT_GT(ratio, want) << KvFormatName(format());
   KvPool pool(size_t{64} << 20, 4096);
   EXPECT_EQ(pool.BytesFor(coded), KvCache::BytesFor(coded));
-  // In a device's pool: pages of code rows, and a run of pages for the parameters and residual.
+  // In a device's pool (a GPU decode node's: 64 KiB pages, positions on the host), 16 layers of
+  // 8 heads: pages of code rows, and a run of pages for the parameters and residual. At heads of
+  // 64 in bf16 it holds 1.94x (fp8) and 3.53x (int4) the bf16 caches.
+  coded.n_heads = plain.n_heads = 8;
+  coded.capacity = plain.capacity = std::vector<int>(16, 16384 + 128);
   auto backend = kernels::MakeBackend(kernels::BackendKind::kGuarded);
   ASSERT_TRUE(backend.ok());
-  auto paged = KvPool::OnBackend(std::move(*backend), size_t{64} << 20, size_t{64} << 10);
+  auto paged = KvPool::OnBackend(std::move(*backend), size_t{256} << 20, size_t{64} << 10);
   ASSERT_TRUE(paged.ok());
   const double paged_ratio =
       static_cast<double>((*paged)->BytesFor(plain)) / (*paged)->BytesFor(coded);
-  EXPECT_GT(paged_ratio, want * 0.98) << KvFormatName(format());
-  auto made = KvCache::CreatePaged(coded, **paged);
+  const double paged_want = dim() == 64 && !f32 && format() != KvFormat::kInt8
+                                ? (format() == KvFormat::kFP8 ? 1.9 : 3.5)
+                                : want;
+  EXPECT_GT(paged_ratio, paged_want) << KvFormatName(format());
+  // What the pool reserves is what a cache takes from it.
+  const KvCacheShape small = Shape(format(), dtype());
+  auto made = KvCache::CreatePaged(small, **paged);
   ASSERT_TRUE(made.ok()) << made.status();
-  EXPECT_EQ((*paged)->used(), (*paged)->BytesFor(coded));
+  EXPECT_EQ((*paged)->used(), (*paged)->BytesFor(small));
 }
 
 TEST_P(CodedCacheTest, RefusesRowsAndTheWrongBlocks) {
