@@ -174,7 +174,8 @@ std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, KvFormat format,
   const int d = layer.head_dim;
   const size_t row = static_cast<size_t>(d) * DTypeSize(layer.dtype);
   // A head's payload for n tokens, bounded from above: a position codes in at most 5 bytes, a
-  // head's positions header in 11, and n tokens have at most n / G + 2 groups.
+  // head's positions header in 11, and n tokens touch at most n / G + 3 groups (part of one,
+  // whole ones, part of the last below the recent tokens, the recent group).
   const auto head_bytes = [&](int n) {
     const int groups = KvCoded(format) ? n / kKeyGroupTokens + 3 : 0;
     return 2 * kMaxVarintBytes + 1 + n * kMaxVarintBytes +
