@@ -1,4 +1,4 @@
-// The compressed KV cache on the wire (format version 2), independent of the transport:
+// The compressed KV cache on the wire (format version 3), independent of the transport:
 // a header, per-layer chunks bounded in size and checksummed, a trailer. The services
 // translate these to and from the protobuf messages of proto/kvwire/v1/kv.proto; this file
 // owns the rules: how a layer is cut into chunks, what the CRC-32C covers, and how a
