@@ -80,12 +80,12 @@ absl::Status FillCoded(KvCache& cache, const KvCache& host) {
     const LayerCache& from = host.layer(l);
     LayerCache& lc = cache.layer(l);
     const int n = from.len;
-    lc.kept = n;
-    std::vector<uint8_t> k(KvKeyBlockBytes(lc.format, lc.dtype, lc.head_dim, n, 0, n));
-    std::vector<uint8_t> v(KvValueBlockBytes(lc.format, lc.dtype, lc.head_dim, n, 0, n));
+    lc.coding.kept = n;
+    std::vector<uint8_t> k(KvKeyBlockBytes(lc.coding.format, lc.dtype, lc.head_dim, n, 0, n));
+    std::vector<uint8_t> v(KvValueBlockBytes(lc.coding.format, lc.dtype, lc.head_dim, n, 0, n));
     for (int h = 0; h < lc.n_heads; ++h) {
-      EncodeKvKeys(lc.format, lc.dtype, lc.head_dim, n, 0, n, from.k_row(h, 0), k.data());
-      EncodeKvValues(lc.format, lc.dtype, lc.head_dim, n, 0, n, from.v_row(h, 0), v.data());
+      EncodeKvKeys(lc.coding.format, lc.dtype, lc.head_dim, n, 0, n, from.k_row(h, 0), k.data());
+      EncodeKvValues(lc.coding.format, lc.dtype, lc.head_dim, n, 0, n, from.v_row(h, 0), v.data());
       RETURN_IF_ERROR(cache.WriteCodedBlock(l, h, 0, n, k.data(), v.data()));
       std::copy_n(from.positions + int64_t{h} * from.capacity, n,
                   lc.positions + int64_t{h} * lc.capacity);

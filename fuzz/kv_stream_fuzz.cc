@@ -66,9 +66,9 @@ void CheckComplete(const KvAssembler& assembler, const WireExpectation& expect,
         KVWIRE_CHECK(pos >= 0 && pos < h.prompt_len);
         KVWIRE_CHECK(t == 0 || pos > lc.position(head, t - 1));
         if (lc.coded()) {  // every row the stream stored reads back from within the cache
-          kernels::CodedKeyRow(lc.k, lc.layout, lc.coding(), lc.dtype, lc.head_dim, lc.len, head, t,
+          kernels::CodedKeyRow(lc.k, lc.layout, lc.coding, lc.dtype, lc.head_dim, lc.len, head, t,
                                row.data());
-          kernels::CodedValueRow(lc.v, lc.coding(), lc.dtype, lc.head_dim, lc.len, head, t,
+          kernels::CodedValueRow(lc.v, lc.coding, lc.dtype, lc.head_dim, lc.len, head, t,
                                  row.data());
         }
       }

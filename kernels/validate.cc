@@ -178,20 +178,18 @@ absl::Status ValidateAppendKv(const AppendKvParams& p) {
     }));
     RETURN_IF_ERROR(ValidateKvRows(s.layout, s.coding, p.n_cache_heads, s.t + 1, p.head_dim,
                                    p.kv_dtype, kOp, b));
-    // A token that completes a group passes through a full residual.
-    RETURN_IF_ERROR(Require(
-        !s.coding.coded() || s.t < s.coding.kept ||
-            ((s.t + 1 - s.coding.kept) % kKeyGroupTokens != 0 &&
-             s.t - s.coding.ResidBegin(s.t) < s.coding.resid_tokens) ||
-            (s.coding.resid_tokens >= kKeyGroupTokens && s.coding.k_resid && s.coding.v_resid),
-        kOp, [&] {
-          return absl::StrCat("sequence ", b, ": token ", s.t, " does not fit a residual of ",
-                              s.coding.resid_tokens, " tokens");
-        }));
     RETURN_IF_ERROR(Require(!s.coding.coded() || s.t >= s.coding.kept, kOp, [&] {
       return absl::StrCat("sequence ", b, ": token ", s.t, " is among the ", s.coding.kept,
                           " a coded cache holds from the wire");
     }));
+    // The token's slot in the residual (a token that completes a group takes its last).
+    RETURN_IF_ERROR(Require(
+        !s.coding.coded() || (s.t - s.coding.ResidBegin(s.t) < s.coding.resid_tokens &&
+                              s.coding.k_resid && s.coding.v_resid),
+        kOp, [&] {
+          return absl::StrCat("sequence ", b, ": token ", s.t, " does not fit a residual of ",
+                              s.coding.resid_tokens, " tokens");
+        }));
   }
   return absl::OkStatus();
 }

@@ -69,13 +69,13 @@ int GetNibble(const uint8_t* codes, int j) {
   return (j % 2 == 0) ? (codes[j / 2] & 0x0f) : (codes[j / 2] >> 4);
 }
 
-// One key group: rows [t0, t1) of x ([n][d] floats), codes into code rows of `row` bytes,
+// One key group: the n rows of x ([n][d] floats), codes into code rows of `row` bytes,
 // per channel parameters into `params` (KvKeyGroupBytes: {a, b} per channel, f16).
-void CodeKeyGroup(KvFormat f, int d, const float* x, int t0, int t1, uint8_t* codes, size_t row,
+void CodeKeyGroup(KvFormat f, int d, const float* x, int n, uint8_t* codes, size_t row,
                   uint8_t* params) {
   for (int c = 0; c < d; ++c) {
-    float lo = x[static_cast<size_t>(t0) * d + c], hi = lo, base;
-    for (int t = t0 + 1; t < t1; ++t) {
+    float lo = x[c], hi = lo, base;
+    for (int t = 1; t < n; ++t) {
       lo = std::fmin(lo, x[static_cast<size_t>(t) * d + c]);
       hi = std::fmax(hi, x[static_cast<size_t>(t) * d + c]);
     }
@@ -98,7 +98,7 @@ void CodeKeyGroup(KvFormat f, int d, const float* x, int t0, int t1, uint8_t* co
     const float step = F16ToFloat(b);
     PutU16(params + 4 * c, a);
     PutU16(params + 4 * c + 2, b);
-    for (int t = t0; t < t1; ++t) {
+    for (int t = 0; t < n; ++t) {
       const float r = x[static_cast<size_t>(t) * d + c] - base;
       uint8_t* out = codes + static_cast<size_t>(t) * row;
       if (f == KvFormat::kFP8) {
@@ -313,7 +313,7 @@ void EncodeKeyGroup(KvFormat format, DType dtype, int d, int n, const void* rows
                     uint8_t* params) {
   std::vector<float> x(static_cast<size_t>(n) * d);
   ToFloat(dtype, rows, x.data(), x.size());
-  CodeKeyGroup(format, d, x.data(), 0, n, codes, KvKeyCodeBytes(format, dtype, d), params);
+  CodeKeyGroup(format, d, x.data(), n, codes, KvKeyCodeBytes(format, dtype, d), params);
 }
 
 void EncodeValueGroup(KvFormat format, DType dtype, int d, int n, const void* rows, uint8_t* codes,
@@ -348,7 +348,10 @@ void GroupParams(int d, const uint8_t* params, float* a, float* b) {
 }  // namespace
 
 void DecodeKeyRow(KvFormat format, int d, const uint8_t* codes, const uint8_t* params, float* out) {
-  std::vector<float> a(d), b(d);
+  // Called per row (a coded cache's summaries and exact scores read every key): no allocation.
+  thread_local std::vector<float> a, b;
+  a.resize(d);
+  b.resize(d);
   GroupParams(d, params, a.data(), b.data());
   KeyRowFromParams(format, d, codes, a.data(), b.data(), out);
 }

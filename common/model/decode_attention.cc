@@ -35,7 +35,7 @@ void AppendToHostCache(LayerCache& lc, int n_kv_heads, const float* k, const flo
     if (k != nullptr) {
       const int64_t g = (ch / heads_per_kv) * int64_t{lc.head_dim};
       if (lc.coded()) {
-        kernels::AppendCodedRow(lc.k, lc.v, lc.layout, lc.coding(), lc.dtype, lc.head_dim, ch, t,
+        kernels::AppendCodedRow(lc.k, lc.v, lc.layout, lc.coding, lc.dtype, lc.head_dim, ch, t,
                                 k + g, v + g);
       } else {
         FromFloat(lc.dtype, k + g, lc.k_row(ch, t), lc.head_dim);
@@ -49,17 +49,18 @@ void AppendToHostCache(LayerCache& lc, int n_kv_heads, const float* k, const flo
 // Cache head c of a coded host cache as a cache of one head (its rows, group parameters and
 // residual), for attention over that head alone.
 void HeadView(const LayerCache& lc, int c, DecodeSequence* one) {
-  kernels::KvCoding coding = lc.coding();
+  kernels::KvCoding coding = lc.coding;
   const size_t es = DTypeSize(lc.dtype);
   one->k = lc.k + c * lc.layout.head_stride;
-  one->v = lc.v + c * lc.v_layout.head_stride;
+  one->v = lc.v + c * lc.coding.v_layout.head_stride;
   one->layout = kernels::KvLayout::Region(lc.layout.head_stride);
-  coding.k_params += int64_t{c} * coding.max_groups * KvKeyGroupBytes(lc.format, lc.head_dim);
+  coding.k_params +=
+      int64_t{c} * coding.max_groups * KvKeyGroupBytes(lc.coding.format, lc.head_dim);
   if (coding.v_scales != nullptr) coding.v_scales += int64_t{c} * coding.max_groups;
   const int64_t resid = int64_t{c} * coding.resid_tokens * lc.head_dim * static_cast<int64_t>(es);
   coding.k_resid = static_cast<uint8_t*>(coding.k_resid) + resid;
   coding.v_resid = static_cast<uint8_t*>(coding.v_resid) + resid;
-  coding.v_layout = kernels::KvLayout::Region(lc.v_layout.head_stride);
+  coding.v_layout = kernels::KvLayout::Region(lc.coding.v_layout.head_stride);
   one->coding = coding;
 }
 
@@ -84,7 +85,7 @@ void AttendCache(const float* qkv, float* attn, int b, int64_t stride, int qd, c
   s.k = lc.k;
   s.v = lc.v;
   s.layout = lc.layout;
-  s.coding = lc.coding();
+  s.coding = lc.coding;
   s.len = lc.len;
 }
 
@@ -310,7 +311,7 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
       }
     }
     const float* kr = a.qkv + b * stride + qd;
-    appends[b] = {kr, kr + kvd, lc.k, lc.v, lc.layout, lc.coding(), t};
+    appends[b] = {kr, kr + kvd, lc.k, lc.v, lc.layout, lc.coding, t};
     DecodeSequence& s = seqs[b];
     AttendCache(a.qkv, a.attn, b, stride, qd, lc, s);
   }

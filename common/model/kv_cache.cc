@@ -68,13 +68,13 @@ uint8_t* Take(size_t bytes, uint8_t** at) {
 // A coded layer's parameters, fp8 scales and residual, laid out from *at (CodedSideBytes).
 void PlaceCodedSide(const KvCacheShape& s, const CodedSizes& z, uint8_t** at, LayerCache* l) {
   const size_t heads = static_cast<size_t>(s.n_heads);
-  l->format = s.format;
-  l->max_groups = z.groups;
-  l->resid_tokens = z.resid;
-  l->k_params = Take(heads * z.groups * z.params, at);
-  l->v_scales = z.scales > 0 ? Take(heads * z.groups * z.scales, at) : nullptr;
-  l->k_resid = Take(heads * z.resid * z.resid_row, at);
-  l->v_resid = Take(heads * z.resid * z.resid_row, at);
+  l->coding.format = s.format;
+  l->coding.max_groups = z.groups;
+  l->coding.resid_tokens = z.resid;
+  l->coding.k_params = Take(heads * z.groups * z.params, at);
+  l->coding.v_scales = z.scales > 0 ? Take(heads * z.groups * z.scales, at) : nullptr;
+  l->coding.k_resid = Take(heads * z.resid * z.resid_row, at);
+  l->coding.v_resid = Take(heads * z.resid * z.resid_row, at);
 }
 
 // A shape's rows: in its dtype, or coded (fp8, int8, int4) with >= 0 appended tokens and a
@@ -148,7 +148,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const KvCacheShape& sha
       PlaceCodedSide(shape, z, &at, &l);
       // Bytes: code rows and value rows of a head are z.rows rows apart.
       l.layout = kernels::KvLayout::Region(static_cast<int64_t>(z.rows * z.k_row));
-      l.v_layout = kernels::KvLayout::Region(static_cast<int64_t>(z.rows * z.v_row));
+      l.coding.v_layout = kernels::KvLayout::Region(static_cast<int64_t>(z.rows * z.v_row));
     } else {
       const size_t kv_bytes = AlignUp(heads * c * shape.head_dim * DTypeSize(shape.dtype));
       l.k = p;
@@ -270,7 +270,7 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape
     l.layout.heads_per_page = shape.n_heads;
     l.layout.n_heads = shape.n_heads;
     l.layout.page_stride = static_cast<int64_t>(pool.page_bytes() / unit);
-    if (coded) l.v_layout = l.layout;  // the same pages; V's rows follow K's in each
+    if (coded) l.coding.v_layout = l.layout;  // the same pages; V's rows follow K's in each
     cache->layers_.push_back(l);
   }
   return cache;
@@ -292,7 +292,7 @@ absl::Status KvCache::WriteRows(int layer, int head, int t0, int count, const ui
   LayerCache& lc = layers_[layer];
   if (lc.coded()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("layer ", layer, " keeps its rows coded in ", KvFormatName(lc.format),
+        absl::StrCat("layer ", layer, " keeps its rows coded in ", KvFormatName(lc.coding.format),
                      "; it takes the wire's blocks (WriteCodedBlock), not rows"));
   }
   const size_t row = lc.row_bytes();
@@ -351,14 +351,14 @@ int64_t KvCache::StoredBytes() const {
       continue;
     }
     // Code rows, the groups' parameters and scales so far, and the residual's rows.
-    const KvGroups groups{l.kept};
-    const int coded = l.coding().ResidBegin(l.len);
+    const KvGroups groups{l.coding.kept};
+    const int coded = l.coding.ResidBegin(l.len);
     const int64_t used_groups = coded > 0 ? groups.Of(coded - 1) + 1 : 0;
     total += int64_t{l.n_heads} *
-             (coded * static_cast<int64_t>(KvKeyCodeBytes(l.format, l.dtype, l.head_dim) +
-                                           KvValueRowBytes(l.format, l.dtype, l.head_dim)) +
-              used_groups * static_cast<int64_t>(KvKeyGroupBytes(l.format, l.head_dim) +
-                                                 (l.format == KvFormat::kFP8 ? 1 : 0)) +
+             (coded * static_cast<int64_t>(KvKeyCodeBytes(l.coding.format, l.dtype, l.head_dim) +
+                                           KvValueRowBytes(l.coding.format, l.dtype, l.head_dim)) +
+              used_groups * static_cast<int64_t>(KvKeyGroupBytes(l.coding.format, l.head_dim) +
+                                                 (l.coding.format == KvFormat::kFP8 ? 1 : 0)) +
               (l.len - coded) * 2 * static_cast<int64_t>(l.row_bytes()));
   }
   return total;
@@ -370,8 +370,8 @@ int KvCache::CodedRows(int layer) const {
     return static_cast<int>(tables_[layer].size()) / (lc.n_heads / lc.layout.heads_per_page) *
            lc.layout.page_tokens;
   }
-  return static_cast<int>(lc.layout.head_stride /
-                          static_cast<int64_t>(KvKeyCodeBytes(lc.format, lc.dtype, lc.head_dim)));
+  return static_cast<int>(lc.layout.head_stride / static_cast<int64_t>(KvKeyCodeBytes(
+                                                      lc.coding.format, lc.dtype, lc.head_dim)));
 }
 
 absl::Status KvCache::WriteCodedBlock(int layer, int head, int first, int n, const uint8_t* k,
@@ -381,12 +381,12 @@ absl::Status KvCache::WriteCodedBlock(int layer, int head, int first, int n, con
         absl::StrCat("layer ", layer, " is not a coded layer of this cache"));
   }
   LayerCache& lc = layers_[layer];
-  const KvGroups groups{lc.kept};
-  if (head < 0 || head >= lc.n_heads || first < 0 || n < 1 || first + n > lc.kept ||
-      groups.Of(first + n - 1) >= lc.max_groups || first + n > CodedRows(layer)) {
+  const KvGroups groups{lc.coding.kept};
+  if (head < 0 || head >= lc.n_heads || first < 0 || n < 1 || first + n > lc.coding.kept ||
+      groups.Of(first + n - 1) >= lc.coding.max_groups || first + n > CodedRows(layer)) {
     return absl::InvalidArgumentError(
         absl::StrCat("block of tokens [", first, ", ", first + n, ") of head ", head, " of layer ",
-                     layer, " is outside the cache's ", lc.kept, " kept tokens"));
+                     layer, " is outside the cache's ", lc.coding.kept, " kept tokens"));
   }
   // Into host memory, or a device's (staged copies).
   const auto put = [&](uint8_t* dst, const uint8_t* src, size_t bytes) -> absl::Status {
@@ -396,24 +396,24 @@ absl::Status KvCache::WriteCodedBlock(int layer, int head, int first, int n, con
     }
     return backend_->CopyToDevice(dst, src, bytes);
   };
-  const size_t kc = KvKeyCodeBytes(lc.format, lc.dtype, lc.head_dim);
-  const size_t vc = KvValueRowBytes(lc.format, lc.dtype, lc.head_dim);
+  const size_t kc = KvKeyCodeBytes(lc.coding.format, lc.dtype, lc.head_dim);
+  const size_t vc = KvValueRowBytes(lc.coding.format, lc.dtype, lc.head_dim);
   for (int t = first; t < first + n;) {
     const int run = lc.layout.RunFrom(t, first + n);
     RETURN_IF_ERROR(
         put(lc.k + lc.layout.Row(head, t, static_cast<int>(kc)), k + (t - first) * kc, run * kc));
-    RETURN_IF_ERROR(
-        put(lc.v + lc.v_layout.Row(head, t, static_cast<int>(vc)), v + (t - first) * vc, run * vc));
+    RETURN_IF_ERROR(put(lc.v + lc.coding.v_layout.Row(head, t, static_cast<int>(vc)),
+                        v + (t - first) * vc, run * vc));
     t += run;
   }
   // Then each group's parameters (keys) and scale (fp8 values), as the block lists them: one
   // head's groups are consecutive.
   const int g0 = groups.Of(first), g1 = groups.Of(first + n - 1);
-  const size_t gb = KvKeyGroupBytes(lc.format, lc.head_dim);
-  RETURN_IF_ERROR(put(lc.k_params + (int64_t{head} * lc.max_groups + g0) * gb,
+  const size_t gb = KvKeyGroupBytes(lc.coding.format, lc.head_dim);
+  RETURN_IF_ERROR(put(lc.coding.k_params + (int64_t{head} * lc.coding.max_groups + g0) * gb,
                       k + static_cast<size_t>(n) * kc, (g1 - g0 + 1) * gb));
-  if (lc.format == KvFormat::kFP8) {
-    RETURN_IF_ERROR(put(lc.v_scales + int64_t{head} * lc.max_groups + g0,
+  if (lc.coding.format == KvFormat::kFP8) {
+    RETURN_IF_ERROR(put(lc.coding.v_scales + int64_t{head} * lc.coding.max_groups + g0,
                         v + static_cast<size_t>(n) * vc, g1 - g0 + 1));
   }
   return absl::OkStatus();

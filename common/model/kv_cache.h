@@ -56,35 +56,14 @@ struct LayerCache {
   kernels::KvLayout layout;      // where token t of head c is, from k and from v
 
   // A coded cache (format fp8, int8 or int4) keeps the wire's codes (common/base/kv_format.h):
-  // k and v hold key code rows and value rows (bytes, at layout and v_layout), and beside them
-  // each group's parameters, and the tokens decode appended since the last whole group in
-  // `dtype` (KIVI's residual) until a group of kKeyGroupTokens fills and is coded.
-  KvFormat format = KvFormat::kAuto;  // kAuto: rows in dtype, and nothing below applies
-  int kept = 0;                       // prompt tokens per head, which fix its groups
-  int max_groups = 0;
-  int resid_tokens = 0;
-  uint8_t* k_params = nullptr;  // [n_heads, max_groups] × KvKeyGroupBytes
-  uint8_t* v_scales = nullptr;  // fp8: [n_heads, max_groups]
-  uint8_t* k_resid = nullptr;   // [n_heads, resid_tokens, head_dim] in dtype
-  uint8_t* v_resid = nullptr;
-  kernels::KvLayout v_layout;  // a coded cache's value rows (its key code rows are at layout)
+  // k and v hold key code rows and value rows (bytes, at layout and coding.v_layout), and beside
+  // them each group's parameters, and the tokens decode appended since the last whole group in
+  // `dtype` (KIVI's residual) until a group of kKeyGroupTokens fills and is coded. What the
+  // kernels read; format kAuto (rows in dtype) for any other cache.
+  kernels::KvCoding coding;
 
   bool paged() const { return layout.pages != nullptr; }
-  bool coded() const { return KvCoded(format); }
-  // What the kernels read of a coded cache.
-  kernels::KvCoding coding() const {
-    kernels::KvCoding c;
-    c.format = format;
-    c.kept = kept;
-    c.max_groups = max_groups;
-    c.resid_tokens = resid_tokens;
-    c.k_params = k_params;
-    c.v_scales = v_scales;
-    c.k_resid = k_resid;
-    c.v_resid = v_resid;
-    c.v_layout = v_layout;
-    return c;
-  }
+  bool coded() const { return coding.coded(); }
   // A region's: elements between heads.
   int64_t head_stride() const { return int64_t{capacity} * head_dim; }
   size_t row_bytes() const { return static_cast<size_t>(head_dim) * DTypeSize(dtype); }

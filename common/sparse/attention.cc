@@ -150,7 +150,7 @@ class SparseSelector final : public DecodeSelector {
         kernels::SummaryUpdateSegment u;
         u.k = lc.k;
         u.kv = lc.layout;
-        u.coding = lc.coding();
+        u.coding = lc.coding;
         u.n_heads = lc.n_heads;
         u.first = built;
         u.len = lc.len;
@@ -176,7 +176,7 @@ class SparseSelector final : public DecodeSelector {
       s.top_r = p_.top_r;
       s.k = lc.k;
       s.kv = lc.layout;
-      s.coding = lc.coding();
+      s.coding = lc.coding;
       s.head = c;
       s.scale = 1.f / std::sqrt(static_cast<float>(head_dim_));
       s.score = scores_ + int64_t{c} * score_stride_;

@@ -22,7 +22,7 @@ void ExactSelect(const HeadQuery& hq) {
   s.len = lc.len;
   s.k = lc.k;
   s.kv = lc.layout;
-  s.coding = lc.coding();
+  s.coding = lc.coding;
   s.head = hq.head;
   s.scale = 1.f / std::sqrt(static_cast<float>(lc.head_dim));
   s.score = total.data();

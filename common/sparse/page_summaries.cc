@@ -57,7 +57,7 @@ void PageSummaries::Update(int layer, int head, const LayerCache& lc) {
   kernels::SummaryUpdateSegment s;
   s.k = lc.k;
   s.kv = lc.layout;
-  s.coding = lc.coding();
+  s.coding = lc.coding;
   s.n_heads = lc.n_heads;
   s.first = built;
   s.len = lc.len;

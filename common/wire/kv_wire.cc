@@ -283,13 +283,13 @@ absl::Status KvAssembler::OnHeader(const WireHeader& h) {
                                          expect_.kept_per_layer[l])));
     }
     LayerCache& lc = cache_->layer(l);
-    if (lc.coded() && lc.format != h.kv_format) {
+    if (lc.coded() && lc.coding.format != h.kv_format) {
       return Fail(absl::FailedPreconditionError(
-          absl::StrCat("the cache keeps rows coded in ", KvFormatName(lc.format),
+          absl::StrCat("the cache keeps rows coded in ", KvFormatName(lc.coding.format),
                        " but the stream codes them in ", KvFormatName(h.kv_format))));
     }
     lc.len = 0;
-    lc.kept = kept;
+    lc.coding.kept = kept;
   }
   header_ = h;
   header_seen_ = true;

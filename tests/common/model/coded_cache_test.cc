@@ -77,7 +77,7 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
     auto cache = KvCache::Create(Shape(format(), dtype()), HeapKvAllocator());
     EXPECT_TRUE(cache.ok()) << cache.status();
     LayerCache& lc = (*cache)->layer(0);
-    lc.kept = kKept;
+    lc.coding.kept = kKept;
     const size_t row = dim() * DTypeSize(dtype());
     for (int h = 0; h < kHeads; ++h) {
       const uint8_t* k = keys.data() + h * kKept * row;
@@ -108,7 +108,7 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
     s.k = lc.k;
     s.v = lc.v;
     s.layout = lc.layout;
-    s.coding = lc.coding();
+    s.coding = lc.coding;
     s.len = lc.len;
     s.probs = probs.data();
     if (indices) {
@@ -139,7 +139,7 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
     kernels::SummaryUpdateSegment u;
     u.k = lc.k;
     u.kv = lc.layout;
-    u.coding = lc.coding();
+    u.coding = lc.coding;
     u.n_heads = kHeads;
     u.len = lc.len;
     u.summaries = sums.data();
@@ -155,7 +155,7 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
     e.len = lc.len;
     e.k = lc.k;
     e.kv = lc.layout;
-    e.coding = lc.coding();
+    e.coding = lc.coding;
     e.head = 1;
     e.scale = 0.125f;
     e.score = score.data();
@@ -231,7 +231,7 @@ TEST_P(CodedCacheTest, DecodeReadsAndAppendsAsTheSpecification) {
     for (auto [backend, cache] :
          {std::pair{reference->get(), on_ref.get()}, std::pair{cpu->get(), on_cpu.get()}}) {
       LayerCache& lc = cache->layer(0);
-      KvAppend a{k.data(), v.data(), lc.k, lc.v, lc.layout, lc.coding(), t};
+      KvAppend a{k.data(), v.data(), lc.k, lc.v, lc.layout, lc.coding, t};
       const absl::Status st = backend->AppendKv({&a, 1, kHeads, kHeads, dim(), dtype()});
       ASSERT_TRUE(st.ok()) << st;
       lc.len = t + 1;
@@ -270,7 +270,7 @@ TEST_P(CodedCacheTest, DecodeReadsAndAppendsAsTheSpecification) {
     }
     pc.len = t + 1;
   }
-  EXPECT_EQ(on_ref->layer(0).coding().ResidBegin(kKept + kAppended), kKept + 256);
+  EXPECT_EQ(on_ref->layer(0).coding.ResidBegin(kKept + kAppended), kKept + 256);
 }
 
 // Its bytes: the codes and their parameters, and a residual of at most a group in the dtype.
@@ -319,7 +319,7 @@ TEST_P(CodedCacheTest, RefusesRowsAndTheWrongBlocks) {
   std::vector<uint8_t> rows(64 * dim() * 4);
   const absl::Status st = (*cache)->WriteRows(0, 0, 0, 1, rows.data(), rows.data());
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
-  (*cache)->layer(0).kept = 10;
+  (*cache)->layer(0).coding.kept = 10;
   EXPECT_EQ((*cache)->WriteCodedBlock(0, 0, 5, 6, rows.data(), rows.data()).code(),
             absl::StatusCode::kInvalidArgument);  // past the kept tokens
   EXPECT_EQ((*cache)->WriteCodedBlock(0, kHeads, 0, 1, rows.data(), rows.data()).code(),
@@ -328,7 +328,7 @@ TEST_P(CodedCacheTest, RefusesRowsAndTheWrongBlocks) {
   LayerCache& lc = (*cache)->layer(0);
   lc.len = 10;
   DecodeSequence seq;
-  seq.coding = lc.coding();
+  seq.coding = lc.coding;
   const absl::Status refused = kernels::RequireDtypeRows(
       DecodeAttentionParams{&seq, 1, kHeads * kGroup, kHeads, dim(), lc.dtype, 0.125f}, "cuda");
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented) << refused;
