@@ -87,7 +87,7 @@ int Run(const uint8_t* data, size_t size) {
   // A coded format's stream goes into a coded cache, as on a CPU decode node.
   KvCacheShape shape = CompressedCacheShape(params->compression, params->model, params->kv_dtype,
                                             params->prompt_len, params->extra_tokens);
-  shape.format = DecodeCacheFormat(params->compression.kv_format, kernels::BackendKind::kCpu);
+  shape.format = DecodeCacheFormat(params->compression.kv_format);
   auto cache = KvCache::Create(shape, HeapKvAllocator());
   KVWIRE_CHECK(cache.ok());
   KvAssembler assembler(expect, cache->get());

@@ -24,10 +24,11 @@ void AppendCodedRow(void* k, void* v, const KvLayout& layout, const KvCoding& co
                     int head_dim, int c, int t, const float* k_row, const float* v_row);
 
 // The byte offset of head c's group g parameters, and of its residual slot i.
-inline int64_t KeyParamsAt(const KvCoding& coding, int head_dim, int c, int g) {
+KVWIRE_HOST_DEVICE inline int64_t KeyParamsAt(const KvCoding& coding, int head_dim, int c, int g) {
   return (int64_t{c} * coding.max_groups + g) * int64_t{4} * head_dim;
 }
-inline int64_t ResidAt(const KvCoding& coding, DType dtype, int head_dim, int c, int i) {
+KVWIRE_HOST_DEVICE inline int64_t ResidAt(const KvCoding& coding, DType dtype, int head_dim, int c,
+                                          int i) {
   return (int64_t{c} * coding.resid_tokens + i) * head_dim * static_cast<int64_t>(DTypeSize(dtype));
 }
 

@@ -21,12 +21,6 @@
 #include "common/base/kv_format.h"
 #include "kernels/sampling.h"
 
-#if defined(__CUDACC__)
-#define KVWIRE_HOST_DEVICE __host__ __device__
-#else
-#define KVWIRE_HOST_DEVICE
-#endif
-
 namespace kvwire::kernels {
 
 // Where a cache's K (or V) rows are, relative to a base pointer, in elements of the cache

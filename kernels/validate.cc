@@ -375,40 +375,4 @@ absl::Status ValidateSample(const SampleParams& p) {
   return absl::OkStatus();
 }
 
-namespace {
-
-absl::Status CodedRefusal(absl::string_view op, absl::string_view backend, int item,
-                          KvFormat format) {
-  return absl::UnimplementedError(absl::StrCat(
-      op, ": item ", item, " is a cache coded in ", KvFormatName(format), "; ", backend,
-      " reads caches in their dtype (coded caches are read on reference, cpu and guarded so far)"));
-}
-
-}  // namespace
-
-// Each item's coding (DecodeSequence, KvAppend, SummaryUpdateSegment, PageScoreSegment).
-template <typename Item>
-absl::Status RequireDtypeRowsOf(absl::string_view op, absl::string_view backend, const Item* items,
-                                int n) {
-  for (int i = 0; i < n; ++i) {
-    if (items[i].coding.format != KvFormat::kAuto) {
-      return CodedRefusal(op, backend, i, items[i].coding.format);
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status RequireDtypeRows(const DecodeAttentionParams& p, absl::string_view backend) {
-  return RequireDtypeRowsOf("DecodeAttention", backend, p.seqs, p.batch);
-}
-absl::Status RequireDtypeRows(const AppendKvParams& p, absl::string_view backend) {
-  return RequireDtypeRowsOf("AppendKv", backend, p.seqs, p.batch);
-}
-absl::Status RequireDtypeRows(const UpdateSummariesParams& p, absl::string_view backend) {
-  return RequireDtypeRowsOf("UpdateSummaries", backend, p.segs, p.count);
-}
-absl::Status RequireDtypeRows(const PageScoresParams& p, absl::string_view backend) {
-  return RequireDtypeRowsOf("PageScores", backend, p.segs, p.count);
-}
-
 }  // namespace kvwire::kernels

@@ -25,11 +25,4 @@ absl::Status ValidateUpdateSummaries(const UpdateSummariesParams& p);
 absl::Status ValidatePageScores(const PageScoresParams& p);
 absl::Status ValidateSample(const SampleParams& p);
 
-// A backend whose kernels read caches only in their dtype refuses a coded one (KvCoding) by
-// these, naming itself; the reference and CPU backends read both.
-absl::Status RequireDtypeRows(const DecodeAttentionParams& p, absl::string_view backend);
-absl::Status RequireDtypeRows(const AppendKvParams& p, absl::string_view backend);
-absl::Status RequireDtypeRows(const UpdateSummariesParams& p, absl::string_view backend);
-absl::Status RequireDtypeRows(const PageScoresParams& p, absl::string_view backend);
-
 }  // namespace kvwire::kernels

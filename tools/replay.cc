@@ -114,7 +114,7 @@ absl::StatusOr<ReplayedCache> ReplayInto(const LlamaModel& model, const Captured
   const int len = cap.len();
   RETURN_IF_ERROR(CheckKvFormat(config.kv_format, model.config().head_dim));
   KvCacheShape shape = CompressedCacheShape(config, model.config(), model.kv_dtype(), len, extra);
-  shape.format = DecodeCacheFormat(config.kv_format, model.backend()->kind());
+  shape.format = DecodeCacheFormat(config.kv_format);
   ReplayedCache out;
   ASSIGN_OR_RETURN(out.cache, KvCache::Create(shape, HeapKvAllocator()));
   out.cache->set_prompt_len(len);

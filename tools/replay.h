@@ -73,7 +73,7 @@ struct ReplayedCache {
 
 // Compresses the captured prefill with `config` into a new cache with room for `extra`
 // generated tokens, through the wire's chunks and receiver, keeping a coded kv_format's rows
-// as a decode node on the model's backend would (DecodeCacheFormat).
+// as a decode node would (DecodeCacheFormat).
 absl::StatusOr<ReplayedCache> ReplayInto(const LlamaModel& model, const CapturedPrefill& cap,
                                          const CompressionConfig& config, int extra);
 

@@ -10,13 +10,21 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 
+// Host-and-device functions: the scalar conversions and coders the CUDA kernels share with the
+// host's specification, so that both code and decode a value the same way.
+#if defined(__CUDACC__)
+#define KVWIRE_HOST_DEVICE __host__ __device__
+#else
+#define KVWIRE_HOST_DEVICE
+#endif
+
 namespace kvwire {
 
 enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
-inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+KVWIRE_HOST_DEVICE inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 
-inline float Bf16ToFloat(uint16_t h) {
+KVWIRE_HOST_DEVICE inline float Bf16ToFloat(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
   std::memcpy(&f, &bits, 4);
@@ -24,7 +32,7 @@ inline float Bf16ToFloat(uint16_t h) {
 }
 
 // Round to nearest even, as torch does; NaN stays NaN.
-inline uint16_t FloatToBf16(float f) {
+KVWIRE_HOST_DEVICE inline uint16_t FloatToBf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
@@ -56,7 +64,7 @@ inline absl::StatusOr<DType> ParseDType(absl::string_view name) {
 
 // IEEE binary16 conversions in software (F16C would do, but this keeps the reference
 // path portable; the hot paths convert bf16, which is a shift).
-inline float F16ToFloat(uint16_t h) {
+KVWIRE_HOST_DEVICE inline float F16ToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
@@ -83,7 +91,7 @@ inline float F16ToFloat(uint16_t h) {
   return f;
 }
 
-inline uint16_t FloatToF16(float f) {
+KVWIRE_HOST_DEVICE inline uint16_t FloatToF16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);

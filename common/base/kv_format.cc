@@ -8,65 +8,10 @@
 namespace kvwire {
 namespace {
 
-void PutU16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
-uint16_t GetU16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-
-// A code from a quotient that may be NaN (a cache never holds one, but the wire's input is not
-// trusted to be a cache): NaN codes as 0 rather than through an undefined conversion.
-float ClampCode(float q, float lo, float hi) {
-  return std::isnan(q) ? 0.0f : std::clamp(q, lo, hi);
-}
-
 float AbsMax(const float* x, int n) {
   float m = 0;
   for (int i = 0; i < n; ++i) m = std::fmax(m, std::fabs(x[i]));
   return m;
-}
-
-// The smallest f16 (bf16) at or above v >= 0, so that a range divided by it stays in range.
-uint16_t F16Up(float v) {
-  uint16_t h = FloatToF16(v);
-  if (F16ToFloat(h) < v && (h & 0x7c00u) != 0x7c00u) ++h;
-  return h;
-}
-// The largest f16 at or below v.
-uint16_t F16Down(float v) {
-  uint16_t h = FloatToF16(v);
-  if (F16ToFloat(h) > v)
-    h = (h & 0x8000u) ? static_cast<uint16_t>(h + 1)
-                      : (h == 0 ? 0x8001u : static_cast<uint16_t>(h - 1));
-  return h;
-}
-uint16_t Bf16Up(float v) {
-  uint16_t h = FloatToBf16(v);
-  if (Bf16ToFloat(h) < v && (h & 0x7f80u) != 0x7f80u) ++h;
-  return h;
-}
-
-}  // namespace
-
-uint8_t E8M0Up(float v, float limit) {
-  if (!(v > 0)) return 0;
-  if (!std::isfinite(v / limit)) return 254;
-  int k;
-  std::frexp(v / limit, &k);  // v / limit = m · 2^k, m in [0.5, 1): 2^k >= v / limit
-  if (std::ldexp(1.0f, k - 1) * limit >= v) --k;  // v / limit a power of two
-  if (v / std::ldexp(1.0f, k) > limit) ++k;       // the division's rounding
-  return static_cast<uint8_t>(std::clamp(k + 127, 0, 254));
-}
-
-namespace {
-
-void PutNibble(uint8_t* codes, int j, uint8_t c) {
-  codes[j / 2] = (j % 2 == 0) ? static_cast<uint8_t>((codes[j / 2] & 0xf0u) | c)
-                              : static_cast<uint8_t>((codes[j / 2] & 0x0fu) | (c << 4));
-}
-int GetNibble(const uint8_t* codes, int j) {
-  return (j % 2 == 0) ? (codes[j / 2] & 0x0f) : (codes[j / 2] >> 4);
 }
 
 // One key group: the n rows of x ([n][d] floats), codes into code rows of `row` bytes,
@@ -74,44 +19,9 @@ int GetNibble(const uint8_t* codes, int j) {
 void CodeKeyGroup(KvFormat f, int d, const float* x, int n, uint8_t* codes, size_t row,
                   uint8_t* params) {
   for (int c = 0; c < d; ++c) {
-    float lo = x[c], hi = lo, base;
-    for (int t = 1; t < n; ++t) {
-      lo = std::fmin(lo, x[static_cast<size_t>(t) * d + c]);
-      hi = std::fmax(hi, x[static_cast<size_t>(t) * d + c]);
-    }
-    // Both parameters f16; the step rounded up, so that the extremes code to the range's ends
-    // (E4M3's ±448, the integers' 0 and 255 or 15) and come back within a part in 2^11: a
-    // power-of-two scale, which leaves them anywhere in the top binade, loses the retrieval
-    // model's positional heads (docs/algorithms.md §10.3). A constant channel, too, codes its
-    // distance from its rounded centre or minimum: an offset that the tokens decode appends
-    // would not share shifts their scores against the prompt's.
-    uint16_t a, b;
-    if (f == KvFormat::kFP8) {
-      a = FloatToF16((hi + lo) / 2);
-      base = F16ToFloat(a);
-      b = F16Up(std::fmax(hi - base, base - lo) / kE4M3Max);
-    } else {
-      a = F16Down(lo);  // at or below every value: codes are never negative
-      base = F16ToFloat(a);
-      b = F16Up((hi - base) / (f == KvFormat::kInt8 ? 255.0f : 15.0f));
-    }
-    const float step = F16ToFloat(b);
-    PutU16(params + 4 * c, a);
-    PutU16(params + 4 * c + 2, b);
-    for (int t = 0; t < n; ++t) {
-      const float r = x[static_cast<size_t>(t) * d + c] - base;
-      uint8_t* out = codes + static_cast<size_t>(t) * row;
-      if (f == KvFormat::kFP8) {
-        out[c] = step > 0 ? FloatToE4M3(r / step) : 0;
-      } else {
-        const float q = step > 0 ? std::nearbyint(r / step) : 0.0f;
-        if (f == KvFormat::kInt8) {
-          out[c] = static_cast<uint8_t>(ClampCode(q, 0.0f, 255.0f));
-        } else {
-          PutNibble(out, c, static_cast<uint8_t>(ClampCode(q, 0.0f, 15.0f)));
-        }
-      }
-    }
+    CodeKeyChannel(
+        f, c, n, [&](int t) { return x[static_cast<size_t>(t) * d + c]; },
+        [&](int t) { return codes + static_cast<size_t>(t) * row; }, params);
   }
 }
 
@@ -143,45 +53,7 @@ void KeyRowFromParams(KvFormat f, int d, const uint8_t* code_row, const float* a
   }
 }
 
-// One value row (float) coded, and back: int8 and int4 (fp8 rows share their group's scale).
-void CodeIntValueRow(KvFormat f, int d, const float* x, uint8_t* out) {
-  switch (f) {
-    case KvFormat::kInt8: {
-      const uint16_t s = Bf16Up(AbsMax(x, d) / 127.0f);
-      const float scale = Bf16ToFloat(s);
-      for (int i = 0; i < d; ++i) {
-        const float q = scale > 0 ? std::nearbyint(x[i] / scale) : 0.0f;
-        out[i] = static_cast<uint8_t>(static_cast<int8_t>(ClampCode(q, -127.0f, 127.0f)));
-      }
-      PutU16(out + d, s);
-      return;
-    }
-    default: {  // int4: groups of channels, each with a step and a minimum
-      const int g = std::min(kInt4ValueGroup, d);
-      uint8_t* params = out + (d + 1) / 2;
-      for (int first = 0, k = 0; first < d; first += g, ++k) {
-        const int n = std::min(g, d - first);
-        float lo = x[first], hi = x[first];
-        for (int i = first + 1; i < first + n; ++i) {
-          lo = std::fmin(lo, x[i]);
-          hi = std::fmax(hi, x[i]);
-        }
-        const uint16_t lo_h = F16Down(lo);
-        const float min = F16ToFloat(lo_h);
-        const uint16_t step_h = F16Up((hi - min) / 15.0f);
-        const float step = F16ToFloat(step_h);
-        for (int i = first; i < first + n; ++i) {
-          const float q = step > 0 ? std::nearbyint((x[i] - min) / step) : 0.0f;
-          PutNibble(out, i, static_cast<uint8_t>(ClampCode(q, 0.0f, 15.0f)));
-        }
-        PutU16(params + 4 * k, step_h);
-        PutU16(params + 4 * k + 2, lo_h);
-      }
-      return;
-    }
-  }
-}
-
+// One value row (float) back: int8 and int4 (fp8 rows share their group's scale).
 void IntValueRowToFloat(KvFormat f, int d, const uint8_t* in, float* x) {
   switch (f) {
     case KvFormat::kInt8: {
@@ -255,36 +127,13 @@ absl::Status CheckKvFormat(KvFormat format, int head_dim) {
 }
 
 size_t KvKeyCodeBytes(KvFormat format, DType dtype, int head_dim) {
-  const size_t d = static_cast<size_t>(head_dim);
-  switch (format) {
-    case KvFormat::kAuto:
-      return d * DTypeSize(dtype);
-    case KvFormat::kBF16:
-      return d * 2;
-    case KvFormat::kFP8:
-    case KvFormat::kInt8:
-      return d;
-    case KvFormat::kInt4:
-      return (d + 1) / 2;
-  }
-  return 0;
+  if (KvCoded(format)) return static_cast<size_t>(CodedKeyRowBytes(format, head_dim));
+  return static_cast<size_t>(head_dim) * (format == KvFormat::kBF16 ? 2 : DTypeSize(dtype));
 }
 
 size_t KvValueRowBytes(KvFormat format, DType dtype, int head_dim) {
-  const size_t d = static_cast<size_t>(head_dim);
-  switch (format) {
-    case KvFormat::kAuto:
-    case KvFormat::kBF16:
-    case KvFormat::kFP8:
-      return KvKeyCodeBytes(format, dtype, head_dim);
-    case KvFormat::kInt8:
-      return d + 2;
-    case KvFormat::kInt4: {
-      const size_t g = std::min<size_t>(kInt4ValueGroup, d);
-      return (d + 1) / 2 + 4 * ((d + g - 1) / g);
-    }
-  }
-  return 0;
+  if (KvCoded(format)) return static_cast<size_t>(CodedValueRowBytes(format, head_dim));
+  return KvKeyCodeBytes(format, dtype, head_dim);
 }
 
 size_t KvKeyGroupBytes(KvFormat format, int head_dim) {
@@ -332,7 +181,8 @@ void EncodeValueGroup(KvFormat format, DType dtype, int d, int n, const void* ro
   }
   const size_t row = KvValueRowBytes(format, dtype, d);
   for (int r = 0; r < n; ++r)
-    CodeIntValueRow(format, d, x.data() + static_cast<size_t>(r) * d, codes + r * row);
+    CodeIntValueRow(
+        format, d, [&](int i) { return x[static_cast<size_t>(r) * d + i]; }, codes + r * row);
 }
 
 namespace {

@@ -433,10 +433,7 @@ KvCacheShape CompressedCacheShape(const CompressionConfig& config, const ModelCo
   return shape;
 }
 
-KvFormat DecodeCacheFormat(KvFormat wire, kernels::BackendKind backend) {
-  // The CUDA backend's kernels read caches in their dtype so far.
-  return KvCoded(wire) && backend != kernels::BackendKind::kCuda ? wire : KvFormat::kAuto;
-}
+KvFormat DecodeCacheFormat(KvFormat wire) { return KvCoded(wire) ? wire : KvFormat::kAuto; }
 
 absl::Status StoreLayer(const CompressedLayer& layer, KvCache* cache) {
   if (layer.layer < 0 || layer.layer >= cache->num_layers()) {

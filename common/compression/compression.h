@@ -170,10 +170,10 @@ absl::Status StoreLayer(const CompressedLayer& layer, KvCache* cache);
 KvCacheShape CompressedCacheShape(const CompressionConfig& config, const ModelConfig& model,
                                   DType kv_dtype, int len, int extra_tokens);
 
-// How a decode cache keeps the rows of a stream coded in `wire` (KvCacheShape::format): as the
-// wire's codes, dequantised by decode attention (dense and sparse) as it reads them, where that
-// is built (a coded format; the reference, cpu and guarded backends); else in the cache dtype,
-// dequantised on arrival (docs/algorithms.md §10.7).
-KvFormat DecodeCacheFormat(KvFormat wire, kernels::BackendKind backend);
+// How a decode cache keeps the rows of a stream coded in `wire` (KvCacheShape::format): a coded
+// format (fp8, int8, int4) as the wire's codes, dequantised by decode attention (dense and
+// sparse) as it reads them, on every backend; bf16 and auto in the cache dtype, converted on
+// arrival (docs/algorithms.md §10.7).
+KvFormat DecodeCacheFormat(KvFormat wire);
 
 }  // namespace kvwire

@@ -226,7 +226,7 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   }
   KvCacheShape shape =
       CompressedCacheShape(j.compression, mc, model_->kv_dtype(), len, j.max_tokens);
-  shape.format = DecodeCacheFormat(j.compression.kv_format, model_->backend()->kind());
+  shape.format = DecodeCacheFormat(j.compression.kv_format);
   ASSIGN_OR_RETURN(const size_t selector_bytes, DecodeSelectorBytes(j.attention, mc, shape));
   s.reserve_bytes = pool_->BytesFor(shape) + selector_bytes;
   if (!pool_->CanEverFit(s.reserve_bytes)) {

@@ -17,7 +17,7 @@ absl::StatusOr<PrefilledSequence> PrefillSequence(
   const int len = static_cast<int>(prompt.size());
   KvCacheShape shape =
       CompressedCacheShape(compression, model.config(), model.kv_dtype(), len, extra_tokens);
-  shape.format = DecodeCacheFormat(compression.kv_format, model.backend()->kind());
+  shape.format = DecodeCacheFormat(compression.kv_format);
   PrefilledSequence seq;
   ASSIGN_OR_RETURN(seq.cache, model.NewCache(shape));
   seq.cache->set_prompt_len(len);

@@ -36,7 +36,7 @@ struct PrefilledSequence {
 // Runs the prompt through the model, compressing each layer by `compression` into a new
 // cache for the model (LlamaModel::NewCache) with room for `extra_tokens` generated tokens; the
 // first token is sampled with `sampling` and the first draw of `seed`. The cache keeps a coded
-// kv_format's rows coded where decode reads them so (DecodeCacheFormat).
+// kv_format's rows coded (DecodeCacheFormat).
 absl::StatusOr<PrefilledSequence> PrefillSequence(
     LlamaModel& model, absl::Span<const int32_t> prompt, const CompressionConfig& compression,
     int extra_tokens, const kernels::SamplingParams& sampling = {0.f}, uint64_t seed = 0);

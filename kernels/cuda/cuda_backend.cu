@@ -217,14 +217,17 @@ class CudaBackend final : public KernelBackend {
   absl::Status AppendKv(const AppendKvParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateAppendKv(p));  // before sizing the table from p.batch
-    RETURN_IF_ERROR(RequireDtypeRows(p, "cuda"));
-    // The sequences' page tables go up with them.
+    // The sequences' page tables go up with them (a coded cache's values have their own).
     std::vector<KvAppend> seqs(p.seqs, p.seqs + p.batch);
     std::vector<KvLayout*> layouts;
     std::vector<int> lens;
     for (KvAppend& s : seqs) {
       layouts.push_back(&s.layout);
       lens.push_back(s.t + 1);
+      if (s.coding.coded()) {
+        layouts.push_back(&s.coding.v_layout);
+        lens.push_back(s.t + 1);
+      }
     }
     RETURN_IF_ERROR(
         cuda::UploadPageTables(layouts, lens, OpMemoryOf(*lane), cuda::kTableAppendPages));
@@ -251,13 +254,16 @@ class CudaBackend final : public KernelBackend {
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateDecodeAttention(p));
-    RETURN_IF_ERROR(RequireDtypeRows(p, "cuda"));
     std::vector<DecodeSequence> seqs(p.seqs, p.seqs + p.batch);
     std::vector<KvLayout*> layouts;
     std::vector<int> lens;
     for (DecodeSequence& s : seqs) {
       layouts.push_back(&s.layout);
       lens.push_back(s.len);
+      if (s.coding.coded()) {
+        layouts.push_back(&s.coding.v_layout);
+        lens.push_back(s.len);
+      }
     }
     RETURN_IF_ERROR(
         cuda::UploadPageTables(layouts, lens, OpMemoryOf(*lane), cuda::kTableDecodePages));
@@ -298,14 +304,10 @@ class CudaBackend final : public KernelBackend {
   }
   absl::Status UpdateSummaries(const UpdateSummariesParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
-    RETURN_IF_ERROR(ValidateUpdateSummaries(p));
-    RETURN_IF_ERROR(RequireDtypeRows(p, "cuda"));
     return cuda::LaunchUpdateSummaries(p, OpMemoryOf(*lane), lane->compute);
   }
   absl::Status PageScores(const PageScoresParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
-    RETURN_IF_ERROR(ValidatePageScores(p));
-    RETURN_IF_ERROR(RequireDtypeRows(p, "cuda"));
     return cuda::LaunchPageScores(p, OpMemoryOf(*lane), lane->compute);
   }
   absl::Status Sample(const SampleParams& p) override {

@@ -3,10 +3,14 @@
  * One warp per (sequence, query head). Lanes own head dimensions lane + 32·x; for each
  * attended token (all `len`, or the `indices` of the head's cache head) the score is a
  * warp-reduced dot product and the softmax is online, so any cache length works with
- * constant shared memory. K and V are read in the cache's dtype and widened in
- * registers. With `probs` set, a second pass writes each token's attention probability
- * (for fidelity measurements). A cache in one region or in pages (KvLayout): each row looked up
- * in the sequence's page table. Tested against ReferenceBackend::DecodeAttention. */
+ * constant shared memory. K and V are read in the cache's dtype and widened in registers, or
+ * read from a coded cache (fp8, int8, int4: cache_rows.cuh) and dequantised as they are read.
+ * (FlashInfer's FP8 KV decode cannot read the coded caches: it takes one scale for all of K and
+ * one for V, where the wire's keys carry an offset and a scale per channel and group of tokens.)
+ * With `probs` set, a second pass writes each token's attention probability (for fidelity
+ * measurements). A cache in one region or in pages (KvLayout): each row looked up in the
+ * sequence's page table. Tested against ReferenceBackend::DecodeAttention. */
+#include "kernels/cuda/cache_rows.cuh"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 
@@ -15,18 +19,12 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 
-template <typename T, int DPL>
-__global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, int batch,
-                                      int n_heads, int n_cache_heads, int d, float scale) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (item >= static_cast<int64_t>(batch) * n_heads) return;
-  const DecodeSequence& seq = seqs[item / n_heads];
-  const int h = static_cast<int>(item % n_heads);
-  const int c = h / (n_heads / n_cache_heads);
-  const T* kb = static_cast<const T*>(seq.k);
-  const T* vb = static_cast<const T*>(seq.v);
-  const KvLayout& layout = seq.layout;  // a region, or pages (their table uploaded with seqs)
+// One warp's attention of query head h over cache head c, reading rows through `rows`
+// (cache_rows.cuh: in the dtype, or coded and dequantised as read).
+template <int DPL, typename Rows>
+__device__ void AttendHead(const DecodeSequence& seq, const Rows& rows, int h, int c, int d,
+                           float scale) {
+  const int lane = threadIdx.x % 32;
   const int count = seq.indices ? seq.num_indices : seq.len;
   const int32_t* idx =
       seq.indices ? seq.indices + static_cast<int64_t>(c) * seq.num_indices : nullptr;
@@ -40,15 +38,12 @@ __global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, i
   }
   float m = -INFINITY, l = 0.f;
   for (int t = 0; t < count; ++t) {
-    const int64_t tok = idx ? idx[t] : t;
-    const int64_t row = layout.Row(c, static_cast<int>(tok), d);
-    const T* k = kb + row;
-    const T* v = vb + row;
+    const auto tok = rows.At(c, idx ? idx[t] : t);
     float part = 0.f;
 #pragma unroll
     for (int x = 0; x < DPL; ++x) {
       const int dim = lane + 32 * x;
-      if (dim < d) part += q[x] * ToF32(k[dim]);
+      if (dim < d) part += q[x] * tok.key(dim);
     }
     const float s = WarpSum(part) * scale;
     const float m_new = fmaxf(m, s);
@@ -58,7 +53,7 @@ __global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, i
 #pragma unroll
     for (int x = 0; x < DPL; ++x) {
       const int dim = lane + 32 * x;
-      acc[x] = acc[x] * corr + (dim < d ? e * ToF32(v[dim]) : 0.f);
+      acc[x] = acc[x] * corr + (dim < d ? e * tok.value(dim) : 0.f);
     }
     m = m_new;
   }
@@ -73,17 +68,32 @@ __global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, i
   for (int t = lane; t < seq.len; t += 32) probs[t] = 0.f;
   __syncwarp();
   for (int t = 0; t < count; ++t) {
-    const int64_t tok = idx ? idx[t] : t;
-    const T* k = kb + layout.Row(c, static_cast<int>(tok), d);
+    const int tok_id = idx ? idx[t] : t;
+    const auto tok = rows.At(c, tok_id);
     float part = 0.f;
 #pragma unroll
     for (int x = 0; x < DPL; ++x) {
       const int dim = lane + 32 * x;
-      if (dim < d) part += q[x] * ToF32(k[dim]);
+      if (dim < d) part += q[x] * tok.key(dim);
     }
     const float s = WarpSum(part) * scale;
-    if (lane == 0) probs[tok] = __expf(s - m) * inv;
+    if (lane == 0) probs[tok_id] = __expf(s - m) * inv;
   }
+}
+
+template <typename T, int DPL>
+__global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, int batch,
+                                      int n_heads, int n_cache_heads, int d, float scale) {
+  const int warp = threadIdx.x / 32;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  if (item >= static_cast<int64_t>(batch) * n_heads) return;
+  const DecodeSequence& seq = seqs[item / n_heads];
+  const int h = static_cast<int>(item % n_heads);
+  const int c = h / (n_heads / n_cache_heads);
+  // A region, or pages (their tables uploaded with seqs); a batch may mix coded caches and
+  // caches in the dtype (the format is each request's).
+  WithRows<T>(seq.k, seq.v, seq.layout, seq.coding, d, seq.len,
+              [&](const auto& rows) { AttendHead<DPL>(seq, rows, h, c, d, scale); });
 }
 
 }  // namespace

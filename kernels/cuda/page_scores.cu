@@ -4,13 +4,15 @@
  *           ranks one dimension by counting those before it), per query head the page logits
  *           over them from the min/max summaries, SparQ-scaled, a softmax over slots, summed;
  *   quest   the upper bound per page over every dimension;
- *   exact   exact softmax scores per query head over every key, summed.
+ *   exact   exact softmax scores per query head over every key (in the dtype, or coded and
+ *           dequantised as read), summed.
  * Threads take pages (or tokens): a warp reads consecutive pages of one summary row. Logits and
  * exponentials wait in device scratch between the block's reductions. The order of each sum is
  * the reference's except the reductions over pages, which are trees. */
 #include <algorithm>
 #include <vector>
 
+#include "kernels/cuda/cache_rows.cuh"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/ranking.cuh"
@@ -145,18 +147,19 @@ template <typename T>
 __device__ void Exact(const PageScoreSegment& s, int d, float* e) {
   __shared__ float red[32];
   __shared__ double red_d[32];
-  const T* k = static_cast<const T*>(s.k);
   for (int t = threadIdx.x; t < s.len; t += blockDim.x) s.score[t] = 0.f;
   for (int g = 0; g < s.group; ++g) {
     const float* q = s.q + g * d;
     float local = -INFINITY;
-    for (int t = threadIdx.x; t < s.len; t += blockDim.x) {
-      float dot = 0.f;
-      const T* row = k + s.kv.Row(s.head, t, d);
-      for (int i = 0; i < d; ++i) dot += q[i] * ToF32(row[i]);
-      e[t] = dot * s.scale;
-      local = HostMax(local, e[t]);
-    }
+    WithRows<T>(s.k, nullptr, s.kv, s.coding, d, s.len, [&](const auto& rows) {
+      for (int t = threadIdx.x; t < s.len; t += blockDim.x) {
+        const auto row = rows.At(s.head, t);
+        float dot = 0.f;
+        for (int i = 0; i < d; ++i) dot += q[i] * row.key(i);
+        e[t] = dot * s.scale;
+        local = HostMax(local, e[t]);
+      }
+    });
     const float mx = BlockReduce(
         local, [](float x, float y) { return HostMax(x, y); }, red);
     double part = 0;

@@ -1,9 +1,11 @@
 /* UpdateSummaries (kernels/selection.h): RocketKV's page min/max summaries brought up to date
  * after tokens were appended. A block per (segment, cache head), a thread per (page, dimension)
  * of the pages holding new tokens: min and max over the page's slots, stored in the cache dtype
- * (exact: they are values of it). */
+ * (exact: they are values of it; a coded cache's keys are dequantised, and their extremes
+ * rounded to it). */
 #include <vector>
 
+#include "kernels/cuda/cache_rows.cuh"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
 #include "kernels/validate.h"
@@ -23,21 +25,22 @@ __global__ void UpdateSummariesKernel(const HeadItem* items) {
   const SummaryLayout& l = s.layout;
   const int first_page = s.first / l.page;
   const int64_t work = static_cast<int64_t>(l.pages(s.len) - first_page) * l.head_dim;
-  const T* k = static_cast<const T*>(s.k);
   T* block = static_cast<T*>(s.summaries) + item.head * l.head_elems();
-  for (int64_t w = threadIdx.x; w < work; w += blockDim.x) {
-    const int page = first_page + static_cast<int>(w / l.head_dim);
-    const int d = static_cast<int>(w % l.head_dim);
-    float lo = INFINITY, hi = -INFINITY;
-    const int end = min(s.len, (page + 1) * l.page);
-    for (int t = page * l.page; t < end; ++t) {
-      const float v = ToF32(k[s.kv.Row(item.head, t, l.head_dim) + d]);
-      lo = fminf(lo, v);
-      hi = fmaxf(hi, v);
+  WithRows<T>(s.k, nullptr, s.kv, s.coding, l.head_dim, s.len, [&](const auto& rows) {
+    for (int64_t w = threadIdx.x; w < work; w += blockDim.x) {
+      const int page = first_page + static_cast<int>(w / l.head_dim);
+      const int d = static_cast<int>(w % l.head_dim);
+      float lo = INFINITY, hi = -INFINITY;
+      const int end = min(s.len, (page + 1) * l.page);
+      for (int t = page * l.page; t < end; ++t) {
+        const float v = rows.At(item.head, t).key(d);
+        lo = fminf(lo, v);
+        hi = fmaxf(hi, v);
+      }
+      block[l.Offset(false, d, page)] = FromF32<T>(lo);
+      if (l.sets() == 2) block[l.Offset(true, d, page)] = FromF32<T>(hi);
     }
-    block[l.Offset(false, d, page)] = FromF32<T>(lo);
-    if (l.sets() == 2) block[l.Offset(true, d, page)] = FromF32<T>(hi);
-  }
+  });
 }
 
 }  // namespace

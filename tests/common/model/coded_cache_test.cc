@@ -14,7 +14,7 @@
 #include "common/model/kv_cache.h"
 #include "common/model/kv_pool.h"
 #include "kernels/backend.h"
-#include "kernels/validate.h"
+#include "kernels/coded_rows.h"
 #include "tests/kernels/ops_test_util.h"
 
 namespace kvwire {
@@ -71,10 +71,12 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
   }
 
   // A coded cache holding `keys` and `values` ([head][kept][d] in dtype) as the wire would
-  // deliver them, cut into blocks at `cut`.
+  // deliver them, cut into blocks at `cut`: in host memory, or in the pages of `pool`.
   std::unique_ptr<KvCache> CodedCache(const std::vector<uint8_t>& keys,
-                                      const std::vector<uint8_t>& values, int cut) {
-    auto cache = KvCache::Create(Shape(format(), dtype()), HeapKvAllocator());
+                                      const std::vector<uint8_t>& values, int cut,
+                                      KvPool* pool = nullptr) {
+    auto cache = pool ? KvCache::CreatePaged(Shape(format(), dtype()), *pool)
+                      : KvCache::Create(Shape(format(), dtype()), HeapKvAllocator());
     EXPECT_TRUE(cache.ok()) << cache.status();
     LayerCache& lc = (*cache)->layer(0);
     lc.coding.kept = kKept;
@@ -96,23 +98,26 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
   }
 
   // Attention of kHeads · kGroup query heads `q` over layer 0 of `cache` (all tokens, or
-  // `indices` per cache head), with probabilities.
+  // `indices` per cache head), with probabilities; the buffers in the backend's memory.
   std::vector<float> Attend(kernels::KernelBackend& backend, const KvCache& cache,
                             const std::vector<float>& q, const std::vector<int32_t>* indices,
                             int num_indices) {
     const LayerCache& lc = cache.layer(0);
-    std::vector<float> out(q.size()), probs(static_cast<size_t>(kHeads) * kGroup * lc.len);
+    kernels::Arena arena(backend);
+    const size_t n_probs = static_cast<size_t>(kHeads) * kGroup * lc.len;
     DecodeSequence s;
-    s.q = q.data();
-    s.out = out.data();
+    s.q = arena.Upload(q);
+    float* out = arena.Zeros(q.size());
+    float* probs = arena.Zeros(n_probs);
+    s.out = out;
     s.k = lc.k;
     s.v = lc.v;
     s.layout = lc.layout;
     s.coding = lc.coding;
     s.len = lc.len;
-    s.probs = probs.data();
+    s.probs = probs;
     if (indices) {
-      s.indices = indices->data();
+      s.indices = arena.Upload(*indices);
       s.num_indices = num_indices;
     }
     DecodeAttentionParams p;
@@ -125,8 +130,10 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
     p.scale = 0.125f;
     const absl::Status st = backend.DecodeAttention(p);
     EXPECT_TRUE(st.ok()) << st;
-    out.insert(out.end(), probs.begin(), probs.end());
-    return out;
+    std::vector<float> got = arena.Download(out, q.size());
+    const std::vector<float> got_probs = arena.Download(probs, n_probs);
+    got.insert(got.end(), got_probs.begin(), got_probs.end());
+    return got;
   }
 
   // Sparse decode's reads of layer 0: page summaries (min and max per channel of pages of 16)
@@ -134,23 +141,26 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
   std::vector<float> Selection(kernels::KernelBackend& backend, const KvCache& cache,
                                const std::vector<float>& q) {
     const LayerCache& lc = cache.layer(0);
+    kernels::Arena arena(backend);
     kernels::SummaryLayout layout{dim(), 16, 1 << 30, (lc.capacity + 15) / 16, lc.dtype};
-    std::vector<uint8_t> sums(kHeads * layout.head_elems() * DTypeSize(lc.dtype), 0);
+    const size_t sum_bytes = kHeads * layout.head_elems() * DTypeSize(lc.dtype);
+    uint8_t* sums = arena.Filled<uint8_t>(sum_bytes, 0);
     kernels::SummaryUpdateSegment u;
     u.k = lc.k;
     u.kv = lc.layout;
     u.coding = lc.coding;
     u.n_heads = kHeads;
     u.len = lc.len;
-    u.summaries = sums.data();
+    u.summaries = sums;
     u.layout = layout;
     EXPECT_TRUE(backend.UpdateSummaries({&u, 1}).ok());
-    std::vector<float> out(sums.size() / DTypeSize(lc.dtype));
-    ToFloat(lc.dtype, sums.data(), out.data(), out.size());
-    std::vector<float> score(lc.len);
+    const std::vector<uint8_t> sum_rows = arena.DownloadBytes(sums, sum_bytes);
+    std::vector<float> out(sum_bytes / DTypeSize(lc.dtype));
+    ToFloat(lc.dtype, sum_rows.data(), out.data(), out.size());
+    float* score = arena.Zeros(lc.len);
     kernels::PageScoreSegment e;
     e.kind = kernels::PageScoreKind::kExact;
-    e.q = q.data() + kGroup * dim();
+    e.q = arena.Upload(std::vector<float>(q.begin() + kGroup * dim(), q.end()));
     e.group = kGroup;
     e.len = lc.len;
     e.k = lc.k;
@@ -158,11 +168,25 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
     e.coding = lc.coding;
     e.head = 1;
     e.scale = 0.125f;
-    e.score = score.data();
+    e.score = score;
     const absl::Status st = backend.PageScores({&e, 1, dim(), lc.dtype});
     EXPECT_TRUE(st.ok()) << st;
-    out.insert(out.end(), score.begin(), score.end());
+    const std::vector<float> scores = arena.Download(score, lc.len);
+    out.insert(out.end(), scores.begin(), scores.end());
     return out;
+  }
+
+  // The keys and values of kHeads heads of kKept tokens in dtype(), [head][kept][d].
+  void RandomHeads(std::mt19937& rng, std::vector<uint8_t>* keys, std::vector<uint8_t>* values) {
+    const size_t row = dim() * DTypeSize(dtype());
+    keys->assign(kHeads * kKept * row, 0);
+    values->assign(kHeads * kKept * row, 0);
+    for (int h = 0; h < kHeads; ++h) {
+      const std::vector<float> k = RandomRows(kKept, dim(), rng),
+                               v = RandomRows(kKept, dim(), rng, 0.5f);
+      FromFloat(dtype(), k.data(), keys->data() + h * kKept * row, k.size());
+      FromFloat(dtype(), v.data(), values->data() + h * kKept * row, v.size());
+    }
   }
 };
 
@@ -172,13 +196,8 @@ TEST_P(CodedCacheTest, DecodeReadsAndAppendsAsTheSpecification) {
   ASSERT_TRUE(reference.ok() && cpu.ok());
   std::mt19937 rng(11);
   const size_t row = dim() * DTypeSize(dtype());
-  std::vector<uint8_t> keys(kHeads * kKept * row), values(kHeads * kKept * row);
-  for (int h = 0; h < kHeads; ++h) {
-    const std::vector<float> k = RandomRows(kKept, dim(), rng),
-                             v = RandomRows(kKept, dim(), rng, 0.5f);
-    FromFloat(dtype(), k.data(), keys.data() + h * kKept * row, k.size());
-    FromFloat(dtype(), v.data(), values.data() + h * kKept * row, v.size());
-  }
+  std::vector<uint8_t> keys, values;
+  RandomHeads(rng, &keys, &values);
   // One cache per backend (appends write them), cut differently: the codes are the same.
   std::unique_ptr<KvCache> on_ref = CodedCache(keys, values, 50);
   std::unique_ptr<KvCache> on_cpu = CodedCache(keys, values, 290);
@@ -324,16 +343,90 @@ TEST_P(CodedCacheTest, RefusesRowsAndTheWrongBlocks) {
             absl::StatusCode::kInvalidArgument);  // past the kept tokens
   EXPECT_EQ((*cache)->WriteCodedBlock(0, kHeads, 0, 1, rows.data(), rows.data()).code(),
             absl::StatusCode::kInvalidArgument);
-  // The CUDA backend's kernels read caches in their dtype: it refuses a coded one by name.
-  LayerCache& lc = (*cache)->layer(0);
-  lc.len = 10;
-  DecodeSequence seq;
-  seq.coding = lc.coding;
-  const absl::Status refused = kernels::RequireDtypeRows(
-      DecodeAttentionParams{&seq, 1, kHeads * kGroup, kHeads, dim(), lc.dtype, 0.125f}, "cuda");
-  EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented) << refused;
-  EXPECT_NE(refused.message().find("cuda reads caches in their dtype"), std::string::npos)
-      << refused;
+}
+
+// Everything layer 0 of a coded cache holds, read through `backend`: each head's code rows of
+// keys and values, its groups' parameters and (fp8) scales, and its residual's rows.
+std::vector<uint8_t> CodedBytes(kernels::KernelBackend& backend, const LayerCache& lc) {
+  std::vector<uint8_t> out;
+  auto read = [&](const void* p, size_t n) {
+    const size_t at = out.size();
+    out.resize(at + n);
+    EXPECT_TRUE(backend.CopyToHost(out.data() + at, p, n).ok());
+  };
+  const kernels::KvCoding& c = lc.coding;
+  const int d = lc.head_dim, coded = c.ResidBegin(lc.len);
+  const int kc = CodedKeyRowBytes(c.format, d), vc = CodedValueRowBytes(c.format, d);
+  const int groups = coded > 0 ? KvGroups{c.kept}.Of(coded - 1) + 1 : 0;
+  const size_t row = lc.row_bytes();
+  for (int h = 0; h < lc.n_heads; ++h) {
+    for (int t = 0; t < coded; ++t) {
+      read(lc.k + lc.layout.Row(h, t, kc), kc);
+      read(lc.v + c.v_layout.Row(h, t, vc), vc);
+    }
+    read(c.k_params + kernels::KeyParamsAt(c, d, h, 0), groups * KvKeyGroupBytes(c.format, d));
+    if (c.format == KvFormat::kFP8) read(c.v_scales + int64_t{h} * c.max_groups, groups);
+    read(static_cast<uint8_t*>(c.k_resid) + kernels::ResidAt(c, lc.dtype, d, h, 0),
+         (lc.len - coded) * row);
+    read(static_cast<uint8_t*>(c.v_resid) + kernels::ResidAt(c, lc.dtype, d, h, 0),
+         (lc.len - coded) * row);
+  }
+  return out;
+}
+
+// The device backends' kernels over a coded cache in their pool's pages (the guarded emulation
+// always; CUDA where a GPU is present): decode attention, summaries and exact scores as the
+// reference reads the same codes, and the groups that AppendKv codes on the device, byte for
+// byte the host's.
+TEST_P(CodedCacheTest, DeviceKernelsReadAndCodeAsTheHost) {
+  std::vector<kernels::BackendKind> kinds = {kernels::BackendKind::kGuarded};
+  if (kernels::CudaAvailable()) kinds.push_back(kernels::BackendKind::kCuda);
+  auto reference = kernels::MakeBackend(kernels::BackendKind::kReference);
+  ASSERT_TRUE(reference.ok());
+  for (kernels::BackendKind kind : kinds) {
+    SCOPED_TRACE(kernels::BackendName(kind));
+    auto made = kernels::MakeBackend(kind, 2);
+    ASSERT_TRUE(made.ok()) << made.status();
+    auto pool = KvPool::OnBackend(std::move(*made), size_t{64} << 20, size_t{16} << 10);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    kernels::KernelBackend& device = *(*pool)->backend();
+    std::mt19937 rng(17);
+    std::vector<uint8_t> keys, values;
+    RandomHeads(rng, &keys, &values);
+    std::unique_ptr<KvCache> on_ref = CodedCache(keys, values, 120);
+    std::unique_ptr<KvCache> on_dev = CodedCache(keys, values, 7, pool->get());
+    ASSERT_TRUE(on_dev->layer(0).paged());
+    for (int step = 0; step <= kAppended; ++step) {
+      SCOPED_TRACE(absl::StrCat("after ", step, " appended"));
+      if (step % 43 == 0 || step == kAppended) {
+        const std::vector<float> q = RandomRows(kHeads * kGroup, dim(), rng, 0.3f);
+        ASSERT_TRUE(kernels::AllClose(Attend(device, *on_dev, q, nullptr, 0),
+                                      Attend(**reference, *on_ref, q, nullptr, 0), kTolerance));
+        ASSERT_TRUE(kernels::AllClose(Selection(device, *on_dev, q),
+                                      Selection(**reference, *on_ref, q), kTolerance));
+        const int n = 40;
+        std::vector<int32_t> idx(kHeads * n);
+        for (int32_t& i : idx) i = static_cast<int32_t>(rng() % on_ref->layer(0).len);
+        ASSERT_TRUE(kernels::AllClose(Attend(device, *on_dev, q, &idx, n),
+                                      Attend(**reference, *on_ref, q, &idx, n), kTolerance));
+      }
+      if (step == kAppended) break;
+      const int t = kKept + step;
+      const std::vector<float> k = RandomRows(kHeads, dim(), rng),
+                               v = RandomRows(kHeads, dim(), rng, 0.5f);
+      for (auto [backend, cache] :
+           {std::pair{reference->get(), on_ref.get()}, std::pair{&device, on_dev.get()}}) {
+        LayerCache& lc = cache->layer(0);
+        kernels::Arena arena(*backend);
+        KvAppend a{arena.Upload(k), arena.Upload(v), lc.k, lc.v, lc.layout, lc.coding, t};
+        const absl::Status st = backend->AppendKv({&a, 1, kHeads, kHeads, dim(), dtype()});
+        ASSERT_TRUE(st.ok()) << st;
+        ASSERT_TRUE(backend->Synchronize().ok());
+        lc.len = t + 1;
+      }
+    }
+    EXPECT_EQ(CodedBytes(device, on_dev->layer(0)), CodedBytes(**reference, on_ref->layer(0)));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

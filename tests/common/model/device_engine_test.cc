@@ -246,9 +246,6 @@ TEST_P(DeviceEngine, SparseDecodeEqualsTheCpuEngine) {
 // residual in runs of the pool's pages) decodes as the CPU engine's coded cache does, densely and
 // sparsely, past the appended tokens' first groups (coded on the device by AppendKv).
 TEST_P(DeviceEngine, CodedCachesEqualTheCpuEngine) {
-  if (device() == kernels::BackendKind::kCuda) {
-    GTEST_SKIP() << "the CUDA backend keeps caches in their dtype (DecodeCacheFormat)";
-  }
   auto cpu = Load("synthetic:tiny", On(kernels::BackendKind::kCpu));
   auto dev = Load("synthetic:tiny", On(device()));
   ASSERT_TRUE(cpu && dev);
