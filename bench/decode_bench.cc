@@ -18,7 +18,7 @@
 // `--batch` decodes that many sequences per step (each its own cache and selector, the same
 // rows), and `--backend cuda` runs it on a GPU (selection on the host, attention on the device;
 // KV bytes then count the whole batch). `--kv-formats fp8,int4` adds the dense modes over caches
-// kept in those formats (the wire's codes, dequantised as attention reads them; a host backend).
+// kept in those formats (the wire's codes, dequantised as attention reads them).
 //
 // Run: build/bench/decode_bench [--ctx 16384 --kept 2048 --t 1024 --steps 24 --threads 2
 //                                --batch 1 --backend cpu --kv-formats fp8,int4]
@@ -74,19 +74,38 @@ void Fill(KvCache& cache, int len, uint64_t seed) {
   }
 }
 
-// The rows of `host` (a cache in its dtype), into a coded cache as the wire delivers them.
-absl::Status FillCoded(KvCache& cache, const KvCache& host) {
+// The rows of `host` (a cache in its dtype) coded in `format` as the wire delivers them: a block
+// per layer and head ([layer · n_heads + head]), coded once for every sequence of the batch.
+struct CodedBlocks {
+  std::vector<std::vector<uint8_t>> k, v;
+};
+CodedBlocks EncodeBlocks(const KvCache& host, KvFormat format) {
+  CodedBlocks blocks;
+  for (int l = 0; l < host.num_layers(); ++l) {
+    const LayerCache& from = host.layer(l);
+    const int n = from.len;
+    for (int h = 0; h < from.n_heads; ++h) {
+      blocks.k.emplace_back(KvKeyBlockBytes(format, from.dtype, from.head_dim, n, 0, n));
+      blocks.v.emplace_back(KvValueBlockBytes(format, from.dtype, from.head_dim, n, 0, n));
+      EncodeKvKeys(format, from.dtype, from.head_dim, n, 0, n, from.k_row(h, 0),
+                   blocks.k.back().data());
+      EncodeKvValues(format, from.dtype, from.head_dim, n, 0, n, from.v_row(h, 0),
+                     blocks.v.back().data());
+    }
+  }
+  return blocks;
+}
+
+// A coded cache holding `host`'s rows, from their blocks.
+absl::Status FillCoded(KvCache& cache, const KvCache& host, const CodedBlocks& blocks) {
   for (int l = 0; l < cache.num_layers(); ++l) {
     const LayerCache& from = host.layer(l);
     LayerCache& lc = cache.layer(l);
     const int n = from.len;
     lc.coding.kept = n;
-    std::vector<uint8_t> k(KvKeyBlockBytes(lc.coding.format, lc.dtype, lc.head_dim, n, 0, n));
-    std::vector<uint8_t> v(KvValueBlockBytes(lc.coding.format, lc.dtype, lc.head_dim, n, 0, n));
     for (int h = 0; h < lc.n_heads; ++h) {
-      EncodeKvKeys(lc.coding.format, lc.dtype, lc.head_dim, n, 0, n, from.k_row(h, 0), k.data());
-      EncodeKvValues(lc.coding.format, lc.dtype, lc.head_dim, n, 0, n, from.v_row(h, 0), v.data());
-      RETURN_IF_ERROR(cache.WriteCodedBlock(l, h, 0, n, k.data(), v.data()));
+      const size_t i = static_cast<size_t>(l) * lc.n_heads + h;
+      RETURN_IF_ERROR(cache.WriteCodedBlock(l, h, 0, n, blocks.k[i].data(), blocks.v[i].data()));
       std::copy_n(from.positions + int64_t{h} * from.capacity, n,
                   lc.positions + int64_t{h} * lc.capacity);
     }
@@ -182,10 +201,8 @@ int main(int argc, char** argv) {
   add("quest (full cache)", ctx, quest);
   for (absl::string_view name : absl::StrSplit(f.GetString("kv-formats"), ',', absl::SkipEmpty())) {
     auto format = ParseKvFormat(name);
-    if (!format.ok() || !KvCoded(*format) || m.on_device()) {
-      std::fprintf(stderr,
-                   "decode_bench: --kv-formats: '%s': coded caches are fp8, int8 or int4, on a "
-                   "host backend\n",
+    if (!format.ok() || !KvCoded(*format)) {
+      std::fprintf(stderr, "decode_bench: --kv-formats: '%s': coded caches are fp8, int8 or int4\n",
                    std::string(name).c_str());
       return 2;
     }
@@ -206,6 +223,8 @@ int main(int argc, char** argv) {
       KvCacheShape shape{c.num_kv_heads, c.head_dim, m.kv_dtype(),
                          std::vector<int>(c.num_layers, md.prompt_kept + steps + 2)};
       auto sel = DecodeSelectorBytes(md.attention, c, shape);
+      shape.format = md.format;
+      shape.appended = steps + 2;
       bytes += batch * (KvCache::PagedPages(shape, page) * page + (sel.ok() ? *sel : 0) + page);
     }
     auto made = KvPool::OnBackend(m.backend(), bytes + (size_t{64} << 20), page);
@@ -231,6 +250,8 @@ int main(int argc, char** argv) {
     }
     (*host)->set_prompt_len(ctx);
     Fill(**host, md.prompt_kept, 42 + i);
+    const CodedBlocks blocks =
+        md.format == KvFormat::kAuto ? CodedBlocks{} : EncodeBlocks(**host, md.format);
     for (int b = 0; b < batch; ++b) {
       auto cache = pool ? KvCache::CreatePaged(shape, *pool) : KvCache::Create(shape, memory);
       if (!cache.ok()) {
@@ -239,7 +260,7 @@ int main(int argc, char** argv) {
         return 1;
       }
       if (absl::Status st = md.format == KvFormat::kAuto ? (*cache)->CopyFrom(**host)
-                                                         : FillCoded(**cache, **host);
+                                                         : FillCoded(**cache, **host, blocks);
           !st.ok()) {
         std::fprintf(stderr, "%s: %s\n", md.name.c_str(), std::string(st.message()).c_str());
         return 1;

@@ -123,6 +123,11 @@ if ! phase ops 90 gtest_detail "$kernels_test" --gtest_filter="$ops_filter" \
       --gtest_filter="${failed%:}"
   fi
 fi
+# Coded caches (fp8, int8, int4): the device kernels against the reference, and the groups the
+# device codes byte for byte the host's (on guarded, and on cuda where a GPU is present).
+coded_filter="Formats/CodedCacheTest.DeviceKernelsReadAndCodeAsTheHost/*"
+phase coded 60 gtest_detail "$model_test" --gtest_filter="$coded_filter" \
+  --gtest_output="json:$work/coded.json"
 phase engine 90 gtest_detail "$model_test" --gtest_filter="Backends/DeviceEngine.*/$backend" \
   --gtest_output="json:$work/engine.json"
 phase pair 90 gtest_detail "$pair_test" \
@@ -132,7 +137,7 @@ if ((dry)); then
   printf 'oracle\tskip\t0\tdry run: PyTorch runs on the device machine only\n' >>"$summary"
   printf 'gpu_bench\tskip\t0\tdry run: gpu_bench measures a GPU\n' >>"$summary"
   decode_args=(--backend guarded --batch 2 --ctx 256 --kept 64 --t 32 --steps 2
-               --model "synthetic:attn-8kv,layers=2")
+               --model "synthetic:attn-8kv,layers=2" --kv-formats fp8,int4)
 else
   oracle_detail() { cat "$1" | grep -P '^\w+\t' | awk -F'\t' '{printf "%s: %s; ", $1, $2}'; echo "(exit $2)"; }
   phase oracle 100 oracle_detail python3 "$root/scripts/device_oracle.py" --shared "$shared" \
@@ -142,10 +147,10 @@ else
   bench_detail() { tail_detail "$1" "$2" 12; }
   phase gpu_bench 120 bench_detail "$(find_bin gpu_bench)" --runs 3
   decode_args=(--backend cuda --batch 8 --ctx 32768 --kept 2048 --t 1024 --steps 8
-               --threads 16)
+               --threads 16 --kv-formats fp8,int8,int4)
 fi
 decode_detail() { tail_detail "$1" "$2" 14; }
-phase decode 90 decode_detail "$(find_bin decode_bench)" "${decode_args[@]}"
+phase decode 150 decode_detail "$(find_bin decode_bench)" "${decode_args[@]}"
 
 # What crosses between host and device in a compressing prefill and a sparse decode step
 # (kvwire timing's copy ledger): the kept rows and the sampled tokens only.
@@ -175,6 +180,8 @@ elif command -v compute-sanitizer >/dev/null; then
   memcheck_detail() { grep -E 'ERROR SUMMARY|Program hit' "$1" | sort | uniq -c | head -3; echo "(exit $2)"; }
   phase memcheck 150 memcheck_detail compute-sanitizer --tool memcheck --error-exitcode 1 \
     "$kernels_test" --gtest_filter="$ops_filter" --gtest_brief=1
+  phase memcheck_coded 90 memcheck_detail compute-sanitizer --tool memcheck --error-exitcode 1 \
+    "$model_test" --gtest_filter="${coded_filter%\*}*_bf16_d64" --gtest_brief=1
 else
   printf 'memcheck\tskip\t0\tcompute-sanitizer not found\n' >>"$summary"
 fi
