@@ -225,10 +225,18 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
     impl->pool =
         std::make_unique<KvPool>(o.kv_pool_bytes, o.kv_page_bytes, [raw] { raw->WakeEngine(); });
   }
-  if (!o.prefill_target.empty()) {
-    ASSIGN_OR_RETURN(impl->remote, GrpcKvSource::Create(o.prefill_target, o.prefill_tls,
-                                                        o.prefill_auth_token, *o.engine.clock));
+  if (o.kv_transport == KvTransport::kShm && impl->pool->paged()) {
+    return absl::FailedPreconditionError(
+        "--kv-transport shm writes into caches in host memory, and this node's pool is the "
+        "device's (--backend cpu for shm; a GPU's transport is cuda_ipc, not built yet)");
   }
+  if (!o.prefill_target.empty()) {
+    ASSIGN_OR_RETURN(impl->remote,
+                     GrpcKvSource::Create(o.prefill_target, o.prefill_tls, o.prefill_auth_token,
+                                          *o.engine.clock, o.kv_transport));
+  }
+  // Shared regions that a decode node on this host left behind when it died.
+  if (o.kv_transport == KvTransport::kShm) SweepSharedRegions();
   // Short prompts (all of them without prefill nodes) prefill on this node's own model,
   // one at a time beside the decode batch.
   PrefillEngineOptions local;

@@ -51,9 +51,13 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
         st = header.ok() ? receiver_->OnHeader(*header) : header.status();
         break;
       }
-      case v1::PrefillResponse::kChunk:
-        st = receiver_->OnChunk(FromProto(msg_.mutable_chunk()));
+      case v1::PrefillResponse::kChunk: {
+        WireChunk chunk = FromProto(msg_.mutable_chunk());
+        // shm: the rows the chunk stands for moved through the region (checked by the receiver).
+        if (chunk.placed && chunk.placed_bytes > 0) wire_bytes_ += chunk.placed_bytes;
+        st = receiver_->OnChunk(std::move(chunk));
         break;
+      }
       case v1::PrefillResponse::kTrailer:
         st = receiver_->OnTrailer(FromProto(msg_.trailer()));
         break;
@@ -95,7 +99,8 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
 absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(const std::string& target,
                                                                    const ClientTls& tls,
                                                                    const std::string& auth_token,
-                                                                   const Clock& clock) {
+                                                                   const Clock& clock,
+                                                                   KvTransport transport) {
   if (target.empty()) return absl::InvalidArgumentError("no prefill target (--prefill)");
   ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
@@ -111,6 +116,7 @@ absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(const std::st
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   auto source = std::unique_ptr<GrpcKvSource>(new GrpcKvSource(clock));
+  source->transport_ = transport;
   if (!auth_token.empty()) source->authorization_ = absl::StrCat("Bearer ", auth_token);
   source->channel_ = grpc::CreateCustomChannel(target, creds, args);
   source->stub_ = v1::Prefill::NewStub(source->channel_);
@@ -119,6 +125,21 @@ absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(const std::st
 
 absl::StatusOr<std::shared_ptr<KvTransfer>> GrpcKvSource::Start(
     PrefillJob job, std::shared_ptr<KvReceiver> receiver) {
+  if (transport_ == KvTransport::kShm) {
+    // The prefill node writes into the cache itself: it gets the region's name and the shape
+    // that lays it out.
+    KvCache* cache = receiver->destination();
+    SharedRegion* region = cache ? cache->shared_region() : nullptr;
+    if (region == nullptr) {
+      return absl::FailedPreconditionError(
+          "the shm KV transport writes into the decode cache, which must be in a shared host "
+          "region (a host pool's AllocateShared)");
+    }
+    job.transport = KvTransport::kShm;
+    job.region_name = region->name();
+    job.region_bytes = region->size();
+    job.region_shape = cache->shape();
+  }
   auto handle = std::make_shared<CallReactor::Handle>();
   auto* reactor = new CallReactor(std::move(receiver), handle);
   {

@@ -25,17 +25,21 @@ class GrpcKvSource final : public KvSource {
   // calls, which the engine retries on another, and gets no new ones. A call that finds no
   // ready node fails at once (UNAVAILABLE) and the engine retries it after a backoff, up to
   // its --prefill-wait-ms: the wait for a node is the engine's, bounded and visible.
-  static absl::StatusOr<std::unique_ptr<GrpcKvSource>> Create(const std::string& target,
-                                                              const ClientTls& tls,
-                                                              const std::string& auth_token = "",
-                                                              const Clock& clock = Clock::Real());
-  absl::string_view name() const override { return "grpc"; }
+  //
+  // `transport` kShm: the prefill nodes write the rows into each request's cache (a shared
+  // region on this host, KvPool::AllocateShared), and the stream carries the rest.
+  static absl::StatusOr<std::unique_ptr<GrpcKvSource>> Create(
+      const std::string& target, const ClientTls& tls, const std::string& auth_token = "",
+      const Clock& clock = Clock::Real(), KvTransport transport = KvTransport::kGrpc);
+  absl::string_view name() const override { return KvTransportName(transport_); }
+  bool places_rows() const override { return transport_ == KvTransport::kShm; }
   absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
                                                     std::shared_ptr<KvReceiver> receiver) override;
 
  private:
   explicit GrpcKvSource(const Clock& clock) : clock_(clock) {}
   const Clock& clock_;
+  KvTransport transport_ = KvTransport::kGrpc;
   std::string authorization_;  // "Bearer <token>", or empty
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Prefill::Stub> stub_;

@@ -2,6 +2,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "absl/strings/str_cat.h"
 #include "common/base/status.h"
 #include "common/compression/compression_flags.h"
 #include "common/model/model_flags.h"
@@ -17,6 +18,17 @@ absl::StatusOr<DecodeServerOptions> OptionsFromFlags(const Flags& f) {
   DecodeServerOptions o;
   o.listen = f.GetString("listen");
   o.prefill_target = f.GetString("prefill");
+  auto transport = ParseKvTransport(f.GetString("kv-transport"));
+  if (!transport.ok()) {
+    return absl::Status(transport.status().code(),
+                        absl::StrCat("--kv-transport: ", transport.status().message()));
+  }
+  o.kv_transport = *transport;
+  if (o.kv_transport != KvTransport::kGrpc && o.prefill_target.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-transport ", KvTransportName(o.kv_transport),
+        " moves K/V from prefill nodes, and --prefill names none (every prompt prefills here)"));
+  }
   o.prefill_tls = {f.GetString("prefill-tls-ca"), f.GetString("prefill-tls-cert"),
                    f.GetString("prefill-tls-key"), f.GetString("prefill-tls-server-name")};
   o.tls = ServerTlsFromFlags(f);
@@ -78,6 +90,10 @@ int main(int argc, char** argv) {
   flags.Define("prefill", "",
                "prefill nodes: ipv4:HOST:PORT,HOST:PORT or dns:///NAME:PORT (round-robin "
                "balanced); empty: prefill every prompt here");
+  flags.Define("kv-transport", "grpc",
+               "how the prefill nodes' K/V rows come: grpc (on the Prefill stream, any hosts) or "
+               "shm (written into this node's cache by a prefill node on this host; a CPU "
+               "backend)");
   flags.Define("prefill-tls-ca", "", "CA that signed the prefill nodes' certificates (TLS)");
   flags.Define("prefill-tls-cert", "", "this node's client certificate (mutual TLS)");
   flags.Define("prefill-tls-key", "", "this node's client key (mutual TLS)");

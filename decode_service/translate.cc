@@ -168,6 +168,10 @@ v1::PrefillRequest ToPrefillRequest(const PrefillJob& job) {
   req.set_top_p(job.sampling.top_p);
   req.set_top_k(job.sampling.top_k);
   req.set_seed(job.seed);
+  if (job.transport == KvTransport::kShm) {
+    req.set_kv_transport(v1::KV_TRANSPORT_SHM);
+    *req.mutable_region() = ToProto(job.region_name, job.region_bytes, job.region_shape);
+  }
   return req;
 }
 

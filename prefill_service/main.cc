@@ -2,6 +2,8 @@
 #include <chrono>
 #include <cstdio>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/model/kv_pool.h"
 #include "common/model/model_flags.h"
 #include "common/server/server_main.h"
@@ -32,6 +34,9 @@ int main(int argc, char** argv) {
   flags.Define("send-timeout-ms", "10000",
                "cancel a stream whose reader takes no KV chunk for this long");
   flags.Define("max-deadline-s", "300", "longest a prefill may run, whatever its caller asks");
+  flags.Define("kv-transport", "grpc",
+               "KV transports served, comma-separated: grpc (always) and shm (writing into the "
+               "caches of decode nodes on this host)");
   if (int rc = ParseFlagsOrExit(flags, "kvwire-prefill", "kvwire-prefill --model DIR [flags]", argc,
                                 argv);
       rc >= 0) {
@@ -60,6 +65,15 @@ int main(int argc, char** argv) {
   o.max_deadline = std::chrono::seconds(*max_deadline);
   o.reflection = flags.GetBool("reflection");
   o.insecure = flags.GetBool("insecure");
+  for (absl::string_view name :
+       absl::StrSplit(flags.GetString("kv-transport"), ',', absl::SkipEmpty())) {
+    auto transport = ParseKvTransport(name);
+    if (!transport.ok()) {
+      return fail(absl::Status(transport.status().code(),
+                               absl::StrCat("--kv-transport: ", transport.status().message())));
+    }
+    if (*transport == KvTransport::kShm) o.serve_shm = true;
+  }
   if (const std::string path = flags.GetString("auth-token-file"); !path.empty()) {
     auto token = ReadAuthToken(path);
     if (!token.ok()) return fail(token.status());

@@ -75,6 +75,118 @@ class GrpcStreamSink final : public KvStreamSink {
   std::atomic<int64_t> bytes_{0};
 };
 
+// The decode node's cache, mapped from its shared region: KvCache::Create lays it out there as
+// the decode node did.
+class RegionMemory final : public KvMemory {
+ public:
+  explicit RegionMemory(SharedRegion* region) : region_(region) {}
+  uint8_t* data() override { return region_->data(); }
+  size_t size() const override { return region_->size(); }
+
+ private:
+  SharedRegion* region_;
+};
+class RegionAllocator final : public KvAllocator {
+ public:
+  explicit RegionAllocator(SharedRegion* region) : region_(region) {}
+  absl::StatusOr<KvMemoryPtr> Allocate(size_t bytes) override {
+    if (bytes != region_->size()) {
+      return absl::InvalidArgumentError(absl::StrCat("region ", region_->name(), " holds ",
+                                                     region_->size(), " bytes, not ", bytes));
+    }
+    return KvMemoryPtr(new RegionMemory(region_));
+  }
+
+ private:
+  SharedRegion* region_;
+};
+
+// The shm transport's sending end: each chunk's rows and positions written into the decode
+// node's cache (the shared region the request names) by the receiving end's own assembler
+// (KvAssembler, which checks and stores exactly as the decode node would), and only the chunk's
+// rectangle and the checksum of what the region now holds sent on the stream. The region is
+// mapped from the header until the stream's sink goes.
+class RegionStreamSink final : public KvStreamSink {
+ public:
+  RegionStreamSink(std::shared_ptr<KvStreamSink> stream, const PrefillJob& job)
+      : stream_(std::move(stream)),
+        name_(job.region_name),
+        bytes_(job.region_bytes),
+        shape_(job.region_shape) {}
+
+  absl::Status OnHeader(const WireHeader& h) override {
+    auto region = SharedRegion::Open(name_, bytes_);
+    if (absl::IsNotFound(region.status())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          region.status().message(),
+          ": the shm KV transport needs the prefill node on the decode node's host (and its "
+          "/dev/shm); use grpc between hosts"));
+    }
+    RETURN_IF_ERROR(region.status());
+    region_ = std::move(*region);
+    if (static_cast<int>(shape_.capacity.size()) != h.num_layers ||
+        shape_.n_heads != h.num_cache_heads || shape_.head_dim != h.head_dim ||
+        shape_.dtype != h.dtype || shape_.format != DecodeCacheFormat(h.kv_format)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("region: the decode cache has ", shape_.capacity.size(), " layers x ",
+                       shape_.n_heads, " heads x ", shape_.head_dim, " ", DTypeName(shape_.dtype),
+                       " in ", KvFormatName(shape_.format), "; this prefill streams ", h.num_layers,
+                       " x ", h.num_cache_heads, " x ", h.head_dim, " ", DTypeName(h.dtype), " in ",
+                       KvFormatName(h.kv_format)));
+    }
+    RegionAllocator memory(region_.get());
+    ASSIGN_OR_RETURN(cache_, KvCache::Create(shape_, memory));
+    WireExpectation expect;
+    expect.model_fingerprint = h.model_fingerprint;
+    expect.num_layers = h.num_layers;
+    expect.num_cache_heads = h.num_cache_heads;
+    expect.head_dim = h.head_dim;
+    expect.dtype = h.dtype;
+    expect.kv_format = h.kv_format;
+    expect.prompt_len = h.prompt_len;
+    expect.max_chunk_bytes = kMaxChunkBytesLimit;
+    assembler_ = std::make_unique<KvAssembler>(std::move(expect), cache_.get());
+    RETURN_IF_ERROR(assembler_->OnHeader(h));
+    kept_ = h.kept_per_layer;
+    return stream_->OnHeader(h);
+  }
+  absl::Status OnChunk(WireChunk chunk) override {
+    if (assembler_ == nullptr) return absl::InternalError("a KV chunk before the header");
+    RETURN_IF_ERROR(assembler_->OnChunk(chunk));
+    WireChunk placed;
+    placed.layer = chunk.layer;
+    placed.head_begin = chunk.head_begin;
+    placed.head_count = chunk.head_count;
+    placed.token_begin = chunk.token_begin;
+    placed.token_count = chunk.token_count;
+    placed.placed = true;
+    placed.placed_bytes = static_cast<int64_t>(chunk.payload_bytes());
+    placed.crc32c = PlacedChecksum(*cache_, placed, kept_[chunk.layer]);
+    placed_bytes_ += placed.placed_bytes;
+    return stream_->OnChunk(std::move(placed));
+  }
+  absl::Status OnTrailer(const WireTrailer& trailer) override {
+    return stream_->OnTrailer(trailer);
+  }
+  bool cancelled() const override { return stream_->cancelled(); }
+  absl::string_view transport() const override { return "shm"; }
+  // The rows written into the region, and the stream's messages.
+  int64_t transport_bytes() const override {
+    return stream_->transport_bytes() + placed_bytes_.load();
+  }
+
+ private:
+  std::shared_ptr<KvStreamSink> stream_;
+  const std::string name_;
+  const size_t bytes_;
+  const KvCacheShape shape_;
+  std::unique_ptr<SharedRegion> region_;  // outlives cache_, which lies in it
+  std::unique_ptr<KvCache> cache_;
+  std::unique_ptr<KvAssembler> assembler_;
+  std::vector<int> kept_;
+  std::atomic<int64_t> placed_bytes_{0};
+};
+
 // "authorization: Bearer <token>", compared in time independent of where it differs.
 bool Authorized(const grpc::CallbackServerContext& ctx, const std::string& token) {
   const std::string want = absl::StrCat("Bearer ", token);
@@ -117,8 +229,18 @@ struct PrefillServer::Impl final
     ASSIGN_OR_RETURN(PrefillJob job, TranslatePrefillRequest(request));
     job.deadline = FromWallDeadline(Clock::Real(), ctx.deadline(), options.max_deadline);
     job.trace = TraceFromMetadata(ctx.client_metadata());
+    std::shared_ptr<KvStreamSink> sink =
+        std::make_shared<GrpcStreamSink>(stream, options.send_timeout);
+    if (job.transport == KvTransport::kShm) {
+      if (!options.serve_shm) {
+        return absl::FailedPreconditionError(
+            "this prefill node serves the grpc KV transport only (start it with --kv-transport "
+            "grpc,shm to serve shm, on the decode node's host)");
+      }
+      sink = std::make_shared<RegionStreamSink>(std::move(sink), job);
+    }
     return prefills->Submit(
-        std::move(job), std::make_shared<GrpcStreamSink>(stream, options.send_timeout),
+        std::move(job), std::move(sink),
         [stream = stream](const absl::Status& done) { stream->Finish(ToGrpcStatus(done)); });
   }
 };

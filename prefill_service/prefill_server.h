@@ -34,6 +34,9 @@ struct PrefillServerOptions {
   bool insecure = false;
   ServerTls tls;
   Telemetry* telemetry = nullptr;  // counts requests refused before they reach the engine
+  // KV transports served (--kv-transport); grpc always. A request for another is refused with
+  // FAILED_PRECONDITION.
+  bool serve_shm = false;
 };
 
 class PrefillServer {

@@ -20,6 +20,25 @@ absl::StatusOr<PrefillJob> TranslatePrefillRequest(const v1::PrefillRequest& req
   job.sampling.top_p = req.top_p() == 0 ? 1.f : req.top_p();  // 0: unset
   job.sampling.top_k = req.top_k();
   job.seed = req.seed();
+  switch (req.kv_transport()) {
+    case v1::KV_TRANSPORT_GRPC:
+      if (req.has_region()) {
+        return absl::InvalidArgumentError(
+            "region: applies to the shm KV transport only; this request's is grpc");
+      }
+      break;
+    case v1::KV_TRANSPORT_SHM:
+      if (!req.has_region()) {
+        return absl::InvalidArgumentError("region: the shm KV transport needs the decode cache's");
+      }
+      job.transport = KvTransport::kShm;
+      RETURN_IF_ERROR(
+          FromProto(req.region(), &job.region_name, &job.region_bytes, &job.region_shape));
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_transport: unknown transport ", static_cast<int>(req.kv_transport())));
+  }
   return job;
 }
 

@@ -225,6 +225,60 @@ absl::StatusOr<KvFormat> FromProto(v1::KvFormat f) {
 
 }  // namespace
 
+v1::KvRegion ToProto(const std::string& name, size_t bytes, const KvCacheShape& shape) {
+  v1::KvRegion p;
+  p.set_name(name);
+  p.set_bytes(bytes);
+  p.set_n_heads(shape.n_heads);
+  p.set_head_dim(shape.head_dim);
+  p.set_dtype(ToProto(shape.dtype));
+  for (int c : shape.capacity) p.add_capacity(c);
+  p.set_kv_format(ToProto(shape.format));
+  p.set_appended(shape.appended);
+  return p;
+}
+
+absl::Status FromProto(const v1::KvRegion& p, std::string* name, size_t* bytes,
+                       KvCacheShape* shape) {
+  auto bad = [](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat("region: ", what));
+  };
+  // Bounds that keep the layout's arithmetic far from overflow; a real cache is far inside.
+  constexpr uint32_t kMaxDim = 1 << 16, kMaxTokens = 1 << 24;
+  if (p.n_heads() < 1 || p.n_heads() > kMaxDim || p.head_dim() < 1 || p.head_dim() > kMaxDim) {
+    return bad(absl::StrCat(p.n_heads(), " heads of ", p.head_dim(), " values"));
+  }
+  if (p.capacity_size() < 1 || p.capacity_size() > 4096) {
+    return bad(absl::StrCat(p.capacity_size(), " layers"));
+  }
+  shape->n_heads = static_cast<int>(p.n_heads());
+  shape->head_dim = static_cast<int>(p.head_dim());
+  ASSIGN_OR_RETURN(shape->dtype, FromProto(p.dtype()));
+  shape->capacity.clear();
+  for (uint32_t c : p.capacity()) {
+    if (c < 1 || c > kMaxTokens) return bad(absl::StrCat("a layer of ", c, " tokens"));
+    shape->capacity.push_back(static_cast<int>(c));
+  }
+  ASSIGN_OR_RETURN(shape->format, FromProto(p.kv_format()));
+  if (shape->format == KvFormat::kBF16 ||
+      (KvCoded(shape->format) && !CheckKvFormat(shape->format, shape->head_dim).ok())) {
+    return bad(absl::StrCat("a cache cannot keep rows in ", KvFormatName(shape->format), " at ",
+                            shape->head_dim, " values per head"));
+  }
+  if (p.appended() > kMaxTokens) return bad(absl::StrCat(p.appended(), " appended tokens"));
+  shape->appended = static_cast<int>(p.appended());
+  if (!IsSharedRegionName(p.name())) {
+    return bad(absl::StrCat("'", p.name(), "' is not a kvwire shared region's name"));
+  }
+  *name = p.name();
+  *bytes = static_cast<size_t>(p.bytes());
+  if (*bytes != KvCache::BytesFor(*shape)) {
+    return bad(
+        absl::StrCat(*bytes, " bytes, but its shape lays out in ", KvCache::BytesFor(*shape)));
+  }
+  return absl::OkStatus();
+}
+
 v1::KvHeader ToProto(const WireHeader& h) {
   v1::KvHeader p;
   p.set_format_version(h.format_version);
@@ -274,6 +328,8 @@ void ToProto(WireChunk c, v1::KvChunk* p) {
   p->set_k(std::move(c.k));
   p->set_v(std::move(c.v));
   p->set_crc32c(c.crc32c);
+  p->set_placed(c.placed);
+  p->set_placed_bytes(static_cast<uint64_t>(c.placed_bytes));
 }
 
 WireChunk FromProto(v1::KvChunk* p) {
@@ -288,6 +344,9 @@ WireChunk FromProto(v1::KvChunk* p) {
   c.k = std::move(*p->mutable_k());
   c.v = std::move(*p->mutable_v());
   c.crc32c = p->crc32c();
+  c.placed = p->placed();
+  // Beyond int64 it is negative, and the assembler refuses it.
+  c.placed_bytes = static_cast<int64_t>(p->placed_bytes());
   return c;
 }
 

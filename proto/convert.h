@@ -43,6 +43,11 @@ v1::KvHeader ToProto(const WireHeader& header);
 absl::StatusOr<WireHeader> FromProto(const v1::KvHeader& header);
 // Moves the payload bytes.
 void ToProto(WireChunk chunk, v1::KvChunk* out);
+// A decode cache in a shared region (the shm transport): its name, size and shape, and back,
+// every field checked (the shape must be one KvCache::Create lays out in exactly `bytes`).
+v1::KvRegion ToProto(const std::string& name, size_t bytes, const KvCacheShape& shape);
+absl::Status FromProto(const v1::KvRegion& region, std::string* name, size_t* bytes,
+                       KvCacheShape* shape);
 WireChunk FromProto(v1::KvChunk* chunk);
 v1::KvTrailer ToProto(const WireTrailer& trailer);
 WireTrailer FromProto(const v1::KvTrailer& trailer);

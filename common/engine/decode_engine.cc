@@ -45,6 +45,7 @@ struct DecodeEngine::Seq {
   Span span, queue_span, prefill_span, transfer_span, generate_span;
 
   // Set at admission.
+  KvCacheShape shape;
   std::unique_ptr<KvCache> cache;
   std::unique_ptr<DecodeSelector> selector;
   size_t reserve_bytes = 0;  // KV pool bytes the request needs (cache + page summaries)
@@ -112,6 +113,7 @@ class DecodeEngine::Receiver final : public KvReceiver {
     engine_->Emit(s, t.first_token, t.first_logprob);
     return absl::OkStatus();
   }
+  KvCache* destination() override { return seq_->cache.get(); }
   void OnDone(const absl::Status& status, int64_t transport_bytes) override {
     std::shared_ptr<Seq> s = std::move(seq_);
     s->wire_bytes += transport_bytes;
@@ -238,9 +240,10 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   // memory while it waits.
   // On a device backend the cache is pages of the pool's slab in device memory, where the wire
   // writes the prompt's rows and decode appends.
-  ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::CreateIn(shape, *pool_));
+  ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, NewCache(shape));
   ASSIGN_OR_RETURN(std::unique_ptr<DecodeSelector> selector,
                    MakeDecodeSelector(j.attention, mc, shape, *pool_));
+  s.shape = shape;
   s.cache = std::move(cache);
   s.selector = std::move(selector);
   s.cache->set_prompt_len(len);
@@ -293,16 +296,41 @@ void DecodeEngine::Admit(std::vector<Ending>* endings) {
   }
 }
 
+// A sequence's cache: where a prefill node writes the rows itself (the shm transport), a
+// shared region of the host pool; else the pool's memory (pages on a device).
+absl::StatusOr<std::unique_ptr<KvCache>> DecodeEngine::NewCache(const KvCacheShape& shape) {
+  if (options_.remote != nullptr && options_.remote->places_rows()) {
+    SharedKvAllocator shared(*pool_);
+    return KvCache::Create(shape, shared);
+  }
+  return KvCache::CreateIn(shape, *pool_);
+}
+
 // Starts one prefill attempt; a source that refuses at once is an attempt that failed.
 void DecodeEngine::StartPrefill(const std::shared_ptr<Seq>& s) {
   ++s->attempts;
   ++s->tries;
   s->reached = false;
+  if (s->tries > 1 && s->cache->shared_region() != nullptr) {
+    // A node that failed may still be writing into the last attempt's region: the retry
+    // gets a region of its own (the old one's memory goes with that node's mapping).
+    const int prompt_len = s->cache->prompt_len();
+    s->cache.reset();
+    auto fresh = NewCache(s->shape);
+    if (!fresh.ok()) {
+      prefill_done_.emplace_back(s, fresh.status());
+      wake_ = true;
+      return;
+    }
+    s->cache = std::move(*fresh);
+    s->cache->set_prompt_len(prompt_len);
+  }
   for (int l = 0; l < s->cache->num_layers(); ++l) s->cache->layer(l).len = 0;
   const int len = static_cast<int>(s->job.prompt_ids.size());
-  s->assembler = std::make_unique<KvAssembler>(
-      StreamExpectation(*model_, s->job.compression, len, options_.max_chunk_bytes),
-      s->cache.get());
+  WireExpectation expect =
+      StreamExpectation(*model_, s->job.compression, len, options_.max_chunk_bytes);
+  expect.placed = s->source->places_rows();
+  s->assembler = std::make_unique<KvAssembler>(std::move(expect), s->cache.get());
 
   PrefillJob job;
   job.request_id = s->job.request_id;

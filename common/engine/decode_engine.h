@@ -129,6 +129,7 @@ class DecodeEngine {
   void Loop();
   void Admit(std::vector<Ending>* endings);
   absl::Status Prepare(Seq& s);
+  absl::StatusOr<std::unique_ptr<KvCache>> NewCache(const KvCacheShape& shape);
   void StartPrefill(const std::shared_ptr<Seq>& s);
   // Prefills that wait for their retry time: started when it comes, ended if their client
   // left or their deadline passed meanwhile (under the lock).

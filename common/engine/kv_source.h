@@ -6,8 +6,8 @@
 //                  nodes
 //   fakes          (tests/) streams a test scripts, with no network
 //
-// GPU transports (NCCL, CUDA IPC) plug in here: the stream's metadata as now, the K/V
-// payload moved device to device.
+// Transports that move the rows into the receiver's own buffers plug in here: the stream's
+// metadata as now, the rows written where the cache lies (shm today; CUDA IPC and NCCL next).
 #pragma once
 
 #include <cstdint>
@@ -24,6 +24,9 @@ namespace kvwire {
 // not block for long), then OnDone exactly once, last.
 class KvReceiver : public KvStreamSink {
  public:
+  // The cache the stream goes into, for a source that writes the rows there itself
+  // (KvSource::places_rows); null where the receiver stores them.
+  virtual KvCache* destination() { return nullptr; }
   // How the stream ended, and the bytes its transport moved.
   virtual void OnDone(const absl::Status& status, int64_t transport_bytes) = 0;
 };
@@ -39,8 +42,12 @@ class KvTransfer {
 class KvSource {
  public:
   virtual ~KvSource() = default;
-  // "grpc", "local", ...: the transport label of metrics.
+  // "grpc", "shm", "local", ...: the transport label of metrics.
   virtual absl::string_view name() const = 0;
+  // Whether the source writes the rows into the receiver's cache itself (the shm transport):
+  // the cache must then be in a shared host region (KvPool::AllocateShared), and every chunk
+  // arrives placed (WireExpectation::placed).
+  virtual bool places_rows() const { return false; }
   // Starts pulling `job`'s KV into `receiver`. An error here means nothing started and the
   // receiver hears nothing; otherwise it hears the stream and then OnDone. Never calls the
   // receiver on the caller's thread before returning.

@@ -26,6 +26,12 @@ struct PrefillJob {
   std::optional<std::string> model_fingerprint;  // checked when set (another node's request)
   Clock::TimePoint deadline = Clock::TimePoint::max();
   TraceContext trace;
+  // How the K/V rows travel (the shm transport: written into `region`, the decode node's cache,
+  // which has `region_shape`).
+  KvTransport transport = KvTransport::kGrpc;
+  std::string region_name;
+  size_t region_bytes = 0;
+  KvCacheShape region_shape;
 };
 
 }  // namespace kvwire

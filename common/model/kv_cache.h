@@ -16,6 +16,7 @@
 #include "common/base/dtype.h"
 #include "common/base/host_alloc.h"
 #include "common/base/kv_format.h"
+#include "common/base/shared_region.h"
 #include "kernels/backend.h"
 
 namespace kvwire {
@@ -29,6 +30,8 @@ class KvMemory {
   virtual size_t size() const = 0;
   // The backend whose memory this is (a KvPool on a backend), or null for host memory.
   virtual kernels::KernelBackend* backend() const { return nullptr; }
+  // Host memory another process on this host may map (KvPool::AllocateShared), or null.
+  virtual SharedRegion* shared() const { return nullptr; }
 };
 using KvMemoryPtr = std::unique_ptr<KvMemory>;
 
@@ -123,6 +126,8 @@ class KvCache {
   const KvCacheShape& shape() const { return shape_; }
   // The backend whose memory holds the rows (a paged cache's pool), or null: host memory.
   kernels::KernelBackend* backend() const { return backend_; }
+  // The shared host region the cache lives in (KvPool::AllocateShared), or null.
+  SharedRegion* shared_region() const { return memory_ ? memory_->shared() : nullptr; }
   // Whether the host may read the rows (k_row, v_row).
   bool host_rows() const { return backend_ == nullptr || backend_->host_addressable(); }
   // Bytes of K and V actually stored (len tokens), summed over layers.

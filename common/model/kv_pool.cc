@@ -80,7 +80,47 @@ class PooledMemory final : public KvMemory {
   std::vector<int32_t> run_;  // a backend pool's pages
 };
 
+// A host pool's region in shared memory.
+class SharedMemory final : public KvMemory {
+ public:
+  SharedMemory(std::shared_ptr<KvPoolState> pool, std::unique_ptr<SharedRegion> region, size_t size,
+               size_t reserved)
+      : pool_(std::move(pool)), region_(std::move(region)), size_(size), reserved_(reserved) {}
+  ~SharedMemory() override {
+    region_.reset();
+    pool_->Release(reserved_);
+  }
+  uint8_t* data() override { return region_->data(); }
+  size_t size() const override { return size_; }
+  SharedRegion* shared() const override { return region_.get(); }
+
+ private:
+  std::shared_ptr<KvPoolState> pool_;
+  std::unique_ptr<SharedRegion> region_;
+  size_t size_, reserved_;
+};
+
 }  // namespace
+
+absl::StatusOr<KvMemoryPtr> KvPool::AllocateShared(size_t bytes) {
+  if (paged()) {
+    return absl::FailedPreconditionError(
+        "a backend pool's memory is the backend's: a shared host region comes from a host pool");
+  }
+  KvPoolState& s = *state_;
+  const size_t reserved = RoundUp(bytes == 0 ? 1 : bytes);
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (reserved > s.capacity || s.used.load() + reserved > s.capacity) return s.Full(reserved);
+    s.used += reserved;
+  }
+  auto region = SharedRegion::Create(bytes == 0 ? 1 : bytes);
+  if (!region.ok()) {
+    s.Release(reserved);
+    return region.status();
+  }
+  return KvMemoryPtr(new SharedMemory(state_, std::move(*region), bytes, reserved));
+}
 
 KvPages::~KvPages() { pool_->ReturnPages(ids_); }
 

@@ -65,6 +65,9 @@ class KvPool final : public KvAllocator {
   absl::StatusOr<KvMemoryPtr> Allocate(size_t bytes) override;
   // A backend pool's: `n` pages anywhere in the slab.
   absl::StatusOr<std::unique_ptr<KvPages>> AllocatePages(int64_t n);
+  // A host pool's region in shared memory (SharedRegion), accounted as Allocate's: a cache that
+  // a prefill node on this host writes into (the shm KV transport).
+  absl::StatusOr<KvMemoryPtr> AllocateShared(size_t bytes);
 
   // The backend whose memory the slab is (null for a host pool), and the slab.
   kernels::KernelBackend* backend() const;
@@ -84,6 +87,19 @@ class KvPool final : public KvAllocator {
  private:
   explicit KvPool(std::shared_ptr<KvPoolState> state) : state_(std::move(state)) {}
   std::shared_ptr<KvPoolState> state_;
+};
+
+// A host pool's shared regions as an allocator (KvCache::Create in memory a prefill node on this
+// host may write: the shm transport).
+class SharedKvAllocator final : public KvAllocator {
+ public:
+  explicit SharedKvAllocator(KvPool& pool) : pool_(pool) {}
+  absl::StatusOr<KvMemoryPtr> Allocate(size_t bytes) override {
+    return pool_.AllocateShared(bytes);
+  }
+
+ private:
+  KvPool& pool_;
 };
 
 // Parses "4GiB", "512MiB", "1000000", "64KiB", "2G" (powers of 1024 either way).

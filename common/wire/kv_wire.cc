@@ -94,6 +94,63 @@ uint32_t ChunkChecksum(const WireChunk& c) {
   return Crc32c(c.v.data(), c.v.size(), crc);
 }
 
+absl::string_view KvTransportName(KvTransport t) {
+  switch (t) {
+    case KvTransport::kGrpc:
+      return "grpc";
+    case KvTransport::kShm:
+      return "shm";
+  }
+  return "?";
+}
+
+absl::StatusOr<KvTransport> ParseKvTransport(absl::string_view name) {
+  if (name == "grpc") return KvTransport::kGrpc;
+  if (name == "shm") return KvTransport::kShm;
+  if (name == "cuda_ipc" || name == "nccl") {
+    return absl::UnimplementedError(
+        absl::StrCat("the ", name, " KV transport is not built yet; use grpc or shm"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("must be grpc or shm (cuda_ipc and nccl are not built yet); got '", name, "'"));
+}
+
+uint32_t PlacedChecksum(const KvCache& cache, const WireChunk& c, int kept) {
+  std::string head;
+  for (int v : {c.layer, c.head_begin, c.head_count, c.token_begin, c.token_count}) {
+    AppendU32(&head, static_cast<uint32_t>(v));
+  }
+  uint32_t crc = Crc32c(head.data(), head.size());
+  const LayerCache& lc = cache.layer(c.layer);
+  const kernels::KvCoding& coding = lc.coding;
+  const int d = lc.head_dim;
+  for (int h = c.head_begin; h < c.head_begin + c.head_count; ++h) {
+    crc = Crc32c(lc.positions + int64_t{h} * lc.capacity + c.token_begin,
+                 sizeof(int32_t) * c.token_count, crc);
+    for (int t = c.token_begin; t < c.token_begin + c.token_count; ++t) {
+      if (lc.coded()) {
+        const int kc = CodedKeyRowBytes(coding.format, d),
+                  vc = CodedValueRowBytes(coding.format, d);
+        crc = Crc32c(lc.k + lc.layout.Row(h, t, kc), kc, crc);
+        crc = Crc32c(lc.v + coding.v_layout.Row(h, t, vc), vc, crc);
+      } else {
+        crc = Crc32c(lc.k_row(h, t), lc.row_bytes(), crc);
+        crc = Crc32c(lc.v_row(h, t), lc.row_bytes(), crc);
+      }
+    }
+    if (!lc.coded()) continue;
+    const KvGroups groups{kept};
+    const int g0 = groups.Of(c.token_begin), g1 = groups.Of(c.token_begin + c.token_count - 1);
+    const size_t group_bytes = KvKeyGroupBytes(coding.format, d);
+    crc = Crc32c(coding.k_params + (int64_t{h} * coding.max_groups + g0) * group_bytes,
+                 (g1 - g0 + 1) * group_bytes, crc);
+    if (coding.format == KvFormat::kFP8) {
+      crc = Crc32c(coding.v_scales + int64_t{h} * coding.max_groups + g0, g1 - g0 + 1, crc);
+    }
+  }
+  return crc;
+}
+
 void EncodePositions(const int32_t* positions, int n, std::string* out) {
   if (n == 0) {
     out->push_back(0);
@@ -318,6 +375,14 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
     return Malformed(
         absl::StrCat(where, ": a chunk of several heads must hold all ", kept, " of their tokens"));
   }
+  if (c.placed != expect_.placed) {
+    return Malformed(absl::StrCat(where, expect_.placed
+                                             ? ": its rows travel in it, but this stream places "
+                                               "them in the cache (the shm transport)"
+                                             : ": placed in the cache, but its rows travel on "
+                                               "this stream"));
+  }
+  if (c.placed) return CheckPlaced(c, where);
   const size_t cells = static_cast<size_t>(c.head_count) * c.token_count;
   const KvFormat f = header_.kv_format;
   const size_t k_bytes = c.head_count * KvKeyBlockBytes(f, header_.dtype, header_.head_dim, kept,
@@ -361,9 +426,51 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
   return absl::OkStatus();
 }
 
+// A placed chunk's rows are in the cache already (the shm transport): what the cache holds is
+// checked as a chunk's payload would be (the checksum, then every position) before it is used.
+absl::Status KvAssembler::CheckPlaced(const WireChunk& c, const std::string& where) {
+  if (!c.positions.empty() || !c.k.empty() || !c.v.empty()) {
+    return Malformed(absl::StrCat(where, ": placed in the cache, yet it carries a payload"));
+  }
+  const int kept = header_.kept_per_layer[layer_];
+  const KvFormat f = header_.kv_format;
+  const int64_t rows =
+      int64_t{c.head_count} *
+      (KvKeyBlockBytes(f, header_.dtype, header_.head_dim, kept, c.token_begin, c.token_count) +
+       KvValueBlockBytes(f, header_.dtype, header_.head_dim, kept, c.token_begin, c.token_count));
+  // Positions code in at most 5 bytes each and 11 per head besides (EncodePositions).
+  const int64_t most = rows + int64_t{c.head_count} * (5 * int64_t{c.token_count} + 11);
+  if (c.placed_bytes <= rows || c.placed_bytes > most) {
+    return Malformed(absl::StrCat(where, ": stands for ", c.placed_bytes,
+                                  " bytes of payload; its rows alone are ", rows));
+  }
+  if (PlacedChecksum(*cache_, c, kept) != c.crc32c) {
+    return absl::DataLossError(
+        absl::StrCat(where, ": CRC-32C mismatch over the rows placed in the cache"));
+  }
+  const LayerCache& lc = cache_->layer(c.layer);
+  for (int head = c.head_begin; head < c.head_begin + c.head_count; ++head) {
+    int32_t prev = c.token_begin == 0 ? -1 : lc.position(head, c.token_begin - 1);
+    for (int t = c.token_begin; t < c.token_begin + c.token_count; ++t) {
+      const int32_t p = lc.position(head, t);
+      if (p <= prev || p >= header_.prompt_len) {
+        return Malformed(absl::StrCat(where, ": head ", head, " token ", t, " is at position ", p,
+                                      " after ", prev, "; positions must ascend within [0, ",
+                                      header_.prompt_len, ")"));
+      }
+      prev = p;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status KvAssembler::OnChunk(const WireChunk& c) {
   if (failed_) return absl::FailedPreconditionError("KV stream already failed");
   if (absl::Status st = CheckChunk(c); !st.ok()) return Fail(st);
+  if (c.placed) {
+    Advance(c);
+    return absl::OkStatus();
+  }
   LayerCache& lc = cache_->layer(c.layer);
   const size_t row = lc.row_bytes();
   const KvFormat f = header_.kv_format;
@@ -400,6 +507,14 @@ absl::Status KvAssembler::OnChunk(const WireChunk& c) {
     std::memcpy(lc.positions + int64_t{head} * lc.capacity + c.token_begin, positions_.data() + src,
                 sizeof(int32_t) * c.token_count);
   }
+  Advance(c);
+  return absl::OkStatus();
+}
+
+// Past a chunk that was checked and is in the cache.
+void KvAssembler::Advance(const WireChunk& c) {
+  LayerCache& lc = cache_->layer(c.layer);
+  const int kept = header_.kept_per_layer[layer_];
   payload_bytes_ += static_cast<int64_t>(c.payload_bytes());
   ++chunks_;
   if (c.token_begin + c.token_count == kept) {
@@ -413,7 +528,6 @@ absl::Status KvAssembler::OnChunk(const WireChunk& c) {
     ++layer_;
     head_ = 0;
   }
-  return absl::OkStatus();
 }
 
 absl::Status KvAssembler::OnTrailer(const WireTrailer& t, int vocab_size) {

@@ -21,6 +21,15 @@ inline constexpr size_t kDefaultMaxChunkBytes = 1 << 20;
 // A receiver refuses chunks above this, whatever the sender claims.
 inline constexpr size_t kMaxChunkBytesLimit = 16 << 20;
 
+// How a stream's K/V rows travel between the nodes; the Prefill stream carries everything
+// else (header, chunk rectangles and checksums, trailer, errors, cancellation) either way.
+//   grpc  in the stream's chunks (any two hosts)
+//   shm   written by the prefill node into the decode node's cache, a shared host region
+enum class KvTransport : uint8_t { kGrpc = 0, kShm = 1 };
+absl::string_view KvTransportName(KvTransport t);
+// "grpc" or "shm"; the GPU transports are named as not built.
+absl::StatusOr<KvTransport> ParseKvTransport(absl::string_view name);
+
 struct WireHeader {
   uint32_t format_version = kWireFormatVersion;
   std::string model_fingerprint;
@@ -41,8 +50,14 @@ struct WireChunk {
   std::string positions;  // per head, the token_count positions coded (EncodePositions)
   std::string k, v;       // [head_count, token_count] rows in the header's kv_format
   uint32_t crc32c = 0;
+  // Written into the receiver's cache where it lies (the shm transport), not carried: the
+  // fields above are empty, crc32c is PlacedChecksum's, placed_bytes the payload it stands for.
+  bool placed = false;
+  int64_t placed_bytes = 0;
 
-  size_t payload_bytes() const { return positions.size() + k.size() + v.size(); }
+  size_t payload_bytes() const {
+    return placed ? static_cast<size_t>(placed_bytes) : positions.size() + k.size() + v.size();
+  }
 };
 
 struct WireTrailer {
@@ -60,6 +75,13 @@ struct WireTrailer {
 uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0);
 // The checksum a chunk carries: over its five rectangle fields (int32 LE), positions, K, V.
 uint32_t ChunkChecksum(const WireChunk& chunk);
+
+// The checksum of a placed chunk (the shm transport): its five rectangle fields (int32 LE), then
+// per head its positions (int32 LE) and its rows as `cache` holds them (K then V per token; a
+// coded cache's code rows, then the parameters and fp8 scales of the key groups the tokens
+// touch). Both nodes compute it over the same region: the prefill node after writing, the
+// decode node before it uses the rows. `kept` is the layer's prompt tokens.
+uint32_t PlacedChecksum(const KvCache& cache, const WireChunk& chunk, int kept);
 
 // One head's strictly ascending positions, coded as whichever is smaller (a tie: deltas):
 //   0x00, then n LEB128 varints: the first position, then each gap less one
@@ -87,6 +109,9 @@ struct WireExpectation {
   int prompt_len = 0;
   std::vector<int> kept_per_layer;  // what the request's compression keeps (empty: unchecked)
   size_t max_chunk_bytes = kDefaultMaxChunkBytes;
+  // The sender writes the rows into the cache itself (the shm transport): every chunk is placed
+  // (WireChunk::placed), and the receiver checks what the cache holds.
+  bool placed = false;
 };
 
 // Receives one stream into a cache reserved for it. Chunks must tile each layer in
@@ -111,6 +136,8 @@ class KvAssembler {
  private:
   absl::Status Fail(absl::Status status);
   absl::Status CheckChunk(const WireChunk& chunk);
+  absl::Status CheckPlaced(const WireChunk& chunk, const std::string& where);
+  void Advance(const WireChunk& chunk);
 
   WireExpectation expect_;
   KvCache* cache_;

@@ -110,6 +110,7 @@ class ServicePairTest : public ::testing::Test {
     node->faults = std::make_unique<testing::FaultyPrefills>(node->engine.get(), faults);
     PrefillServerOptions o;
     o.listen = listen;
+    o.serve_shm = serve_shm_;
     auto s = PrefillServer::Start(node->faults.get(), std::move(o));
     EXPECT_TRUE(s.ok()) << s.status();
     node->server = std::move(*s);
@@ -127,6 +128,7 @@ class ServicePairTest : public ::testing::Test {
       }
     }
     o.engine.node_name = "decode-test";
+    if (o.kv_transport == KvTransport::kGrpc) o.kv_transport = transport_;
     auto s = DecodeServer::Start(decode_model_.get(), std::move(o));
     ASSERT_TRUE(s.ok()) << s.status();
     decode_ = std::move(*s);
@@ -278,6 +280,10 @@ class ServicePairTest : public ::testing::Test {
     ExpectPoolEmpty();
   }
 
+  // How the decode node asks for K/V; whether the prefill nodes serve shm (as a node started
+  // with --kv-transport grpc,shm).
+  KvTransport transport_ = KvTransport::kGrpc;
+  bool serve_shm_ = true;
   std::unique_ptr<LlamaModel> prefill_model_, decode_model_;
   std::vector<std::unique_ptr<PrefillNode>> prefills_;
   std::unique_ptr<DecodeServer> decode_;
@@ -286,8 +292,64 @@ class ServicePairTest : public ::testing::Test {
   std::vector<std::thread> helpers_;  // joined before the servers go
 };
 
-TEST_F(ServicePairTest, TokensEqualSingleProcessGeneration) {
+// The tests that hold for every KV transport, run on each: grpc (the rows in the stream's
+// chunks) and shm (written by the prefill node into the decode node's cache, a shared region).
+class ServicePairTransport : public ServicePairTest,
+                             public ::testing::WithParamInterface<KvTransport> {
+ protected:
+  void SetUp() override {
+    transport_ = GetParam();
+    ServicePairTest::SetUp();
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Transports, ServicePairTransport,
+                         ::testing::Values(KvTransport::kGrpc, KvTransport::kShm),
+                         [](const auto& info) { return std::string(KvTransportName(info.param)); });
+
+TEST_P(ServicePairTransport, TokensEqualSingleProcessGeneration) {
   ExpectTokensEqualSingleProcess(*decode_model_, 1e-4);
+}
+
+// The same request through grpc and through shm: the same tokens, and the same K/V payload
+// (what the chunks carry on grpc, and stand for on shm).
+TEST_F(ServicePairTest, ShmMovesWhatGrpcMoves) {
+  AddPrefill();
+  std::vector<Result> by_transport;
+  for (KvTransport t : {KvTransport::kGrpc, KvTransport::kShm}) {
+    decode_.reset();
+    DecodeServerOptions o;
+    o.kv_transport = t;
+    StartDecode(o);
+    v1::GenerateRequest req = Request(LongPrompt(260), 12);
+    req.mutable_compression()->set_policy("snapkv");
+    req.mutable_compression()->set_budget(64);
+    req.mutable_compression()->set_kv_format("int4");
+    by_transport.push_back(Call(*stub_, req));
+    ASSERT_TRUE(by_transport.back().status.ok()) << by_transport.back().status.error_message();
+    ExpectPoolEmpty();
+  }
+  EXPECT_EQ(by_transport[0].ids, by_transport[1].ids);
+  EXPECT_EQ(by_transport[0].final.stats().kv_payload_bytes(),
+            by_transport[1].final.stats().kv_payload_bytes());
+  EXPECT_GT(by_transport[1].final.stats().wire_bytes(),
+            by_transport[1].final.stats().kv_payload_bytes());
+}
+
+// A prefill node that does not serve shm refuses it, saying how to; the decode node reports it.
+TEST_F(ServicePairTest, ShmRefusedByANodeThatDoesNotServeIt) {
+  serve_shm_ = false;
+  AddPrefill();
+  DecodeServerOptions o;
+  o.kv_transport = KvTransport::kShm;
+  o.engine.prefill_attempts = 1;
+  StartDecode(o);
+  const Result r = Call(*stub_, Request(LongPrompt(50), 4));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("--kv-transport grpc,shm"), std::string::npos)
+      << r.status.error_message();
+  ExpectPoolEmpty();
 }
 
 // Both nodes on a device backend (guarded everywhere; cuda where a GPU is present): the pair's
@@ -543,7 +605,7 @@ TEST_F(ServicePairTest, EveryBadFieldIsInvalidArgumentNamingIt) {
   ExpectStillServing();
 }
 
-TEST_F(ServicePairTest, PrefillKilledMidStreamRetriesOnAnotherNode) {
+TEST_P(ServicePairTransport, PrefillKilledMidStreamRetriesOnAnotherNode) {
   Faults hold;
   hold.hold_chunk = 2;
   PrefillNode* doomed = AddPrefill("doomed", hold);
@@ -679,7 +741,7 @@ TEST_F(ServicePairTest, StreamIntervalOutOfRangeIsRefused) {
   }
 }
 
-TEST_F(ServicePairTest, ClientCancellationFreesEverything) {
+TEST_P(ServicePairTransport, ClientCancellationFreesEverything) {
   AddPrefill();
   StartDecode();
   v1::GenerateRequest req = Request(LongPrompt(100), 400);
@@ -693,7 +755,7 @@ TEST_F(ServicePairTest, ClientCancellationFreesEverything) {
   ExpectStillServing();
 }
 
-TEST_F(ServicePairTest, CancellationDuringPrefillCancelsThePrefill) {
+TEST_P(ServicePairTransport, CancellationDuringPrefillCancelsThePrefill) {
   Faults hold;
   hold.hold_chunk = 0;
   PrefillNode* node = AddPrefill("prefill", hold);
@@ -782,7 +844,7 @@ TEST_F(ServicePairTest, FullPoolRefusesAfterTheQueueTimeout) {
   ExpectStillServing();
 }
 
-TEST_F(ServicePairTest, CorruptedChunkIsRejectedByChecksum) {
+TEST_P(ServicePairTransport, CorruptedChunkIsRejectedByChecksum) {
   Faults corrupt;
   corrupt.corrupt_chunk = 1;
   AddPrefill("corrupting", corrupt);

@@ -11,6 +11,8 @@
 #include <functional>
 #include <random>
 
+#include "common/base/shared_region.h"
+
 namespace kvwire {
 namespace {
 
@@ -470,6 +472,172 @@ TEST(KvWire, FuzzedStreamsNeverCorruptTheCache) {
   }
   EXPECT_GT(rejected, 2500);
   RecordProperty("accepted", accepted);
+}
+
+// ------------------------------------------------------------------ placed chunks (shm)
+
+// A cache in a shared region as a decode node makes one, and the same region mapped again and
+// laid out by the same shape, as the prefill node that writes into it does.
+struct SharedPair {
+  std::unique_ptr<SharedRegion> owner, peer;
+  std::unique_ptr<KvCache> decode, prefill;
+};
+class RegionAllocator final : public KvAllocator {
+ public:
+  explicit RegionAllocator(SharedRegion* r) : r_(r) {}
+  absl::StatusOr<KvMemoryPtr> Allocate(size_t bytes) override {
+    struct Memory final : KvMemory {
+      SharedRegion* r;
+      uint8_t* data() override { return r->data(); }
+      size_t size() const override { return r->size(); }
+    };
+    EXPECT_EQ(bytes, r_->size());
+    auto m = std::make_unique<Memory>();
+    m->r = r_;
+    return KvMemoryPtr(std::move(m));
+  }
+
+ private:
+  SharedRegion* r_;
+};
+SharedPair MakeShared(const Stream& s) {
+  KvCacheShape shape = MakeCache(s)->shape();
+  shape.format = DecodeCacheFormat(s.header.kv_format);
+  SharedPair p;
+  p.owner = *SharedRegion::Create(KvCache::BytesFor(shape));
+  auto peer = SharedRegion::Open(p.owner->name(), p.owner->size());
+  EXPECT_TRUE(peer.ok()) << peer.status();
+  p.peer = std::move(*peer);
+  RegionAllocator a(p.owner.get()), b(p.peer.get());
+  p.decode = *KvCache::Create(shape, a);
+  p.prefill = *KvCache::Create(shape, b);
+  return p;
+}
+
+// What the prefill node sends for chunk c once its assembler has written it into `view`.
+WireChunk Placed(const WireChunk& c, const KvCache& view, const Stream& s) {
+  WireChunk p;
+  p.layer = c.layer;
+  p.head_begin = c.head_begin;
+  p.head_count = c.head_count;
+  p.token_begin = c.token_begin;
+  p.token_count = c.token_count;
+  p.placed = true;
+  p.placed_bytes = static_cast<int64_t>(c.payload_bytes());
+  p.crc32c = PlacedChecksum(view, p, s.header.kept_per_layer[c.layer]);
+  return p;
+}
+
+// The shm transport: the prefill node's assembler writes each chunk into the decode node's
+// cache through its own mapping, and the decode node's assembler, told only the rectangle and
+// the checksum, accepts exactly what a stream through it would have stored, in every format.
+TEST(KvWire, PlacedChunksHoldWhatTheStreamWouldHaveStored) {
+  for (KvFormat f : {KvFormat::kAuto, KvFormat::kBF16, KvFormat::kFP8, KvFormat::kInt4}) {
+    SCOPED_TRACE(KvFormatName(f));
+    const Stream s = MakeStream(2, 3, 8, {60, 41}, 400, DType::kF32, 21, f);
+    SharedPair p = MakeShared(s);
+    KvAssembler sender(
+        [&] {
+          WireExpectation e = Expect(s);
+          e.kept_per_layer.clear();
+          return e;
+        }(),
+        p.prefill.get());
+    WireExpectation e = Expect(s);
+    e.placed = true;
+    KvAssembler receiver(e, p.decode.get());
+    ASSERT_TRUE(sender.OnHeader(s.header).ok());
+    ASSERT_TRUE(receiver.OnHeader(s.header).ok());
+    for (const WireChunk& c : s.chunks) {
+      ASSERT_TRUE(sender.OnChunk(c).ok());
+      const absl::Status st = receiver.OnChunk(Placed(c, *p.prefill, s));
+      ASSERT_TRUE(st.ok()) << st;
+    }
+    ASSERT_TRUE(receiver.OnTrailer(s.trailer, 512).ok());
+    // The same rows and positions as the chunks stored the usual way.
+    auto plain = KvCache::Create(p.decode->shape(), HeapKvAllocator());
+    ASSERT_TRUE(Feed(s, plain->get()).ok());
+    for (const WireChunk& c : s.chunks) {
+      const int kept = s.header.kept_per_layer[c.layer];
+      EXPECT_EQ(PlacedChecksum(*p.decode, c, kept), PlacedChecksum(**plain, c, kept));
+    }
+    for (int l = 0; l < 2; ++l) EXPECT_EQ(p.decode->layer(l).len, (*plain)->layer(l).len);
+    if (f == KvFormat::kAuto) ExpectCacheEquals(s, *p.decode);
+  }
+}
+
+TEST(KvWire, PlacedChunksAreCheckedWhereTheyLie) {
+  const Stream s = MakeStream(1, 2, 8, {50}, 300, DType::kBF16, 4, KvFormat::kInt8);
+  ASSERT_GE(s.chunks.size(), 2u);
+  auto run = [&](const std::function<void(SharedPair&, WireChunk*)>& mutate) {
+    SharedPair p = MakeShared(s);
+    KvAssembler sender(Expect(s), p.prefill.get());
+    WireExpectation e = Expect(s);
+    e.placed = true;
+    KvAssembler receiver(e, p.decode.get());
+    EXPECT_TRUE(sender.OnHeader(s.header).ok());
+    EXPECT_TRUE(receiver.OnHeader(s.header).ok());
+    absl::Status st;
+    for (size_t i = 0; i < s.chunks.size() && st.ok(); ++i) {
+      EXPECT_TRUE(sender.OnChunk(s.chunks[i]).ok());
+      WireChunk placed = Placed(s.chunks[i], *p.prefill, s);
+      if (i == 1) mutate(p, &placed);
+      st = receiver.OnChunk(placed);
+    }
+    return st;
+  };
+  // A byte changed in the region after its checksum was taken: DATA_LOSS.
+  absl::Status st = run([&](SharedPair& p, WireChunk* c) {
+    p.prefill->layer(0).k[p.prefill->layer(0).layout.Row(c->head_begin, c->token_begin, 8)] ^= 1;
+  });
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_NE(st.message().find("mismatch over the rows placed"), std::string::npos) << st;
+  // Positions out of order, checksummed as they are (a sender that wrote them wrong).
+  st = run([&](SharedPair& p, WireChunk* c) {
+    LayerCache& lc = p.prefill->layer(0);
+    std::swap(lc.positions[int64_t{c->head_begin} * lc.capacity + c->token_begin],
+              lc.positions[int64_t{c->head_begin} * lc.capacity + c->token_begin + 1]);
+    c->crc32c = PlacedChecksum(*p.prefill, *c, s.header.kept_per_layer[0]);
+  });
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("positions must ascend"), std::string::npos) << st;
+  // A payload on a placed chunk, and an impossible size.
+  st = run([](SharedPair&, WireChunk* c) { c->k = "x"; });
+  EXPECT_NE(st.message().find("yet it carries a payload"), std::string::npos) << st;
+  st = run([](SharedPair&, WireChunk* c) { c->placed_bytes = 3; });
+  EXPECT_NE(st.message().find("stands for 3 bytes"), std::string::npos) << st;
+  // An unplaced chunk on a placed stream.
+  st = run([&](SharedPair&, WireChunk* c) { *c = s.chunks[1]; });
+  EXPECT_NE(st.message().find("its rows travel in it"), std::string::npos) << st;
+  // And a placed chunk on a stream whose rows travel in it.
+  auto cache = MakeCache(s);
+  KvAssembler plain(Expect(s), cache.get());
+  ASSERT_TRUE(plain.OnHeader(s.header).ok());
+  SharedPair p = MakeShared(s);
+  KvAssembler sender(Expect(s), p.prefill.get());
+  ASSERT_TRUE(sender.OnHeader(s.header).ok());
+  ASSERT_TRUE(sender.OnChunk(s.chunks[0]).ok());
+  st = plain.OnChunk(Placed(s.chunks[0], *p.prefill, s));
+  EXPECT_NE(st.message().find("placed in the cache, but its rows travel"), std::string::npos) << st;
+}
+
+TEST(SharedRegion, IsOpenedByNameAtItsSizeUntilItsOwnerGoes) {
+  auto owner = SharedRegion::Create(10000);
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  EXPECT_TRUE(IsSharedRegionName((*owner)->name())) << (*owner)->name();
+  auto peer = SharedRegion::Open((*owner)->name(), 10000);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  (*owner)->data()[9999] = 42;  // one memory, two mappings
+  EXPECT_EQ((*peer)->data()[9999], 42);
+  EXPECT_EQ(SharedRegion::Open((*owner)->name(), 4096).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(SharedRegion::Open("/etc-passwd", 10000).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SharedRegion::Open("/kvwire-1-00", 10000).status().code(), absl::StatusCode::kNotFound);
+  const std::string name = (*owner)->name();
+  owner->reset();  // unlinked: no one opens it again, and the peer's mapping stays good
+  EXPECT_EQ(SharedRegion::Open(name, 10000).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*peer)->data()[9999], 42);
 }
 
 }  // namespace
