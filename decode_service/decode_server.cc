@@ -235,8 +235,19 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
                      GrpcKvSource::Create(o.prefill_target, o.prefill_tls, o.prefill_auth_token,
                                           *o.engine.clock, o.kv_transport));
   }
-  // Shared regions that a decode node on this host left behind when it died.
-  if (o.kv_transport == KvTransport::kShm) SweepSharedRegions();
+  if (o.kv_transport == KvTransport::kShm) {
+    // Shared regions that a decode node on this host left behind when it died, then room for
+    // the whole pool: every cache is a region in /dev/shm.
+    SweepSharedRegions();
+    ASSIGN_OR_RETURN(const size_t room, SharedRegionRoom());
+    if (room < o.kv_pool_bytes) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--kv-transport shm keeps every cache in /dev/shm, which has ", room,
+                       " bytes free for a pool of ", o.kv_pool_bytes,
+                       " (--kv-pool-bytes): lower it, or give /dev/shm more room (a container's "
+                       "--shm-size, a memory-backed emptyDir)"));
+    }
+  }
   // Short prompts (all of them without prefill nodes) prefill on this node's own model,
   // one at a time beside the decode batch.
   PrefillEngineOptions local;

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -51,8 +52,11 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(size_t bytes)
   const std::string name = absl::StrCat(kPrefix, getpid(), "-", RandomHex());
   const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0) return Errno(absl::StrCat("shm_open ", name));
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    absl::Status st = Errno(absl::StrCat("ftruncate ", name, " to ", bytes, " bytes"));
+  // The pages reserved now (tmpfs has them or says ENOSPC), rather than on first touch, where a
+  // full /dev/shm would be SIGBUS in the middle of a write.
+  if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+    errno = err;
+    absl::Status st = Errno(absl::StrCat("reserving ", bytes, " bytes for ", name));
     close(fd);
     shm_unlink(name.c_str());
     return absl::ResourceExhaustedError(st.message());
@@ -103,6 +107,12 @@ void SharedRegion::Unlink() {
   if (!owner_ || unlinked_) return;
   shm_unlink(name_.c_str());
   unlinked_ = true;
+}
+
+absl::StatusOr<size_t> SharedRegionRoom() {
+  struct statvfs st;
+  if (statvfs("/dev/shm", &st) != 0) return Errno("statvfs /dev/shm");
+  return static_cast<size_t>(st.f_bavail) * st.f_frsize;
 }
 
 int SweepSharedRegions() {

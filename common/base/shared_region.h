@@ -50,4 +50,7 @@ bool IsSharedRegionName(const std::string& name);
 // Unlinks the regions that processes no longer running made on this host; returns how many.
 int SweepSharedRegions();
 
+// Bytes free in /dev/shm, where the regions live (a container's is often 64 MiB).
+absl::StatusOr<size_t> SharedRegionRoom();
+
 }  // namespace kvwire

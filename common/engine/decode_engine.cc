@@ -93,6 +93,7 @@ class DecodeEngine::Receiver final : public KvReceiver {
     if (Telemetry* t = engine_->options_.telemetry) {
       s.transfer_span = t->StartSpan("decode.kv_transfer", s.prefill_span.context());
       s.transfer_span.SetAttribute("policy", h.policy);
+      s.transfer_span.SetAttribute("kv.transport", std::string(s.source->name()));
       s.transfer_span.SetAttribute("kv.kept_tokens",
                                    h.kept_per_layer.empty() ? 0 : h.kept_per_layer.back());
     }

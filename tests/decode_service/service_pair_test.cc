@@ -129,6 +129,11 @@ class ServicePairTest : public ::testing::Test {
     }
     o.engine.node_name = "decode-test";
     if (o.kv_transport == KvTransport::kGrpc) o.kv_transport = transport_;
+    if (o.kv_transport == KvTransport::kShm &&
+        o.kv_pool_bytes == DecodeServerOptions{}.kv_pool_bytes) {
+      // Every cache is a region in /dev/shm, which a container may keep small (64 MiB).
+      o.kv_pool_bytes = size_t{32} << 20;
+    }
     auto s = DecodeServer::Start(decode_model_.get(), std::move(o));
     ASSERT_TRUE(s.ok()) << s.status();
     decode_ = std::move(*s);
@@ -280,6 +285,9 @@ class ServicePairTest : public ::testing::Test {
     ExpectPoolEmpty();
   }
 
+  // Whether /dev/shm holds a shm test's caches (StartDecode's pool), which a container may not.
+  static bool ShmFits() { return SharedRegionRoom().value_or(0) >= (size_t{32} << 20); }
+  static constexpr char kNoShm[] = "/dev/shm has less than 32 MiB free for the shm caches";
   // How the decode node asks for K/V; whether the prefill nodes serve shm (as a node started
   // with --kv-transport grpc,shm).
   KvTransport transport_ = KvTransport::kGrpc;
@@ -299,6 +307,7 @@ class ServicePairTransport : public ServicePairTest,
  protected:
   void SetUp() override {
     transport_ = GetParam();
+    if (transport_ == KvTransport::kShm && !ShmFits()) GTEST_SKIP() << kNoShm;
     ServicePairTest::SetUp();
   }
 };
@@ -314,6 +323,7 @@ TEST_P(ServicePairTransport, TokensEqualSingleProcessGeneration) {
 // The same request through grpc and through shm: the same tokens, and the same K/V payload
 // (what the chunks carry on grpc, and stand for on shm).
 TEST_F(ServicePairTest, ShmMovesWhatGrpcMoves) {
+  if (!ShmFits()) GTEST_SKIP() << kNoShm;
   AddPrefill();
   std::vector<Result> by_transport;
   for (KvTransport t : {KvTransport::kGrpc, KvTransport::kShm}) {
@@ -338,6 +348,7 @@ TEST_F(ServicePairTest, ShmMovesWhatGrpcMoves) {
 
 // A prefill node that does not serve shm refuses it, saying how to; the decode node reports it.
 TEST_F(ServicePairTest, ShmRefusedByANodeThatDoesNotServeIt) {
+  if (!ShmFits()) GTEST_SKIP() << kNoShm;
   serve_shm_ = false;
   AddPrefill();
   DecodeServerOptions o;
