@@ -25,6 +25,7 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/base/flags.h"
 #include "kvwire/v1/generation.grpc.pb.h"
@@ -41,6 +42,7 @@ struct Sample {
   int tokens = 0;
   int64_t full_bytes = 0, wire_bytes = 0;
   double server_ttft_ms = 0, prefill_ms = 0, transfer_ms = 0;
+  std::vector<int32_t> ids;
   std::string error;
 };
 
@@ -61,6 +63,7 @@ Sample Run(v1::Generation::Stub& stub, const v1::GenerateRequest& req) {
         s.itl_ms.push_back(std::chrono::duration<double, std::milli>(now - last).count());
       }
       s.tokens += r.token_ids_size();
+      s.ids.insert(s.ids.end(), r.token_ids().begin(), r.token_ids().end());
       last = now;
     }
     if (r.has_final()) {
@@ -110,6 +113,8 @@ int main(int argc, char** argv) {
   f.Define("settings", "full,snapkv:64",
            "compression settings compared, policy[:budget][@kv_format] (snapkv:128@int4)");
   f.Define("ttft-prompt", "0", "measure TTFT vs forward time with prompts of this many tokens");
+  f.Define("ttft-max-tokens", "2",
+           "tokens each --ttft-prompt request generates (printed, so runs can be compared)");
   f.Define("vocab", "512", "vocabulary for synthetic prompts");
   f.Define("prompt-tokens", "400", "length of the synthetic prompts (without --data)");
   if (int rc = ParseFlagsOrExit(f, "serving_bench", "serving_bench --target HOST:PORT [flags]",
@@ -125,12 +130,14 @@ int main(int argc, char** argv) {
        requests_or = f.GetInt("requests", 1, 1 << 20),
        max_tokens_or = f.GetInt("max-tokens", 1, 1 << 16), vocab_or = f.GetInt("vocab", 4, 1 << 24),
        ttft_or = f.GetInt("ttft-prompt", 0, 1 << 20),
+       ttft_tokens_or = f.GetInt("ttft-max-tokens", 1, 1 << 16),
        prompt_tokens_or = f.GetInt("prompt-tokens", 2, 1 << 20);
-  for (const auto* v :
-       {&concurrency_or, &requests_or, &max_tokens_or, &vocab_or, &ttft_or, &prompt_tokens_or}) {
+  for (const auto* v : {&concurrency_or, &requests_or, &max_tokens_or, &vocab_or, &ttft_or,
+                        &ttft_tokens_or, &prompt_tokens_or}) {
     if (!v->ok()) return fail(std::string(v->status().message()));
   }
   const int concurrency = static_cast<int>(*concurrency_or);
+  const int ttft_tokens = static_cast<int>(*ttft_tokens_or);
   const int requests = static_cast<int>(*requests_or);
   const int max_tokens = static_cast<int>(*max_tokens_or);
   const int vocab = static_cast<int>(*vocab_or);
@@ -165,14 +172,14 @@ int main(int argc, char** argv) {
   }
 
   if (ttft_prompt > 0) {
-    std::printf("%-18s %8s %12s %12s %12s %12s %8s\n", "setting", "prompt", "forward_ms",
-                "transfer_ms", "ttft_ms", "client_ttft", "ratio");
+    std::printf("%-18s %8s %12s %12s %12s %12s %8s %s\n", "setting", "prompt", "forward_ms",
+                "transfer_ms", "ttft_ms", "client_ttft", "ratio", "ids");
     for (const std::string& setting : f.GetList("settings")) {
       std::vector<double> ratios;
       for (int i = 0; i < std::min(requests, 8); ++i) {
         v1::GenerateRequest req;
         for (int32_t id : prompts[i % prompts.size()]) req.mutable_prompt_ids()->add_ids(id);
-        req.mutable_sampling()->set_max_tokens(2);
+        req.mutable_sampling()->set_max_tokens(ttft_tokens);
         ApplySetting(setting, &req);
         const Sample s = Run(*stub, req);
         if (!s.ok) {
@@ -180,9 +187,9 @@ int main(int argc, char** argv) {
           return 1;
         }
         ratios.push_back(s.server_ttft_ms / s.prefill_ms);
-        std::printf("%-18s %8d %12.1f %12.1f %12.1f %12.1f %8.3f\n", setting.c_str(), ttft_prompt,
-                    s.prefill_ms, s.transfer_ms, s.server_ttft_ms, s.ttft_ms,
-                    s.server_ttft_ms / s.prefill_ms);
+        std::printf("%-18s %8d %12.1f %12.1f %12.1f %12.1f %8.3f %s\n", setting.c_str(),
+                    ttft_prompt, s.prefill_ms, s.transfer_ms, s.server_ttft_ms, s.ttft_ms,
+                    s.server_ttft_ms / s.prefill_ms, absl::StrJoin(s.ids, "-").c_str());
       }
       std::printf("%-18s median TTFT / forward = %.3f\n", setting.c_str(), Pct(ratios, 50));
     }

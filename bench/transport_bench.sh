@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# KV transports side by side on one host: one prefill node serving grpc and shm
-# (--kv-transport grpc,shm) and two decode nodes in front of it, one asking for each; prompts of
-# each length go to them alternately (grpc, shm, grpc, shm, ...), one at a time, and the table
+# KV transports side by side on one host: one prefill node serving them all (grpc and shm on the
+# CPU; grpc and cuda_ipc with --backend cuda) and a decode node per transport in front of it;
+# prompts of each length go to them alternately (grpc, shm, grpc, shm, ...), one at a time, and
+# the table
 # gives, per transport, setting and length, the medians of the decode node's time from the
 # first KV byte to the trailer (transfer_ms, which spans the layers the prefill computes after
-# the first), its TTFT, and the prefill node's forward time. A benchmark, not a test.
+# the first), its TTFT, the prefill node's forward time, and TTFT less the forward (beyond_ms:
+# what the transfer and the nodes add to compute). A benchmark, not a test.
 #
 #   bash bench/transport_bench.sh [--build-dir build] [--model synthetic:llama-1b] [--dtype bf16]
 #       [--lengths 2048,8192] [--settings full,snapkv:128] [--rounds 2] [--threads 2]
-#       [--vocab 32000 (prompt ids are drawn below it)]
+#       [--vocab 32000 (prompt ids are drawn below it)] [--backend cpu|cuda|guarded]
+#       [--transports grpc,shm (cpu) | grpc,cuda_ipc (cuda, guarded)] [--tokens 8]
+#
+# Every request is greedy and generates --tokens tokens (the first sampled on the prefill node,
+# the rest decoded over the cache the transport moved), so the transports must give the same
+# tokens: the table's `tokens` column says whether they did (same/DIFF), per length and setting,
+# and the run fails when they did not.
 #
 # Logs and the raw lines go to --dir (a new temporary directory by default).
 set -euo pipefail
@@ -22,6 +30,9 @@ SETTINGS="full,snapkv:128"
 ROUNDS=2
 THREADS=2
 VOCAB=32000
+BACKEND=cpu
+TRANSPORTS=""
+TOKENS=8
 DIR=""
 usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
@@ -34,14 +45,26 @@ while [[ $# -gt 0 ]]; do
     --rounds) ROUNDS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --vocab) VOCAB=$2; shift 2 ;;
+    --backend) BACKEND=$2; shift 2 ;;
+    --transports) TRANSPORTS=$2; shift 2 ;;
+    --tokens) TOKENS=$2; shift 2 ;;
     --dir) DIR=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "transport_bench: unknown argument '$1' (--help lists them)" >&2; exit 2 ;;
   esac
 done
-PREFILL="$BUILD/prefill_service/kvwire-prefill"
-DECODE="$BUILD/decode_service/kvwire-decode"
-BENCH="$BUILD/bench/serving_bench"
+case "$BACKEND" in
+  cpu) TRANSPORTS=${TRANSPORTS:-grpc,shm} ;;
+  # guarded: the device path without a GPU, its IPC emulated between the processes.
+  cuda|guarded) TRANSPORTS=${TRANSPORTS:-grpc,cuda_ipc} ;;
+  *) echo "transport_bench: --backend must be cpu, cuda or guarded, got '$BACKEND'" >&2; exit 2 ;;
+esac
+IFS=',' read -ra transports <<<"$TRANSPORTS"
+# A build folder's binaries, or a device bundle's (every binary in one folder).
+bin_of() { if [[ -x "$BUILD/$1" ]]; then echo "$BUILD/$1"; else echo "$BUILD/$(basename "$1")"; fi; }
+PREFILL=$(bin_of prefill_service/kvwire-prefill)
+DECODE=$(bin_of decode_service/kvwire-decode)
+BENCH=$(bin_of bench/serving_bench)
 for bin in "$PREFILL" "$DECODE" "$BENCH"; do
   [[ -x $bin ]] || { echo "transport_bench: $bin not built (bash scripts/build.sh)" >&2; exit 2; }
 done
@@ -61,35 +84,38 @@ wait_port() {  # port log
   exit 1
 }
 "$PREFILL" --model "$MODEL" --dtype "$DTYPE" --threads "$THREADS" --workers 1 \
-  --listen "127.0.0.1:$BASE" --metrics-listen "" --node-name prefill --kv-transport grpc,shm \
-  --max-deadline-s 3600 >"$DIR/prefill.log" 2>&1 &
+  --backend "$BACKEND" --listen "127.0.0.1:$BASE" --metrics-listen "" --node-name prefill \
+  --kv-transport "$TRANSPORTS" --max-deadline-s 3600 >"$DIR/prefill.log" 2>&1 &
 PIDS+=($!)
 port=$BASE
-for t in grpc shm; do
+for t in "${transports[@]}"; do
   port=$((port + 1))
   "$DECODE" --model "$MODEL" --dtype "$DTYPE" --threads "$THREADS" --listen "127.0.0.1:$port" \
-    --metrics-listen "" --prefill "ipv4:127.0.0.1:$BASE" --kv-transport "$t" \
-    --kv-pool-bytes 8GiB --max-chunk-bytes 4MiB --node-name "decode-$t" \
+    --backend "$BACKEND" --metrics-listen "" --prefill "ipv4:127.0.0.1:$BASE" \
+    --kv-transport "$t" --kv-pool-bytes 8GiB --max-chunk-bytes 4MiB --node-name "decode-$t" \
     --prefill-attempt-timeout-ms 3600000 >"$DIR/decode-$t.log" 2>&1 &
   PIDS+=($!)
 done
 wait_port "$BASE" "$DIR/prefill.log"
-wait_port $((BASE + 1)) "$DIR/decode-grpc.log"
-wait_port $((BASE + 2)) "$DIR/decode-shm.log"
+port=$BASE
+for t in "${transports[@]}"; do
+  port=$((port + 1))
+  wait_port "$port" "$DIR/decode-$t.log"
+done
 
-echo "model $MODEL ($DTYPE), prompts of $LENGTHS tokens, settings $SETTINGS, $ROUNDS rounds;" \
-  "logs in $DIR"
+echo "model $MODEL ($DTYPE) on $BACKEND, transports $TRANSPORTS, prompts of $LENGTHS tokens," \
+  "settings $SETTINGS, $ROUNDS rounds; logs in $DIR"
 raw="$DIR/raw.tsv"
 : >"$raw"
 IFS=',' read -ra lengths <<<"$LENGTHS"
 for len in "${lengths[@]}"; do
   for round in $(seq 1 "$ROUNDS"); do
-    for t in grpc shm; do
-      port=$((BASE + 1))
-      [[ $t == shm ]] && port=$((BASE + 2))
+    port=$BASE
+    for t in "${transports[@]}"; do
+      port=$((port + 1))
       "$BENCH" --target "127.0.0.1:$port" --ttft-prompt "$len" --vocab "$VOCAB" --requests 1 \
-        --settings "$SETTINGS" | awk -v t="$t" -v r="$round" \
-        '$2 ~ /^[0-9]+$/ {print t "\t" r "\t" $1 "\t" $2 "\t" $3 "\t" $4 "\t" $5}' >>"$raw"
+        --ttft-max-tokens "$TOKENS" --settings "$SETTINGS" | awk -v t="$t" -v r="$round" \
+        '$2 ~ /^[0-9]+$/ {print t "\t" r "\t" $1 "\t" $2 "\t" $3 "\t" $4 "\t" $5 "\t" $8}' >>"$raw"
     done
   done
 done
@@ -97,14 +123,22 @@ python3 - "$raw" <<'PY'
 import statistics, sys
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 by = {}
-for t, _, setting, length, forward, transfer, ttft in rows:
+ids = {}
+for t, _, setting, length, forward, transfer, ttft, toks in rows:
   by.setdefault((int(length), setting, t), []).append((float(forward), float(transfer), float(ttft)))
+  ids.setdefault((int(length), setting), set()).add(toks)
+# beyond_ms: TTFT less the forward, per request: what the transfer and the nodes add to compute.
 print(f"{'prompt':>7} {'setting':<12} {'transport':<9} {'n':>2} {'forward_ms':>11} "
-      f"{'transfer_ms':>12} {'ttft_ms':>9} {'transfer vs grpc':>17}")
+      f"{'transfer_ms':>12} {'ttft_ms':>9} {'beyond_ms':>10} {'transfer vs grpc':>17} tokens")
 for (length, setting, t), v in sorted(by.items()):
   med = [statistics.median(x[i] for x in v) for i in range(3)]
+  beyond = statistics.median(x[2] - x[0] for x in v)
   base = by.get((length, setting, "grpc"))
-  rel = med[1] / statistics.median(x[1] for x in base) if base else float("nan")
+  base_ms = statistics.median(x[1] for x in base) if base else 0
+  rel = med[1] / base_ms if base_ms > 0 else float("nan")
   print(f"{length:>7} {setting:<12} {t:<9} {len(v):>2} {med[0]:>11.1f} {med[1]:>12.1f} "
-        f"{med[2]:>9.1f} {rel:>17.3f}")
+        f"{med[2]:>9.1f} {beyond:>10.1f} {rel:>17.3f} "
+        f"{'same' if len(ids[(length, setting)]) == 1 else 'DIFF'}")
+# Transports that disagree on a request's tokens fail the run.
+sys.exit(1 if any(len(v) > 1 for v in ids.values()) else 0)
 PY

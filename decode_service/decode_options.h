@@ -22,7 +22,8 @@ struct DecodeServerOptions {
   std::string listen = "0.0.0.0:0";
   std::string prefill_target;  // empty: every prompt prefills on this node
   // How the prefill nodes' K/V rows come (--kv-transport): on the stream (grpc), or written
-  // into the cache by a prefill node on this host (shm; a host backend's pool).
+  // into the cache by a prefill node on this host (shm: a host backend's pool; cuda_ipc: a
+  // device backend's).
   KvTransport kv_transport = KvTransport::kGrpc;
   ClientTls prefill_tls;           // to the prefill nodes (mutual TLS with a client cert)
   std::string prefill_auth_token;  // sent to the prefill nodes as a bearer token when set

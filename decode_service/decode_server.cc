@@ -228,12 +228,29 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   if (o.kv_transport == KvTransport::kShm && impl->pool->paged()) {
     return absl::FailedPreconditionError(
         "--kv-transport shm writes into caches in host memory, and this node's pool is the "
-        "device's (--backend cpu for shm; a GPU's transport is cuda_ipc, not built yet)");
+        "device's (--backend cpu for shm; on a GPU, cuda_ipc)");
+  }
+  std::string pool_handle;
+  if (o.kv_transport == KvTransport::kCudaIpc) {
+    if (!impl->pool->paged()) {
+      return absl::FailedPreconditionError(
+          "--kv-transport cuda_ipc writes into a device pool's pages, and this node's pool is "
+          "host memory (--backend cuda for cuda_ipc; on a CPU, shm)");
+    }
+    // The slab's handle, made once: every request's pages are in it.
+    auto exported = impl->pool->backend()->ExportMemory(impl->pool->slab(), impl->pool->capacity());
+    if (!exported.ok()) {
+      return absl::Status(exported.status().code(),
+                          absl::StrCat("--kv-transport cuda_ipc: exporting the KV pool: ",
+                                       exported.status().message()));
+    }
+    pool_handle = *std::move(exported);
   }
   if (!o.prefill_target.empty()) {
-    ASSIGN_OR_RETURN(impl->remote,
-                     GrpcKvSource::Create(o.prefill_target, o.prefill_tls, o.prefill_auth_token,
-                                          *o.engine.clock, o.kv_transport));
+    ASSIGN_OR_RETURN(
+        impl->remote,
+        GrpcKvSource::Create(o.prefill_target, o.prefill_tls, o.prefill_auth_token, *o.engine.clock,
+                             o.kv_transport, std::move(pool_handle), impl->pool->capacity()));
   }
   if (o.kv_transport == KvTransport::kShm) {
     // Shared regions that a decode node on this host left behind when it died, then room for

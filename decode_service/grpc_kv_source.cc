@@ -53,8 +53,11 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
       }
       case v1::PrefillResponse::kChunk: {
         WireChunk chunk = FromProto(msg_.mutable_chunk());
-        // shm: the rows the chunk stands for moved through the region (checked by the receiver).
-        if (chunk.placed && chunk.placed_bytes > 0) wire_bytes_ += chunk.placed_bytes;
+        // shm, cuda_ipc: the rows the chunk stands for moved through the region or the pages
+        // (checked by the receiver); its positions, if any, are in the message.
+        if (chunk.placed && chunk.placed_bytes > 0) {
+          wire_bytes_ += chunk.placed_bytes - static_cast<int64_t>(chunk.positions.size());
+        }
         st = receiver_->OnChunk(std::move(chunk));
         break;
       }
@@ -96,12 +99,14 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(const std::string& target,
-                                                                   const ClientTls& tls,
-                                                                   const std::string& auth_token,
-                                                                   const Clock& clock,
-                                                                   KvTransport transport) {
+absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(
+    const std::string& target, const ClientTls& tls, const std::string& auth_token,
+    const Clock& clock, KvTransport transport, std::string pool_handle, size_t pool_bytes) {
   if (target.empty()) return absl::InvalidArgumentError("no prefill target (--prefill)");
+  if ((transport == KvTransport::kCudaIpc) != !pool_handle.empty()) {
+    return absl::InvalidArgumentError(
+        "the cuda_ipc KV transport, and only it, takes the device pool's exported handle");
+  }
   ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
   args.SetLoadBalancingPolicyName("round_robin");
@@ -117,6 +122,8 @@ absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(const std::st
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   auto source = std::unique_ptr<GrpcKvSource>(new GrpcKvSource(clock));
   source->transport_ = transport;
+  source->pool_handle_ = std::move(pool_handle);
+  source->pool_bytes_ = pool_bytes;
   if (!auth_token.empty()) source->authorization_ = absl::StrCat("Bearer ", auth_token);
   source->channel_ = grpc::CreateCustomChannel(target, creds, args);
   source->stub_ = v1::Prefill::NewStub(source->channel_);
@@ -139,6 +146,22 @@ absl::StatusOr<std::shared_ptr<KvTransfer>> GrpcKvSource::Start(
     job.region_name = region->name();
     job.region_bytes = region->size();
     job.region_shape = cache->shape();
+  } else if (transport_ == KvTransport::kCudaIpc) {
+    // The prefill node writes the rows into the cache's pages: it gets the pool's slab and
+    // where the cache lies in it; the positions come on the stream.
+    KvCache* cache = receiver->destination();
+    auto place = cache != nullptr ? cache->paged_place()
+                                  : absl::FailedPreconditionError("no destination cache");
+    if (!place.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the cuda_ipc KV transport writes into the decode cache's pages of a device pool: ",
+          place.status().message()));
+    }
+    job.transport = KvTransport::kCudaIpc;
+    job.region_handle = pool_handle_;
+    job.region_bytes = pool_bytes_;
+    job.region_shape = cache->shape();
+    job.region_place = *std::move(place);
   }
   auto handle = std::make_shared<CallReactor::Handle>();
   auto* reactor = new CallReactor(std::move(receiver), handle);

@@ -27,12 +27,15 @@ class GrpcKvSource final : public KvSource {
   // its --prefill-wait-ms: the wait for a node is the engine's, bounded and visible.
   //
   // `transport` kShm: the prefill nodes write the rows into each request's cache (a shared
-  // region on this host, KvPool::AllocateShared), and the stream carries the rest.
+  // region on this host, KvPool::AllocateShared), and the stream carries the rest. kCudaIpc:
+  // they write the rows into the cache's pages of this node's device pool, whose slab of
+  // `pool_bytes` they map by `pool_handle` (KernelBackend::ExportMemory).
   static absl::StatusOr<std::unique_ptr<GrpcKvSource>> Create(
       const std::string& target, const ClientTls& tls, const std::string& auth_token = "",
-      const Clock& clock = Clock::Real(), KvTransport transport = KvTransport::kGrpc);
+      const Clock& clock = Clock::Real(), KvTransport transport = KvTransport::kGrpc,
+      std::string pool_handle = "", size_t pool_bytes = 0);
   absl::string_view name() const override { return KvTransportName(transport_); }
-  bool places_rows() const override { return transport_ == KvTransport::kShm; }
+  KvPlacement placement() const override { return PlacementOf(transport_); }
   absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
                                                     std::shared_ptr<KvReceiver> receiver) override;
 
@@ -40,6 +43,8 @@ class GrpcKvSource final : public KvSource {
   explicit GrpcKvSource(const Clock& clock) : clock_(clock) {}
   const Clock& clock_;
   KvTransport transport_ = KvTransport::kGrpc;
+  std::string pool_handle_;  // cuda_ipc
+  size_t pool_bytes_ = 0;
   std::string authorization_;  // "Bearer <token>", or empty
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Prefill::Stub> stub_;

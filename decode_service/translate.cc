@@ -171,6 +171,10 @@ v1::PrefillRequest ToPrefillRequest(const PrefillJob& job) {
   if (job.transport == KvTransport::kShm) {
     req.set_kv_transport(v1::KV_TRANSPORT_SHM);
     *req.mutable_region() = ToProto(job.region_name, job.region_bytes, job.region_shape);
+  } else if (job.transport == KvTransport::kCudaIpc) {
+    req.set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC);
+    *req.mutable_region() =
+        ToProto(job.region_handle, job.region_bytes, job.region_shape, job.region_place);
   }
   return req;
 }

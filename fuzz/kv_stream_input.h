@@ -33,6 +33,9 @@ struct KvStreamParams {
   // mutated payloads get past the checksum to the checks behind it.
   bool fix_checksums = false;
   size_t max_chunk_bytes = kDefaultMaxChunkBytes;
+  // Where the sender is said to write the rows (shm, cuda_ipc): the chunks are then placed, and
+  // the receiver checks what the cache holds (its positions, on cuda_ipc, from the chunks).
+  KvPlacement placement = KvPlacement::kNone;
 };
 
 // Decodes the parameter bytes; nullopt for a combination the compression rejects.
@@ -76,6 +79,7 @@ inline std::optional<KvStreamParams> ReadKvStreamParams(const uint8_t p[kParamBy
   s.fix_checksums = p[7] & 1;
   s.check_kept = p[7] & 2;
   s.max_chunk_bytes = size_t{64} << ((p[7] >> 2) % 8);
+  s.placement = static_cast<KvPlacement>((p[7] >> 5) % 3);
   return s;
 }
 
@@ -95,6 +99,7 @@ inline WireExpectation KvStreamExpectation(const KvStreamParams& s) {
     }
   }
   e.max_chunk_bytes = s.max_chunk_bytes;
+  e.placement = s.placement;
   return e;
 }
 

@@ -29,4 +29,17 @@ absl::StatusOr<KernelBackendPtr> MakeBackend(BackendKind kind, int threads, size
 
 bool CudaAvailable() { return CudaDevicePresent(); }
 
+absl::StatusOr<std::string> KernelBackend::ExportMemory(void*, size_t) {
+  return absl::UnimplementedError(absl::StrCat(
+      "the ", BackendName(kind()),
+      " backend's memory is this process's host memory; only a device backend (cuda) exports "
+      "memory to another process"));
+}
+
+absl::StatusOr<void*> KernelBackend::ImportMemory(const std::string&, size_t) {
+  return absl::UnimplementedError(absl::StrCat(
+      "the ", BackendName(kind()),
+      " backend cannot map another process's device memory; only a device backend (cuda) can"));
+}
+
 }  // namespace kvwire::kernels

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -153,6 +154,20 @@ struct DecodeAttentionParams {
   float scale = 0.f;
 };
 
+// A span of a backend's memory.
+struct ByteSpan {
+  const uint8_t* data = nullptr;
+  int64_t bytes = 0;
+};
+
+// out[i] = CRC-32C of spans[i] (common/base/crc32c.h), computed where the bytes are: what a
+// transport that writes a cache in place checks the rows by (kv_wire's PlacedChecksum).
+struct ChecksumSpansParams {
+  const ByteSpan* spans = nullptr;  // host array [n]; each span in backend memory
+  int n = 0;
+  uint32_t* out = nullptr;  // backend memory [n]
+};
+
 class KernelBackend {
  public:
   virtual ~KernelBackend() = default;
@@ -226,6 +241,16 @@ class KernelBackend {
   virtual absl::Status UpdateSummaries(const UpdateSummariesParams& p) = 0;
   virtual absl::Status PageScores(const PageScoresParams& p) = 0;
   virtual absl::Status Sample(const SampleParams& p) = 0;
+  virtual absl::Status ChecksumSpans(const ChecksumSpansParams& p) = 0;
+
+  // Memory another process on this host maps (the cuda_ipc KV transport: a decode node's pool
+  // slab, written by a prefill node on the same GPU or one peered with it). ExportMemory names
+  // `base`, a buffer of `bytes` from Allocate; ImportMemory maps such a name, exported by
+  // another process (CUDA IPC refuses the exporter itself), into this backend's memory;
+  // CloseImported unmaps it. The host backends' memory is the process's own: Unimplemented.
+  virtual absl::StatusOr<std::string> ExportMemory(void* base, size_t bytes);
+  virtual absl::StatusOr<void*> ImportMemory(const std::string& handle, size_t bytes);
+  virtual void CloseImported(void* ptr) {}
 
   // Host work between ops that splits into independent tasks (sparse decode selection, per
   // sequence and KV head): calls fn(begin, end) over disjoint ranges covering [0, n), on the

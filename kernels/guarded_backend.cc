@@ -1,19 +1,27 @@
 #include "kernels/guarded_backend.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/base/status.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/validate.h"
@@ -86,7 +94,11 @@ class GuardedBackend final : public KernelBackend {
         page_(static_cast<size_t>(sysconf(_SC_PAGESIZE))),
         capacity_(capacity) {}
   ~GuardedBackend() override {
-    for (auto& [p, r] : regions_) munmap(r.base, r.mapped);
+    Unexport();
+    for (auto& [p, r] : regions_) {
+      munmap(r.base, r.mapped);
+      if (r.fd >= 0) close(r.fd);
+    }
   }
 
   BackendKind kind() const override { return BackendKind::kGuarded; }
@@ -120,9 +132,17 @@ class GuardedBackend final : public KernelBackend {
     // A failure of the queued work is reported at the next synchronisation.
     if (absl::Status st = FlushLocked(); !st.ok() && deferred_.ok()) deferred_ = st;
     auto it = regions_.find(ptr);
-    if (it == regions_.end()) return;
+    if (it == regions_.end() || it->second.imported) return;
     used_ -= it->second.size;
     munmap(it->second.base, it->second.mapped);
+    if (it->second.fd >= 0) close(it->second.fd);
+    if (!it->second.handle.empty()) {
+      std::lock_guard<std::mutex> registry_lock(IpcRegistryMu());
+      if (auto e = IpcRegistry().find(it->second.handle); e != IpcRegistry().end()) {
+        close(e->second.fd);
+        IpcRegistry().erase(e);
+      }
+    }
     regions_.erase(it);
   }
   absl::Status Synchronize() override {
@@ -355,6 +375,102 @@ class GuardedBackend final : public KernelBackend {
                    return inner_->Sample(q);
                  });
   }
+  absl::Status ChecksumSpans(const ChecksumSpansParams& p) override {
+    RETURN_IF_ERROR(ValidateChecksumSpans(p));
+    std::vector<Extent> ext;
+    for (int i = 0; i < p.n; ++i) ext.push_back({p.spans[i].data, p.spans[i].bytes, "span"});
+    ext.push_back({p.out, Ints(p.n), "out"});
+    std::vector<ByteSpan> spans(p.spans, p.spans + p.n);
+    return Queue("ChecksumSpans", ext, [this, p, spans = std::move(spans)] {
+      ChecksumSpansParams q = p;
+      q.spans = spans.data();
+      return inner_->ChecksumSpans(q);
+    });
+  }
+
+  // CUDA IPC, emulated: the buffer's pages move into a memfd, which the importing backend maps
+  // again at an address of its own, with a guard page and protections of its own. The handle
+  // names the memfd as another process of this user opens it (/proc/PID/fd/FD) with the layout
+  // of its pages, so two nodes on guarded backends run the cuda_ipc transport between processes
+  // as on a GPU; within one process (a test's two nodes) the registry, standing for the driver,
+  // resolves it. The exporter itself cannot import it, as CUDA refuses a process its own handle.
+  absl::StatusOr<std::string> ExportMemory(void* base, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(FlushLocked());
+    auto it = regions_.find(base);
+    if (it == regions_.end() || it->second.imported || bytes > it->second.size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "guarded backend: ExportMemory takes a buffer of this backend's (its start, at most "
+          "its bytes); ",
+          bytes, " bytes at this pointer are not one"));
+    }
+    Region& r = it->second;
+    if (!r.handle.empty()) return r.handle;  // as CUDA, one handle per allocation
+    RETURN_IF_ERROR(MoveToMemfd(&r));
+    const int fd = dup(r.fd);
+    if (fd < 0) return absl::InternalError(absl::StrCat("dup: ", std::strerror(errno)));
+    // Never reused, as a new allocation at the same address gets a new CUDA handle.
+    static std::atomic<uint64_t> exports{0};
+    const uint8_t* user = static_cast<const uint8_t*>(base);
+    const auto offset = static_cast<size_t>(user - static_cast<uint8_t*>(r.base));
+    r.handle = absl::StrCat("guarded-ipc:", getpid(), ":", fd, ":", r.data, ":", offset, ":",
+                            r.size, ":", ++exports);
+    std::lock_guard<std::mutex> registry_lock(IpcRegistryMu());
+    IpcRegistry()[r.handle] = {fd, r.data, offset, r.size, this};
+    return r.handle;
+  }
+  absl::StatusOr<void*> ImportMemory(const std::string& handle, size_t bytes) override {
+    Exported e;
+    {
+      std::lock_guard<std::mutex> registry_lock(IpcRegistryMu());
+      auto it = IpcRegistry().find(handle);
+      if (it != IpcRegistry().end()) {
+        e = it->second;
+        e.fd = dup(e.fd);
+        if (e.fd < 0) return absl::InternalError(absl::StrCat("dup: ", std::strerror(errno)));
+      }
+    }
+    if (e.fd < 0) {
+      ASSIGN_OR_RETURN(e, OpenExported(handle));
+    }
+    struct Closer {
+      int fd;
+      ~Closer() { close(fd); }
+    } closer{e.fd};
+    if (e.exporter == this) {
+      return absl::FailedPreconditionError(
+          "guarded backend: a backend cannot import its own memory (CUDA IPC refuses a process "
+          "its own handle)");
+    }
+    if (bytes > e.size) {
+      return absl::InvalidArgumentError(absl::StrCat("guarded backend: the exported buffer has ",
+                                                     e.size, " bytes; ", bytes, " were asked"));
+    }
+    void* base = mmap(nullptr, e.data + page_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("guarded backend: cannot map an import: ", std::strerror(errno)));
+    }
+    if (mmap(base, e.data, PROT_NONE, MAP_SHARED | MAP_FIXED, e.fd, 0) == MAP_FAILED) {
+      const int err = errno;
+      munmap(base, e.data + page_);
+      return absl::InternalError(absl::StrCat("guarded backend: mmap: ", std::strerror(err)));
+    }
+    auto* user = static_cast<uint8_t*>(base) + e.offset;
+    std::lock_guard<std::mutex> lock(mu_);
+    Region r{base, e.data + page_, e.data, e.size};
+    r.imported = true;
+    regions_[user] = r;
+    return static_cast<void*>(user);
+  }
+  void CloseImported(void* ptr) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status st = FlushLocked(); !st.ok() && deferred_.ok()) deferred_ = st;
+    auto it = regions_.find(ptr);
+    if (it == regions_.end() || !it->second.imported) return;
+    munmap(it->second.base, it->second.mapped);
+    regions_.erase(it);
+  }
 
  protected:
   // The source is copied when the call is made (the caller may change or free it at once),
@@ -390,11 +506,95 @@ class GuardedBackend final : public KernelBackend {
 
  private:
   struct Region {
-    void* base;     // the mapping: the data pages, then the guard page
-    size_t mapped;  // bytes mapped, the guard page included
-    size_t data;    // bytes of the data pages
-    size_t size;    // the buffer's own bytes, ending at the guard page
+    void* base;             // the mapping: the data pages, then the guard page
+    size_t mapped;          // bytes mapped, the guard page included
+    size_t data;            // bytes of the data pages
+    size_t size;            // the buffer's own bytes, ending at the guard page
+    int fd = -1;            // the memfd holding the data pages, once exported
+    bool imported = false;  // another backend's buffer, mapped here (ImportMemory)
+    std::string handle;     // its name in the registry, once exported
   };
+  // An exported buffer: its memfd (this registry's own descriptor), its data pages, where the
+  // buffer starts in them and its bytes, and the backend that exported it.
+  struct Exported {
+    int fd = -1;
+    size_t data = 0, offset = 0, size = 0;
+    const GuardedBackend* exporter = nullptr;
+  };
+  static std::mutex& IpcRegistryMu() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::map<std::string, Exported>& IpcRegistry() {
+    static auto* registry = new std::map<std::string, Exported>();
+    return *registry;
+  }
+  // Another process's export, by its handle: "guarded-ipc:PID:FD:DATA:OFFSET:SIZE:N".
+  static absl::StatusOr<Exported> OpenExported(const std::string& handle) {
+    const std::vector<std::string> f = absl::StrSplit(handle, ':');
+    int64_t pid = 0, fd = 0;
+    uint64_t data = 0, offset = 0, size = 0;
+    if (f.size() != 7 || f[0] != "guarded-ipc" || !absl::SimpleAtoi(f[1], &pid) ||
+        !absl::SimpleAtoi(f[2], &fd) || !absl::SimpleAtoi(f[3], &data) ||
+        !absl::SimpleAtoi(f[4], &offset) || !absl::SimpleAtoi(f[5], &size) || pid <= 0 || fd < 0 ||
+        offset + size > data) {
+      return absl::InvalidArgumentError("guarded backend: not a guarded IPC handle");
+    }
+    if (pid == getpid()) {
+      return absl::NotFoundError(
+          "guarded backend: no buffer of this process was exported under that handle");
+    }
+    Exported e;
+    e.fd = open(absl::StrCat("/proc/", pid, "/fd/", fd).c_str(), O_RDWR | O_CLOEXEC);
+    if (e.fd < 0) {
+      return absl::NotFoundError(absl::StrCat("guarded backend: the exporting process ", pid,
+                                              " has no such buffer: ", std::strerror(errno)));
+    }
+    struct stat st;
+    if (fstat(e.fd, &st) != 0 || static_cast<uint64_t>(st.st_size) != data) {
+      close(e.fd);
+      return absl::InvalidArgumentError(
+          "guarded backend: the handle's buffer is not the size it says");
+    }
+    e.data = data;
+    e.offset = offset;
+    e.size = size;
+    return e;
+  }
+  // Forgets what this backend exported (handles of a backend that is gone import nothing).
+  void Unexport() {
+    std::lock_guard<std::mutex> registry_lock(IpcRegistryMu());
+    for (auto it = IpcRegistry().begin(); it != IpcRegistry().end();) {
+      if (it->second.exporter != this) {
+        ++it;
+        continue;
+      }
+      close(it->second.fd);
+      it = IpcRegistry().erase(it);
+    }
+  }
+  // The buffer's data pages replaced by a memfd's holding the same bytes, at the same address.
+  absl::Status MoveToMemfd(Region* r) {
+    const int fd = memfd_create("kvwire-guarded", MFD_CLOEXEC);
+    if (fd < 0) return absl::InternalError(absl::StrCat("memfd_create: ", std::strerror(errno)));
+    auto fail = [&](const char* what) {
+      absl::Status st = absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+      close(fd);
+      return st;
+    };
+    if (ftruncate(fd, static_cast<off_t>(r->data)) != 0) return fail("ftruncate");
+    void* copy = mmap(nullptr, r->data, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (copy == MAP_FAILED) return fail("mmap");
+    const bool readable = mprotect(r->base, r->data, PROT_READ) == 0;
+    if (readable) std::memcpy(copy, r->base, r->data);
+    munmap(copy, r->data);
+    if (!readable) return fail("mprotect");
+    if (mmap(r->base, r->data, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+      return fail("mmap");
+    }
+    r->fd = fd;
+    return absl::OkStatus();
+  }
   struct Op {
     const char* name;
     std::function<absl::Status()> run;

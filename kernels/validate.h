@@ -24,5 +24,6 @@ absl::Status ValidateGatherKv(const GatherKvParams& p);
 absl::Status ValidateUpdateSummaries(const UpdateSummariesParams& p);
 absl::Status ValidatePageScores(const PageScoresParams& p);
 absl::Status ValidateSample(const SampleParams& p);
+absl::Status ValidateChecksumSpans(const ChecksumSpansParams& p);
 
 }  // namespace kvwire::kernels

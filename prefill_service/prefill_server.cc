@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <map>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
@@ -101,29 +103,16 @@ class RegionAllocator final : public KvAllocator {
   SharedRegion* region_;
 };
 
-// The shm transport's sending end: each chunk's rows and positions written into the decode
-// node's cache (the shared region the request names) by the receiving end's own assembler
-// (KvAssembler, which checks and stores exactly as the decode node would), and only the chunk's
-// rectangle and the checksum of what the region now holds sent on the stream. The region is
-// mapped from the header until the stream's sink goes.
-class RegionStreamSink final : public KvStreamSink {
+// The sending end of a transport that writes into the decode node's cache (shm, cuda_ipc): each
+// chunk stored where the cache lies by the receiving end's own assembler (KvAssembler, which
+// checks and stores exactly as the decode node would), and only the chunk's rectangle (with its
+// positions on cuda_ipc) and the checksum of what the cache now holds sent on the stream.
+class PlacingStreamSink : public KvStreamSink {
  public:
-  RegionStreamSink(std::shared_ptr<KvStreamSink> stream, const PrefillJob& job)
-      : stream_(std::move(stream)),
-        name_(job.region_name),
-        bytes_(job.region_bytes),
-        shape_(job.region_shape) {}
+  PlacingStreamSink(std::shared_ptr<KvStreamSink> stream, const PrefillJob& job)
+      : stream_(std::move(stream)), shape_(job.region_shape), deadline_(job.deadline) {}
 
   absl::Status OnHeader(const WireHeader& h) override {
-    auto region = SharedRegion::Open(name_, bytes_);
-    if (absl::IsNotFound(region.status())) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          region.status().message(),
-          ": the shm KV transport needs the prefill node on the decode node's host (and its "
-          "/dev/shm); use grpc between hosts"));
-    }
-    RETURN_IF_ERROR(region.status());
-    region_ = std::move(*region);
     if (static_cast<int>(shape_.capacity.size()) != h.num_layers ||
         shape_.n_heads != h.num_cache_heads || shape_.head_dim != h.head_dim ||
         shape_.dtype != h.dtype || shape_.format != DecodeCacheFormat(h.kv_format)) {
@@ -134,8 +123,7 @@ class RegionStreamSink final : public KvStreamSink {
                        " x ", h.num_cache_heads, " x ", h.head_dim, " ", DTypeName(h.dtype), " in ",
                        KvFormatName(h.kv_format)));
     }
-    RegionAllocator memory(region_.get());
-    ASSIGN_OR_RETURN(cache_, KvCache::Create(shape_, memory));
+    ASSIGN_OR_RETURN(cache_, MapCache());
     WireExpectation expect;
     expect.model_fingerprint = h.model_fingerprint;
     expect.num_layers = h.num_layers;
@@ -152,39 +140,176 @@ class RegionStreamSink final : public KvStreamSink {
   }
   absl::Status OnChunk(WireChunk chunk) override {
     if (assembler_ == nullptr) return absl::InternalError("a KV chunk before the header");
+    if (stream_->cancelled()) return absl::CancelledError("the decode node went away");
+    // The lease: past the deadline the decode node may have given the cache's memory to another
+    // request (cuda_ipc's pages wait out exactly this), so nothing is written after it.
+    if (Clock::Real().Now() > deadline_) {
+      return absl::DeadlineExceededError(
+          "the request's deadline passed: its decode cache is no longer this node's to write");
+    }
     RETURN_IF_ERROR(assembler_->OnChunk(chunk));
-    WireChunk placed;
-    placed.layer = chunk.layer;
-    placed.head_begin = chunk.head_begin;
-    placed.head_count = chunk.head_count;
-    placed.token_begin = chunk.token_begin;
-    placed.token_count = chunk.token_count;
-    placed.placed = true;
-    placed.placed_bytes = static_cast<int64_t>(chunk.payload_bytes());
-    placed.crc32c = PlacedChecksum(*cache_, placed, kept_[chunk.layer]);
-    placed_bytes_ += placed.placed_bytes;
+    ASSIGN_OR_RETURN(WireChunk placed, PlacedChunk(chunk, *cache_, kept_[chunk.layer],
+                                                   PositionsTravel(), scratch_.get()));
+    placed_bytes_ += placed.placed_bytes - static_cast<int64_t>(placed.positions.size());
     return stream_->OnChunk(std::move(placed));
   }
   absl::Status OnTrailer(const WireTrailer& trailer) override {
     return stream_->OnTrailer(trailer);
   }
   bool cancelled() const override { return stream_->cancelled(); }
-  absl::string_view transport() const override { return "shm"; }
-  // The rows written into the region, and the stream's messages.
+  // The rows written into the cache, and the stream's messages.
   int64_t transport_bytes() const override {
     return stream_->transport_bytes() + placed_bytes_.load();
   }
 
- private:
+ protected:
+  // Before what the cache lies in goes (a derived class's mapping).
+  void ReleaseCache() {
+    assembler_.reset();
+    cache_.reset();
+  }
+  // The decode node's cache, laid out by the shape where it lies.
+  virtual absl::StatusOr<std::unique_ptr<KvCache>> MapCache() = 0;
+  // Whether the chunks carry their positions (the cache's are the decode node's host memory).
+  virtual bool PositionsTravel() const = 0;
+
   std::shared_ptr<KvStreamSink> stream_;
-  const std::string name_;
-  const size_t bytes_;
   const KvCacheShape shape_;
-  std::unique_ptr<SharedRegion> region_;  // outlives cache_, which lies in it
+  std::unique_ptr<ChecksumScratch> scratch_;  // a device cache's row CRCs
+
+ private:
+  const Clock::TimePoint deadline_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<KvAssembler> assembler_;
   std::vector<int> kept_;
   std::atomic<int64_t> placed_bytes_{0};
+};
+
+// shm: the decode node's cache is a shared region the request names, mapped from the header
+// until the sink goes; rows and positions go into it.
+class RegionStreamSink final : public PlacingStreamSink {
+ public:
+  RegionStreamSink(std::shared_ptr<KvStreamSink> stream, const PrefillJob& job)
+      : PlacingStreamSink(std::move(stream), job),
+        name_(job.region_name),
+        bytes_(job.region_bytes) {}
+  ~RegionStreamSink() override { ReleaseCache(); }
+  absl::string_view transport() const override { return "shm"; }
+
+ private:
+  absl::StatusOr<std::unique_ptr<KvCache>> MapCache() override {
+    auto region = SharedRegion::Open(name_, bytes_);
+    if (absl::IsNotFound(region.status())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          region.status().message(),
+          ": the shm KV transport needs the prefill node on the decode node's host (and its "
+          "/dev/shm); use grpc between hosts"));
+    }
+    RETURN_IF_ERROR(region.status());
+    region_ = std::move(*region);
+    RegionAllocator memory(region_.get());
+    return KvCache::Create(shape_, memory);
+  }
+  bool PositionsTravel() const override { return false; }
+
+  const std::string name_;
+  const size_t bytes_;
+  std::unique_ptr<SharedRegion> region_;  // outlives the cache, which lies in it
+};
+
+// Decode nodes' device pools mapped into this node's backend (CUDA IPC), kept open between
+// requests (opening one costs milliseconds, and a decode node sends every request to the same
+// slab). A mapping no stream uses is closed after kIdle, or sooner when more than kMaxOpen are
+// open: a decode node that restarted exports a new slab, and the old one's memory stays
+// allocated while it is mapped here.
+class ImportedPools {
+ public:
+  struct Pool {
+    Pool(kernels::KernelBackend* backend, void* data) : backend(backend), data(data) {}
+    ~Pool() { backend->CloseImported(data); }
+    kernels::KernelBackend* const backend;
+    void* const data;
+  };
+  explicit ImportedPools(std::shared_ptr<kernels::KernelBackend> backend)
+      : backend_(std::move(backend)) {}
+
+  absl::StatusOr<std::shared_ptr<Pool>> Get(const std::string& handle, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto now = std::chrono::steady_clock::now();
+    const std::string key = absl::StrCat(bytes, ":", handle);
+    for (auto it = pools_.begin(); it != pools_.end();) {
+      const bool idle = it->second.pool.use_count() == 1;
+      if (it->first != key && idle && (now - it->second.used > kIdle || pools_.size() > kMaxOpen)) {
+        it = pools_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto it = pools_.find(key);
+    if (it == pools_.end()) {
+      ASSIGN_OR_RETURN(void* data, backend_->ImportMemory(handle, bytes));
+      it = pools_.emplace(key, Entry{std::make_shared<Pool>(backend_.get(), data), now}).first;
+    }
+    it->second.used = now;
+    return it->second.pool;
+  }
+
+ private:
+  static constexpr auto kIdle = std::chrono::seconds(60);
+  static constexpr size_t kMaxOpen = 16;
+  struct Entry {
+    std::shared_ptr<Pool> pool;
+    std::chrono::steady_clock::time_point used;
+  };
+  const std::shared_ptr<kernels::KernelBackend> backend_;
+  std::mutex mu_;
+  std::map<std::string, Entry> pools_;
+};
+
+// cuda_ipc: the decode node's cache is pages of its device pool, whose slab this node's backend
+// maps; the rows go into the pages (copies into the mapping), the positions on the stream, and
+// each chunk's checksum is computed on this GPU over what the pages hold.
+class PagesStreamSink final : public PlacingStreamSink {
+ public:
+  PagesStreamSink(std::shared_ptr<KvStreamSink> stream, const PrefillJob& job,
+                  std::shared_ptr<kernels::KernelBackend> backend, ImportedPools* pools)
+      : PlacingStreamSink(std::move(stream), job),
+        backend_(std::move(backend)),
+        pools_(pools),
+        handle_(job.region_handle),
+        bytes_(job.region_bytes),
+        place_(job.region_place) {}
+  ~PagesStreamSink() override {
+    ReleaseCache();
+    scratch_.reset();
+  }
+  absl::string_view transport() const override { return "cuda_ipc"; }
+
+ private:
+  absl::StatusOr<std::unique_ptr<KvCache>> MapCache() override {
+    auto pool = pools_->Get(handle_, bytes_);
+    if (!pool.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "mapping the decode node's KV pool: ", pool.status().message(),
+          " (cuda_ipc needs the prefill node on the decode node's host, on its GPU or one "
+          "peered with it; use grpc otherwise)"));
+    }
+    pool_ = *std::move(pool);
+    auto cache = KvCache::CreatePagedView(shape_, backend_.get(),
+                                          static_cast<uint8_t*>(pool_->data), bytes_, place_);
+    if (!cache.ok())
+      return absl::InvalidArgumentError(absl::StrCat("region: ", cache.status().message()));
+    scratch_ = std::make_unique<ChecksumScratch>(backend_.get());
+    return cache;
+  }
+  bool PositionsTravel() const override { return true; }
+
+  const std::shared_ptr<kernels::KernelBackend> backend_;
+  ImportedPools* const pools_;
+  const std::string handle_;
+  const size_t bytes_;
+  const KvCache::PagedPlace place_;
+  std::shared_ptr<ImportedPools::Pool> pool_;  // outlives the cache, which lies in it
 };
 
 // "authorization: Bearer <token>", compared in time independent of where it differs.
@@ -204,6 +329,7 @@ struct PrefillServer::Impl final
     : public v1::Prefill::WithRawCallbackMethod_Prefill<v1::Prefill::Service> {
   PrefillExecutor* prefills;
   PrefillServerOptions options;
+  std::unique_ptr<ImportedPools> pools;  // serving cuda_ipc
   std::unique_ptr<grpc::Server> server;
   int port = 0;
 
@@ -238,6 +364,13 @@ struct PrefillServer::Impl final
             "grpc,shm to serve shm, on the decode node's host)");
       }
       sink = std::make_shared<RegionStreamSink>(std::move(sink), job);
+    } else if (job.transport == KvTransport::kCudaIpc) {
+      if (pools == nullptr) {
+        return absl::FailedPreconditionError(
+            "this prefill node does not serve the cuda_ipc KV transport (start it on a GPU, "
+            "--backend cuda, with cuda_ipc in --kv-transport, on the decode node's host)");
+      }
+      sink = std::make_shared<PagesStreamSink>(std::move(sink), job, options.device, pools.get());
     }
     return prefills->Submit(
         std::move(job), std::move(sink),
@@ -261,6 +394,14 @@ absl::StatusOr<std::unique_ptr<PrefillServer>> PrefillServer::Start(PrefillExecu
   }
   if (o.send_timeout.count() < 1 || o.max_deadline.count() < 1) {
     return absl::InvalidArgumentError("the send timeout and the maximum deadline must be >= 1 ms");
+  }
+  if (o.device != nullptr) {
+    if (o.device->host_addressable()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuda_ipc writes into decode nodes' device pools, and this node's backend (",
+                       kernels::BackendName(o.device->kind()), ") is the host's: --backend cuda"));
+    }
+    impl->pools = std::make_unique<ImportedPools>(o.device);
   }
   if (!o.insecure && o.tls.client_ca_file.empty() && o.auth_token.empty() &&
       !IsLoopbackAddress(o.listen)) {

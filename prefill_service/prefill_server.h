@@ -35,8 +35,10 @@ struct PrefillServerOptions {
   ServerTls tls;
   Telemetry* telemetry = nullptr;  // counts requests refused before they reach the engine
   // KV transports served (--kv-transport); grpc always. A request for another is refused with
-  // FAILED_PRECONDITION.
+  // FAILED_PRECONDITION. cuda_ipc: the model's device backend, into which decode nodes' pools on
+  // this host are mapped (null: not served).
   bool serve_shm = false;
+  std::shared_ptr<kernels::KernelBackend> device;
 };
 
 class PrefillServer {

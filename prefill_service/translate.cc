@@ -7,6 +7,41 @@
 
 namespace kvwire {
 
+namespace {
+
+// How the rows travel, and where a transport that writes the decode node's cache writes.
+absl::Status TranslateTransport(const v1::PrefillRequest& req, PrefillJob* job) {
+  switch (req.kv_transport()) {
+    case v1::KV_TRANSPORT_GRPC:
+      if (req.has_region()) {
+        return absl::InvalidArgumentError(
+            "region: applies to the shm and cuda_ipc KV transports; this request's is grpc");
+      }
+      return absl::OkStatus();
+    case v1::KV_TRANSPORT_SHM:
+      if (!req.has_region()) {
+        return absl::InvalidArgumentError("region: the shm KV transport needs the decode cache's");
+      }
+      job->transport = KvTransport::kShm;
+      return FromProto(req.region(), &job->region_name, &job->region_bytes, &job->region_shape);
+    case v1::KV_TRANSPORT_CUDA_IPC:
+      if (!req.has_region()) {
+        return absl::InvalidArgumentError(
+            "region: the cuda_ipc KV transport needs the decode pool's slab and the cache's pages");
+      }
+      job->transport = KvTransport::kCudaIpc;
+      return FromProto(req.region(), &job->region_handle, &job->region_bytes, &job->region_shape,
+                       &job->region_place);
+    default:
+      return AboutField(
+          absl::InvalidArgumentError(absl::StrCat("kv_transport: unknown transport ",
+                                                  static_cast<int>(req.kv_transport()))),
+          "kv_transport");
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<PrefillJob> TranslatePrefillRequest(const v1::PrefillRequest& req) {
   PrefillJob job;
   job.request_id = req.request_id();
@@ -20,24 +55,8 @@ absl::StatusOr<PrefillJob> TranslatePrefillRequest(const v1::PrefillRequest& req
   job.sampling.top_p = req.top_p() == 0 ? 1.f : req.top_p();  // 0: unset
   job.sampling.top_k = req.top_k();
   job.seed = req.seed();
-  switch (req.kv_transport()) {
-    case v1::KV_TRANSPORT_GRPC:
-      if (req.has_region()) {
-        return absl::InvalidArgumentError(
-            "region: applies to the shm KV transport only; this request's is grpc");
-      }
-      break;
-    case v1::KV_TRANSPORT_SHM:
-      if (!req.has_region()) {
-        return absl::InvalidArgumentError("region: the shm KV transport needs the decode cache's");
-      }
-      job.transport = KvTransport::kShm;
-      RETURN_IF_ERROR(
-          FromProto(req.region(), &job.region_name, &job.region_bytes, &job.region_shape));
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("kv_transport: unknown transport ", static_cast<int>(req.kv_transport())));
+  if (absl::Status st = TranslateTransport(req, &job); !st.ok()) {
+    return FieldOf(st) ? st : AboutField(std::move(st), "region");
   }
   return job;
 }

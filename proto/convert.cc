@@ -225,57 +225,127 @@ absl::StatusOr<KvFormat> FromProto(v1::KvFormat f) {
 
 }  // namespace
 
-v1::KvRegion ToProto(const std::string& name, size_t bytes, const KvCacheShape& shape) {
+namespace {
+
+v1::KvRegion ShapeToProto(const KvCacheShape& shape) {
   v1::KvRegion p;
-  p.set_name(name);
-  p.set_bytes(bytes);
   p.set_n_heads(shape.n_heads);
   p.set_head_dim(shape.head_dim);
-  p.set_dtype(ToProto(shape.dtype));
+  p.set_dtype(kvwire::ToProto(shape.dtype));
   for (int c : shape.capacity) p.add_capacity(c);
   p.set_kv_format(ToProto(shape.format));
   p.set_appended(shape.appended);
   return p;
 }
 
-absl::Status FromProto(const v1::KvRegion& p, std::string* name, size_t* bytes,
-                       KvCacheShape* shape) {
-  auto bad = [](absl::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat("region: ", what));
-  };
+absl::Status BadRegion(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("region: ", what));
+}
+
+absl::Status ShapeFromProto(const v1::KvRegion& p, KvCacheShape* shape) {
   // Bounds that keep the layout's arithmetic far from overflow; a real cache is far inside.
   constexpr uint32_t kMaxDim = 1 << 16, kMaxTokens = 1 << 24;
   if (p.n_heads() < 1 || p.n_heads() > kMaxDim || p.head_dim() < 1 || p.head_dim() > kMaxDim) {
-    return bad(absl::StrCat(p.n_heads(), " heads of ", p.head_dim(), " values"));
+    return BadRegion(absl::StrCat(p.n_heads(), " heads of ", p.head_dim(), " values"));
   }
   if (p.capacity_size() < 1 || p.capacity_size() > 4096) {
-    return bad(absl::StrCat(p.capacity_size(), " layers"));
+    return BadRegion(absl::StrCat(p.capacity_size(), " layers"));
   }
   shape->n_heads = static_cast<int>(p.n_heads());
   shape->head_dim = static_cast<int>(p.head_dim());
-  ASSIGN_OR_RETURN(shape->dtype, FromProto(p.dtype()));
+  ASSIGN_OR_RETURN(shape->dtype, kvwire::FromProto(p.dtype()));
   shape->capacity.clear();
   for (uint32_t c : p.capacity()) {
-    if (c < 1 || c > kMaxTokens) return bad(absl::StrCat("a layer of ", c, " tokens"));
+    if (c < 1 || c > kMaxTokens) return BadRegion(absl::StrCat("a layer of ", c, " tokens"));
     shape->capacity.push_back(static_cast<int>(c));
   }
   ASSIGN_OR_RETURN(shape->format, FromProto(p.kv_format()));
   if (shape->format == KvFormat::kBF16 ||
       (KvCoded(shape->format) && !CheckKvFormat(shape->format, shape->head_dim).ok())) {
-    return bad(absl::StrCat("a cache cannot keep rows in ", KvFormatName(shape->format), " at ",
-                            shape->head_dim, " values per head"));
+    return BadRegion(absl::StrCat("a cache cannot keep rows in ", KvFormatName(shape->format),
+                                  " at ", shape->head_dim, " values per head"));
   }
-  if (p.appended() > kMaxTokens) return bad(absl::StrCat(p.appended(), " appended tokens"));
+  if (p.appended() > kMaxTokens) return BadRegion(absl::StrCat(p.appended(), " appended tokens"));
   shape->appended = static_cast<int>(p.appended());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+v1::KvRegion ToProto(const std::string& name, size_t bytes, const KvCacheShape& shape) {
+  v1::KvRegion p = ShapeToProto(shape);
+  p.set_name(name);
+  p.set_bytes(bytes);
+  return p;
+}
+
+absl::Status FromProto(const v1::KvRegion& p, std::string* name, size_t* bytes,
+                       KvCacheShape* shape) {
+  RETURN_IF_ERROR(ShapeFromProto(p, shape));
+  if (!p.ipc_handle().empty() || p.page_bytes() != 0 || p.page_tables_size() != 0 ||
+      p.side_offset() != 0) {
+    return BadRegion(
+        "ipc_handle, page_bytes, page_tables and side_offset apply to the cuda_ipc transport; "
+        "this request's is shm");
+  }
   if (!IsSharedRegionName(p.name())) {
-    return bad(absl::StrCat("'", p.name(), "' is not a kvwire shared region's name"));
+    return BadRegion(absl::StrCat("'", p.name(), "' is not a kvwire shared region's name"));
   }
   *name = p.name();
   *bytes = static_cast<size_t>(p.bytes());
   if (*bytes != KvCache::BytesFor(*shape)) {
-    return bad(
+    return BadRegion(
         absl::StrCat(*bytes, " bytes, but its shape lays out in ", KvCache::BytesFor(*shape)));
   }
+  return absl::OkStatus();
+}
+
+v1::KvRegion ToProto(const std::string& ipc_handle, size_t slab_bytes, const KvCacheShape& shape,
+                     const KvCache::PagedPlace& place) {
+  v1::KvRegion p = ShapeToProto(shape);
+  p.set_ipc_handle(ipc_handle);
+  p.set_bytes(slab_bytes);
+  p.set_page_bytes(place.page_bytes);
+  for (const auto& table : place.tables) {
+    p.add_page_tables()->mutable_pages()->Assign(table.begin(), table.end());
+  }
+  if (place.side_offset >= 0) p.set_side_offset(static_cast<uint64_t>(place.side_offset));
+  return p;
+}
+
+absl::Status FromProto(const v1::KvRegion& p, std::string* ipc_handle, size_t* slab_bytes,
+                       KvCacheShape* shape, KvCache::PagedPlace* place) {
+  RETURN_IF_ERROR(ShapeFromProto(p, shape));
+  if (!p.name().empty()) {
+    return BadRegion("name applies to the shm transport; this request's is cuda_ipc");
+  }
+  // A CUDA IPC handle is 64 bytes; the guarded backend's emulation names its buffers in text.
+  if (p.ipc_handle().empty() || p.ipc_handle().size() > 256) {
+    return BadRegion(absl::StrCat("an IPC handle of ", p.ipc_handle().size(),
+                                  " bytes (cuda_ipc needs the pool's, 1 to 256)"));
+  }
+  if (p.page_bytes() == 0 || p.bytes() < p.page_bytes() || p.bytes() > (uint64_t{1} << 48)) {
+    return BadRegion(absl::StrCat("pages of ", p.page_bytes(), " bytes in a slab of ", p.bytes()));
+  }
+  if (p.page_tables_size() != p.capacity_size()) {
+    return BadRegion(
+        absl::StrCat(p.page_tables_size(), " page tables for ", p.capacity_size(), " layers"));
+  }
+  *ipc_handle = p.ipc_handle();
+  *slab_bytes = static_cast<size_t>(p.bytes());
+  place->page_bytes = static_cast<size_t>(p.page_bytes());
+  place->tables.clear();
+  for (const v1::KvPageTable& t : p.page_tables()) {
+    place->tables.emplace_back(t.pages().begin(), t.pages().end());
+  }
+  if (!KvCoded(shape->format) && p.side_offset() != 0) {
+    return BadRegion("side_offset applies to a coded cache (fp8, int8, int4) only");
+  }
+  if (p.side_offset() > p.bytes()) {
+    return BadRegion(
+        absl::StrCat("side_offset ", p.side_offset(), " past the slab's ", p.bytes(), " bytes"));
+  }
+  place->side_offset = KvCoded(shape->format) ? static_cast<int64_t>(p.side_offset()) : -1;
   return absl::OkStatus();
 }
 

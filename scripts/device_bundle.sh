@@ -43,7 +43,7 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVWIRE_CUDA=ON \
   -DCMAKE_CUDA_FLAGS="-lineinfo" "$@" >/dev/null
 tests=(kernels_test model_test engine_test sparse_test compression_test decode_service_test
        prefill_service_test tools_test)
-tools=(kvwire kvwire-prefill kvwire-decode engine_bench decode_bench gpu_bench)
+tools=(kvwire kvwire-prefill kvwire-decode engine_bench decode_bench gpu_bench serving_bench)
 cmake --build "$build" -j"$jobs" --target "${tests[@]}" "${tools[@]}"
 
 stage="$(mktemp -d)"

@@ -7,6 +7,8 @@
 #              CUDA_LAUNCH_BLOCKING=1 so the error names the launch that faulted
 #   engine     the engine on cuda against the reference and the CPU engine (DeviceEngine.*)
 #   pair       both nodes on cuda through gRPC (ServicePairOnDevice.*)
+#   cuda_ipc   two processes on the GPU: a prefill node writing into a decode node's pool pages
+#              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared)
 #   oracle     PyTorch on the same device (scripts/device_oracle.py): ceilings, SDPA, and
 #              transformers' stories260K greedy ids against kvwire's on cuda
 #   gpu_bench  decode at batch 1/8/32 and prefill at 2K/16K against the measured ceilings
@@ -132,6 +134,20 @@ phase engine 90 gtest_detail "$model_test" --gtest_filter="Backends/DeviceEngine
   --gtest_output="json:$work/engine.json"
 phase pair 90 gtest_detail "$pair_test" \
   --gtest_filter="Backends/ServicePairOnDevice.*/$backend" --gtest_output="json:$work/pair.json"
+
+# cuda_ipc between two processes (CUDA refuses a process its own IPC handle, so the op and pair
+# tests emulate it on guarded): tokens equal to grpc's, TTFT and transfer side by side.
+if ((dry)); then
+  printf 'cuda_ipc\tskip\t0\tdry run: CUDA IPC needs a GPU and two processes\n' >>"$summary"
+else
+  ipc_detail() {
+    grep -E '^ +[0-9]+ ' "$1" | awk '{printf "%s %s %s ttft %s fwd %s %s; ", $1, $2, $3, $7, $5, $10}'
+    echo "(exit $2)"
+  }
+  phase cuda_ipc 100 ipc_detail bash "$root/bench/transport_bench.sh" --build-dir "$dir/bin" \
+    --backend cuda --model synthetic:llama-1b --lengths 2048,16384 --settings full,snapkv:128 \
+    --rounds 1 --threads 8 --dir "$work/transport"
+fi
 
 if ((dry)); then
   printf 'oracle\tskip\t0\tdry run: PyTorch runs on the device machine only\n' >>"$summary"

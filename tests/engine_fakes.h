@@ -190,6 +190,10 @@ class FakeKvSource final : public KvSource {
 
   explicit FakeKvSource(std::string name = "fake") : name_(std::move(name)) {}
   absl::string_view name() const override { return name_; }
+  // As a transport that writes into the receiver's cache would say (the engine then expects
+  // placed chunks, and holds back pages such a transport may still write).
+  KvPlacement placement() const override { return placement_; }
+  void set_placement(KvPlacement p) { placement_ = p; }
   absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
                                                     std::shared_ptr<KvReceiver> receiver) override {
     auto t = std::make_shared<Transfer>(std::move(job), std::move(receiver));
@@ -227,6 +231,7 @@ class FakeKvSource final : public KvSource {
 
  private:
   std::string name_;
+  KvPlacement placement_ = KvPlacement::kNone;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Transfer>> started_;

@@ -36,6 +36,24 @@ bool Retryable(const absl::Status& st) {
   }
 }
 
+// A status only the prefill node's server sends, and that it sends before it writes a byte when
+// no header came first (a refusal: a full queue, a request it cannot serve); the client library
+// makes the others itself (a cancellation, a deadline, a broken connection).
+bool RefusedBeforeWriting(const absl::Status& st) {
+  switch (st.code()) {
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnimplemented:
+    case absl::StatusCode::kNotFound:
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
 struct DecodeEngine::Seq {
@@ -63,6 +81,8 @@ struct DecodeEngine::Seq {
   Clock::TimePoint retry_at, waiting_since = Clock::TimePoint::max();
   bool tier_full = false;  // the last refusal was a full queue (else: no node reachable)
   Clock::TimePoint admitted, first_kv, trailer_at;
+  Clock::TimePoint attempt_deadline;  // the current attempt's (the prefill node's lease)
+  bool attempt_refused = false;       // it ended refused by the node, before any header
   WireTrailer trailer;
   int64_t wire_bytes = 0;
 
@@ -255,6 +275,35 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
   return absl::OkStatus();
 }
 
+void DecodeEngine::Quarantine(Seq& s) {
+  if (s.cache == nullptr || s.source == nullptr || s.source->placement() != KvPlacement::kRows ||
+      (s.assembler && s.assembler->complete()) || s.attempt_refused) {
+    s.cache.reset();
+    return;
+  }
+  // The prefill node checks its lease before each write, on this host's clock; a write that
+  // began just before it takes milliseconds.
+  constexpr auto kWriteGrace = std::chrono::seconds(1);
+  std::lock_guard<std::mutex> lock(quarantine_mu_);
+  quarantine_.emplace_back(s.attempt_deadline + kWriteGrace, std::move(s.cache));
+}
+
+void DecodeEngine::ReleaseQuarantine() {
+  std::vector<std::unique_ptr<KvCache>> done;  // freed outside the lock (the pool's callback)
+  {
+    std::lock_guard<std::mutex> lock(quarantine_mu_);
+    const auto now = clock_.Now();
+    for (auto it = quarantine_.begin(); it != quarantine_.end();) {
+      if (it->first > now) {
+        ++it;
+        continue;
+      }
+      done.push_back(std::move(it->second));
+      it = quarantine_.erase(it);
+    }
+  }
+}
+
 void DecodeEngine::Admit(std::vector<Ending>* endings) {
   // Requests that were cancelled or ran out of time while waiting leave the queue now, not
   // when they reach its head, so they do not hold queue slots.
@@ -297,10 +346,11 @@ void DecodeEngine::Admit(std::vector<Ending>* endings) {
   }
 }
 
-// A sequence's cache: where a prefill node writes the rows itself (the shm transport), a
-// shared region of the host pool; else the pool's memory (pages on a device).
+// A sequence's cache: where a prefill node writes rows and positions itself (shm), a shared
+// region of the host pool; else the pool's memory (pages on a device, where cuda_ipc writes).
 absl::StatusOr<std::unique_ptr<KvCache>> DecodeEngine::NewCache(const KvCacheShape& shape) {
-  if (options_.remote != nullptr && options_.remote->places_rows()) {
+  if (options_.remote != nullptr &&
+      options_.remote->placement() == KvPlacement::kRowsAndPositions) {
     SharedKvAllocator shared(*pool_);
     return KvCache::Create(shape, shared);
   }
@@ -312,11 +362,12 @@ void DecodeEngine::StartPrefill(const std::shared_ptr<Seq>& s) {
   ++s->attempts;
   ++s->tries;
   s->reached = false;
-  if (s->tries > 1 && s->cache->shared_region() != nullptr) {
-    // A node that failed may still be writing into the last attempt's region: the retry
-    // gets a region of its own (the old one's memory goes with that node's mapping).
+  if (s->tries > 1 && s->source->placement() != KvPlacement::kNone) {
+    // A node that failed may still be writing into the last attempt's cache: the retry gets a
+    // cache of its own (a region's memory goes with that node's mapping; pages wait out the
+    // failed attempt's lease in quarantine).
     const int prompt_len = s->cache->prompt_len();
-    s->cache.reset();
+    Quarantine(*s);
     auto fresh = NewCache(s->shape);
     if (!fresh.ok()) {
       prefill_done_.emplace_back(s, fresh.status());
@@ -330,7 +381,7 @@ void DecodeEngine::StartPrefill(const std::shared_ptr<Seq>& s) {
   const int len = static_cast<int>(s->job.prompt_ids.size());
   WireExpectation expect =
       StreamExpectation(*model_, s->job.compression, len, options_.max_chunk_bytes);
-  expect.placed = s->source->places_rows();
+  expect.placement = s->source->placement();
   s->assembler = std::make_unique<KvAssembler>(std::move(expect), s->cache.get());
 
   PrefillJob job;
@@ -352,6 +403,8 @@ void DecodeEngine::StartPrefill(const std::shared_ptr<Seq>& s) {
     s->prefill_span.SetAttribute("attempt", s->attempts);
   }
   job.trace = s->prefill_span.context().valid() ? s->prefill_span.context() : s->job.trace;
+  s->attempt_deadline = job.deadline;
+  s->attempt_refused = false;
   auto transfer = s->source->Start(std::move(job), std::make_shared<Receiver>(this, s));
   if (transfer.ok()) {
     s->transfer = std::move(*transfer);
@@ -453,6 +506,7 @@ void DecodeEngine::Finish(std::vector<Ending>* endings) {
   if (endings->empty()) return;
   for (Ending& e : *endings) {
     e.seq->selector.reset();
+    Quarantine(*e.seq);
     e.seq->cache.reset();
     e.seq->sink->Finish(e.status, e.figures ? &*e.figures : nullptr);
   }
@@ -519,6 +573,7 @@ void DecodeEngine::HandlePrefillsDone(std::vector<Ending>* endings) {
   prefill_done_.clear();
   for (auto& [s, st] : done) {
     s->transfer.reset();
+    s->attempt_refused = !st.ok() && !s->reached && RefusedBeforeWriting(st);
     s->prefill_span.SetError(st);
     s->prefill_span.End();
     Telemetry* t = options_.telemetry;
@@ -680,6 +735,7 @@ void DecodeEngine::Loop() {
         options_.telemetry->SetActive(static_cast<double>(prefilling_.size() + running_.size()));
       }
     }
+    ReleaseQuarantine();
     Finish(&endings);
     // Decode one token for the batch, without the lock; the sequences it ended leave the
     // batch before their clients hear the end.

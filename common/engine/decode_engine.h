@@ -149,6 +149,11 @@ class DecodeEngine {
   void Complete(const std::shared_ptr<Seq>& s, const absl::Status& status,
                 std::vector<Ending>* endings);
   void Finish(std::vector<Ending>* endings);
+  // A cache whose pages a prefill node may still be writing (cuda_ipc: an attempt that did not
+  // end with its whole stream) is held until that attempt's deadline has passed, past which the
+  // prefill node writes nothing (its lease), so that no other sequence gets those pages.
+  void Quarantine(Seq& s);
+  void ReleaseQuarantine();
 
   LlamaModel* model_;
   KvPool* pool_;
@@ -165,6 +170,8 @@ class DecodeEngine {
   std::minstd_rand jitter_{0x6b76};  // retry backoff jitter
   bool stopping_ = false, draining_ = false;
   std::atomic<bool> wake_{false};
+  std::mutex quarantine_mu_;
+  std::vector<std::pair<Clock::TimePoint, std::unique_ptr<KvCache>>> quarantine_;
   std::thread loop_;
 };
 

@@ -7,7 +7,7 @@
 //   fakes          (tests/) streams a test scripts, with no network
 //
 // Transports that move the rows into the receiver's own buffers plug in here: the stream's
-// metadata as now, the rows written where the cache lies (shm today; CUDA IPC and NCCL next).
+// metadata as on grpc, the rows written where the cache lies (shm, cuda_ipc; NCCL next).
 #pragma once
 
 #include <cstdint>
@@ -25,7 +25,7 @@ namespace kvwire {
 class KvReceiver : public KvStreamSink {
  public:
   // The cache the stream goes into, for a source that writes the rows there itself
-  // (KvSource::places_rows); null where the receiver stores them.
+  // (KvSource::placement); null where the receiver stores them.
   virtual KvCache* destination() { return nullptr; }
   // How the stream ended, and the bytes its transport moved.
   virtual void OnDone(const absl::Status& status, int64_t transport_bytes) = 0;
@@ -44,10 +44,10 @@ class KvSource {
   virtual ~KvSource() = default;
   // "grpc", "shm", "local", ...: the transport label of metrics.
   virtual absl::string_view name() const = 0;
-  // Whether the source writes the rows into the receiver's cache itself (the shm transport):
-  // the cache must then be in a shared host region (KvPool::AllocateShared), and every chunk
-  // arrives placed (WireExpectation::placed).
-  virtual bool places_rows() const { return false; }
+  // Whether the source writes into the receiver's cache itself, and what: rows and positions
+  // (shm: the cache must be in a shared host region, KvPool::AllocateShared), or rows (cuda_ipc:
+  // the cache in a device pool's pages). Every chunk then arrives placed (WireExpectation).
+  virtual KvPlacement placement() const { return KvPlacement::kNone; }
   // Starts pulling `job`'s KV into `receiver`. An error here means nothing started and the
   // receiver hears nothing; otherwise it hears the stream and then OnDone. Never calls the
   // receiver on the caller's thread before returning.

@@ -26,12 +26,16 @@ struct PrefillJob {
   std::optional<std::string> model_fingerprint;  // checked when set (another node's request)
   Clock::TimePoint deadline = Clock::TimePoint::max();
   TraceContext trace;
-  // How the K/V rows travel (the shm transport: written into `region`, the decode node's cache,
-  // which has `region_shape`).
+  // How the K/V rows travel, and where a transport that writes the decode node's cache writes
+  // (a cache of `region_shape`): shm into the shared region `region_name` of `region_bytes`;
+  // cuda_ipc into the pages `region_place` of the device pool whose slab, of `region_bytes`,
+  // the IPC handle `region_handle` maps.
   KvTransport transport = KvTransport::kGrpc;
   std::string region_name;
+  std::string region_handle;
   size_t region_bytes = 0;
   KvCacheShape region_shape;
+  KvCache::PagedPlace region_place;
 };
 
 }  // namespace kvwire

@@ -209,34 +209,12 @@ int64_t KvCache::PagedPages(const KvCacheShape& shape, size_t page_bytes) {
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape& shape,
                                                               KvPool& pool) {
-  if (shape.n_heads <= 0 || shape.head_dim <= 0 || shape.capacity.empty()) {
-    return absl::InvalidArgumentError("KV cache shape needs heads, head_dim and layers");
-  }
-  for (int c : shape.capacity) {
-    if (c < 0) return absl::InvalidArgumentError("KV cache capacity must be >= 0");
-  }
   if (!pool.paged()) {
     return absl::FailedPreconditionError(
         "a paged KV cache needs a backend pool (KvPool::OnBackend)");
   }
-  RETURN_IF_ERROR(CheckCodedShape(shape));
-  const bool coded = KvCoded(shape.format);
-  const size_t es = DTypeSize(shape.dtype);
-  // A coded cache's rows are bytes: its layouts count bytes (Row(c, t, row bytes)).
-  const size_t kc = coded ? KvKeyCodeBytes(shape.format, shape.dtype, shape.head_dim)
-                          : static_cast<size_t>(shape.head_dim);
-  const size_t unit = coded ? 1 : es;
-  const size_t token = PagedTokenBytes(shape);
-  const int page_tokens = static_cast<int>(pool.page_bytes() / token);
-  if (page_tokens == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a KV page of ", pool.page_bytes(), " bytes holds no token of ", shape.n_heads,
-                     " heads x ", shape.head_dim, " ", DTypeName(shape.dtype), " (", token,
-                     " bytes of K and V); raise --kv-page-bytes"));
-  }
+  ASSIGN_OR_RETURN(const std::vector<int> blocks, PagedBlocks(shape, pool.page_bytes()));
   auto cache = std::unique_ptr<KvCache>(new KvCache());
-  cache->shape_ = shape;
-  cache->backend_ = pool.backend();
   const size_t side = CodedSideBytes(shape);
   ASSIGN_OR_RETURN(cache->pages_, pool.AllocatePages(PagedPages(shape, pool.page_bytes()) -
                                                      static_cast<int64_t>(pool.RoundUp(side) /
@@ -244,35 +222,132 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePaged(const KvCacheShape
   if (side > 0) {
     ASSIGN_OR_RETURN(cache->memory_, pool.Allocate(side));
   }
-  uint8_t* side_at = side > 0 ? cache->memory_->data() : nullptr;
-  int64_t positions = 0;
-  for (int c : shape.capacity) positions += int64_t{shape.n_heads} * c;
-  cache->positions_.assign(positions, 0);
   const std::vector<int32_t>& ids = cache->pages_->ids();
   size_t next = 0;
-  int64_t at = 0;
+  for (int b : blocks) {
+    cache->tables_.emplace_back(ids.begin() + next, ids.begin() + next + b);
+    next += b;
+  }
+  cache->LayOutPaged(shape, pool.backend(), pool.slab(), pool.page_bytes(),
+                     side > 0 ? cache->memory_->data() : nullptr);
+  return cache;
+}
+
+absl::StatusOr<std::vector<int>> KvCache::PagedBlocks(const KvCacheShape& shape,
+                                                      size_t page_bytes) {
+  if (shape.n_heads <= 0 || shape.head_dim <= 0 || shape.capacity.empty()) {
+    return absl::InvalidArgumentError("KV cache shape needs heads, head_dim and layers");
+  }
   for (int c : shape.capacity) {
-    const int blocks = (PagedRows(shape, c) + page_tokens - 1) / page_tokens;
-    cache->tables_.emplace_back(ids.begin() + next, ids.begin() + next + blocks);
-    next += blocks;
+    if (c < 0) return absl::InvalidArgumentError("KV cache capacity must be >= 0");
+  }
+  RETURN_IF_ERROR(CheckCodedShape(shape));
+  const size_t token = PagedTokenBytes(shape);
+  const int page_tokens = static_cast<int>(page_bytes / token);
+  if (page_tokens == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a KV page of ", page_bytes, " bytes holds no token of ", shape.n_heads,
+                     " heads x ", shape.head_dim, " ", DTypeName(shape.dtype), " (", token,
+                     " bytes of K and V); raise --kv-page-bytes"));
+  }
+  std::vector<int> blocks;
+  for (int c : shape.capacity)
+    blocks.push_back((PagedRows(shape, c) + page_tokens - 1) / page_tokens);
+  return blocks;
+}
+
+// Every layer laid out over `slab`'s pages by tables_ (FlashInfer's layout), a coded cache's
+// other state from side_at on; positions in host memory of the cache's own.
+void KvCache::LayOutPaged(const KvCacheShape& shape, kernels::KernelBackend* backend, uint8_t* slab,
+                          size_t page_bytes, uint8_t* side_at) {
+  const bool coded = KvCoded(shape.format);
+  const size_t es = DTypeSize(shape.dtype);
+  // A coded cache's rows are bytes: its layouts count bytes (Row(c, t, row bytes)).
+  const size_t kc = coded ? KvKeyCodeBytes(shape.format, shape.dtype, shape.head_dim)
+                          : static_cast<size_t>(shape.head_dim);
+  const size_t unit = coded ? 1 : es;
+  const int page_tokens = static_cast<int>(page_bytes / PagedTokenBytes(shape));
+  shape_ = shape;
+  backend_ = backend;
+  page_bytes_ = page_bytes;
+  int64_t positions = 0;
+  for (int c : shape.capacity) positions += int64_t{shape.n_heads} * c;
+  positions_.assign(positions, 0);
+  int64_t at = 0;
+  for (size_t i = 0; i < shape.capacity.size(); ++i) {
+    const int c = shape.capacity[i];
     LayerCache l;
     l.n_heads = shape.n_heads;
     l.head_dim = shape.head_dim;
     l.dtype = shape.dtype;
     l.capacity = c;
-    l.k = pool.slab();
-    l.v = pool.slab() + static_cast<size_t>(shape.n_heads) * page_tokens * kc * unit;
+    l.k = slab;
+    l.v = slab + static_cast<size_t>(shape.n_heads) * page_tokens * kc * unit;
     if (coded) PlaceCodedSide(shape, CodedSizesFor(shape, c), &side_at, &l);
-    l.positions = cache->positions_.data() + at;
+    l.positions = positions_.data() + at;
     at += int64_t{shape.n_heads} * c;
-    l.layout.pages = cache->tables_.back().data();
+    l.layout.pages = tables_[i].data();
     l.layout.page_tokens = page_tokens;
     l.layout.heads_per_page = shape.n_heads;
     l.layout.n_heads = shape.n_heads;
-    l.layout.page_stride = static_cast<int64_t>(pool.page_bytes() / unit);
+    l.layout.page_stride = static_cast<int64_t>(page_bytes / unit);
     if (coded) l.coding.v_layout = l.layout;  // the same pages; V's rows follow K's in each
-    cache->layers_.push_back(l);
+    layers_.push_back(l);
   }
+}
+
+absl::StatusOr<KvCache::PagedPlace> KvCache::paged_place() const {
+  if (pages_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "the cache is not in a backend pool's pages (KvCache::CreatePaged)");
+  }
+  PagedPlace place;
+  place.page_bytes = page_bytes_;
+  place.tables = tables_;
+  if (memory_ != nullptr) place.side_offset = memory_->data() - layers_[0].k;
+  return place;
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePagedView(const KvCacheShape& shape,
+                                                                  kernels::KernelBackend* backend,
+                                                                  uint8_t* slab, size_t slab_bytes,
+                                                                  const PagedPlace& place) {
+  if (place.page_bytes == 0 || slab_bytes < place.page_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pages of ", place.page_bytes, " bytes in a slab of ", slab_bytes));
+  }
+  ASSIGN_OR_RETURN(const std::vector<int> blocks, PagedBlocks(shape, place.page_bytes));
+  if (place.tables.size() != blocks.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(place.tables.size(), " page tables for ", blocks.size(), " layers"));
+  }
+  const int64_t pages = static_cast<int64_t>(slab_bytes / place.page_bytes);
+  for (size_t l = 0; l < blocks.size(); ++l) {
+    if (static_cast<int>(place.tables[l].size()) != blocks[l]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", l, "'s page table lists ", place.tables[l].size(), " pages; its ",
+                       shape.capacity[l], " tokens take ", blocks[l]));
+    }
+    for (int32_t id : place.tables[l]) {
+      if (id < 0 || id >= pages) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", l, "'s page table names page ", id, " of a slab of ", pages));
+      }
+    }
+  }
+  const size_t side = CodedSideBytes(shape);
+  if (side > 0 ? place.side_offset < 0 || place.side_offset % place.page_bytes != 0 ||
+                     static_cast<size_t>(place.side_offset) + side > slab_bytes
+               : place.side_offset != -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the coded state at offset ", place.side_offset, ": ", side,
+                     " bytes that must start at a page of the slab of ", slab_bytes,
+                     " (-1 when there are none)"));
+  }
+  auto cache = std::unique_ptr<KvCache>(new KvCache());
+  cache->tables_ = place.tables;
+  cache->LayOutPaged(shape, backend, slab, place.page_bytes,
+                     side > 0 ? slab + place.side_offset : nullptr);
   return cache;
 }
 

@@ -116,6 +116,23 @@ class KvCache {
   // Pages CreatePaged takes for `shape` from a pool of `page_bytes` pages (0: they hold no
   // token).
   static int64_t PagedPages(const KvCacheShape& shape, size_t page_bytes);
+  // Where a paged cache lies in its pool: each layer's page table, and a coded cache's other
+  // state (a run of whole pages) as an offset in the slab (-1: none). What a prefill node on the
+  // same device needs to write the rows in place (the cuda_ipc KV transport).
+  struct PagedPlace {
+    size_t page_bytes = 0;
+    std::vector<std::vector<int32_t>> tables;
+    int64_t side_offset = -1;
+  };
+  absl::StatusOr<PagedPlace> paged_place() const;
+  // A paged cache over `slab`, `slab_bytes` of `backend`'s memory that another process's pool
+  // allocated (mapped by KernelBackend::ImportMemory), laid out as that pool's cache of `shape`
+  // at `place`: every table and offset is checked against the shape and the slab. It owns no
+  // pages; its positions are its own host memory.
+  static absl::StatusOr<std::unique_ptr<KvCache>> CreatePagedView(const KvCacheShape& shape,
+                                                                  kernels::KernelBackend* backend,
+                                                                  uint8_t* slab, size_t slab_bytes,
+                                                                  const PagedPlace& place);
   // In `pool`: paged on a backend pool, one region in a host pool.
   static absl::StatusOr<std::unique_ptr<KvCache>> CreateIn(const KvCacheShape& shape, KvPool& pool);
   ~KvCache();
@@ -153,11 +170,17 @@ class KvCache {
   void set_prompt_len(int n) { prompt_len_ = n; }
 
  private:
+  // Blocks (pages) per layer of a paged cache of `shape` in pages of `page_bytes`.
+  static absl::StatusOr<std::vector<int>> PagedBlocks(const KvCacheShape& shape, size_t page_bytes);
+  void LayOutPaged(const KvCacheShape& shape, kernels::KernelBackend* backend, uint8_t* slab,
+                   size_t page_bytes, uint8_t* side_at);
+
   KvCacheShape shape_;
   KvMemoryPtr memory_;                        // a host cache's region
   std::unique_ptr<KvPages> pages_;            // a paged cache's pages
   std::vector<std::vector<int32_t>> tables_;  // a paged cache's, per layer
   std::vector<int32_t> positions_;            // a paged cache's, all layers
+  size_t page_bytes_ = 0;                     // a paged cache's
   kernels::KernelBackend* backend_ = nullptr;
   std::vector<LayerCache> layers_;
   int prompt_len_ = 0;

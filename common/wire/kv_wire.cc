@@ -8,25 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
 
-#if defined(__SSE4_2__)
-#include <nmmintrin.h>
-#endif
-
 namespace kvwire {
 namespace {
-
-// Reflected Castagnoli polynomial.
-constexpr uint32_t kPoly = 0x82f63b78u;
-
-[[maybe_unused]] std::array<uint32_t, 256> MakeTable() {
-  std::array<uint32_t, 256> t{};
-  for (uint32_t i = 0; i < 256; ++i) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ kPoly : c >> 1;
-    t[i] = c;
-  }
-  return t;
-}
 
 void AppendU32(std::string* s, uint32_t v) {
   char b[4];
@@ -64,25 +47,6 @@ bool ReadVarint(absl::string_view in, size_t* offset, uint32_t* v) {
 
 }  // namespace
 
-uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  crc = ~crc;
-#if defined(__SSE4_2__)
-  uint64_t c = crc;
-  for (; n >= 8; n -= 8, p += 8) {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    c = _mm_crc32_u64(c, v);
-  }
-  crc = static_cast<uint32_t>(c);
-  for (; n > 0; --n, ++p) crc = _mm_crc32_u8(crc, *p);
-#else
-  static const std::array<uint32_t, 256> table = MakeTable();
-  for (; n > 0; --n, ++p) crc = table[(crc ^ *p) & 0xff] ^ (crc >> 8);
-#endif
-  return ~crc;
-}
-
 uint32_t ChunkChecksum(const WireChunk& c) {
   std::string head;
   for (int v : {c.layer, c.head_begin, c.head_count, c.token_begin, c.token_count}) {
@@ -100,53 +64,131 @@ absl::string_view KvTransportName(KvTransport t) {
       return "grpc";
     case KvTransport::kShm:
       return "shm";
+    case KvTransport::kCudaIpc:
+      return "cuda_ipc";
   }
   return "?";
+}
+
+KvPlacement PlacementOf(KvTransport t) {
+  switch (t) {
+    case KvTransport::kGrpc:
+      return KvPlacement::kNone;
+    case KvTransport::kShm:
+      return KvPlacement::kRowsAndPositions;
+    case KvTransport::kCudaIpc:
+      return KvPlacement::kRows;
+  }
+  return KvPlacement::kNone;
 }
 
 absl::StatusOr<KvTransport> ParseKvTransport(absl::string_view name) {
   if (name == "grpc") return KvTransport::kGrpc;
   if (name == "shm") return KvTransport::kShm;
-  if (name == "cuda_ipc" || name == "nccl") {
+  if (name == "cuda_ipc") return KvTransport::kCudaIpc;
+  if (name == "nccl") {
     return absl::UnimplementedError(
-        absl::StrCat("the ", name, " KV transport is not built yet; use grpc or shm"));
+        "the nccl KV transport is not built yet; use grpc, shm or cuda_ipc");
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("must be grpc or shm (cuda_ipc and nccl are not built yet); got '", name, "'"));
+      absl::StrCat("must be grpc, shm or cuda_ipc (nccl is not built yet); got '", name, "'"));
 }
 
-uint32_t PlacedChecksum(const KvCache& cache, const WireChunk& c, int kept) {
+ChecksumScratch::~ChecksumScratch() {
+  if (out_ != nullptr) backend_->Free(out_);
+}
+
+absl::Status ChecksumScratch::Run(const std::vector<kernels::ByteSpan>& spans,
+                                  std::vector<uint32_t>* out) {
+  out->resize(spans.size());
+  if (spans.empty()) return absl::OkStatus();
+  if (capacity_ < spans.size()) {
+    if (out_ != nullptr) backend_->Free(out_);
+    out_ = nullptr;
+    capacity_ = 0;
+    ASSIGN_OR_RETURN(out_, backend_->Allocate(sizeof(uint32_t) * spans.size()));
+    capacity_ = spans.size();
+  }
+  kernels::ChecksumSpansParams p;
+  p.spans = spans.data();
+  p.n = static_cast<int>(spans.size());
+  p.out = static_cast<uint32_t*>(out_);
+  RETURN_IF_ERROR(backend_->ChecksumSpans(p));
+  return backend_->CopyToHost(out->data(), out_, sizeof(uint32_t) * spans.size());
+}
+
+absl::StatusOr<WireChunk> PlacedChunk(const WireChunk& c, const KvCache& cache, int kept,
+                                      bool with_positions, ChecksumScratch* scratch) {
+  WireChunk p;
+  p.layer = c.layer;
+  p.head_begin = c.head_begin;
+  p.head_count = c.head_count;
+  p.token_begin = c.token_begin;
+  p.token_count = c.token_count;
+  p.placed = true;
+  p.placed_bytes = static_cast<int64_t>(c.payload_bytes());
+  if (with_positions) p.positions = c.positions;
+  ASSIGN_OR_RETURN(p.crc32c, PlacedChecksum(cache, p, kept, scratch));
+  return p;
+}
+
+absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& c, int kept,
+                                        ChecksumScratch* scratch) {
   std::string head;
   for (int v : {c.layer, c.head_begin, c.head_count, c.token_begin, c.token_count}) {
     AppendU32(&head, static_cast<uint32_t>(v));
   }
-  uint32_t crc = Crc32c(head.data(), head.size());
   const LayerCache& lc = cache.layer(c.layer);
   const kernels::KvCoding& coding = lc.coding;
   const int d = lc.head_dim;
+  // Every head's spans in order: its rows, then (coded) its groups' parameters and scales.
+  std::vector<kernels::ByteSpan> spans;
+  std::vector<size_t> head_end;
   for (int h = c.head_begin; h < c.head_begin + c.head_count; ++h) {
-    crc = Crc32c(lc.positions + int64_t{h} * lc.capacity + c.token_begin,
-                 sizeof(int32_t) * c.token_count, crc);
     for (int t = c.token_begin; t < c.token_begin + c.token_count; ++t) {
       if (lc.coded()) {
         const int kc = CodedKeyRowBytes(coding.format, d),
                   vc = CodedValueRowBytes(coding.format, d);
-        crc = Crc32c(lc.k + lc.layout.Row(h, t, kc), kc, crc);
-        crc = Crc32c(lc.v + coding.v_layout.Row(h, t, vc), vc, crc);
+        spans.push_back({lc.k + lc.layout.Row(h, t, kc), kc});
+        spans.push_back({lc.v + coding.v_layout.Row(h, t, vc), vc});
       } else {
-        crc = Crc32c(lc.k_row(h, t), lc.row_bytes(), crc);
-        crc = Crc32c(lc.v_row(h, t), lc.row_bytes(), crc);
+        const int64_t at = lc.layout.Row(h, t, d) * static_cast<int64_t>(DTypeSize(lc.dtype));
+        const auto row = static_cast<int64_t>(lc.row_bytes());
+        spans.push_back({lc.k + at, row});
+        spans.push_back({lc.v + at, row});
       }
     }
-    if (!lc.coded()) continue;
-    const KvGroups groups{kept};
-    const int g0 = groups.Of(c.token_begin), g1 = groups.Of(c.token_begin + c.token_count - 1);
-    const size_t group_bytes = KvKeyGroupBytes(coding.format, d);
-    crc = Crc32c(coding.k_params + (int64_t{h} * coding.max_groups + g0) * group_bytes,
-                 (g1 - g0 + 1) * group_bytes, crc);
-    if (coding.format == KvFormat::kFP8) {
-      crc = Crc32c(coding.v_scales + int64_t{h} * coding.max_groups + g0, g1 - g0 + 1, crc);
+    if (lc.coded()) {
+      const KvGroups groups{kept};
+      const int g0 = groups.Of(c.token_begin), g1 = groups.Of(c.token_begin + c.token_count - 1);
+      const auto group_bytes = static_cast<int64_t>(KvKeyGroupBytes(coding.format, d));
+      spans.push_back({coding.k_params + (int64_t{h} * coding.max_groups + g0) * group_bytes,
+                       (g1 - g0 + 1) * group_bytes});
+      if (coding.format == KvFormat::kFP8) {
+        spans.push_back({coding.v_scales + int64_t{h} * coding.max_groups + g0, g1 - g0 + 1});
+      }
     }
+    head_end.push_back(spans.size());
+  }
+  std::vector<uint32_t> sums(spans.size());
+  if (cache.host_rows()) {
+    for (size_t i = 0; i < spans.size(); ++i) {
+      sums[i] = Crc32c(spans[i].data, static_cast<size_t>(spans[i].bytes));
+    }
+  } else {
+    if (scratch == nullptr) {
+      return absl::InternalError("PlacedChecksum over a device cache needs a ChecksumScratch");
+    }
+    RETURN_IF_ERROR(scratch->Run(spans, &sums));
+  }
+  uint32_t crc = Crc32c(head.data(), head.size());
+  size_t from = 0;
+  for (int h = c.head_begin; h < c.head_begin + c.head_count; ++h) {
+    crc = Crc32c(lc.positions + int64_t{h} * lc.capacity + c.token_begin,
+                 sizeof(int32_t) * c.token_count, crc);
+    const size_t to = head_end[h - c.head_begin];
+    crc = Crc32c(sums.data() + from, sizeof(uint32_t) * (to - from), crc);  // LE hosts only
+    from = to;
   }
   return crc;
 }
@@ -375,12 +417,12 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
     return Malformed(
         absl::StrCat(where, ": a chunk of several heads must hold all ", kept, " of their tokens"));
   }
-  if (c.placed != expect_.placed) {
-    return Malformed(absl::StrCat(where, expect_.placed
-                                             ? ": its rows travel in it, but this stream places "
-                                               "them in the cache (the shm transport)"
-                                             : ": placed in the cache, but its rows travel on "
-                                               "this stream"));
+  const bool placed = expect_.placement != KvPlacement::kNone;
+  if (c.placed != placed) {
+    return Malformed(absl::StrCat(where, placed ? ": its rows travel in it, but this stream "
+                                                  "places them in the cache (shm, cuda_ipc)"
+                                                : ": placed in the cache, but its rows travel on "
+                                                  "this stream"));
   }
   if (c.placed) return CheckPlaced(c, where);
   const size_t cells = static_cast<size_t>(c.head_count) * c.token_count;
@@ -402,8 +444,14 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
   if (ChunkChecksum(c) != c.crc32c) {
     return absl::DataLossError(absl::StrCat(where, ": CRC-32C mismatch (corrupted in transit)"));
   }
+  return DecodeChunkPositions(c, where);
+}
+
+// The chunk's positions, per head, into positions_: each head's ascending within the prompt and
+// after the previous chunk's last.
+absl::Status KvAssembler::DecodeChunkPositions(const WireChunk& c, const std::string& where) {
   const LayerCache& lc = cache_->layer(c.layer);
-  positions_.resize(cells);
+  positions_.resize(static_cast<size_t>(c.head_count) * c.token_count);
   size_t offset = 0;
   for (int h = 0; h < c.head_count; ++h) {
     const int head = c.head_begin + h;
@@ -426,11 +474,16 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
   return absl::OkStatus();
 }
 
-// A placed chunk's rows are in the cache already (the shm transport): what the cache holds is
+// A placed chunk's rows are in the cache already (shm, cuda_ipc): what the cache holds is
 // checked as a chunk's payload would be (the checksum, then every position) before it is used.
+// On cuda_ipc the positions travel in the chunk: decoded here, stored and checksummed by
+// OnChunk (CheckPlacedRows).
 absl::Status KvAssembler::CheckPlaced(const WireChunk& c, const std::string& where) {
-  if (!c.positions.empty() || !c.k.empty() || !c.v.empty()) {
-    return Malformed(absl::StrCat(where, ": placed in the cache, yet it carries a payload"));
+  const bool positions_in_cache = expect_.placement == KvPlacement::kRowsAndPositions;
+  if (!c.k.empty() || !c.v.empty() || positions_in_cache != c.positions.empty()) {
+    return Malformed(absl::StrCat(
+        where, positions_in_cache ? ": placed in the cache, yet it carries a payload"
+                                  : ": placed in the cache, it must carry its positions only"));
   }
   const int kept = header_.kept_per_layer[layer_];
   const KvFormat f = header_.kv_format;
@@ -440,11 +493,15 @@ absl::Status KvAssembler::CheckPlaced(const WireChunk& c, const std::string& whe
        KvValueBlockBytes(f, header_.dtype, header_.head_dim, kept, c.token_begin, c.token_count));
   // Positions code in at most 5 bytes each and 11 per head besides (EncodePositions).
   const int64_t most = rows + int64_t{c.head_count} * (5 * int64_t{c.token_count} + 11);
-  if (c.placed_bytes <= rows || c.placed_bytes > most) {
-    return Malformed(absl::StrCat(where, ": stands for ", c.placed_bytes,
-                                  " bytes of payload; its rows alone are ", rows));
+  if (c.placed_bytes <= rows || c.placed_bytes > most ||
+      (!positions_in_cache && c.placed_bytes != rows + static_cast<int64_t>(c.positions.size()))) {
+    return Malformed(absl::StrCat(
+        where, ": stands for ", c.placed_bytes, " bytes of payload; its rows alone are ", rows,
+        positions_in_cache ? "" : absl::StrCat(" and its positions ", c.positions.size())));
   }
-  if (PlacedChecksum(*cache_, c, kept) != c.crc32c) {
+  if (!positions_in_cache) return DecodeChunkPositions(c, where);
+  ASSIGN_OR_RETURN(const uint32_t crc, PlacedChecksum(*cache_, c, kept, nullptr));
+  if (crc != c.crc32c) {
     return absl::DataLossError(
         absl::StrCat(where, ": CRC-32C mismatch over the rows placed in the cache"));
   }
@@ -464,10 +521,37 @@ absl::Status KvAssembler::CheckPlaced(const WireChunk& c, const std::string& whe
   return absl::OkStatus();
 }
 
+// A cuda_ipc chunk: its positions (checked) stored as grpc's are, then the rows the sender
+// wrote into the pages checked by the checksum, computed on the cache's device.
+absl::Status KvAssembler::CheckPlacedRows(const WireChunk& c) {
+  LayerCache& lc = cache_->layer(c.layer);
+  for (int h = 0; h < c.head_count; ++h) {
+    std::memcpy(lc.positions + int64_t{c.head_begin + h} * lc.capacity + c.token_begin,
+                positions_.data() + static_cast<size_t>(h) * c.token_count,
+                sizeof(int32_t) * c.token_count);
+  }
+  if (!cache_->host_rows() && scratch_ == nullptr) {
+    scratch_ = std::make_unique<ChecksumScratch>(cache_->backend());
+  }
+  ASSIGN_OR_RETURN(const uint32_t crc,
+                   PlacedChecksum(*cache_, c, header_.kept_per_layer[layer_], scratch_.get()));
+  if (crc != c.crc32c) {
+    return absl::DataLossError(absl::StrCat("chunk of layer ", c.layer, " heads ", c.head_begin,
+                                            "+", c.head_count, " tokens ", c.token_begin, "+",
+                                            c.token_count,
+                                            ": CRC-32C mismatch over the rows placed in the "
+                                            "cache's pages"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status KvAssembler::OnChunk(const WireChunk& c) {
   if (failed_) return absl::FailedPreconditionError("KV stream already failed");
   if (absl::Status st = CheckChunk(c); !st.ok()) return Fail(st);
   if (c.placed) {
+    if (expect_.placement == KvPlacement::kRows) {
+      if (absl::Status st = CheckPlacedRows(c); !st.ok()) return Fail(st);
+    }
     Advance(c);
     return absl::OkStatus();
   }

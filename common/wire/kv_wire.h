@@ -6,10 +6,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/base/crc32c.h"
 #include "common/base/kv_format.h"
 #include "common/compression/compression.h"
 #include "common/model/kv_cache.h"
@@ -23,11 +25,13 @@ inline constexpr size_t kMaxChunkBytesLimit = 16 << 20;
 
 // How a stream's K/V rows travel between the nodes; the Prefill stream carries everything
 // else (header, chunk rectangles and checksums, trailer, errors, cancellation) either way.
-//   grpc  in the stream's chunks (any two hosts)
-//   shm   written by the prefill node into the decode node's cache, a shared host region
-enum class KvTransport : uint8_t { kGrpc = 0, kShm = 1 };
+//   grpc      in the stream's chunks (any two hosts)
+//   shm       written by the prefill node into the decode node's cache, a shared host region
+//   cuda_ipc  written by the prefill node into the decode node's pool pages on the GPU (one
+//             host; the pool's slab mapped through CUDA IPC); positions still in the chunks
+enum class KvTransport : uint8_t { kGrpc = 0, kShm = 1, kCudaIpc = 2 };
 absl::string_view KvTransportName(KvTransport t);
-// "grpc" or "shm"; the GPU transports are named as not built.
+// "grpc", "shm" or "cuda_ipc"; nccl is named as not built.
 absl::StatusOr<KvTransport> ParseKvTransport(absl::string_view name);
 
 struct WireHeader {
@@ -50,8 +54,9 @@ struct WireChunk {
   std::string positions;  // per head, the token_count positions coded (EncodePositions)
   std::string k, v;       // [head_count, token_count] rows in the header's kv_format
   uint32_t crc32c = 0;
-  // Written into the receiver's cache where it lies (the shm transport), not carried: the
-  // fields above are empty, crc32c is PlacedChecksum's, placed_bytes the payload it stands for.
+  // Written into the receiver's cache where it lies, not carried: k and v are empty (and on shm
+  // the positions too, which lie in the cache), crc32c is PlacedChecksum's, placed_bytes the
+  // payload the chunk stands for (what grpc would carry).
   bool placed = false;
   int64_t placed_bytes = 0;
 
@@ -71,17 +76,39 @@ struct WireTrailer {
   std::string node;
 };
 
-// CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
-uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0);
 // The checksum a chunk carries: over its five rectangle fields (int32 LE), positions, K, V.
 uint32_t ChunkChecksum(const WireChunk& chunk);
 
-// The checksum of a placed chunk (the shm transport): its five rectangle fields (int32 LE), then
-// per head its positions (int32 LE) and its rows as `cache` holds them (K then V per token; a
-// coded cache's code rows, then the parameters and fp8 scales of the key groups the tokens
-// touch). Both nodes compute it over the same region: the prefill node after writing, the
-// decode node before it uses the rows. `kept` is the layer's prompt tokens.
-uint32_t PlacedChecksum(const KvCache& cache, const WireChunk& chunk, int kept);
+// The checksum of a placed chunk: its five rectangle fields (int32 LE), then per head its
+// positions (int32 LE) and the CRC-32Cs (uint32 LE) of its rows as `cache` holds them, one per
+// row (K then V per token; a coded cache's code rows), then (coded) one over the parameters and
+// one over the fp8 scales of the key groups the tokens touch. Both nodes compute it over the
+// same memory (the prefill node after writing, the decode node before it uses the rows); the
+// rows' CRCs where the rows are, on the cache's backend for a device cache (ChecksumSpans into
+// `scratch`), so a GPU's rows never cross to the host. `kept` is the layer's prompt tokens.
+class ChecksumScratch;
+// What the sender of chunk `c` sends once it has written c into the receiver's cache `cache`:
+// c's rectangle, placed, standing for c's payload, with c's positions where they travel
+// (`with_positions`: cuda_ipc) and the checksum of what the cache holds.
+absl::StatusOr<WireChunk> PlacedChunk(const WireChunk& c, const KvCache& cache, int kept,
+                                      bool with_positions, ChecksumScratch* scratch);
+absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& chunk, int kept,
+                                        ChecksumScratch* scratch);
+// Backend memory PlacedChecksum's row CRCs go to on a device, kept between chunks.
+class ChecksumScratch {
+ public:
+  explicit ChecksumScratch(kernels::KernelBackend* backend) : backend_(backend) {}
+  ~ChecksumScratch();
+  ChecksumScratch(const ChecksumScratch&) = delete;
+  ChecksumScratch& operator=(const ChecksumScratch&) = delete;
+  // The CRC-32C of each span, on the host.
+  absl::Status Run(const std::vector<kernels::ByteSpan>& spans, std::vector<uint32_t>* out);
+
+ private:
+  kernels::KernelBackend* backend_;
+  void* out_ = nullptr;  // backend memory for `capacity_` CRCs
+  size_t capacity_ = 0;
+};
 
 // One head's strictly ascending positions, coded as whichever is smaller (a tie: deltas):
 //   0x00, then n LEB128 varints: the first position, then each gap less one
@@ -98,6 +125,14 @@ absl::Status DecodePositions(absl::string_view in, size_t* offset, int n, int pr
 // coded in `format`. Chunks come in order (heads, then tokens) and carry their checksums.
 std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, KvFormat format, size_t max_bytes);
 
+// Whether a stream's sender writes into the receiving cache itself:
+//   kNone               the chunks carry the rows (grpc)
+//   kRowsAndPositions   rows and positions are in the cache (shm: the whole cache is shared)
+//   kRows               rows are in the cache (cuda_ipc: the pool's pages), positions in the
+//                       chunks, stored by the receiver as grpc's are
+enum class KvPlacement : uint8_t { kNone, kRowsAndPositions, kRows };
+KvPlacement PlacementOf(KvTransport t);
+
 // What the receiving node expects of a stream, fixed before it starts.
 struct WireExpectation {
   std::string model_fingerprint;
@@ -109,9 +144,9 @@ struct WireExpectation {
   int prompt_len = 0;
   std::vector<int> kept_per_layer;  // what the request's compression keeps (empty: unchecked)
   size_t max_chunk_bytes = kDefaultMaxChunkBytes;
-  // The sender writes the rows into the cache itself (the shm transport): every chunk is placed
-  // (WireChunk::placed), and the receiver checks what the cache holds.
-  bool placed = false;
+  // Whether the sender writes into the cache itself (then every chunk is placed, and the
+  // receiver checks what the cache holds).
+  KvPlacement placement = KvPlacement::kNone;
 };
 
 // Receives one stream into a cache reserved for it. Chunks must tile each layer in
@@ -137,6 +172,8 @@ class KvAssembler {
   absl::Status Fail(absl::Status status);
   absl::Status CheckChunk(const WireChunk& chunk);
   absl::Status CheckPlaced(const WireChunk& chunk, const std::string& where);
+  absl::Status DecodeChunkPositions(const WireChunk& chunk, const std::string& where);
+  absl::Status CheckPlacedRows(const WireChunk& chunk);
   void Advance(const WireChunk& chunk);
 
   WireExpectation expect_;
@@ -146,8 +183,9 @@ class KvAssembler {
   int layer_ = 0, head_ = 0, token_ = 0;  // where the next chunk must start
   int64_t payload_bytes_ = 0;
   int chunks_ = 0;
-  std::vector<int32_t> positions_;  // the chunk's, decoded by CheckChunk
-  std::vector<uint8_t> rows_;       // its K and V rows dequantised
+  std::vector<int32_t> positions_;            // the chunk's, decoded by CheckChunk
+  std::vector<uint8_t> rows_;                 // its K and V rows dequantised
+  std::unique_ptr<ChecksumScratch> scratch_;  // placed rows on a device: their CRCs' memory
 };
 
 }  // namespace kvwire

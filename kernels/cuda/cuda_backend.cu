@@ -16,6 +16,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -156,6 +158,7 @@ class CudaBackend final : public KernelBackend {
   CudaBackend(int threads, size_t memory_limit) : pool_(threads), limit_(memory_limit) {}
   ~CudaBackend() override {
     lanes_.clear();
+    for (void* p : imported_) cudaIpcCloseMemHandle(p);
     for (auto& [p, bytes] : allocations_) cudaFree(p);
   }
 
@@ -314,6 +317,52 @@ class CudaBackend final : public KernelBackend {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     return cuda::LaunchSample(p, OpMemoryOf(*lane), lane->compute);
   }
+  absl::Status ChecksumSpans(const ChecksumSpansParams& p) override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchChecksumSpans(p, OpMemoryOf(*lane), lane->compute);
+  }
+
+  // CUDA IPC: the handle of a whole cudaMalloc allocation (the pool's slab), opened by another
+  // process on this host with peer access enabled as needed.
+  absl::StatusOr<std::string> ExportMemory(void* base, size_t bytes) override {
+    {
+      std::lock_guard<std::mutex> lock(memory_mu_);
+      auto it = allocations_.find(base);
+      if (it == allocations_.end() || bytes > it->second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cuda backend: ExportMemory takes a buffer of this backend's (its start, at most its "
+            "bytes); ",
+            bytes, " bytes at this pointer are not one"));
+      }
+    }
+    cudaIpcMemHandle_t h;
+    RETURN_IF_ERROR(CudaStatus(cudaIpcGetMemHandle(&h, base), "cudaIpcGetMemHandle"));
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+  // The size is the exporter's word (a peer authenticated on the control stream): the runtime
+  // API cannot tell a mapping's extent.
+  absl::StatusOr<void*> ImportMemory(const std::string& handle, size_t bytes) override {
+    if (handle.size() != sizeof(cudaIpcMemHandle_t) || bytes == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda backend: an IPC handle has ", sizeof(cudaIpcMemHandle_t), " bytes, got ",
+          handle.size(), ", for a buffer of ", bytes, " bytes (need > 0)"));
+    }
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* p = nullptr;
+    RETURN_IF_ERROR(CudaStatus(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+                               "cudaIpcOpenMemHandle"));
+    std::lock_guard<std::mutex> lock(memory_mu_);
+    imported_.insert(p);
+    return p;
+  }
+  void CloseImported(void* ptr) override {
+    {
+      std::lock_guard<std::mutex> lock(memory_mu_);
+      if (imported_.erase(ptr) == 0) return;
+    }
+    cudaIpcCloseMemHandle(ptr);
+  }
 
   absl::Status WaitCopy(CopyTicket ticket) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
@@ -439,6 +488,7 @@ class CudaBackend final : public KernelBackend {
   const size_t limit_;  // 0: none
   std::mutex memory_mu_;
   std::unordered_map<void*, size_t> allocations_;
+  std::set<void*> imported_;  // other processes' memory mapped here (ImportMemory)
   size_t used_ = 0;
   std::mutex lanes_mu_;
   std::unordered_map<std::thread::id, std::unique_ptr<Lane>> lanes_;

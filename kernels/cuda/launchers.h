@@ -48,6 +48,7 @@ enum TableId : int {
   kTableSampleOffsets,
   kTableDecodePages,
   kTableAppendPages,
+  kTableChecksumSpans,
   kTables
 };
 struct OpMemory {
@@ -72,5 +73,7 @@ absl::Status LaunchUpdateSummaries(const UpdateSummariesParams& p, const OpMemor
                                    cudaStream_t stream);
 absl::Status LaunchPageScores(const PageScoresParams& p, const OpMemory& mem, cudaStream_t stream);
 absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream_t stream);
+absl::Status LaunchChecksumSpans(const ChecksumSpansParams& p, const OpMemory& mem,
+                                 cudaStream_t stream);
 
 }  // namespace kvwire::kernels::cuda

@@ -111,6 +111,9 @@ class ServicePairTest : public ::testing::Test {
     PrefillServerOptions o;
     o.listen = listen;
     o.serve_shm = serve_shm_;
+    if (transport_ == KvTransport::kCudaIpc || serve_cuda_ipc_) {
+      o.device = prefill_model_->backend();
+    }
     auto s = PrefillServer::Start(node->faults.get(), std::move(o));
     EXPECT_TRUE(s.ok()) << s.status();
     node->server = std::move(*s);
@@ -134,6 +137,11 @@ class ServicePairTest : public ::testing::Test {
       // Every cache is a region in /dev/shm, which a container may keep small (64 MiB).
       o.kv_pool_bytes = size_t{32} << 20;
     }
+    if (o.kv_transport == KvTransport::kCudaIpc) {
+      // A failed attempt's pages wait out its deadline (the prefill node's lease) before they
+      // return to the pool: short here, so that ExpectPoolEmpty sees them come back.
+      o.engine.prefill_attempt_timeout_ms = kIpcAttemptMs;
+    }
     auto s = DecodeServer::Start(decode_model_.get(), std::move(o));
     ASSERT_TRUE(s.ok()) << s.status();
     decode_ = std::move(*s);
@@ -144,7 +152,10 @@ class ServicePairTest : public ::testing::Test {
 
   // The pool is empty again (waits a little: pages return when the engine notices).
   void ExpectPoolEmpty() {
-    const auto until = SteadyClock::now() + std::chrono::seconds(5);
+    const auto until =
+        SteadyClock::now() + std::chrono::seconds(5) +
+        (transport_ == KvTransport::kCudaIpc ? std::chrono::milliseconds(kIpcAttemptMs + 1000)
+                                             : std::chrono::milliseconds(0));
     while (decode_->pool().used() != 0 && SteadyClock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
@@ -285,6 +296,32 @@ class ServicePairTest : public ::testing::Test {
     ExpectPoolEmpty();
   }
 
+  // The same request through grpc and through `t`, each on a decode node of its own: the same
+  // tokens, and the same K/V payload (what the chunks carry on grpc, and stand for on `t`),
+  // with the rows placed counted once among the bytes moved.
+  void ExpectTransportsMoveTheSame(KvTransport t, const std::string& format) {
+    std::vector<Result> by_transport;
+    for (KvTransport each : {KvTransport::kGrpc, t}) {
+      decode_.reset();
+      DecodeServerOptions o;
+      o.kv_transport = each;
+      StartDecode(o);
+      v1::GenerateRequest req = Request(LongPrompt(260), 12);
+      req.mutable_compression()->set_policy("snapkv");
+      req.mutable_compression()->set_budget(64);
+      req.mutable_compression()->set_kv_format(format);
+      by_transport.push_back(Call(*stub_, req));
+      ASSERT_TRUE(by_transport.back().status.ok()) << by_transport.back().status.error_message();
+      ExpectPoolEmpty();
+    }
+    EXPECT_EQ(by_transport[0].ids, by_transport[1].ids);
+    EXPECT_EQ(by_transport[0].final.stats().kv_payload_bytes(),
+              by_transport[1].final.stats().kv_payload_bytes());
+    EXPECT_GT(by_transport[1].final.stats().wire_bytes(),
+              by_transport[1].final.stats().kv_payload_bytes());
+  }
+
+  static constexpr int kIpcAttemptMs = 4000;
   // Whether /dev/shm holds a shm test's caches (StartDecode's pool), which a container may not.
   static bool ShmFits() { return SharedRegionRoom().value_or(0) >= (size_t{32} << 20); }
   static constexpr char kNoShm[] = "/dev/shm has less than 32 MiB free for the shm caches";
@@ -292,6 +329,7 @@ class ServicePairTest : public ::testing::Test {
   // with --kv-transport grpc,shm).
   KvTransport transport_ = KvTransport::kGrpc;
   bool serve_shm_ = true;
+  bool serve_cuda_ipc_ = false;  // the prefill nodes serve cuda_ipc (on a device backend)
   std::unique_ptr<LlamaModel> prefill_model_, decode_model_;
   std::vector<std::unique_ptr<PrefillNode>> prefills_;
   std::unique_ptr<DecodeServer> decode_;
@@ -301,19 +339,29 @@ class ServicePairTest : public ::testing::Test {
 };
 
 // The tests that hold for every KV transport, run on each: grpc (the rows in the stream's
-// chunks) and shm (written by the prefill node into the decode node's cache, a shared region).
+// chunks), shm (written by the prefill node into the decode node's cache, a shared region) and
+// cuda_ipc (written into the pages of the decode node's device pool, mapped by the prefill
+// node's backend: both nodes on the guarded backend here, whose export and import emulate CUDA
+// IPC; on a GPU the cluster test runs it between two processes).
 class ServicePairTransport : public ServicePairTest,
                              public ::testing::WithParamInterface<KvTransport> {
  protected:
   void SetUp() override {
     transport_ = GetParam();
     if (transport_ == KvTransport::kShm && !ShmFits()) GTEST_SKIP() << kNoShm;
+    if (transport_ == KvTransport::kCudaIpc) {
+      LoadOptions o;
+      o.backend = kernels::BackendKind::kGuarded;
+      LoadNodeModels(o);
+      return;
+    }
     ServicePairTest::SetUp();
   }
 };
 
 INSTANTIATE_TEST_SUITE_P(Transports, ServicePairTransport,
-                         ::testing::Values(KvTransport::kGrpc, KvTransport::kShm),
+                         ::testing::Values(KvTransport::kGrpc, KvTransport::kShm,
+                                           KvTransport::kCudaIpc),
                          [](const auto& info) { return std::string(KvTransportName(info.param)); });
 
 TEST_P(ServicePairTransport, TokensEqualSingleProcessGeneration) {
@@ -325,25 +373,57 @@ TEST_P(ServicePairTransport, TokensEqualSingleProcessGeneration) {
 TEST_F(ServicePairTest, ShmMovesWhatGrpcMoves) {
   if (!ShmFits()) GTEST_SKIP() << kNoShm;
   AddPrefill();
-  std::vector<Result> by_transport;
-  for (KvTransport t : {KvTransport::kGrpc, KvTransport::kShm}) {
-    decode_.reset();
-    DecodeServerOptions o;
-    o.kv_transport = t;
-    StartDecode(o);
-    v1::GenerateRequest req = Request(LongPrompt(260), 12);
-    req.mutable_compression()->set_policy("snapkv");
-    req.mutable_compression()->set_budget(64);
-    req.mutable_compression()->set_kv_format("int4");
-    by_transport.push_back(Call(*stub_, req));
-    ASSERT_TRUE(by_transport.back().status.ok()) << by_transport.back().status.error_message();
-    ExpectPoolEmpty();
+  ExpectTransportsMoveTheSame(KvTransport::kShm, "int4");
+}
+
+// cuda_ipc against grpc, both nodes on the guarded backend (whose export and import emulate CUDA
+// IPC): the same tokens and K/V payload, the rows written into the decode node's pool pages.
+TEST_F(ServicePairTest, CudaIpcMovesWhatGrpcMoves) {
+  LoadOptions device;
+  device.backend = kernels::BackendKind::kGuarded;
+  LoadNodeModels(device);
+  serve_cuda_ipc_ = true;
+  AddPrefill();
+  for (const char* format : {"auto", "int4"}) {
+    SCOPED_TRACE(format);
+    ExpectTransportsMoveTheSame(KvTransport::kCudaIpc, format);
   }
-  EXPECT_EQ(by_transport[0].ids, by_transport[1].ids);
-  EXPECT_EQ(by_transport[0].final.stats().kv_payload_bytes(),
-            by_transport[1].final.stats().kv_payload_bytes());
-  EXPECT_GT(by_transport[1].final.stats().wire_bytes(),
-            by_transport[1].final.stats().kv_payload_bytes());
+}
+
+// cuda_ipc needs a device pool on the decode node and a device prefill node that serves it;
+// each refusal says what to change.
+TEST_F(ServicePairTest, CudaIpcRefusedWhereItCannotRun) {
+  AddPrefill();  // a CPU prefill node, which serves grpc and shm only
+  DecodeServerOptions host;
+  host.kv_transport = KvTransport::kCudaIpc;
+  host.listen = "127.0.0.1:0";
+  host.prefill_target = "127.0.0.1:" + std::to_string(prefills_[0]->port());
+  auto refused = DecodeServer::Start(decode_model_.get(), host);  // a host pool
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("--backend cuda"), std::string::npos)
+      << refused.status();
+  LoadOptions device;
+  device.backend = kernels::BackendKind::kGuarded;
+  LoadNodeModels(device);
+  prefills_.clear();
+  AddPrefill();
+  DecodeServerOptions o;
+  o.kv_transport = KvTransport::kCudaIpc;
+  o.engine.prefill_attempts = 1;
+  StartDecode(o);
+  const Result r = Call(*stub_, Request(LongPrompt(50), 4));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("does not serve the cuda_ipc"), std::string::npos)
+      << r.status.error_message();
+  ExpectPoolEmpty();
+  // And a prefill node on a host backend cannot serve it at all.
+  PrefillServerOptions p;
+  p.listen = "127.0.0.1:0";
+  p.device = Load()->backend();
+  auto engine = std::make_unique<PrefillEngine>(prefill_model_.get(), PrefillEngineOptions{});
+  auto server = PrefillServer::Start(engine.get(), p);
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
 }
 
 // A prefill node that does not serve shm refuses it, saying how to; the decode node reports it.

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/crc32c.h"
 #include "common/base/ranking.h"
 #include "kernels/backend.h"
 #include "tests/kernels/ops_test_util.h"
@@ -445,6 +446,96 @@ TEST_P(BackendOpsTest, SelectionOpsRejectBadShapes) {
   row.params.top_p = 0.f;  // top_p must be in (0, 1]
   SampledToken* out = static_cast<SampledToken*>(static_cast<void*>(i));
   EXPECT_EQ(backend_->Sample({f, 0, 1, 8, &row, out}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------- transports
+
+// The CRC-32C of spans of backend memory (what a transport that writes a cache in place checks
+// it by): every backend equals the reference's bitwise CRC, and the host's Crc32c, over spans
+// of awkward lengths and offsets, empty ones and one past a page.
+TEST_P(BackendOpsTest, ChecksumSpansEqualTheHostsCrc) {
+  std::mt19937 rng(1300);
+  std::vector<uint8_t> bytes(70000);
+  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+  std::vector<std::pair<int64_t, int64_t>> at = {{0, 0},     {0, 1},    {1, 7},     {3, 64},
+                                                 {100, 255}, {4093, 9}, {5, 65536}, {69999, 1}};
+  for (int i = 0; i < 300; ++i) at.push_back({static_cast<int64_t>(rng() % 60000), rng() % 513});
+  auto run = [&](KernelBackend& b) {
+    Arena a(b);
+    const uint8_t* base = a.Upload(bytes);
+    std::vector<ByteSpan> spans;
+    for (auto [off, n] : at) spans.push_back({base + off, n});
+    ChecksumSpansParams p;
+    p.spans = spans.data();
+    p.n = static_cast<int>(spans.size());
+    p.out = a.Filled<uint32_t>(spans.size(), 0xdeadbeef);
+    const absl::Status st = b.ChecksumSpans(p);
+    EXPECT_TRUE(st.ok()) << st;
+    return a.DownloadAs(p.out, spans.size());
+  };
+  const std::vector<uint32_t> got = run(*backend_);
+  EXPECT_EQ(got, run(*reference_));
+  for (size_t i = 0; i < at.size(); ++i) {
+    EXPECT_EQ(got[i], Crc32c(bytes.data() + at[i].first, static_cast<size_t>(at[i].second)))
+        << "span " << i;
+  }
+  EXPECT_EQ(Crc32cBitwise(reinterpret_cast<const uint8_t*>("123456789"), 9), 0xE3069283u);
+  // A negative length, and spans without out.
+  ByteSpan bad{bytes.data(), -1};
+  uint32_t out = 0;
+  EXPECT_EQ(reference_->ChecksumSpans({&bad, 1, &out}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(backend_->ChecksumSpans({&bad, 1, nullptr}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Device memory one backend exports and another maps (the cuda_ipc transport; the guarded
+// backend emulates it with a memfd mapped twice): what either writes, the other reads, each
+// through its own mapping; the exporter cannot import its own handle, a host backend exports
+// nothing, and a closed import is gone from the importer. CUDA IPC needs two processes: on cuda
+// this runs in the service pair's cluster test, not here.
+TEST_P(BackendOpsTest, ExportedMemoryIsMappedByAnotherBackend) {
+  if (GetParam() != BackendKind::kGuarded) {
+    const auto st = backend_->ExportMemory(nullptr, 1).status();
+    if (backend_->host_addressable()) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+    }
+    GTEST_SKIP() << "export and import in one process are emulated by the guarded backend only";
+  }
+  auto peer = MakeBackend(BackendKind::kGuarded, 1);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  Arena a(*backend_);
+  uint8_t* slab = a.Filled<uint8_t>(10048, 7);
+  auto handle = backend_->ExportMemory(slab, 10048);
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  EXPECT_EQ(backend_->ImportMemory(*handle, 10048).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE((*peer)->ImportMemory(*handle, 10049).ok());  // more than was exported
+  EXPECT_FALSE((*peer)->ImportMemory("guarded-ipc:nothing", 1).ok());
+  auto mapped = (*peer)->ImportMemory(*handle, 10048);
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  auto* m = static_cast<uint8_t*>(*mapped);
+  // The slab's bytes, seen through the peer; a write through the peer, seen by the owner.
+  std::vector<uint8_t> seen(10048);
+  ASSERT_TRUE((*peer)->CopyToHost(seen.data(), m, seen.size()).ok());
+  EXPECT_EQ(seen, std::vector<uint8_t>(10048, 7));
+  const std::vector<uint8_t> hello = {1, 2, 3, 4};
+  ASSERT_TRUE((*peer)->CopyToDevice(m + 10044, hello.data(), 4).ok());
+  ASSERT_TRUE((*peer)->Synchronize().ok());
+  EXPECT_EQ(a.DownloadBytes(slab + 10044, 4), hello);
+  // The peer's ops see the mapping as its memory, up to its end and not past it.
+  std::vector<ByteSpan> spans = {{m + 9000, 1048}};
+  Arena pa(**peer);
+  uint32_t* out = pa.Filled<uint32_t>(1, 0);
+  ASSERT_TRUE((*peer)->ChecksumSpans({spans.data(), 1, out}).ok());
+  std::vector<uint8_t> tail(1048, 7);
+  std::copy(hello.begin(), hello.end(), tail.end() - 4);
+  EXPECT_EQ(pa.DownloadAs(out, 1)[0], Crc32c(tail.data(), tail.size()));
+  spans[0].bytes = 1049;
+  EXPECT_EQ((*peer)->ChecksumSpans({spans.data(), 1, out}).code(),
+            absl::StatusCode::kInvalidArgument);
+  (*peer)->CloseImported(m);
+  spans[0].bytes = 1;
+  EXPECT_EQ((*peer)->ChecksumSpans({spans.data(), 1, out}).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -144,6 +144,22 @@ TEST_F(PrefillServerTest, ChunksRespectTheRequestedBound) {
   EXPECT_GT(chunks, model_->config().num_layers * model_->config().num_kv_heads);
 }
 
+// A decode cache of `layers` layers in pages of a device pool, as a cuda_ipc request names it.
+v1::KvRegion IpcRegion(int layers) {
+  v1::KvRegion r;
+  r.set_ipc_handle("handle");
+  r.set_bytes(1 << 20);
+  r.set_page_bytes(4096);
+  r.set_n_heads(1);
+  r.set_head_dim(8);
+  r.set_dtype(v1::KV_DTYPE_F32);
+  for (int l = 0; l < layers; ++l) {
+    r.add_capacity(16);
+    r.add_page_tables()->add_pages(l);
+  }
+  return r;
+}
+
 TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
   Start();
   struct Case {
@@ -195,6 +211,48 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
          for (int i = 0; i < 600; ++i) r->add_prompt_ids(5);
        },
        grpc::StatusCode::INVALID_ARGUMENT, "context", "prompt_ids"},
+      // Where a transport that writes the decode node's cache writes: every field checked, and
+      // those of another transport refused.
+      {[](auto* r) { *r->mutable_region() = IpcRegion(2); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "applies to the shm and cuda_ipc KV transports", "region"},
+      {[](auto* r) { r->set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC); },
+       grpc::StatusCode::INVALID_ARGUMENT, "needs the decode pool's slab", "region"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC);
+         *r->mutable_region() = IpcRegion(2);
+         r->mutable_region()->set_name("/kvwire-1-00");
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "name applies to the shm transport", "region"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC);
+         *r->mutable_region() = IpcRegion(2);
+         r->mutable_region()->add_page_tables()->add_pages(1);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "3 page tables for 2 layers", "region"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC);
+         *r->mutable_region() = IpcRegion(2);
+         r->mutable_region()->set_page_bytes(0);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "pages of 0 bytes", "region"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC);
+         *r->mutable_region() = IpcRegion(2);
+         r->mutable_region()->set_side_offset(4096);  // a cache in its dtype has no coded state
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "side_offset applies to a coded cache", "region"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_SHM);
+         *r->mutable_region() = IpcRegion(2);
+         r->mutable_region()->set_name("/kvwire-1-00");
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "apply to the cuda_ipc transport", "region"},
+      // Well formed, to a node on the CPU: it does not serve cuda_ipc, and says how it would.
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC);
+         *r->mutable_region() = IpcRegion(2);
+       },
+       grpc::StatusCode::FAILED_PRECONDITION, "does not serve the cuda_ipc KV transport"},
   };
   for (const Case& c : cases) {
     v1::PrefillRequest req = Request(20, CompressionConfig{});

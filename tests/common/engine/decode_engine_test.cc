@@ -239,6 +239,47 @@ TEST_F(DecodeEngineTest, CancellationDuringPrefillCancelsTheStream) {
   ExpectIdle();
 }
 
+// cuda_ipc: a prefill node writes the rows into the cache's pages itself, so pages of an attempt
+// that did not end with its whole stream (it may still be writing) stay out of the pool until
+// the attempt's deadline, the node's lease, and a second more have passed; an attempt the node
+// refused before any header returns them at once.
+TEST_F(DecodeEngineTest, PagesAPrefillNodeMayStillWriteWaitOutItsLease) {
+  remote_.set_placement(KvPlacement::kRows);
+  DecodeEngineOptions o;
+  o.prefill_attempts = 1;
+  o.prefill_attempt_timeout_ms = 5000;
+  Start(o);
+  std::shared_ptr<RecordingSink> sink;
+  auto t = SubmitAndStart(Job(50, 8, 1), &sink);
+  ASSERT_NE(t, nullptr);
+  t->Serve(*prefill_, /*max_chunks=*/0);  // the header, then the node dies
+  ASSERT_TRUE(sink->WaitFinished());
+  EXPECT_EQ(sink->status.code(), absl::StatusCode::kUnavailable) << sink->status;
+  EXPECT_EQ(engine_->active(), 0);
+  const size_t held = pool_->used();
+  EXPECT_GT(held, 0u) << "the pages wait out the lease";
+  auto pool_back = [&] {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (pool_->used() != 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return pool_->used() == 0;
+  };
+  clock_.Advance(std::chrono::milliseconds(5500));  // past the deadline, within the second
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(pool_->used(), held);
+  clock_.Advance(std::chrono::milliseconds(600));
+  EXPECT_TRUE(pool_back()) << pool_->used() << " bytes still held after the lease";
+
+  // Refused before a header (a node that does not serve the transport): nothing was written.
+  t = SubmitAndStart(Job(50, 8, 2), &sink);
+  ASSERT_NE(t, nullptr);
+  t->Fail(absl::FailedPreconditionError("this prefill node does not serve cuda_ipc"));
+  ASSERT_TRUE(sink->WaitFinished());
+  EXPECT_EQ(sink->status.code(), absl::StatusCode::kFailedPrecondition) << sink->status;
+  ExpectIdle();
+}
+
 TEST_F(DecodeEngineTest, CancellationWhileDecodingEndsTheSequence) {
   Start();
   GenerationJob j = Job(50, 2000, 1);

@@ -12,6 +12,7 @@
 #include <random>
 
 #include "common/base/shared_region.h"
+#include "common/model/kv_pool.h"
 
 namespace kvwire {
 namespace {
@@ -516,16 +517,7 @@ SharedPair MakeShared(const Stream& s) {
 
 // What the prefill node sends for chunk c once its assembler has written it into `view`.
 WireChunk Placed(const WireChunk& c, const KvCache& view, const Stream& s) {
-  WireChunk p;
-  p.layer = c.layer;
-  p.head_begin = c.head_begin;
-  p.head_count = c.head_count;
-  p.token_begin = c.token_begin;
-  p.token_count = c.token_count;
-  p.placed = true;
-  p.placed_bytes = static_cast<int64_t>(c.payload_bytes());
-  p.crc32c = PlacedChecksum(view, p, s.header.kept_per_layer[c.layer]);
-  return p;
+  return *PlacedChunk(c, view, s.header.kept_per_layer[c.layer], false, nullptr);
 }
 
 // The shm transport: the prefill node's assembler writes each chunk into the decode node's
@@ -544,7 +536,7 @@ TEST(KvWire, PlacedChunksHoldWhatTheStreamWouldHaveStored) {
         }(),
         p.prefill.get());
     WireExpectation e = Expect(s);
-    e.placed = true;
+    e.placement = KvPlacement::kRowsAndPositions;
     KvAssembler receiver(e, p.decode.get());
     ASSERT_TRUE(sender.OnHeader(s.header).ok());
     ASSERT_TRUE(receiver.OnHeader(s.header).ok());
@@ -559,7 +551,8 @@ TEST(KvWire, PlacedChunksHoldWhatTheStreamWouldHaveStored) {
     ASSERT_TRUE(Feed(s, plain->get()).ok());
     for (const WireChunk& c : s.chunks) {
       const int kept = s.header.kept_per_layer[c.layer];
-      EXPECT_EQ(PlacedChecksum(*p.decode, c, kept), PlacedChecksum(**plain, c, kept));
+      EXPECT_EQ(*PlacedChecksum(*p.decode, c, kept, nullptr),
+                *PlacedChecksum(**plain, c, kept, nullptr));
     }
     for (int l = 0; l < 2; ++l) EXPECT_EQ(p.decode->layer(l).len, (*plain)->layer(l).len);
     if (f == KvFormat::kAuto) ExpectCacheEquals(s, *p.decode);
@@ -573,7 +566,7 @@ TEST(KvWire, PlacedChunksAreCheckedWhereTheyLie) {
     SharedPair p = MakeShared(s);
     KvAssembler sender(Expect(s), p.prefill.get());
     WireExpectation e = Expect(s);
-    e.placed = true;
+    e.placement = KvPlacement::kRowsAndPositions;
     KvAssembler receiver(e, p.decode.get());
     EXPECT_TRUE(sender.OnHeader(s.header).ok());
     EXPECT_TRUE(receiver.OnHeader(s.header).ok());
@@ -597,12 +590,12 @@ TEST(KvWire, PlacedChunksAreCheckedWhereTheyLie) {
     LayerCache& lc = p.prefill->layer(0);
     std::swap(lc.positions[int64_t{c->head_begin} * lc.capacity + c->token_begin],
               lc.positions[int64_t{c->head_begin} * lc.capacity + c->token_begin + 1]);
-    c->crc32c = PlacedChecksum(*p.prefill, *c, s.header.kept_per_layer[0]);
+    c->crc32c = *PlacedChecksum(*p.prefill, *c, s.header.kept_per_layer[0], nullptr);
   });
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_NE(st.message().find("positions must ascend"), std::string::npos) << st;
   // A payload on a placed chunk, and an impossible size.
-  st = run([](SharedPair&, WireChunk* c) { c->k = "x"; });
+  st = run([](SharedPair&, WireChunk* c) { c->k.assign(1, 'x'); });
   EXPECT_NE(st.message().find("yet it carries a payload"), std::string::npos) << st;
   st = run([](SharedPair&, WireChunk* c) { c->placed_bytes = 3; });
   EXPECT_NE(st.message().find("stands for 3 bytes"), std::string::npos) << st;
@@ -619,6 +612,194 @@ TEST(KvWire, PlacedChunksAreCheckedWhereTheyLie) {
   ASSERT_TRUE(sender.OnChunk(s.chunks[0]).ok());
   st = plain.OnChunk(Placed(s.chunks[0], *p.prefill, s));
   EXPECT_NE(st.message().find("placed in the cache, but its rows travel"), std::string::npos) << st;
+}
+
+// The cuda_ipc shape: the decode node's cache in pages of a device pool, the prefill node's view
+// of the same pages through its own backend's mapping of the exported slab (two guarded
+// backends: each maps the memory at its own address, as two processes would).
+struct PagedPair {
+  kernels::KernelBackendPtr decode_backend, prefill_backend;
+  std::unique_ptr<KvPool> pool;
+  std::unique_ptr<KvCache> decode, prefill;
+  void* mapped = nullptr;
+  ~PagedPair() {
+    prefill.reset();
+    if (mapped != nullptr) prefill_backend->CloseImported(mapped);
+  }
+};
+std::unique_ptr<PagedPair> MakePaged(const Stream& s) {
+  auto p = std::make_unique<PagedPair>();
+  p->decode_backend = *kernels::MakeBackend(kernels::BackendKind::kGuarded, 1);
+  p->prefill_backend = *kernels::MakeBackend(kernels::BackendKind::kGuarded, 1);
+  KvCacheShape shape = MakeCache(s)->shape();
+  shape.format = DecodeCacheFormat(s.header.kv_format);
+  auto pool = KvPool::OnBackend(
+      std::shared_ptr<kernels::KernelBackend>(p->decode_backend.get(), [](auto*) {}),
+      size_t{4} << 20, size_t{16} << 10);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  p->pool = std::move(*pool);
+  // A cache that is not the pool's first: its pages start past others.
+  auto before = KvCache::CreatePaged(shape, *p->pool);
+  auto decode = KvCache::CreatePaged(shape, *p->pool);
+  EXPECT_TRUE(decode.ok()) << decode.status();
+  p->decode = std::move(*decode);
+  auto handle = p->decode_backend->ExportMemory(p->pool->slab(), p->pool->capacity());
+  EXPECT_TRUE(handle.ok()) << handle.status();
+  p->mapped = *p->prefill_backend->ImportMemory(*handle, p->pool->capacity());
+  auto view =
+      KvCache::CreatePagedView(shape, p->prefill_backend.get(), static_cast<uint8_t*>(p->mapped),
+                               p->pool->capacity(), *p->decode->paged_place());
+  EXPECT_TRUE(view.ok()) << view.status();
+  p->prefill = std::move(*view);
+  return p;
+}
+
+// What the prefill node sends on cuda_ipc: the rectangle, the positions, the checksum over the
+// pages it wrote, computed on its device.
+WireChunk PlacedRows(const WireChunk& c, const KvCache& view, const Stream& s,
+                     ChecksumScratch* scratch) {
+  return *PlacedChunk(c, view, s.header.kept_per_layer[c.layer], true, scratch);
+}
+
+// cuda_ipc: the prefill node's assembler writes each chunk's rows into the decode node's pages
+// through its mapping of the pool; the decode node stores the positions the chunks carry and
+// checks the pages by their checksum on its own device: it then holds what a stream through it
+// would have stored, in every format.
+TEST(KvWire, PlacedRowsInDevicePagesHoldWhatTheStreamWouldHaveStored) {
+  for (KvFormat f : {KvFormat::kAuto, KvFormat::kBF16, KvFormat::kFP8, KvFormat::kInt4}) {
+    SCOPED_TRACE(KvFormatName(f));
+    const Stream s = MakeStream(2, 3, 8, {60, 41}, 400, DType::kF32, 23, f);
+    auto p = MakePaged(s);
+    ASSERT_NE(p->prefill, nullptr);
+    ChecksumScratch scratch(p->prefill_backend.get());
+    WireExpectation plain_expect = Expect(s);
+    plain_expect.kept_per_layer.clear();
+    KvAssembler sender(plain_expect, p->prefill.get());
+    WireExpectation e = Expect(s);
+    e.placement = KvPlacement::kRows;
+    KvAssembler receiver(e, p->decode.get());
+    ASSERT_TRUE(sender.OnHeader(s.header).ok());
+    ASSERT_TRUE(receiver.OnHeader(s.header).ok());
+    for (const WireChunk& c : s.chunks) {
+      ASSERT_TRUE(sender.OnChunk(c).ok());
+      const absl::Status st = receiver.OnChunk(PlacedRows(c, *p->prefill, s, &scratch));
+      ASSERT_TRUE(st.ok()) << st;
+    }
+    ASSERT_TRUE(receiver.OnTrailer(s.trailer, 512).ok());
+    EXPECT_EQ(receiver.payload_bytes(), s.trailer.kv_payload_bytes);
+    // Every chunk's rows and positions in the pages as a host cache fed the usual way holds them
+    // (the checksum is the same function of both, the rows' CRCs computed where they are).
+    auto plain = KvCache::Create(p->decode->shape(), HeapKvAllocator());
+    ASSERT_TRUE(Feed(s, plain->get()).ok());
+    ChecksumScratch decode_scratch(p->decode_backend.get());
+    for (const WireChunk& c : s.chunks) {
+      const int kept = s.header.kept_per_layer[c.layer];
+      EXPECT_EQ(*PlacedChecksum(*p->decode, c, kept, &decode_scratch),
+                *PlacedChecksum(**plain, c, kept, nullptr));
+    }
+    for (int l = 0; l < 2; ++l) EXPECT_EQ(p->decode->layer(l).len, (*plain)->layer(l).len);
+  }
+}
+
+TEST(KvWire, PlacedRowsAreCheckedInThePages) {
+  const Stream s = MakeStream(1, 2, 8, {50}, 300, DType::kBF16, 5, KvFormat::kInt8);
+  ASSERT_GE(s.chunks.size(), 2u);
+  auto run = [&](const std::function<void(PagedPair&, WireChunk*)>& mutate) {
+    auto p = MakePaged(s);
+    ChecksumScratch scratch(p->prefill_backend.get());
+    KvAssembler sender(Expect(s), p->prefill.get());
+    WireExpectation e = Expect(s);
+    e.placement = KvPlacement::kRows;
+    KvAssembler receiver(e, p->decode.get());
+    EXPECT_TRUE(sender.OnHeader(s.header).ok());
+    EXPECT_TRUE(receiver.OnHeader(s.header).ok());
+    absl::Status st;
+    for (size_t i = 0; i < s.chunks.size() && st.ok(); ++i) {
+      EXPECT_TRUE(sender.OnChunk(s.chunks[i]).ok());
+      WireChunk placed = PlacedRows(s.chunks[i], *p->prefill, s, &scratch);
+      if (i == 1) mutate(*p, &placed);
+      st = receiver.OnChunk(placed);
+    }
+    return st;
+  };
+  EXPECT_TRUE(run([](PagedPair&, WireChunk*) {}).ok());
+  // A byte of the pages changed after the checksum was taken (through the prefill's mapping).
+  absl::Status st = run([&](PagedPair& p, WireChunk* c) {
+    const LayerCache& lc = p.prefill->layer(0);
+    uint8_t* at =
+        lc.k + lc.layout.Row(c->head_begin, c->token_begin, CodedKeyRowBytes(KvFormat::kInt8, 8));
+    uint8_t b = 0;
+    ASSERT_TRUE(p.prefill_backend->CopyToHost(&b, at, 1).ok());
+    b ^= 1;
+    ASSERT_TRUE(p.prefill_backend->CopyToDevice(at, &b, 1).ok());
+    ASSERT_TRUE(p.prefill_backend->Synchronize().ok());
+  });
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_NE(st.message().find("placed in the cache's pages"), std::string::npos) << st;
+  // A position that differs from those the checksum covered (still ascending, in the prompt).
+  st = run([&](PagedPair&, WireChunk* c) {
+    std::vector<int32_t> pos(static_cast<size_t>(c->head_count) * c->token_count);
+    size_t offset = 0;
+    for (int h = 0; h < c->head_count; ++h) {
+      ASSERT_TRUE(DecodePositions(c->positions, &offset, c->token_count, s.header.prompt_len,
+                                  pos.data() + static_cast<size_t>(h) * c->token_count)
+                      .ok());
+    }
+    int32_t& last = pos[c->token_count - 1];
+    ASSERT_LT(last + 1, s.header.prompt_len);
+    ++last;
+    std::string other;
+    for (int h = 0; h < c->head_count; ++h) {
+      EncodePositions(pos.data() + static_cast<size_t>(h) * c->token_count, c->token_count, &other);
+    }
+    c->placed_bytes +=
+        static_cast<int64_t>(other.size()) - static_cast<int64_t>(c->positions.size());
+    c->positions = other;
+  });
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  // Rows carried on a cuda_ipc chunk, positions missing, and a size that is not rows + positions.
+  st = run([](PagedPair&, WireChunk* c) { c->v.assign(1, 'x'); });
+  EXPECT_NE(st.message().find("must carry its positions only"), std::string::npos) << st;
+  st = run([](PagedPair&, WireChunk* c) { c->positions.clear(); });
+  EXPECT_NE(st.message().find("must carry its positions only"), std::string::npos) << st;
+  st = run([](PagedPair&, WireChunk* c) { c->placed_bytes -= 1; });
+  EXPECT_NE(st.message().find("and its positions"), std::string::npos) << st;
+}
+
+// The prefill node lays the decode node's cache out from what the request says, and every
+// table and offset must fit the shape and the slab.
+TEST(KvCache, PagedViewChecksWhereTheCacheLies) {
+  const Stream s = MakeStream(2, 3, 8, {60, 41}, 400, DType::kF32, 2, KvFormat::kInt4);
+  auto p = MakePaged(s);
+  const KvCacheShape& shape = p->decode->shape();
+  const KvCache::PagedPlace good = *p->decode->paged_place();
+  auto view = [&](const KvCache::PagedPlace& place, size_t slab = 0) {
+    return KvCache::CreatePagedView(shape, p->prefill_backend.get(),
+                                    static_cast<uint8_t*>(p->mapped),
+                                    slab ? slab : p->pool->capacity(), place)
+        .status();
+  };
+  EXPECT_TRUE(view(good).ok());
+  KvCache::PagedPlace bad = good;
+  bad.tables[1].back() = static_cast<int32_t>(p->pool->capacity() / good.page_bytes);
+  EXPECT_NE(view(bad).message().find("names page"), std::string::npos) << view(bad);
+  bad = good;
+  bad.tables[0].pop_back();
+  EXPECT_NE(view(bad).message().find("page table lists"), std::string::npos) << view(bad);
+  bad = good;
+  bad.tables.pop_back();
+  EXPECT_FALSE(view(bad).ok());
+  bad = good;
+  bad.side_offset = -1;  // a coded cache's state must be somewhere
+  EXPECT_NE(view(bad).message().find("coded state"), std::string::npos) << view(bad);
+  bad.side_offset = static_cast<int64_t>(p->pool->capacity());
+  EXPECT_FALSE(view(bad).ok());
+  bad = good;
+  bad.page_bytes = 0;
+  EXPECT_FALSE(view(bad).ok());
+  EXPECT_FALSE(view(good, good.page_bytes / 2).ok());  // a slab smaller than a page
+  // A cache in host memory has no pages to name.
+  EXPECT_EQ(MakeCache(s)->paged_place().status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(SharedRegion, IsOpenedByNameAtItsSizeUntilItsOwnerGoes) {
