@@ -161,11 +161,13 @@ struct ByteSpan {
 };
 
 // out[i] = CRC-32C of spans[i] (common/base/crc32c.h), computed where the bytes are: what a
-// transport that writes a cache in place checks the rows by (kv_wire's PlacedChecksum).
+// transport that writes a cache in place checks the rows by (kv_wire's PlacedChecksum). The op
+// returns with `out` filled, as CopyToHost does (after the work queued before it): its callers
+// need the sums at once, and a host array spares them a device buffer per stream.
 struct ChecksumSpansParams {
   const ByteSpan* spans = nullptr;  // host array [n]; each span in backend memory
   int n = 0;
-  uint32_t* out = nullptr;  // backend memory [n]
+  uint32_t* out = nullptr;  // host array [n]
 };
 
 class KernelBackend {

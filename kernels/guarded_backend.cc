@@ -379,13 +379,13 @@ class GuardedBackend final : public KernelBackend {
     RETURN_IF_ERROR(ValidateChecksumSpans(p));
     std::vector<Extent> ext;
     for (int i = 0; i < p.n; ++i) ext.push_back({p.spans[i].data, p.spans[i].bytes, "span"});
-    ext.push_back({p.out, Ints(p.n), "out"});
     std::vector<ByteSpan> spans(p.spans, p.spans + p.n);
-    return Queue("ChecksumSpans", ext, [this, p, spans = std::move(spans)] {
+    RETURN_IF_ERROR(Queue("ChecksumSpans", ext, [this, p, spans = std::move(spans)] {
       ChecksumSpansParams q = p;
       q.spans = spans.data();
       return inner_->ChecksumSpans(q);
-    });
+    }));
+    return Synchronize();  // returns with `out` (host memory) filled
   }
 
   // CUDA IPC, emulated: the buffer's pages move into a memfd, which the importing backend maps

@@ -148,8 +148,8 @@ class PlacingStreamSink : public KvStreamSink {
           "the request's deadline passed: its decode cache is no longer this node's to write");
     }
     RETURN_IF_ERROR(assembler_->OnChunk(chunk));
-    ASSIGN_OR_RETURN(WireChunk placed, PlacedChunk(chunk, *cache_, kept_[chunk.layer],
-                                                   PositionsTravel(), scratch_.get()));
+    ASSIGN_OR_RETURN(WireChunk placed,
+                     PlacedChunk(chunk, *cache_, kept_[chunk.layer], PositionsTravel()));
     placed_bytes_ += placed.placed_bytes - static_cast<int64_t>(placed.positions.size());
     return stream_->OnChunk(std::move(placed));
   }
@@ -175,7 +175,6 @@ class PlacingStreamSink : public KvStreamSink {
 
   std::shared_ptr<KvStreamSink> stream_;
   const KvCacheShape shape_;
-  std::unique_ptr<ChecksumScratch> scratch_;  // a device cache's row CRCs
 
  private:
   const Clock::TimePoint deadline_;
@@ -279,10 +278,7 @@ class PagesStreamSink final : public PlacingStreamSink {
         handle_(job.region_handle),
         bytes_(job.region_bytes),
         place_(job.region_place) {}
-  ~PagesStreamSink() override {
-    ReleaseCache();
-    scratch_.reset();
-  }
+  ~PagesStreamSink() override { ReleaseCache(); }
   absl::string_view transport() const override { return "cuda_ipc"; }
 
  private:
@@ -297,9 +293,9 @@ class PagesStreamSink final : public PlacingStreamSink {
     pool_ = *std::move(pool);
     auto cache = KvCache::CreatePagedView(shape_, backend_.get(),
                                           static_cast<uint8_t*>(pool_->data), bytes_, place_);
-    if (!cache.ok())
+    if (!cache.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("region: ", cache.status().message()));
-    scratch_ = std::make_unique<ChecksumScratch>(backend_.get());
+    }
     return cache;
   }
   bool PositionsTravel() const override { return true; }

@@ -94,31 +94,8 @@ absl::StatusOr<KvTransport> ParseKvTransport(absl::string_view name) {
       absl::StrCat("must be grpc, shm or cuda_ipc (nccl is not built yet); got '", name, "'"));
 }
 
-ChecksumScratch::~ChecksumScratch() {
-  if (out_ != nullptr) backend_->Free(out_);
-}
-
-absl::Status ChecksumScratch::Run(const std::vector<kernels::ByteSpan>& spans,
-                                  std::vector<uint32_t>* out) {
-  out->resize(spans.size());
-  if (spans.empty()) return absl::OkStatus();
-  if (capacity_ < spans.size()) {
-    if (out_ != nullptr) backend_->Free(out_);
-    out_ = nullptr;
-    capacity_ = 0;
-    ASSIGN_OR_RETURN(out_, backend_->Allocate(sizeof(uint32_t) * spans.size()));
-    capacity_ = spans.size();
-  }
-  kernels::ChecksumSpansParams p;
-  p.spans = spans.data();
-  p.n = static_cast<int>(spans.size());
-  p.out = static_cast<uint32_t*>(out_);
-  RETURN_IF_ERROR(backend_->ChecksumSpans(p));
-  return backend_->CopyToHost(out->data(), out_, sizeof(uint32_t) * spans.size());
-}
-
 absl::StatusOr<WireChunk> PlacedChunk(const WireChunk& c, const KvCache& cache, int kept,
-                                      bool with_positions, ChecksumScratch* scratch) {
+                                      bool with_positions) {
   WireChunk p;
   p.layer = c.layer;
   p.head_begin = c.head_begin;
@@ -128,12 +105,11 @@ absl::StatusOr<WireChunk> PlacedChunk(const WireChunk& c, const KvCache& cache, 
   p.placed = true;
   p.placed_bytes = static_cast<int64_t>(c.payload_bytes());
   if (with_positions) p.positions = c.positions;
-  ASSIGN_OR_RETURN(p.crc32c, PlacedChecksum(cache, p, kept, scratch));
+  ASSIGN_OR_RETURN(p.crc32c, PlacedChecksum(cache, p, kept));
   return p;
 }
 
-absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& c, int kept,
-                                        ChecksumScratch* scratch) {
+absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& c, int kept) {
   std::string head;
   for (int v : {c.layer, c.head_begin, c.head_count, c.token_begin, c.token_count}) {
     AppendU32(&head, static_cast<uint32_t>(v));
@@ -175,11 +151,9 @@ absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& c
     for (size_t i = 0; i < spans.size(); ++i) {
       sums[i] = Crc32c(spans[i].data, static_cast<size_t>(spans[i].bytes));
     }
-  } else {
-    if (scratch == nullptr) {
-      return absl::InternalError("PlacedChecksum over a device cache needs a ChecksumScratch");
-    }
-    RETURN_IF_ERROR(scratch->Run(spans, &sums));
+  } else if (!spans.empty()) {
+    RETURN_IF_ERROR(cache.backend()->ChecksumSpans(
+        {spans.data(), static_cast<int>(spans.size()), sums.data()}));
   }
   uint32_t crc = Crc32c(head.data(), head.size());
   size_t from = 0;
@@ -500,7 +474,7 @@ absl::Status KvAssembler::CheckPlaced(const WireChunk& c, const std::string& whe
         positions_in_cache ? "" : absl::StrCat(" and its positions ", c.positions.size())));
   }
   if (!positions_in_cache) return DecodeChunkPositions(c, where);
-  ASSIGN_OR_RETURN(const uint32_t crc, PlacedChecksum(*cache_, c, kept, nullptr));
+  ASSIGN_OR_RETURN(const uint32_t crc, PlacedChecksum(*cache_, c, kept));
   if (crc != c.crc32c) {
     return absl::DataLossError(
         absl::StrCat(where, ": CRC-32C mismatch over the rows placed in the cache"));
@@ -530,11 +504,7 @@ absl::Status KvAssembler::CheckPlacedRows(const WireChunk& c) {
                 positions_.data() + static_cast<size_t>(h) * c.token_count,
                 sizeof(int32_t) * c.token_count);
   }
-  if (!cache_->host_rows() && scratch_ == nullptr) {
-    scratch_ = std::make_unique<ChecksumScratch>(cache_->backend());
-  }
-  ASSIGN_OR_RETURN(const uint32_t crc,
-                   PlacedChecksum(*cache_, c, header_.kept_per_layer[layer_], scratch_.get()));
+  ASSIGN_OR_RETURN(const uint32_t crc, PlacedChecksum(*cache_, c, header_.kept_per_layer[layer_]));
   if (crc != c.crc32c) {
     return absl::DataLossError(absl::StrCat("chunk of layer ", c.layer, " heads ", c.head_begin,
                                             "+", c.head_count, " tokens ", c.token_begin, "+",

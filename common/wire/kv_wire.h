@@ -84,31 +84,14 @@ uint32_t ChunkChecksum(const WireChunk& chunk);
 // row (K then V per token; a coded cache's code rows), then (coded) one over the parameters and
 // one over the fp8 scales of the key groups the tokens touch. Both nodes compute it over the
 // same memory (the prefill node after writing, the decode node before it uses the rows); the
-// rows' CRCs where the rows are, on the cache's backend for a device cache (ChecksumSpans into
-// `scratch`), so a GPU's rows never cross to the host. `kept` is the layer's prompt tokens.
-class ChecksumScratch;
+// rows' CRCs where the rows are, on the cache's backend for a device cache (ChecksumSpans), so
+// a GPU's rows never cross to the host. `kept` is the layer's prompt tokens.
 // What the sender of chunk `c` sends once it has written c into the receiver's cache `cache`:
 // c's rectangle, placed, standing for c's payload, with c's positions where they travel
 // (`with_positions`: cuda_ipc) and the checksum of what the cache holds.
 absl::StatusOr<WireChunk> PlacedChunk(const WireChunk& c, const KvCache& cache, int kept,
-                                      bool with_positions, ChecksumScratch* scratch);
-absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& chunk, int kept,
-                                        ChecksumScratch* scratch);
-// Backend memory PlacedChecksum's row CRCs go to on a device, kept between chunks.
-class ChecksumScratch {
- public:
-  explicit ChecksumScratch(kernels::KernelBackend* backend) : backend_(backend) {}
-  ~ChecksumScratch();
-  ChecksumScratch(const ChecksumScratch&) = delete;
-  ChecksumScratch& operator=(const ChecksumScratch&) = delete;
-  // The CRC-32C of each span, on the host.
-  absl::Status Run(const std::vector<kernels::ByteSpan>& spans, std::vector<uint32_t>* out);
-
- private:
-  kernels::KernelBackend* backend_;
-  void* out_ = nullptr;  // backend memory for `capacity_` CRCs
-  size_t capacity_ = 0;
-};
+                                      bool with_positions);
+absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& chunk, int kept);
 
 // One head's strictly ascending positions, coded as whichever is smaller (a tie: deltas):
 //   0x00, then n LEB128 varints: the first position, then each gap less one
@@ -183,9 +166,8 @@ class KvAssembler {
   int layer_ = 0, head_ = 0, token_ = 0;  // where the next chunk must start
   int64_t payload_bytes_ = 0;
   int chunks_ = 0;
-  std::vector<int32_t> positions_;            // the chunk's, decoded by CheckChunk
-  std::vector<uint8_t> rows_;                 // its K and V rows dequantised
-  std::unique_ptr<ChecksumScratch> scratch_;  // placed rows on a device: their CRCs' memory
+  std::vector<int32_t> positions_;  // the chunk's, decoded by CheckChunk
+  std::vector<uint8_t> rows_;       // its K and V rows dequantised
 };
 
 }  // namespace kvwire

@@ -29,6 +29,7 @@ __global__ void ChecksumSpansKernel(const ByteSpan* spans, int n, uint32_t* out)
 
 }  // namespace
 
+// `p.out` is device memory here (the backend copies it to the caller's host array).
 absl::Status LaunchChecksumSpans(const ChecksumSpansParams& p, const OpMemory& mem,
                                  cudaStream_t stream) {
   RETURN_IF_ERROR(ValidateChecksumSpans(p));

@@ -317,9 +317,18 @@ class CudaBackend final : public KernelBackend {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     return cuda::LaunchSample(p, OpMemoryOf(*lane), lane->compute);
   }
+  // The sums into the lane's scratch, then to the caller's host array in stream order.
   absl::Status ChecksumSpans(const ChecksumSpansParams& p) override {
+    RETURN_IF_ERROR(ValidateChecksumSpans(p));
+    if (p.n == 0) return absl::OkStatus();
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
-    return cuda::LaunchChecksumSpans(p, OpMemoryOf(*lane), lane->compute);
+    const cuda::OpMemory mem = OpMemoryOf(*lane);
+    const size_t bytes = sizeof(uint32_t) * static_cast<size_t>(p.n);
+    ASSIGN_OR_RETURN(void* sums, mem.scratch(cuda::kScratchWork, bytes));
+    ChecksumSpansParams q = p;
+    q.out = static_cast<uint32_t*>(sums);
+    RETURN_IF_ERROR(cuda::LaunchChecksumSpans(q, mem, lane->compute));
+    return CopyToHost(p.out, sums, bytes);
   }
 
   // CUDA IPC: the handle of a whole cudaMalloc allocation (the pool's slab), opened by another

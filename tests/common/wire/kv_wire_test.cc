@@ -517,7 +517,7 @@ SharedPair MakeShared(const Stream& s) {
 
 // What the prefill node sends for chunk c once its assembler has written it into `view`.
 WireChunk Placed(const WireChunk& c, const KvCache& view, const Stream& s) {
-  return *PlacedChunk(c, view, s.header.kept_per_layer[c.layer], false, nullptr);
+  return *PlacedChunk(c, view, s.header.kept_per_layer[c.layer], false);
 }
 
 // The shm transport: the prefill node's assembler writes each chunk into the decode node's
@@ -551,8 +551,7 @@ TEST(KvWire, PlacedChunksHoldWhatTheStreamWouldHaveStored) {
     ASSERT_TRUE(Feed(s, plain->get()).ok());
     for (const WireChunk& c : s.chunks) {
       const int kept = s.header.kept_per_layer[c.layer];
-      EXPECT_EQ(*PlacedChecksum(*p.decode, c, kept, nullptr),
-                *PlacedChecksum(**plain, c, kept, nullptr));
+      EXPECT_EQ(*PlacedChecksum(*p.decode, c, kept), *PlacedChecksum(**plain, c, kept));
     }
     for (int l = 0; l < 2; ++l) EXPECT_EQ(p.decode->layer(l).len, (*plain)->layer(l).len);
     if (f == KvFormat::kAuto) ExpectCacheEquals(s, *p.decode);
@@ -590,7 +589,7 @@ TEST(KvWire, PlacedChunksAreCheckedWhereTheyLie) {
     LayerCache& lc = p.prefill->layer(0);
     std::swap(lc.positions[int64_t{c->head_begin} * lc.capacity + c->token_begin],
               lc.positions[int64_t{c->head_begin} * lc.capacity + c->token_begin + 1]);
-    c->crc32c = *PlacedChecksum(*p.prefill, *c, s.header.kept_per_layer[0], nullptr);
+    c->crc32c = *PlacedChecksum(*p.prefill, *c, s.header.kept_per_layer[0]);
   });
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_NE(st.message().find("positions must ascend"), std::string::npos) << st;
@@ -656,9 +655,8 @@ std::unique_ptr<PagedPair> MakePaged(const Stream& s) {
 
 // What the prefill node sends on cuda_ipc: the rectangle, the positions, the checksum over the
 // pages it wrote, computed on its device.
-WireChunk PlacedRows(const WireChunk& c, const KvCache& view, const Stream& s,
-                     ChecksumScratch* scratch) {
-  return *PlacedChunk(c, view, s.header.kept_per_layer[c.layer], true, scratch);
+WireChunk PlacedRows(const WireChunk& c, const KvCache& view, const Stream& s) {
+  return *PlacedChunk(c, view, s.header.kept_per_layer[c.layer], true);
 }
 
 // cuda_ipc: the prefill node's assembler writes each chunk's rows into the decode node's pages
@@ -671,7 +669,6 @@ TEST(KvWire, PlacedRowsInDevicePagesHoldWhatTheStreamWouldHaveStored) {
     const Stream s = MakeStream(2, 3, 8, {60, 41}, 400, DType::kF32, 23, f);
     auto p = MakePaged(s);
     ASSERT_NE(p->prefill, nullptr);
-    ChecksumScratch scratch(p->prefill_backend.get());
     WireExpectation plain_expect = Expect(s);
     plain_expect.kept_per_layer.clear();
     KvAssembler sender(plain_expect, p->prefill.get());
@@ -682,7 +679,7 @@ TEST(KvWire, PlacedRowsInDevicePagesHoldWhatTheStreamWouldHaveStored) {
     ASSERT_TRUE(receiver.OnHeader(s.header).ok());
     for (const WireChunk& c : s.chunks) {
       ASSERT_TRUE(sender.OnChunk(c).ok());
-      const absl::Status st = receiver.OnChunk(PlacedRows(c, *p->prefill, s, &scratch));
+      const absl::Status st = receiver.OnChunk(PlacedRows(c, *p->prefill, s));
       ASSERT_TRUE(st.ok()) << st;
     }
     ASSERT_TRUE(receiver.OnTrailer(s.trailer, 512).ok());
@@ -691,11 +688,9 @@ TEST(KvWire, PlacedRowsInDevicePagesHoldWhatTheStreamWouldHaveStored) {
     // (the checksum is the same function of both, the rows' CRCs computed where they are).
     auto plain = KvCache::Create(p->decode->shape(), HeapKvAllocator());
     ASSERT_TRUE(Feed(s, plain->get()).ok());
-    ChecksumScratch decode_scratch(p->decode_backend.get());
     for (const WireChunk& c : s.chunks) {
       const int kept = s.header.kept_per_layer[c.layer];
-      EXPECT_EQ(*PlacedChecksum(*p->decode, c, kept, &decode_scratch),
-                *PlacedChecksum(**plain, c, kept, nullptr));
+      EXPECT_EQ(*PlacedChecksum(*p->decode, c, kept), *PlacedChecksum(**plain, c, kept));
     }
     for (int l = 0; l < 2; ++l) EXPECT_EQ(p->decode->layer(l).len, (*plain)->layer(l).len);
   }
@@ -706,7 +701,6 @@ TEST(KvWire, PlacedRowsAreCheckedInThePages) {
   ASSERT_GE(s.chunks.size(), 2u);
   auto run = [&](const std::function<void(PagedPair&, WireChunk*)>& mutate) {
     auto p = MakePaged(s);
-    ChecksumScratch scratch(p->prefill_backend.get());
     KvAssembler sender(Expect(s), p->prefill.get());
     WireExpectation e = Expect(s);
     e.placement = KvPlacement::kRows;
@@ -716,7 +710,7 @@ TEST(KvWire, PlacedRowsAreCheckedInThePages) {
     absl::Status st;
     for (size_t i = 0; i < s.chunks.size() && st.ok(); ++i) {
       EXPECT_TRUE(sender.OnChunk(s.chunks[i]).ok());
-      WireChunk placed = PlacedRows(s.chunks[i], *p->prefill, s, &scratch);
+      WireChunk placed = PlacedRows(s.chunks[i], *p->prefill, s);
       if (i == 1) mutate(*p, &placed);
       st = receiver.OnChunk(placed);
     }
