@@ -12,6 +12,7 @@
 #       [--lengths 2048,8192] [--settings full,snapkv:128] [--rounds 2] [--threads 2]
 #       [--vocab 32000 (prompt ids are drawn below it)] [--backend cpu|cuda|guarded]
 #       [--transports grpc,shm (cpu) | grpc,cuda_ipc (cuda, guarded)] [--tokens 8]
+#       [--pool-bytes 8GiB (N, NKiB, NMiB or NGiB: each decode node's KV pool; shm keeps it in /dev/shm)]
 #
 # Every request is greedy and generates --tokens tokens (the first sampled on the prefill node,
 # the rest decoded over the cache the transport moved), so the transports must give the same
@@ -33,6 +34,7 @@ VOCAB=32000
 BACKEND=cpu
 TRANSPORTS=""
 TOKENS=8
+POOL=8GiB
 DIR=""
 usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
@@ -48,6 +50,7 @@ while [[ $# -gt 0 ]]; do
     --backend) BACKEND=$2; shift 2 ;;
     --transports) TRANSPORTS=$2; shift 2 ;;
     --tokens) TOKENS=$2; shift 2 ;;
+    --pool-bytes) POOL=$2; shift 2 ;;
     --dir) DIR=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "transport_bench: unknown argument '$1' (--help lists them)" >&2; exit 2 ;;
@@ -60,6 +63,16 @@ case "$BACKEND" in
   *) echo "transport_bench: --backend must be cpu, cuda or guarded, got '$BACKEND'" >&2; exit 2 ;;
 esac
 IFS=',' read -ra transports <<<"$TRANSPORTS"
+if [[ ",$TRANSPORTS," == *,shm,* ]]; then
+  # A decode node on shm keeps its whole pool in /dev/shm and refuses to start without room.
+  pool=$(python3 -c "import sys; n, u = sys.argv[1], {'KiB': 1 << 10, 'MiB': 1 << 20, 'GiB': 1 << 30}
+print(int(n[:-3]) * u[n[-3:]] if n[-3:] in u else int(n))" "$POOL")
+  room=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
+  if [[ -z $room || $room -lt $pool ]]; then
+    echo "SKIP: /dev/shm has ${room:-no} bytes free for a $POOL shm pool (--pool-bytes)"
+    exit 0
+  fi
+fi
 # A build folder's binaries, or a device bundle's (every binary in one folder).
 bin_of() { if [[ -x "$BUILD/$1" ]]; then echo "$BUILD/$1"; else echo "$BUILD/$(basename "$1")"; fi; }
 PREFILL=$(bin_of prefill_service/kvwire-prefill)
@@ -92,7 +105,7 @@ for t in "${transports[@]}"; do
   port=$((port + 1))
   "$DECODE" --model "$MODEL" --dtype "$DTYPE" --threads "$THREADS" --listen "127.0.0.1:$port" \
     --backend "$BACKEND" --metrics-listen "" --prefill "ipv4:127.0.0.1:$BASE" \
-    --kv-transport "$t" --kv-pool-bytes 8GiB --max-chunk-bytes 4MiB --node-name "decode-$t" \
+    --kv-transport "$t" --kv-pool-bytes "$POOL" --max-chunk-bytes 4MiB --node-name "decode-$t" \
     --prefill-attempt-timeout-ms 3600000 >"$DIR/decode-$t.log" 2>&1 &
   PIDS+=($!)
 done

@@ -7,13 +7,13 @@
 #              CUDA_LAUNCH_BLOCKING=1 so the error names the launch that faulted
 #   engine     the engine on cuda against the reference and the CPU engine (DeviceEngine.*)
 #   pair       both nodes on cuda through gRPC (ServicePairOnDevice.*)
-#   cuda_ipc   two processes on the GPU: a prefill node writing into a decode node's pool pages
-#              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared)
 #   oracle     PyTorch on the same device (scripts/device_oracle.py): ceilings, SDPA, and
 #              transformers' stories260K greedy ids against kvwire's on cuda
 #   gpu_bench  decode at batch 1/8/32 and prefill at 2K/16K against the measured ceilings
 #   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
 #   copies     kvwire timing's copy ledger: a compressing prefill, a sparse decode step
+#   cuda_ipc   two processes on the GPU: a prefill node writing into a decode node's pool pages
+#              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared)
 #   memcheck   compute-sanitizer memcheck over the op tests
 #
 # Logs, gtest JSON and bench output go to $OUT/logs.tar.gz, the summary to $OUT/summary.tsv
@@ -135,20 +135,6 @@ phase engine 90 gtest_detail "$model_test" --gtest_filter="Backends/DeviceEngine
 phase pair 90 gtest_detail "$pair_test" \
   --gtest_filter="Backends/ServicePairOnDevice.*/$backend" --gtest_output="json:$work/pair.json"
 
-# cuda_ipc between two processes (CUDA refuses a process its own IPC handle, so the op and pair
-# tests emulate it on guarded): tokens equal to grpc's, TTFT and transfer side by side.
-if ((dry)); then
-  printf 'cuda_ipc\tskip\t0\tdry run: CUDA IPC needs a GPU and two processes\n' >>"$summary"
-else
-  ipc_detail() {
-    grep -E '^ +[0-9]+ ' "$1" | awk '{printf "%s %s %s ttft %s fwd %s %s; ", $1, $2, $3, $7, $5, $10}'
-    echo "(exit $2)"
-  }
-  phase cuda_ipc 100 ipc_detail bash "$root/bench/transport_bench.sh" --build-dir "$dir/bin" \
-    --backend cuda --model synthetic:llama-1b --lengths 2048,16384 --settings full,snapkv:128 \
-    --rounds 1 --threads 8 --dir "$work/transport"
-fi
-
 if ((dry)); then
   printf 'oracle\tskip\t0\tdry run: PyTorch runs on the device machine only\n' >>"$summary"
   printf 'gpu_bench\tskip\t0\tdry run: gpu_bench measures a GPU\n' >>"$summary"
@@ -189,6 +175,20 @@ print("prefill to_host %d B (%d calls), decode step to_host %.0f B (%.1f calls),
 phase copies 120 copies_detail "$(find_bin kvwire)" timing --backend "$backend" \
   --model "$copies_model" --prompt-ids "$copies_ids" --decode 8 --policy snapkv \
   --budget "$copies_budget" --attention hybrid --attention-budget 64
+
+# cuda_ipc between two processes (CUDA refuses a process its own IPC handle, so the op and pair
+# tests emulate it on guarded): tokens equal to grpc's, TTFT and transfer side by side.
+if ((dry)); then
+  printf 'cuda_ipc\tskip\t0\tdry run: CUDA IPC needs a GPU and two processes\n' >>"$summary"
+else
+  ipc_detail() {
+    grep -E '^ +[0-9]+ ' "$1" | awk '{printf "%s %s %s ttft %s fwd %s %s; ", $1, $2, $3, $7, $5, $10}'
+    echo "(exit $2)"
+  }
+  phase cuda_ipc 100 ipc_detail bash "$root/bench/transport_bench.sh" --build-dir "$dir/bin" \
+    --backend cuda --model synthetic:llama-1b --lengths 2048,8192 --settings full,snapkv:128 \
+    --rounds 1 --threads 8 --dir "$work/transport"
+fi
 
 if ((dry)); then
   printf 'memcheck\tskip\t0\tdry run: compute-sanitizer needs a GPU\n' >>"$summary"
