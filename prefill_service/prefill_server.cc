@@ -124,14 +124,7 @@ class PlacingStreamSink : public KvStreamSink {
                        KvFormatName(h.kv_format)));
     }
     ASSIGN_OR_RETURN(cache_, MapCache());
-    WireExpectation expect;
-    expect.model_fingerprint = h.model_fingerprint;
-    expect.num_layers = h.num_layers;
-    expect.num_cache_heads = h.num_cache_heads;
-    expect.head_dim = h.head_dim;
-    expect.dtype = h.dtype;
-    expect.kv_format = h.kv_format;
-    expect.prompt_len = h.prompt_len;
+    WireExpectation expect = ExpectHeader(h);
     expect.max_chunk_bytes = kMaxChunkBytesLimit;
     assembler_ = std::make_unique<KvAssembler>(std::move(expect), cache_.get());
     RETURN_IF_ERROR(assembler_->OnHeader(h));

@@ -97,16 +97,7 @@ WireHeader StreamHeader(const LlamaModel& model, const CompressionConfig& config
 
 WireExpectation StreamExpectation(const LlamaModel& model, const CompressionConfig& config, int len,
                                   size_t max_chunk_bytes) {
-  const WireHeader h = StreamHeader(model, config, len);
-  WireExpectation e;
-  e.model_fingerprint = h.model_fingerprint;
-  e.num_layers = h.num_layers;
-  e.num_cache_heads = h.num_cache_heads;
-  e.head_dim = h.head_dim;
-  e.dtype = h.dtype;
-  e.kv_format = h.kv_format;
-  e.prompt_len = len;
-  e.kept_per_layer = h.kept_per_layer;
+  WireExpectation e = ExpectHeader(StreamHeader(model, config, len));
   e.max_chunk_bytes = max_chunk_bytes;
   return e;
 }

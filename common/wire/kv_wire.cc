@@ -58,6 +58,19 @@ uint32_t ChunkChecksum(const WireChunk& c) {
   return Crc32c(c.v.data(), c.v.size(), crc);
 }
 
+WireExpectation ExpectHeader(const WireHeader& h) {
+  WireExpectation e;
+  e.model_fingerprint = h.model_fingerprint;
+  e.num_layers = h.num_layers;
+  e.num_cache_heads = h.num_cache_heads;
+  e.head_dim = h.head_dim;
+  e.dtype = h.dtype;
+  e.kv_format = h.kv_format;
+  e.prompt_len = h.prompt_len;
+  e.kept_per_layer = h.kept_per_layer;
+  return e;
+}
+
 absl::string_view KvTransportName(KvTransport t) {
   switch (t) {
     case KvTransport::kGrpc:

@@ -132,6 +132,10 @@ struct WireExpectation {
   KvPlacement placement = KvPlacement::kNone;
 };
 
+// What a receiver that trusts a header's own shape expects of its stream (the placing sinks,
+// which check chunks as the decode node will; StreamExpectation adds the request's limits).
+WireExpectation ExpectHeader(const WireHeader& h);
+
 // Receives one stream into a cache reserved for it. Chunks must tile each layer in
 // order; anything else (a wrong field, an overlap, a gap, a bad checksum, a position out
 // of order or out of the prompt) is an error that says what was wrong and leaves the

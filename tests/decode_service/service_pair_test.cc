@@ -321,6 +321,20 @@ class ServicePairTest : public ::testing::Test {
               by_transport[1].final.stats().kv_payload_bytes());
   }
 
+  // A decode node asking for `t` from prefill nodes that do not serve it: the request fails
+  // with FAILED_PRECONDITION saying `says` (how to serve it), and the pool is whole again.
+  void ExpectRefusedSaying(KvTransport t, const std::string& says) {
+    DecodeServerOptions o;
+    o.kv_transport = t;
+    o.engine.prefill_attempts = 1;
+    StartDecode(o);
+    const Result r = Call(*stub_, Request(LongPrompt(50), 4));
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+        << r.status.error_message();
+    EXPECT_NE(r.status.error_message().find(says), std::string::npos) << r.status.error_message();
+    ExpectPoolEmpty();
+  }
+
   static constexpr int kIpcAttemptMs = 4000;
   // Whether /dev/shm holds a shm test's caches (StartDecode's pool), which a container may not.
   static bool ShmFits() { return SharedRegionRoom().value_or(0) >= (size_t{32} << 20); }
@@ -407,16 +421,7 @@ TEST_F(ServicePairTest, CudaIpcRefusedWhereItCannotRun) {
   LoadNodeModels(device);
   prefills_.clear();
   AddPrefill();
-  DecodeServerOptions o;
-  o.kv_transport = KvTransport::kCudaIpc;
-  o.engine.prefill_attempts = 1;
-  StartDecode(o);
-  const Result r = Call(*stub_, Request(LongPrompt(50), 4));
-  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
-      << r.status.error_message();
-  EXPECT_NE(r.status.error_message().find("does not serve the cuda_ipc"), std::string::npos)
-      << r.status.error_message();
-  ExpectPoolEmpty();
+  ExpectRefusedSaying(KvTransport::kCudaIpc, "does not serve the cuda_ipc");
   // And a prefill node on a host backend cannot serve it at all.
   PrefillServerOptions p;
   p.listen = "127.0.0.1:0";
@@ -431,16 +436,7 @@ TEST_F(ServicePairTest, ShmRefusedByANodeThatDoesNotServeIt) {
   if (!ShmFits()) GTEST_SKIP() << kNoShm;
   serve_shm_ = false;
   AddPrefill();
-  DecodeServerOptions o;
-  o.kv_transport = KvTransport::kShm;
-  o.engine.prefill_attempts = 1;
-  StartDecode(o);
-  const Result r = Call(*stub_, Request(LongPrompt(50), 4));
-  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
-      << r.status.error_message();
-  EXPECT_NE(r.status.error_message().find("--kv-transport grpc,shm"), std::string::npos)
-      << r.status.error_message();
-  ExpectPoolEmpty();
+  ExpectRefusedSaying(KvTransport::kShm, "--kv-transport grpc,shm");
 }
 
 // Both nodes on a device backend (guarded everywhere; cuda where a GPU is present): the pair's
