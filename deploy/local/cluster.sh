@@ -6,7 +6,8 @@
 # directory.
 #
 #   deploy/local/cluster.sh start       [--dir DIR] [--base-port N] [--model M] [--build-dir B]
-#                                       [--insecure] [--no-openai] [--set KEY=VALUE]...
+#                                       [--backend B] [--insecure] [--no-openai]
+#                                       [--set KEY=VALUE]...
 #   deploy/local/cluster.sh wait-ready  [--dir DIR] [--timeout S]
 #   deploy/local/cluster.sh status      [--dir DIR]
 #   deploy/local/cluster.sh stop        [--dir DIR] [--timeout S]
@@ -42,6 +43,9 @@ options:
   --model M        model folder or synthetic:NAME (default ../shared/models/stories260K-hf
                    when present, else synthetic:stories)
   --build-dir B    where the binaries are (default build)
+  --backend B      start: the nodes' kernel backend, cpu (default), cuda, or guarded (the device
+                   path without a GPU, its CUDA IPC emulated between the processes); as the
+                   manifests' KVWIRE_BACKEND
   --insecure       start: plaintext between decode and prefill nodes, no certificates
                    (default: mutual TLS, with a CA and node certificates that
                    scripts/make_certs.sh makes in DIR/tls, kept across restarts)
@@ -79,6 +83,7 @@ DIR="$REPO/build/cluster"
 BUILD_DIR="${KVWIRE_BUILD_DIR:-$REPO/build}"
 BASE_PORT="${KVWIRE_BASE_PORT:-}"
 MODEL="${KVWIRE_MODEL:-}"
+BACKEND=""
 TIMEOUT=""
 INSECURE=0
 OPENAI=1
@@ -89,6 +94,7 @@ while [[ $# -gt 0 ]]; do
     --base-port) BASE_PORT=${2:?--base-port needs a value}; shift 2 ;;
     --model) MODEL=${2:?--model needs a value}; shift 2 ;;
     --build-dir) BUILD_DIR=${2:?--build-dir needs a value}; shift 2 ;;
+    --backend) BACKEND=${2:?--backend needs a value}; shift 2 ;;
     --timeout) TIMEOUT=${2:?--timeout needs a value}; shift 2 ;;
     --insecure) INSECURE=1; shift ;;
     --no-openai) OPENAI=0; shift ;;
@@ -113,6 +119,9 @@ esac
 [[ -z $TIMEOUT || $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout takes whole seconds, got '$TIMEOUT'"
 ((!INSECURE)) || [[ $CMD == start ]] || die "--insecure is an option of start"
 ((OPENAI)) || [[ $CMD == start ]] || die "--no-openai is an option of start"
+[[ -z $BACKEND ]] || [[ $CMD == start ]] || die "--backend is an option of start"
+[[ -z $BACKEND || $BACKEND =~ ^(cpu|cuda|guarded)$ ]] ||
+  die "--backend takes cpu, cuda or guarded, got '$BACKEND'"
 ((${#OVERRIDES[@]} == 0)) || [[ $CMD == start ]] || die "--set is an option of start"
 
 if [[ $CMD == start ]]; then
@@ -391,6 +400,7 @@ cmd_start() {
       --metrics-listen="$HOST:${METRICS[$i]}" --node-name="$name" --threads="$threads"
       --trace-file="$DIR/traces/$name.jsonl")
     [[ $kind == decode ]] && FLAGS+=(--prefill="$prefill_target")
+    [[ -n $BACKEND ]] && FLAGS+=(--backend="$BACKEND")
     tls_flags "$kind"
     launch "$name" "${EXES[$i]}" "${PORTS[$i]}" "${METRICS[$i]}" "${FLAGS[@]}"
   done
