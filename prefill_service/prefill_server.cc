@@ -156,18 +156,15 @@ class PlacingStreamSink : public KvStreamSink {
   }
 
  protected:
-  // Before what the cache lies in goes (a derived class's mapping).
-  void ReleaseCache() {
-    assembler_.reset();
-    cache_.reset();
-  }
-  // The decode node's cache, laid out by the shape where it lies.
+  // The decode node's cache, laid out by the shape where it lies; what it lies in (a mapping)
+  // goes into mapping_.
   virtual absl::StatusOr<std::unique_ptr<KvCache>> MapCache() = 0;
   // Whether the chunks carry their positions (the cache's are the decode node's host memory).
   virtual bool PositionsTravel() const = 0;
 
   std::shared_ptr<KvStreamSink> stream_;
   const KvCacheShape shape_;
+  std::shared_ptr<void> mapping_;  // declared before cache_, so it outlives it
 
  private:
   const Clock::TimePoint deadline_;
@@ -185,7 +182,6 @@ class RegionStreamSink final : public PlacingStreamSink {
       : PlacingStreamSink(std::move(stream), job),
         name_(job.region_name),
         bytes_(job.region_bytes) {}
-  ~RegionStreamSink() override { ReleaseCache(); }
   absl::string_view transport() const override { return "shm"; }
 
  private:
@@ -198,15 +194,14 @@ class RegionStreamSink final : public PlacingStreamSink {
           "/dev/shm); use grpc between hosts"));
     }
     RETURN_IF_ERROR(region.status());
-    region_ = std::move(*region);
-    RegionAllocator memory(region_.get());
+    RegionAllocator memory(region->get());
+    mapping_ = std::shared_ptr<SharedRegion>(*std::move(region));
     return KvCache::Create(shape_, memory);
   }
   bool PositionsTravel() const override { return false; }
 
   const std::string name_;
   const size_t bytes_;
-  std::unique_ptr<SharedRegion> region_;  // outlives the cache, which lies in it
 };
 
 // Decode nodes' device pools mapped into this node's backend (CUDA IPC), kept open between
@@ -271,7 +266,6 @@ class PagesStreamSink final : public PlacingStreamSink {
         handle_(job.region_handle),
         bytes_(job.region_bytes),
         place_(job.region_place) {}
-  ~PagesStreamSink() override { ReleaseCache(); }
   absl::string_view transport() const override { return "cuda_ipc"; }
 
  private:
@@ -283,9 +277,9 @@ class PagesStreamSink final : public PlacingStreamSink {
           " (cuda_ipc needs the prefill node on the decode node's host, on its GPU or one "
           "peered with it; use grpc otherwise)"));
     }
-    pool_ = *std::move(pool);
     auto cache = KvCache::CreatePagedView(shape_, backend_.get(),
-                                          static_cast<uint8_t*>(pool_->data), bytes_, place_);
+                                          static_cast<uint8_t*>((*pool)->data), bytes_, place_);
+    mapping_ = *std::move(pool);
     if (!cache.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("region: ", cache.status().message()));
     }
@@ -298,7 +292,6 @@ class PagesStreamSink final : public PlacingStreamSink {
   const std::string handle_;
   const size_t bytes_;
   const KvCache::PagedPlace place_;
-  std::shared_ptr<ImportedPools::Pool> pool_;  // outlives the cache, which lies in it
 };
 
 // "authorization: Bearer <token>", compared in time independent of where it differs.

@@ -45,14 +45,25 @@ bool ReadVarint(absl::string_view in, size_t* offset, uint32_t* v) {
   return false;
 }
 
-}  // namespace
-
-uint32_t ChunkChecksum(const WireChunk& c) {
+// The CRC-32C of a chunk's five rectangle fields (int32 LE), where both checksums begin.
+uint32_t RectangleChecksum(const WireChunk& c) {
   std::string head;
   for (int v : {c.layer, c.head_begin, c.head_count, c.token_begin, c.token_count}) {
     AppendU32(&head, static_cast<uint32_t>(v));
   }
-  uint32_t crc = Crc32c(head.data(), head.size());
+  return Crc32c(head.data(), head.size());
+}
+
+// How messages name a chunk.
+std::string ChunkName(const WireChunk& c) {
+  return absl::StrCat("chunk of layer ", c.layer, " heads ", c.head_begin, "+", c.head_count,
+                      " tokens ", c.token_begin, "+", c.token_count);
+}
+
+}  // namespace
+
+uint32_t ChunkChecksum(const WireChunk& c) {
+  uint32_t crc = RectangleChecksum(c);
   crc = Crc32c(c.positions.data(), c.positions.size(), crc);
   crc = Crc32c(c.k.data(), c.k.size(), crc);
   return Crc32c(c.v.data(), c.v.size(), crc);
@@ -123,10 +134,6 @@ absl::StatusOr<WireChunk> PlacedChunk(const WireChunk& c, const KvCache& cache, 
 }
 
 absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& c, int kept) {
-  std::string head;
-  for (int v : {c.layer, c.head_begin, c.head_count, c.token_begin, c.token_count}) {
-    AppendU32(&head, static_cast<uint32_t>(v));
-  }
   const LayerCache& lc = cache.layer(c.layer);
   const kernels::KvCoding& coding = lc.coding;
   const int d = lc.head_dim;
@@ -168,7 +175,7 @@ absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& c
     RETURN_IF_ERROR(cache.backend()->ChecksumSpans(
         {spans.data(), static_cast<int>(spans.size()), sums.data()}));
   }
-  uint32_t crc = Crc32c(head.data(), head.size());
+  uint32_t crc = RectangleChecksum(c);
   size_t from = 0;
   for (int h = c.head_begin; h < c.head_begin + c.head_count; ++h) {
     crc = Crc32c(lc.positions + int64_t{h} * lc.capacity + c.token_begin,
@@ -386,9 +393,7 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
   if (!header_seen_) return Malformed("a chunk before the header");
   if (layer_ >= header_.num_layers) return Malformed("a chunk after the last layer");
   const int kept = header_.kept_per_layer[layer_];
-  const std::string where =
-      absl::StrCat("chunk of layer ", c.layer, " heads ", c.head_begin, "+", c.head_count,
-                   " tokens ", c.token_begin, "+", c.token_count);
+  const std::string where = ChunkName(c);
   if (c.layer != layer_ || c.head_begin != head_ || c.token_begin != token_) {
     return Malformed(absl::StrCat(where, ": out of order; expected layer ", layer_, " head ", head_,
                                   " token ", token_));
@@ -511,19 +516,11 @@ absl::Status KvAssembler::CheckPlaced(const WireChunk& c, const std::string& whe
 // A cuda_ipc chunk: its positions (checked) stored as grpc's are, then the rows the sender
 // wrote into the pages checked by the checksum, computed on the cache's device.
 absl::Status KvAssembler::CheckPlacedRows(const WireChunk& c) {
-  LayerCache& lc = cache_->layer(c.layer);
-  for (int h = 0; h < c.head_count; ++h) {
-    std::memcpy(lc.positions + int64_t{c.head_begin + h} * lc.capacity + c.token_begin,
-                positions_.data() + static_cast<size_t>(h) * c.token_count,
-                sizeof(int32_t) * c.token_count);
-  }
+  StorePositions(c);
   ASSIGN_OR_RETURN(const uint32_t crc, PlacedChecksum(*cache_, c, header_.kept_per_layer[layer_]));
   if (crc != c.crc32c) {
-    return absl::DataLossError(absl::StrCat("chunk of layer ", c.layer, " heads ", c.head_begin,
-                                            "+", c.head_count, " tokens ", c.token_begin, "+",
-                                            c.token_count,
-                                            ": CRC-32C mismatch over the rows placed in the "
-                                            "cache's pages"));
+    return absl::DataLossError(
+        absl::StrCat(ChunkName(c), ": CRC-32C mismatch over the rows placed in the cache's pages"));
   }
   return absl::OkStatus();
 }
@@ -550,7 +547,6 @@ absl::Status KvAssembler::OnChunk(const WireChunk& c) {
   if (!as_sent) rows_.resize(2 * row * c.token_count);
   for (int h = 0; h < c.head_count; ++h) {
     const int head = c.head_begin + h;
-    const size_t src = static_cast<size_t>(h) * c.token_count;
     const auto* k = reinterpret_cast<const uint8_t*>(c.k.data()) + h * k_block;
     const auto* v = reinterpret_cast<const uint8_t*>(c.v.data()) + h * v_block;
     absl::Status st;
@@ -571,11 +567,20 @@ absl::Status KvAssembler::OnChunk(const WireChunk& c) {
       st = cache_->WriteRows(c.layer, head, c.token_begin, c.token_count, k, v);
     }
     if (!st.ok()) return Fail(st);
-    std::memcpy(lc.positions + int64_t{head} * lc.capacity + c.token_begin, positions_.data() + src,
-                sizeof(int32_t) * c.token_count);
   }
+  StorePositions(c);
   Advance(c);
   return absl::OkStatus();
+}
+
+// The chunk's positions, decoded and checked by CheckChunk, into the cache.
+void KvAssembler::StorePositions(const WireChunk& c) {
+  LayerCache& lc = cache_->layer(c.layer);
+  for (int h = 0; h < c.head_count; ++h) {
+    std::memcpy(lc.positions + int64_t{c.head_begin + h} * lc.capacity + c.token_begin,
+                positions_.data() + static_cast<size_t>(h) * c.token_count,
+                sizeof(int32_t) * c.token_count);
+  }
 }
 
 // Past a chunk that was checked and is in the cache.

@@ -161,6 +161,7 @@ class KvAssembler {
   absl::Status CheckPlaced(const WireChunk& chunk, const std::string& where);
   absl::Status DecodeChunkPositions(const WireChunk& chunk, const std::string& where);
   absl::Status CheckPlacedRows(const WireChunk& chunk);
+  void StorePositions(const WireChunk& chunk);
   void Advance(const WireChunk& chunk);
 
   WireExpectation expect_;
