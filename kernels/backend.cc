@@ -42,4 +42,16 @@ absl::StatusOr<void*> KernelBackend::ImportMemory(const std::string&, size_t) {
       " backend cannot map another process's device memory; only a device backend (cuda) can"));
 }
 
+absl::StatusOr<std::unique_ptr<PeerLink>> KernelBackend::OpenLink(std::string*) {
+  return absl::UnimplementedError(absl::StrCat(
+      "the ", BackendName(kind()),
+      " backend has no link to another node's memory; only a device backend (cuda, with NCCL) "
+      "has"));
+}
+
+absl::StatusOr<std::unique_ptr<PeerLink>> KernelBackend::JoinLink(const std::string& offer) {
+  std::string unused;
+  return OpenLink(&unused).status();
+}
+
 }  // namespace kvwire::kernels

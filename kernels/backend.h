@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -170,6 +171,33 @@ struct ChecksumSpansParams {
   uint32_t* out = nullptr;  // host array [n]
 };
 
+// Copies between scattered spans of backend memory and one packed buffer, in span order:
+// `packed` holds span 0's bytes, then span 1's, and so on (or, `unpack`, fills the spans from
+// it). The nccl KV transport moves a chunk's rows, which lie in many pages, as one message.
+// Spans must not overlap one another or `packed`; unpacking writes through spans[i].data.
+struct PackSpansParams {
+  const ByteSpan* spans = nullptr;  // host array [n]; each span in backend memory
+  int n = 0;
+  uint8_t* packed = nullptr;  // backend memory, the spans' bytes summed
+  bool unpack = false;
+};
+
+// One end of a point-to-point link that moves bytes between the memory of two backends,
+// usually in two processes on two hosts (the nccl KV transport: NCCL between GPUs; on the
+// guarded backend, an emulation over a loopback socket). Sends and receives pair up in order:
+// the n-th Send on one end fills the n-th Recv on the other, which must ask for the same bytes
+// (the caller's protocol makes sure of it; NCCL cannot tell). Each returns once its bytes
+// moved, after the work queued before it on the calling thread; one that has not within
+// `timeout` aborts the link (nothing more moves on it, and a receive that was pending writes
+// nothing) and fails DEADLINE_EXCEEDED. One operation at a time; Abort from any thread.
+class PeerLink {
+ public:
+  virtual ~PeerLink() = default;
+  virtual absl::Status Send(const void* data, size_t bytes, std::chrono::milliseconds timeout) = 0;
+  virtual absl::Status Recv(void* data, size_t bytes, std::chrono::milliseconds timeout) = 0;
+  virtual void Abort() = 0;
+};
+
 class KernelBackend {
  public:
   virtual ~KernelBackend() = default;
@@ -244,6 +272,7 @@ class KernelBackend {
   virtual absl::Status PageScores(const PageScoresParams& p) = 0;
   virtual absl::Status Sample(const SampleParams& p) = 0;
   virtual absl::Status ChecksumSpans(const ChecksumSpansParams& p) = 0;
+  virtual absl::Status PackSpans(const PackSpansParams& p) = 0;
 
   // Memory another process on this host maps (the cuda_ipc KV transport: a decode node's pool
   // slab, written by a prefill node on the same GPU or one peered with it). ExportMemory names
@@ -253,6 +282,13 @@ class KernelBackend {
   virtual absl::StatusOr<std::string> ExportMemory(void* base, size_t bytes);
   virtual absl::StatusOr<void*> ImportMemory(const std::string& handle, size_t bytes);
   virtual void CloseImported(void* ptr) {}
+
+  // Links to a backend in another process (PeerLink). OpenLink makes this end and an offer, a
+  // string the other end passes to JoinLink (over a channel of the caller's: the Prefill
+  // stream); the link is up once both have, and the first Send or Recv waits for that within
+  // its timeout. The host backends' memory needs none: Unimplemented.
+  virtual absl::StatusOr<std::unique_ptr<PeerLink>> OpenLink(std::string* offer);
+  virtual absl::StatusOr<std::unique_ptr<PeerLink>> JoinLink(const std::string& offer);
 
   // Host work between ops that splits into independent tasks (sparse decode selection, per
   // sequence and KV head): calls fn(begin, end) over disjoint ranges covering [0, n), on the

@@ -24,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "common/base/status.h"
 #include "kernels/cpu_backend.h"
+#include "kernels/socket_link.h"
 #include "kernels/validate.h"
 
 namespace kvwire::kernels {
@@ -387,6 +388,22 @@ class GuardedBackend final : public KernelBackend {
     }));
     return Synchronize();  // returns with `out` (host memory) filled
   }
+  absl::Status PackSpans(const PackSpansParams& p) override {
+    RETURN_IF_ERROR(ValidatePackSpans(p));
+    std::vector<Extent> ext;
+    int64_t total = 0;
+    for (int i = 0; i < p.n; ++i) {
+      ext.push_back({p.spans[i].data, p.spans[i].bytes, "span"});
+      total += p.spans[i].bytes;
+    }
+    ext.push_back({p.packed, total, "packed"});
+    std::vector<ByteSpan> spans(p.spans, p.spans + p.n);
+    return Queue("PackSpans", ext, [this, p, spans = std::move(spans)] {
+      PackSpansParams q = p;
+      q.spans = spans.data();
+      return inner_->PackSpans(q);
+    });
+  }
 
   // CUDA IPC, emulated: the buffer's pages move into a memfd, which the importing backend maps
   // again at an address of its own, with a guard page and protections of its own. The handle
@@ -462,6 +479,13 @@ class GuardedBackend final : public KernelBackend {
     r.imported = true;
     regions_[user] = r;
     return static_cast<void*>(user);
+  }
+  // NCCL, emulated: a loopback socket, through host buffers (kernels/socket_link.h).
+  absl::StatusOr<std::unique_ptr<PeerLink>> OpenLink(std::string* offer) override {
+    return OpenSocketLink(this, offer);
+  }
+  absl::StatusOr<std::unique_ptr<PeerLink>> JoinLink(const std::string& offer) override {
+    return JoinSocketLink(this, offer);
   }
   void CloseImported(void* ptr) override {
     std::lock_guard<std::mutex> lock(mu_);

@@ -245,6 +245,22 @@ class ReferenceBackend final : public HostMemoryBackend {
     for (int i = 0; i < p.n; ++i) p.out[i] = Crc32cBitwise(p.spans[i].data, p.spans[i].bytes);
     return absl::OkStatus();
   }
+  // The specification: each span a byte at a time, in order.
+  absl::Status PackSpans(const PackSpansParams& p) override {
+    RETURN_IF_ERROR(ValidatePackSpans(p));
+    int64_t at = 0;
+    for (int i = 0; i < p.n; ++i) {
+      auto* span = const_cast<uint8_t*>(p.spans[i].data);
+      for (int64_t j = 0; j < p.spans[i].bytes; ++j, ++at) {
+        if (p.unpack) {
+          span[j] = p.packed[at];
+        } else {
+          p.packed[at] = span[j];
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace

@@ -389,4 +389,18 @@ absl::Status ValidateChecksumSpans(const ChecksumSpansParams& p) {
   return absl::OkStatus();
 }
 
+absl::Status ValidatePackSpans(const PackSpansParams& p) {
+  constexpr absl::string_view kOp = "PackSpans";
+  RETURN_IF_ERROR(Require(p.n >= 0 && (p.n == 0 || (p.spans && p.packed)), kOp,
+                          "n >= 0, and spans and packed set"));
+  for (int i = 0; i < p.n; ++i) {
+    RETURN_IF_ERROR(
+        Require(p.spans[i].bytes >= 0 && (p.spans[i].bytes == 0 || p.spans[i].data), kOp, [&] {
+          return absl::StrCat("span ", i, " has ", p.spans[i].bytes,
+                              " bytes; need >= 0, and data where > 0");
+        }));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvwire::kernels

@@ -25,5 +25,6 @@ absl::Status ValidateUpdateSummaries(const UpdateSummariesParams& p);
 absl::Status ValidatePageScores(const PageScoresParams& p);
 absl::Status ValidateSample(const SampleParams& p);
 absl::Status ValidateChecksumSpans(const ChecksumSpansParams& p);
+absl::Status ValidatePackSpans(const PackSpansParams& p);
 
 }  // namespace kvwire::kernels

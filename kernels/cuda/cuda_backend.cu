@@ -24,6 +24,7 @@
 
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
+#include "kernels/cuda/nccl_link.h"
 #include "kernels/cuda_backend.h"
 #include "kernels/thread_pool.h"
 #include "kernels/validate.h"
@@ -329,6 +330,18 @@ class CudaBackend final : public KernelBackend {
     q.out = static_cast<uint32_t*>(sums);
     RETURN_IF_ERROR(cuda::LaunchChecksumSpans(q, mem, lane->compute));
     return CopyToHost(p.out, sums, bytes);
+  }
+  absl::Status PackSpans(const PackSpansParams& p) override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    return cuda::LaunchPackSpans(p, OpMemoryOf(*lane), lane->compute);
+  }
+
+  // NCCL (kernels/cuda/nccl_link.h), loaded when first used.
+  absl::StatusOr<std::unique_ptr<PeerLink>> OpenLink(std::string* offer) override {
+    return cuda::OpenNcclLink(offer);
+  }
+  absl::StatusOr<std::unique_ptr<PeerLink>> JoinLink(const std::string& offer) override {
+    return cuda::JoinNcclLink(offer);
   }
 
   // CUDA IPC: the handle of a whole cudaMalloc allocation (the pool's slab), opened by another

@@ -49,6 +49,7 @@ enum TableId : int {
   kTableDecodePages,
   kTableAppendPages,
   kTableChecksumSpans,
+  kTablePackSpans,
   kTables
 };
 struct OpMemory {
@@ -75,5 +76,6 @@ absl::Status LaunchPageScores(const PageScoresParams& p, const OpMemory& mem, cu
 absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream_t stream);
 absl::Status LaunchChecksumSpans(const ChecksumSpansParams& p, const OpMemory& mem,
                                  cudaStream_t stream);
+absl::Status LaunchPackSpans(const PackSpansParams& p, const OpMemory& mem, cudaStream_t stream);
 
 }  // namespace kvwire::kernels::cuda

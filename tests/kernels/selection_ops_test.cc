@@ -5,10 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -533,6 +536,144 @@ TEST_P(BackendOpsTest, ExportedMemoryIsMappedByAnotherBackend) {
   spans[0].bytes = 1;
   EXPECT_EQ((*peer)->ChecksumSpans({spans.data(), 1, &out}).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A chunk's scattered rows to one buffer and back (the nccl transport's message), as the
+// reference moves them: aligned and unaligned spans, empty ones, one of 64 KiB.
+TEST_P(BackendOpsTest, PackSpansMoveBytesAsTheReference) {
+  std::mt19937 rng(1301);
+  std::vector<uint8_t> bytes(200000);
+  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+  // Disjoint spans in a shuffled order: [off, n) with gaps between.
+  std::vector<std::pair<int64_t, int64_t>> at;
+  for (int64_t off = 0; off + 70000 < 200000;) {
+    const int64_t n = at.size() == 5 ? 65536 : (at.size() % 7 == 0 ? 0 : 1 + rng() % 300);
+    at.push_back({off, n});
+    off += n + (rng() % 3 == 0 ? 16 : rng() % 40);
+  }
+  std::shuffle(at.begin(), at.end(), rng);
+  int64_t total = 0;
+  for (auto [off, n] : at) total += n;
+  auto run = [&](KernelBackend& b) {
+    Arena a(b);
+    uint8_t* base = a.Upload(bytes);
+    std::vector<ByteSpan> spans;
+    for (auto [off, n] : at) spans.push_back({base + off, n});
+    uint8_t* packed = a.Filled<uint8_t>(static_cast<size_t>(total), 0);
+    const int n = static_cast<int>(spans.size());
+    absl::Status st = b.PackSpans({spans.data(), n, packed, false});
+    EXPECT_TRUE(st.ok()) << st;
+    std::vector<uint8_t> out = a.DownloadBytes(packed, static_cast<size_t>(total));
+    // Unpacked into a zeroed copy: the spans' bytes come back, the gaps stay zero.
+    uint8_t* back = a.Filled<uint8_t>(bytes.size(), 0);
+    for (ByteSpan& sp : spans) sp.data = back + (sp.data - base);
+    st = b.PackSpans({spans.data(), n, packed, true});
+    EXPECT_TRUE(st.ok()) << st;
+    return std::make_pair(out, a.DownloadBytes(back, bytes.size()));
+  };
+  const auto got = run(*backend_);
+  EXPECT_EQ(got, run(*reference_));
+  std::vector<uint8_t> want, unpacked(bytes.size(), 0);
+  for (auto [off, n] : at) {
+    want.insert(want.end(), bytes.begin() + off, bytes.begin() + off + n);
+    std::copy_n(bytes.begin() + off, n, unpacked.begin() + off);
+  }
+  EXPECT_EQ(got.first, want);
+  EXPECT_EQ(got.second, unpacked);
+  ByteSpan bad{bytes.data(), -1};
+  EXPECT_EQ(backend_->PackSpans({&bad, 1, bytes.data(), false}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(reference_->PackSpans({&bad, 0, nullptr, false}).code(), absl::StatusCode::kOk);
+}
+
+// Two ends of a link between backends (the nccl transport): bytes sent from one backend's
+// memory land in the other's, in order, sizes checked; a receive nobody sends to times out
+// and aborts the link; an abort reaches the peer; offers that are not one are refused. On
+// cuda NCCL would need a second GPU: the guarded backend's emulation runs here, and the host
+// backends have none.
+TEST_P(BackendOpsTest, LinkMovesBytesBetweenBackends) {
+  std::string offer;
+  if (GetParam() != BackendKind::kGuarded) {
+    const auto st = backend_->OpenLink(&offer).status();
+    if (backend_->host_addressable()) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+      EXPECT_EQ(backend_->JoinLink("x").status().code(), absl::StatusCode::kUnimplemented);
+    } else {
+      // NCCL loads, or is named as missing; its two ranks need two GPUs.
+      EXPECT_TRUE(st.ok() || st.code() == absl::StatusCode::kFailedPrecondition) << st;
+      EXPECT_EQ(backend_->JoinLink("nccl:00").status().code(), absl::StatusCode::kInvalidArgument);
+    }
+    GTEST_SKIP() << "links run between two GPUs (NCCL), or on the guarded backend's emulation";
+  }
+  auto peer = MakeBackend(BackendKind::kGuarded, 1);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  auto open = backend_->OpenLink(&offer);
+  ASSERT_TRUE(open.ok()) << open.status();
+  EXPECT_EQ((*peer)->JoinLink("socket-link:1:zz").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*peer)->JoinLink(offer + "0").status().code(), absl::StatusCode::kInvalidArgument);
+  auto join = (*peer)->JoinLink(offer);
+  ASSERT_TRUE(join.ok()) << join.status();
+  Arena a(*backend_), b(**peer);
+  std::vector<uint8_t> first(100000), second(37);
+  for (size_t i = 0; i < first.size(); ++i) first[i] = static_cast<uint8_t>(i * 7 + 1);
+  for (size_t i = 0; i < second.size(); ++i) second[i] = static_cast<uint8_t>(200 - i);
+  const uint8_t* src1 = a.Upload(first);
+  const uint8_t* src2 = a.Upload(second);
+  uint8_t* dst1 = b.Filled<uint8_t>(first.size(), 0);
+  uint8_t* dst2 = b.Filled<uint8_t>(second.size(), 0);
+  const auto timeout = std::chrono::milliseconds(5000);
+  // The sender on its own thread, as a prefill node's stream is; the socket's buffers take a
+  // small message before its receive is posted, as NCCL's do.
+  std::thread sender([&] {
+    EXPECT_TRUE((*open)->Send(src1, first.size(), timeout).ok());
+    EXPECT_TRUE((*open)->Send(src2, second.size(), timeout).ok());
+    EXPECT_TRUE((*open)->Send(src2, second.size(), timeout).ok());
+  });
+  ASSERT_TRUE((*join)->Recv(dst1, first.size(), timeout).ok());
+  ASSERT_TRUE((*join)->Recv(dst2, second.size(), timeout).ok());
+  sender.join();
+  EXPECT_EQ(b.DownloadBytes(dst1, first.size()), first);
+  EXPECT_EQ(b.DownloadBytes(dst2, second.size()), second);
+  // The third message is 37 bytes; a receive of 36 is out of step, and fails the link.
+  EXPECT_EQ((*join)->Recv(dst2, 36, timeout).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ((*join)->Recv(dst2, 37, timeout).code(), absl::StatusCode::kCancelled);
+  // The peer's end went with it: a send fails (at once, or when its bytes find no reader).
+  join->reset();
+  absl::Status sent;
+  for (int i = 0; i < 50 && sent.ok(); ++i) {
+    sent = (*open)->Send(src1, first.size(), std::chrono::milliseconds(200));
+  }
+  EXPECT_FALSE(sent.ok());
+  // A receive nobody sends to: DEADLINE_EXCEEDED after its timeout, and the link aborted.
+  std::string offer2;
+  auto lonely = backend_->OpenLink(&offer2);
+  ASSERT_TRUE(lonely.ok());
+  auto other = (*peer)->JoinLink(offer2);
+  ASSERT_TRUE(other.ok());
+  std::thread receiver([&] {
+    EXPECT_EQ((*other)->Recv(dst2, 37, std::chrono::milliseconds(300)).code(),
+              absl::StatusCode::kDeadlineExceeded);
+  });
+  receiver.join();
+  EXPECT_EQ((*other)->Recv(dst2, 37, timeout).code(), absl::StatusCode::kCancelled);
+  // An end aborted from another thread fails its pending receive at once, not at its timeout.
+  std::string offer3;
+  auto third = backend_->OpenLink(&offer3);
+  ASSERT_TRUE(third.ok());
+  auto fourth = (*peer)->JoinLink(offer3);
+  ASSERT_TRUE(fourth.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    (*third)->Abort();
+  });
+  EXPECT_FALSE((*third)->Recv(dst1, 10, std::chrono::milliseconds(20000)).ok());
+  aborter.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  // Memory that is not the backend's.
+  std::vector<uint8_t> host(8);
+  EXPECT_FALSE((*fourth)->Send(host.data(), host.size(), timeout).ok());
 }
 
 }  // namespace
