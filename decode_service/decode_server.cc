@@ -246,11 +246,17 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
     }
     pool_handle = *std::move(exported);
   }
+  if (o.kv_transport == KvTransport::kNccl && !impl->pool->paged()) {
+    return absl::FailedPreconditionError(
+        "--kv-transport nccl receives into a device pool's pages, and this node's pool is host "
+        "memory (--backend cuda for nccl; on a CPU, grpc or shm)");
+  }
   if (!o.prefill_target.empty()) {
     ASSIGN_OR_RETURN(
         impl->remote,
         GrpcKvSource::Create(o.prefill_target, o.prefill_tls, o.prefill_auth_token, *o.engine.clock,
-                             o.kv_transport, std::move(pool_handle), impl->pool->capacity()));
+                             o.kv_transport, std::move(pool_handle), impl->pool->capacity(),
+                             impl->pool->paged() ? impl->pool->backend() : nullptr));
   }
   if (o.kv_transport == KvTransport::kShm) {
     // Shared regions that a decode node on this host left behind when it died, then room for

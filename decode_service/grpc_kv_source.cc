@@ -24,8 +24,12 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
     }
   };
 
-  CallReactor(std::shared_ptr<KvReceiver> receiver, std::shared_ptr<Handle> handle)
-      : receiver_(std::move(receiver)), handle_(std::move(handle)) {}
+  CallReactor(std::shared_ptr<KvReceiver> receiver, std::shared_ptr<Handle> handle,
+              KvTransport transport, std::shared_ptr<ReceiverLinks> links)
+      : receiver_(std::move(receiver)),
+        handle_(std::move(handle)),
+        transport_(transport),
+        links_(std::move(links)) {}
 
   void Begin(v1::Prefill::Stub* stub, v1::PrefillRequest request,
              std::chrono::system_clock::time_point deadline, const TraceContext& trace,
@@ -48,21 +52,25 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
     switch (msg_.message_case()) {
       case v1::PrefillResponse::kHeader: {
         auto header = FromProto(msg_.header());
-        st = header.ok() ? receiver_->OnHeader(*header) : header.status();
+        st = header.status();
+        if (st.ok()) st = UseLink(*header);
+        if (st.ok()) st = receiver_->OnHeader(*header);
         break;
       }
       case v1::PrefillResponse::kChunk: {
         WireChunk chunk = FromProto(msg_.mutable_chunk());
-        // shm, cuda_ipc: the rows the chunk stands for moved through the region or the pages
-        // (checked by the receiver); its positions, if any, are in the message.
+        // shm, cuda_ipc, nccl: the rows the chunk stands for moved through the region, the
+        // pages or the link (checked by the receiver); its positions, if any, are in the message.
         if (chunk.placed && chunk.placed_bytes > 0) {
           wire_bytes_ += chunk.placed_bytes - static_cast<int64_t>(chunk.positions.size());
         }
-        st = receiver_->OnChunk(std::move(chunk));
+        st = ReceiveRows(chunk);
+        if (st.ok()) st = receiver_->OnChunk(std::move(chunk));
         break;
       }
       case v1::PrefillResponse::kTrailer:
         st = receiver_->OnTrailer(FromProto(msg_.trailer()));
+        whole_ = st.ok();
         break;
       default:
         st = absl::InvalidArgumentError("malformed KV stream: an empty PrefillResponse");
@@ -83,13 +91,53 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
       std::lock_guard<std::mutex> lock(handle_->mu);
       handle_->reactor = nullptr;
     }
+    if (link_ != nullptr) links_->Done(link_, whole_);
     receiver_->OnDone(error_.ok() ? FromGrpcStatus(status) : error_, wire_bytes_);
     delete this;
   }
 
  private:
+  // nccl: the link the header names (joined when it offers one). Link fields on a stream of
+  // another transport are malformed.
+  absl::Status UseLink(const WireHeader& h) {
+    if (transport_ != KvTransport::kNccl) {
+      if (h.link_name.empty() && h.link_offer.empty()) return absl::OkStatus();
+      return absl::InvalidArgumentError(
+          absl::StrCat("malformed KV stream: the header names an nccl link on a ",
+                       KvTransportName(transport_), " stream"));
+    }
+    if (link_ != nullptr) return absl::OkStatus();  // a second header: the receiver refuses it
+    ASSIGN_OR_RETURN(link_, links_->Use(h.link_name, h.link_offer));
+    kept_ = h.kept_per_layer;
+    return absl::OkStatus();
+  }
+  // nccl: the chunk checked as the stream's next, then its rows received into the cache from
+  // the link (bounded: kLinkWait for its turn and as much for the bytes).
+  absl::Status ReceiveRows(const WireChunk& c) {
+    if (transport_ != KvTransport::kNccl) {
+      if (c.link_seq == 0 && c.link_bytes == 0) return absl::OkStatus();
+      return absl::InvalidArgumentError(absl::StrCat("malformed KV stream: a chunk of layer ",
+                                                     c.layer,
+                                                     " says its rows are on an nccl link "
+                                                     "of a ",
+                                                     KvTransportName(transport_), " stream"));
+    }
+    RETURN_IF_ERROR(receiver_->CheckChunk(c));  // the rectangle is the next, inside the cache
+    if (link_ == nullptr || receiver_->destination() == nullptr) {
+      return absl::InternalError("an nccl chunk with no link or destination");
+    }
+    return links_->Receive(*link_, c, *receiver_->destination(), kept_[c.layer], kLinkWait);
+  }
+  // Generous: a new link's first receive waits for NCCL to set the communicator up.
+  static constexpr std::chrono::milliseconds kLinkWait{30000};
+
   std::shared_ptr<KvReceiver> receiver_;
   std::shared_ptr<Handle> handle_;
+  const KvTransport transport_;
+  const std::shared_ptr<ReceiverLinks> links_;
+  std::shared_ptr<KvLink> link_;
+  std::vector<int> kept_;
+  bool whole_ = false;  // the trailer was taken: the link is where both ends think it is
   grpc::ClientContext context_;
   v1::PrefillRequest request_;
   v1::PrefillResponse msg_;
@@ -101,11 +149,16 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
 
 absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(
     const std::string& target, const ClientTls& tls, const std::string& auth_token,
-    const Clock& clock, KvTransport transport, std::string pool_handle, size_t pool_bytes) {
+    const Clock& clock, KvTransport transport, std::string pool_handle, size_t pool_bytes,
+    kernels::KernelBackend* device) {
   if (target.empty()) return absl::InvalidArgumentError("no prefill target (--prefill)");
   if ((transport == KvTransport::kCudaIpc) != !pool_handle.empty()) {
     return absl::InvalidArgumentError(
         "the cuda_ipc KV transport, and only it, takes the device pool's exported handle");
+  }
+  if (transport == KvTransport::kNccl && (device == nullptr || device->host_addressable())) {
+    return absl::FailedPreconditionError(
+        "the nccl KV transport receives into a device pool: it needs the pool's device backend");
   }
   ASSIGN_OR_RETURN(auto creds, MakeChannelCredentials(tls));
   grpc::ChannelArguments args;
@@ -124,6 +177,7 @@ absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(
   source->transport_ = transport;
   source->pool_handle_ = std::move(pool_handle);
   source->pool_bytes_ = pool_bytes;
+  if (transport == KvTransport::kNccl) source->links_ = std::make_shared<ReceiverLinks>(device);
   if (!auth_token.empty()) source->authorization_ = absl::StrCat("Bearer ", auth_token);
   source->channel_ = grpc::CreateCustomChannel(target, creds, args);
   source->stub_ = v1::Prefill::NewStub(source->channel_);
@@ -162,9 +216,25 @@ absl::StatusOr<std::shared_ptr<KvTransfer>> GrpcKvSource::Start(
     job.region_bytes = pool_bytes_;
     job.region_shape = cache->shape();
     job.region_place = *std::move(place);
+  } else if (transport_ == KvTransport::kNccl) {
+    // The prefill node sends the rows on a link to this node, which receives them into the
+    // cache's pages: it gets this node's name (its links are per decode node) and the layout.
+    KvCache* cache = receiver->destination();
+    auto place = cache != nullptr ? cache->paged_place()
+                                  : absl::FailedPreconditionError("no destination cache");
+    if (!place.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the nccl KV transport receives into the decode cache's pages of a device pool: ",
+          place.status().message()));
+    }
+    job.transport = KvTransport::kNccl;
+    job.link_peer = links_->peer();
+    job.region_bytes = pool_bytes_;
+    job.region_shape = cache->shape();
+    job.region_place = *std::move(place);
   }
   auto handle = std::make_shared<CallReactor::Handle>();
-  auto* reactor = new CallReactor(std::move(receiver), handle);
+  auto* reactor = new CallReactor(std::move(receiver), handle, transport_, links_);
   {
     std::lock_guard<std::mutex> lock(handle->mu);
     handle->reactor = reactor;

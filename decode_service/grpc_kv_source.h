@@ -11,6 +11,7 @@
 #include "common/base/clock.h"
 #include "common/engine/kv_source.h"
 #include "common/server/grpc_util.h"
+#include "common/wire/kv_links.h"
 #include "kvwire/v1/prefill.grpc.pb.h"
 
 namespace kvwire {
@@ -29,13 +30,17 @@ class GrpcKvSource final : public KvSource {
   // `transport` kShm: the prefill nodes write the rows into each request's cache (a shared
   // region on this host, KvPool::AllocateShared), and the stream carries the rest. kCudaIpc:
   // they write the rows into the cache's pages of this node's device pool, whose slab of
-  // `pool_bytes` they map by `pool_handle` (KernelBackend::ExportMemory).
+  // `pool_bytes` they map by `pool_handle` (KernelBackend::ExportMemory). kNccl: they send the
+  // rows on links (common/wire/kv_links.h) that this node joins on `device`, the backend of
+  // its pool (a slab of `pool_bytes`), which receives them into the cache's pages.
   static absl::StatusOr<std::unique_ptr<GrpcKvSource>> Create(
       const std::string& target, const ClientTls& tls, const std::string& auth_token = "",
       const Clock& clock = Clock::Real(), KvTransport transport = KvTransport::kGrpc,
-      std::string pool_handle = "", size_t pool_bytes = 0);
+      std::string pool_handle = "", size_t pool_bytes = 0,
+      kernels::KernelBackend* device = nullptr);
   absl::string_view name() const override { return KvTransportName(transport_); }
   KvPlacement placement() const override { return PlacementOf(transport_); }
+  bool leases_cache() const override { return transport_ == KvTransport::kCudaIpc; }
   absl::StatusOr<std::shared_ptr<KvTransfer>> Start(PrefillJob job,
                                                     std::shared_ptr<KvReceiver> receiver) override;
 
@@ -45,7 +50,8 @@ class GrpcKvSource final : public KvSource {
   KvTransport transport_ = KvTransport::kGrpc;
   std::string pool_handle_;  // cuda_ipc
   size_t pool_bytes_ = 0;
-  std::string authorization_;  // "Bearer <token>", or empty
+  std::shared_ptr<ReceiverLinks> links_;  // nccl
+  std::string authorization_;             // "Bearer <token>", or empty
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Prefill::Stub> stub_;
 };

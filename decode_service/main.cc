@@ -93,8 +93,9 @@ int main(int argc, char** argv) {
   flags.Define("kv-transport", "grpc",
                "how the prefill nodes' K/V rows come: grpc (on the Prefill stream, any hosts), "
                "shm (written into this node's cache by a prefill node on this host; a CPU "
-               "backend) or cuda_ipc (written into this node's device pool by a prefill node on "
-               "a GPU of this host; --backend cuda)");
+               "backend), cuda_ipc (written into this node's device pool by a prefill node on "
+               "a GPU of this host; --backend cuda) or nccl (received into this node's device "
+               "pool from prefill nodes' GPUs on any host over NCCL; --backend cuda)");
   flags.Define("prefill-tls-ca", "", "CA that signed the prefill nodes' certificates (TLS)");
   flags.Define("prefill-tls-cert", "", "this node's client certificate (mutual TLS)");
   flags.Define("prefill-tls-key", "", "this node's client key (mutual TLS)");

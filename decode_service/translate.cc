@@ -173,8 +173,12 @@ v1::PrefillRequest ToPrefillRequest(const PrefillJob& job) {
     *req.mutable_region() = ToProto(job.region_name, job.region_bytes, job.region_shape);
   } else if (job.transport == KvTransport::kCudaIpc) {
     req.set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC);
+    *req.mutable_region() = ToProto(job.transport, job.region_handle, job.region_bytes,
+                                    job.region_shape, job.region_place);
+  } else if (job.transport == KvTransport::kNccl) {
+    req.set_kv_transport(v1::KV_TRANSPORT_NCCL);
     *req.mutable_region() =
-        ToProto(job.region_handle, job.region_bytes, job.region_shape, job.region_place);
+        ToProto(job.transport, job.link_peer, job.region_bytes, job.region_shape, job.region_place);
   }
   return req;
 }

@@ -36,8 +36,9 @@ int main(int argc, char** argv) {
   flags.Define("max-deadline-s", "300", "longest a prefill may run, whatever its caller asks");
   flags.Define("kv-transport", "grpc",
                "KV transports served, comma-separated: grpc (always), shm (writing into the "
-               "caches of decode nodes on this host) and cuda_ipc (writing into the device pools "
-               "of decode nodes on this host's GPUs; --backend cuda)");
+               "caches of decode nodes on this host), cuda_ipc (writing into the device pools "
+               "of decode nodes on this host's GPUs; --backend cuda) and nccl (sending to decode "
+               "nodes' GPUs on any host over NCCL; --backend cuda)");
   if (int rc = ParseFlagsOrExit(flags, "kvwire-prefill", "kvwire-prefill --model DIR [flags]", argc,
                                 argv);
       rc >= 0) {
@@ -66,7 +67,7 @@ int main(int argc, char** argv) {
   o.max_deadline = std::chrono::seconds(*max_deadline);
   o.reflection = flags.GetBool("reflection");
   o.insecure = flags.GetBool("insecure");
-  bool serve_cuda_ipc = false;
+  bool serve_cuda_ipc = false, serve_nccl = false;
   for (absl::string_view name :
        absl::StrSplit(flags.GetString("kv-transport"), ',', absl::SkipEmpty())) {
     auto transport = ParseKvTransport(name);
@@ -76,6 +77,7 @@ int main(int argc, char** argv) {
     }
     if (*transport == KvTransport::kShm) o.serve_shm = true;
     if (*transport == KvTransport::kCudaIpc) serve_cuda_ipc = true;
+    if (*transport == KvTransport::kNccl) serve_nccl = true;
   }
   if (const std::string path = flags.GetString("auth-token-file"); !path.empty()) {
     auto token = ReadAuthToken(path);
@@ -99,6 +101,7 @@ int main(int argc, char** argv) {
                             ? *request_bytes
                             : 4096 + 5 * static_cast<size_t>((*model)->config().context_limit());
   if (serve_cuda_ipc) o.device = (*model)->backend();
+  if (serve_nccl) o.links = (*model)->backend();
   PrefillEngine engine(model->get(), engine_options);
   auto server = PrefillServer::Start(&engine, o);
   if (!server.ok()) return fail(server.status());

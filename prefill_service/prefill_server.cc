@@ -15,6 +15,7 @@
 #include "common/server/grpc_stream.h"
 #include "common/server/trace_metadata.h"
 #include "common/telemetry/telemetry.h"
+#include "common/wire/kv_links.h"
 #include "kvwire/v1/prefill.grpc.pb.h"
 #include "prefill_service/translate.h"
 #include "proto/convert.h"
@@ -123,13 +124,15 @@ class PlacingStreamSink : public KvStreamSink {
                        " x ", h.num_cache_heads, " x ", h.head_dim, " ", DTypeName(h.dtype), " in ",
                        KvFormatName(h.kv_format)));
     }
-    ASSIGN_OR_RETURN(cache_, MapCache());
+    ASSIGN_OR_RETURN(cache_, MapCache(h));
     WireExpectation expect = ExpectHeader(h);
     expect.max_chunk_bytes = kMaxChunkBytesLimit;
     assembler_ = std::make_unique<KvAssembler>(std::move(expect), cache_.get());
     RETURN_IF_ERROR(assembler_->OnHeader(h));
     kept_ = h.kept_per_layer;
-    return stream_->OnHeader(h);
+    WireHeader out = h;
+    RETURN_IF_ERROR(BeforeHeader(&out));
+    return stream_->OnHeader(out);
   }
   absl::Status OnChunk(WireChunk chunk) override {
     if (assembler_ == nullptr) return absl::InternalError("a KV chunk before the header");
@@ -144,10 +147,14 @@ class PlacingStreamSink : public KvStreamSink {
     ASSIGN_OR_RETURN(WireChunk placed,
                      PlacedChunk(chunk, *cache_, kept_[chunk.layer], PositionsTravel()));
     placed_bytes_ += placed.placed_bytes - static_cast<int64_t>(placed.positions.size());
-    return stream_->OnChunk(std::move(placed));
+    RETURN_IF_ERROR(BeforeChunk(*cache_, kept_[chunk.layer], &placed));
+    RETURN_IF_ERROR(stream_->OnChunk(std::move(placed)));
+    return AfterChunk();
   }
   absl::Status OnTrailer(const WireTrailer& trailer) override {
-    return stream_->OnTrailer(trailer);
+    RETURN_IF_ERROR(stream_->OnTrailer(trailer));
+    AfterTrailer();
+    return absl::OkStatus();
   }
   bool cancelled() const override { return stream_->cancelled(); }
   // The rows written into the cache, and the stream's messages.
@@ -156,11 +163,19 @@ class PlacingStreamSink : public KvStreamSink {
   }
 
  protected:
-  // The decode node's cache, laid out by the shape where it lies; what it lies in (a mapping)
-  // goes into mapping_.
-  virtual absl::StatusOr<std::unique_ptr<KvCache>> MapCache() = 0;
+  // The decode node's cache, laid out by the shape where it lies (or, nccl, a copy of it
+  // here); what it lies in (a mapping) goes into mapping_.
+  virtual absl::StatusOr<std::unique_ptr<KvCache>> MapCache(const WireHeader& h) = 0;
   // Whether the chunks carry their positions (the cache's are the decode node's host memory).
   virtual bool PositionsTravel() const = 0;
+  // nccl's: the header names the link; a chunk's message gets its link fields before it is
+  // sent, and its rows go on the link after it; a link goes back to the pool after a trailer.
+  virtual absl::Status BeforeHeader(WireHeader* h) { return absl::OkStatus(); }
+  virtual absl::Status BeforeChunk(const KvCache& cache, int kept, WireChunk* placed) {
+    return absl::OkStatus();
+  }
+  virtual absl::Status AfterChunk() { return absl::OkStatus(); }
+  virtual void AfterTrailer() {}
 
   std::shared_ptr<KvStreamSink> stream_;
   const KvCacheShape shape_;
@@ -185,7 +200,7 @@ class RegionStreamSink final : public PlacingStreamSink {
   absl::string_view transport() const override { return "shm"; }
 
  private:
-  absl::StatusOr<std::unique_ptr<KvCache>> MapCache() override {
+  absl::StatusOr<std::unique_ptr<KvCache>> MapCache(const WireHeader&) override {
     auto region = SharedRegion::Open(name_, bytes_);
     if (absl::IsNotFound(region.status())) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -269,7 +284,7 @@ class PagesStreamSink final : public PlacingStreamSink {
   absl::string_view transport() const override { return "cuda_ipc"; }
 
  private:
-  absl::StatusOr<std::unique_ptr<KvCache>> MapCache() override {
+  absl::StatusOr<std::unique_ptr<KvCache>> MapCache(const WireHeader&) override {
     auto pool = pools_->Get(handle_, bytes_);
     if (!pool.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -294,6 +309,66 @@ class PagesStreamSink final : public PlacingStreamSink {
   const KvCache::PagedPlace place_;
 };
 
+// nccl: the decode node's cache is pages on another host, which this node's link (NCCL) sends
+// to. The stream is assembled into a host cache of the same shape here (the engine hands host
+// rows, and PlacedSpansOf's spans are the same on both nodes however each lays the cache out),
+// each chunk's rows packed into one message that follows the chunk's on the link.
+class LinkStreamSink final : public PlacingStreamSink {
+ public:
+  LinkStreamSink(std::shared_ptr<KvStreamSink> stream, const PrefillJob& job,
+                 std::shared_ptr<SenderLinks> links, std::chrono::milliseconds send_timeout)
+      : PlacingStreamSink(std::move(stream), job),
+        links_(std::move(links)),
+        peer_(job.link_peer),
+        bytes_(job.region_bytes),
+        place_(job.region_place),
+        send_timeout_(send_timeout) {}
+  absl::string_view transport() const override { return "nccl"; }
+
+ private:
+  absl::StatusOr<std::unique_ptr<KvCache>> MapCache(const WireHeader& h) override {
+    // The pages are checked as cuda_ipc's are, against a slab of the decode node's size that
+    // is never touched (the layout's arithmetic only).
+    if (absl::Status st = KvCache::CheckPagedPlace(shape_, bytes_, place_); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("region: ", st.message()));
+    }
+    // A copy as small as the stream needs: its prompt tokens, and a coded cache's residual.
+    KvCacheShape here = shape_;
+    for (int l = 0; l < static_cast<int>(here.capacity.size()); ++l) {
+      here.capacity[l] =
+          std::min(here.capacity[l], std::max(1, h.kept_per_layer[l]) + here.appended);
+    }
+    ASSIGN_OR_RETURN(link_, links_->Acquire(peer_, &offer_));
+    return KvCache::Create(here, HeapKvAllocator());
+  }
+  bool PositionsTravel() const override { return true; }
+  absl::Status BeforeHeader(WireHeader* h) override {
+    h->link_name = link_->name();
+    h->link_offer = offer_;
+    return absl::OkStatus();
+  }
+  absl::Status BeforeChunk(const KvCache& cache, int kept, WireChunk* placed) override {
+    return links_->Prepare(*link_, cache, kept, placed, &message_);
+  }
+  absl::Status AfterChunk() override {
+    if (stream_->cancelled()) {
+      // The decode node may have read the chunk's message; the link is dropped either way.
+      return absl::CancelledError("the decode node went away");
+    }
+    return links_->Send(*link_, message_, send_timeout_);
+  }
+  void AfterTrailer() override { links_->Release(peer_, std::move(link_)); }
+
+  const std::shared_ptr<SenderLinks> links_;
+  const std::string peer_;
+  const size_t bytes_;
+  const KvCache::PagedPlace place_;
+  const std::chrono::milliseconds send_timeout_;
+  std::unique_ptr<KvLink> link_;  // dropped (aborted) unless the stream ends whole
+  std::string offer_;
+  std::vector<uint8_t> message_;
+};
+
 // "authorization: Bearer <token>", compared in time independent of where it differs.
 bool Authorized(const grpc::CallbackServerContext& ctx, const std::string& token) {
   const std::string want = absl::StrCat("Bearer ", token);
@@ -312,6 +387,7 @@ struct PrefillServer::Impl final
   PrefillExecutor* prefills;
   PrefillServerOptions options;
   std::unique_ptr<ImportedPools> pools;  // serving cuda_ipc
+  std::shared_ptr<SenderLinks> links;    // serving nccl
   std::unique_ptr<grpc::Server> server;
   int port = 0;
 
@@ -353,6 +429,13 @@ struct PrefillServer::Impl final
             "--backend cuda, with cuda_ipc in --kv-transport, on the decode node's host)");
       }
       sink = std::make_shared<PagesStreamSink>(std::move(sink), job, options.device, pools.get());
+    } else if (job.transport == KvTransport::kNccl) {
+      if (links == nullptr) {
+        return absl::FailedPreconditionError(
+            "this prefill node does not serve the nccl KV transport (start it on a GPU, "
+            "--backend cuda, with nccl in --kv-transport)");
+      }
+      sink = std::make_shared<LinkStreamSink>(std::move(sink), job, links, options.send_timeout);
     }
     return prefills->Submit(
         std::move(job), std::move(sink),
@@ -384,6 +467,14 @@ absl::StatusOr<std::unique_ptr<PrefillServer>> PrefillServer::Start(PrefillExecu
                        kernels::BackendName(o.device->kind()), ") is the host's: --backend cuda"));
     }
     impl->pools = std::make_unique<ImportedPools>(o.device);
+  }
+  if (o.links != nullptr) {
+    if (o.links->host_addressable()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("nccl sends from a GPU's memory, and this node's backend (",
+                       kernels::BackendName(o.links->kind()), ") is the host's: --backend cuda"));
+    }
+    impl->links = std::make_shared<SenderLinks>(o.links.get());
   }
   if (!o.insecure && o.tls.client_ca_file.empty() && o.auth_token.empty() &&
       !IsLoopbackAddress(o.listen)) {

@@ -39,6 +39,9 @@ struct PrefillServerOptions {
   // this host are mapped (null: not served).
   bool serve_shm = false;
   std::shared_ptr<kernels::KernelBackend> device;
+  // nccl: the device backend whose links (KernelBackend::OpenLink) send to decode nodes
+  // (null: not served).
+  std::shared_ptr<kernels::KernelBackend> links;
 };
 
 class PrefillServer {

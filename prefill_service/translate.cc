@@ -15,7 +15,7 @@ absl::Status TranslateTransport(const v1::PrefillRequest& req, PrefillJob* job) 
     case v1::KV_TRANSPORT_GRPC:
       if (req.has_region()) {
         return absl::InvalidArgumentError(
-            "region: applies to the shm and cuda_ipc KV transports; this request's is grpc");
+            "region: applies to the shm, cuda_ipc and nccl KV transports; this request's is grpc");
       }
       return absl::OkStatus();
     case v1::KV_TRANSPORT_SHM:
@@ -30,8 +30,16 @@ absl::Status TranslateTransport(const v1::PrefillRequest& req, PrefillJob* job) 
             "region: the cuda_ipc KV transport needs the decode pool's slab and the cache's pages");
       }
       job->transport = KvTransport::kCudaIpc;
-      return FromProto(req.region(), &job->region_handle, &job->region_bytes, &job->region_shape,
-                       &job->region_place);
+      return FromProto(req.region(), job->transport, &job->region_handle, &job->region_bytes,
+                       &job->region_shape, &job->region_place);
+    case v1::KV_TRANSPORT_NCCL:
+      if (!req.has_region()) {
+        return absl::InvalidArgumentError(
+            "region: the nccl KV transport needs the decode node's name and the cache's pages");
+      }
+      job->transport = KvTransport::kNccl;
+      return FromProto(req.region(), job->transport, &job->link_peer, &job->region_bytes,
+                       &job->region_shape, &job->region_place);
     default:
       return AboutField(
           absl::InvalidArgumentError(absl::StrCat("kv_transport: unknown transport ",

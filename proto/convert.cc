@@ -283,10 +283,10 @@ absl::Status FromProto(const v1::KvRegion& p, std::string* name, size_t* bytes,
                        KvCacheShape* shape) {
   RETURN_IF_ERROR(ShapeFromProto(p, shape));
   if (!p.ipc_handle().empty() || p.page_bytes() != 0 || p.page_tables_size() != 0 ||
-      p.side_offset() != 0) {
+      p.side_offset() != 0 || !p.link_peer().empty()) {
     return BadRegion(
-        "ipc_handle, page_bytes, page_tables and side_offset apply to the cuda_ipc transport; "
-        "this request's is shm");
+        "ipc_handle, page_bytes, page_tables, side_offset and link_peer apply to the cuda_ipc "
+        "and nccl transports; this request's is shm");
   }
   if (!IsSharedRegionName(p.name())) {
     return BadRegion(absl::StrCat("'", p.name(), "' is not a kvwire shared region's name"));
@@ -300,10 +300,14 @@ absl::Status FromProto(const v1::KvRegion& p, std::string* name, size_t* bytes,
   return absl::OkStatus();
 }
 
-v1::KvRegion ToProto(const std::string& ipc_handle, size_t slab_bytes, const KvCacheShape& shape,
-                     const KvCache::PagedPlace& place) {
+v1::KvRegion ToProto(KvTransport transport, const std::string& peer, size_t slab_bytes,
+                     const KvCacheShape& shape, const KvCache::PagedPlace& place) {
   v1::KvRegion p = ShapeToProto(shape);
-  p.set_ipc_handle(ipc_handle);
+  if (transport == KvTransport::kNccl) {
+    p.set_link_peer(peer);
+  } else {
+    p.set_ipc_handle(peer);
+  }
   p.set_bytes(slab_bytes);
   p.set_page_bytes(place.page_bytes);
   for (const auto& table : place.tables) {
@@ -313,16 +317,33 @@ v1::KvRegion ToProto(const std::string& ipc_handle, size_t slab_bytes, const KvC
   return p;
 }
 
-absl::Status FromProto(const v1::KvRegion& p, std::string* ipc_handle, size_t* slab_bytes,
-                       KvCacheShape* shape, KvCache::PagedPlace* place) {
+absl::Status FromProto(const v1::KvRegion& p, KvTransport transport, std::string* peer,
+                       size_t* slab_bytes, KvCacheShape* shape, KvCache::PagedPlace* place) {
   RETURN_IF_ERROR(ShapeFromProto(p, shape));
+  const absl::string_view name = KvTransportName(transport);
   if (!p.name().empty()) {
-    return BadRegion("name applies to the shm transport; this request's is cuda_ipc");
+    return BadRegion(absl::StrCat("name applies to the shm transport; this request's is ", name));
   }
-  // A CUDA IPC handle is 64 bytes; the guarded backend's emulation names its buffers in text.
-  if (p.ipc_handle().empty() || p.ipc_handle().size() > 256) {
-    return BadRegion(absl::StrCat("an IPC handle of ", p.ipc_handle().size(),
-                                  " bytes (cuda_ipc needs the pool's, 1 to 256)"));
+  if (transport == KvTransport::kNccl) {
+    if (!p.ipc_handle().empty()) {
+      return BadRegion("ipc_handle applies to the cuda_ipc transport; this request's is nccl");
+    }
+    if (!IsLinkPeerName(p.link_peer())) {
+      return BadRegion(absl::StrCat("link_peer '", p.link_peer(),
+                                    "': nccl needs the decode node's name for its links (1 to "
+                                    "64 letters, digits, '-' or '_')"));
+    }
+    *peer = p.link_peer();
+  } else {
+    if (!p.link_peer().empty()) {
+      return BadRegion("link_peer applies to the nccl transport; this request's is cuda_ipc");
+    }
+    // A CUDA IPC handle is 64 bytes; the guarded backend's emulation names its buffers in text.
+    if (p.ipc_handle().empty() || p.ipc_handle().size() > 256) {
+      return BadRegion(absl::StrCat("an IPC handle of ", p.ipc_handle().size(),
+                                    " bytes (cuda_ipc needs the pool's, 1 to 256)"));
+    }
+    *peer = p.ipc_handle();
   }
   if (p.page_bytes() == 0 || p.bytes() < p.page_bytes() || p.bytes() > (uint64_t{1} << 48)) {
     return BadRegion(absl::StrCat("pages of ", p.page_bytes(), " bytes in a slab of ", p.bytes()));
@@ -331,7 +352,6 @@ absl::Status FromProto(const v1::KvRegion& p, std::string* ipc_handle, size_t* s
     return BadRegion(
         absl::StrCat(p.page_tables_size(), " page tables for ", p.capacity_size(), " layers"));
   }
-  *ipc_handle = p.ipc_handle();
   *slab_bytes = static_cast<size_t>(p.bytes());
   place->page_bytes = static_cast<size_t>(p.page_bytes());
   place->tables.clear();
@@ -361,6 +381,8 @@ v1::KvHeader ToProto(const WireHeader& h) {
   p.set_policy(h.policy);
   p.set_prompt_len(h.prompt_len);
   for (int k : h.kept_per_layer) p.add_kept_per_layer(k);
+  p.set_link_name(h.link_name);
+  p.set_link_offer(h.link_offer);
   return p;
 }
 
@@ -385,6 +407,8 @@ absl::StatusOr<WireHeader> FromProto(const v1::KvHeader& p) {
     if (k > kMax) return absl::InvalidArgumentError("malformed KV stream: kept count out of range");
     h.kept_per_layer.push_back(static_cast<int>(k));
   }
+  h.link_name = p.link_name();
+  h.link_offer = p.link_offer();
   return h;
 }
 
@@ -400,6 +424,8 @@ void ToProto(WireChunk c, v1::KvChunk* p) {
   p->set_crc32c(c.crc32c);
   p->set_placed(c.placed);
   p->set_placed_bytes(static_cast<uint64_t>(c.placed_bytes));
+  p->set_link_seq(c.link_seq);
+  p->set_link_bytes(static_cast<uint64_t>(c.link_bytes));
 }
 
 WireChunk FromProto(v1::KvChunk* p) {
@@ -417,6 +443,8 @@ WireChunk FromProto(v1::KvChunk* p) {
   c.placed = p->placed();
   // Beyond int64 it is negative, and the assembler refuses it.
   c.placed_bytes = static_cast<int64_t>(p->placed_bytes());
+  c.link_seq = p->link_seq();
+  c.link_bytes = static_cast<int64_t>(p->link_bytes());
   return c;
 }
 

@@ -48,13 +48,14 @@ void ToProto(WireChunk chunk, v1::KvChunk* out);
 v1::KvRegion ToProto(const std::string& name, size_t bytes, const KvCacheShape& shape);
 absl::Status FromProto(const v1::KvRegion& region, std::string* name, size_t* bytes,
                        KvCacheShape* shape);
-// A decode cache in pages of a device pool (the cuda_ipc transport): the slab's IPC handle and
-// bytes, the shape, and where the cache lies, and back; the counts and bounds are checked here,
-// the layout against the shape by KvCache::CreatePagedView.
-v1::KvRegion ToProto(const std::string& ipc_handle, size_t slab_bytes, const KvCacheShape& shape,
-                     const KvCache::PagedPlace& place);
-absl::Status FromProto(const v1::KvRegion& region, std::string* ipc_handle, size_t* slab_bytes,
-                       KvCacheShape* shape, KvCache::PagedPlace* place);
+// A decode cache in pages of a device pool (the cuda_ipc and nccl transports): on cuda_ipc the
+// slab's IPC handle, on nccl the decode node's link name (`peer`), the slab's bytes, the shape,
+// and where the cache lies, and back; the counts and bounds are checked here, the layout
+// against the shape by KvCache::CreatePagedView.
+v1::KvRegion ToProto(KvTransport transport, const std::string& peer, size_t slab_bytes,
+                     const KvCacheShape& shape, const KvCache::PagedPlace& place);
+absl::Status FromProto(const v1::KvRegion& region, KvTransport transport, std::string* peer,
+                       size_t* slab_bytes, KvCacheShape* shape, KvCache::PagedPlace* place);
 WireChunk FromProto(v1::KvChunk* chunk);
 v1::KvTrailer ToProto(const WireTrailer& trailer);
 WireTrailer FromProto(const v1::KvTrailer& trailer);

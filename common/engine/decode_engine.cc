@@ -135,6 +135,9 @@ class DecodeEngine::Receiver final : public KvReceiver {
     return absl::OkStatus();
   }
   KvCache* destination() override { return seq_->cache.get(); }
+  absl::Status CheckChunk(const WireChunk& chunk) override {
+    return StreamFault(seq_->assembler->CheckNext(chunk), seq_->local);
+  }
   void OnDone(const absl::Status& status, int64_t transport_bytes) override {
     std::shared_ptr<Seq> s = std::move(seq_);
     s->wire_bytes += transport_bytes;
@@ -276,7 +279,7 @@ absl::Status DecodeEngine::Prepare(Seq& s) {
 }
 
 void DecodeEngine::Quarantine(Seq& s) {
-  if (s.cache == nullptr || s.source == nullptr || s.source->placement() != KvPlacement::kRows ||
+  if (s.cache == nullptr || s.source == nullptr || !s.source->leases_cache() ||
       (s.assembler && s.assembler->complete()) || s.attempt_refused) {
     s.cache.reset();
     return;

@@ -7,7 +7,7 @@
 //   fakes          (tests/) streams a test scripts, with no network
 //
 // Transports that move the rows into the receiver's own buffers plug in here: the stream's
-// metadata as on grpc, the rows written where the cache lies (shm, cuda_ipc; NCCL next).
+// metadata as on grpc, the rows written where the cache lies (shm, cuda_ipc, nccl).
 #pragma once
 
 #include <cstdint>
@@ -27,6 +27,12 @@ class KvReceiver : public KvStreamSink {
   // The cache the stream goes into, for a source that writes the rows there itself
   // (KvSource::placement); null where the receiver stores them.
   virtual KvCache* destination() { return nullptr; }
+  // Whether `chunk` is the stream's next and well formed, before a source that writes its rows
+  // into destination() itself writes them (nccl: the link's receive); OnChunk follows. A
+  // receiver that cannot tell refuses.
+  virtual absl::Status CheckChunk(const WireChunk& chunk) {
+    return absl::FailedPreconditionError("this receiver does not check chunks before their rows");
+  }
   // How the stream ended, and the bytes its transport moved.
   virtual void OnDone(const absl::Status& status, int64_t transport_bytes) = 0;
 };
@@ -48,6 +54,11 @@ class KvSource {
   // (shm: the cache must be in a shared host region, KvPool::AllocateShared), or rows (cuda_ipc:
   // the cache in a device pool's pages). Every chunk then arrives placed (WireExpectation).
   virtual KvPlacement placement() const { return KvPlacement::kNone; }
+  // Whether a node whose attempt failed may still write into the cache until the attempt's
+  // deadline, its lease (cuda_ipc: the prefill node writes the pages itself; nccl's rows land
+  // only in receives this node posts, so not): the engine then keeps that attempt's pages out
+  // of the pool until the lease ends.
+  virtual bool leases_cache() const { return placement() == KvPlacement::kRows; }
   // Starts pulling `job`'s KV into `receiver`. An error here means nothing started and the
   // receiver hears nothing; otherwise it hears the stream and then OnDone. Never calls the
   // receiver on the caller's thread before returning.

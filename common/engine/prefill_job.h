@@ -29,10 +29,12 @@ struct PrefillJob {
   // How the K/V rows travel, and where a transport that writes the decode node's cache writes
   // (a cache of `region_shape`): shm into the shared region `region_name` of `region_bytes`;
   // cuda_ipc into the pages `region_place` of the device pool whose slab, of `region_bytes`,
-  // the IPC handle `region_handle` maps.
+  // the IPC handle `region_handle` maps; nccl sends to the decode node `link_peer`, whose pages
+  // `region_place` of a slab of `region_bytes` receive.
   KvTransport transport = KvTransport::kGrpc;
   std::string region_name;
   std::string region_handle;
+  std::string link_peer;
   size_t region_bytes = 0;
   KvCacheShape region_shape;
   KvCache::PagedPlace region_place;

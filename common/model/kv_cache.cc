@@ -308,10 +308,8 @@ absl::StatusOr<KvCache::PagedPlace> KvCache::paged_place() const {
   return place;
 }
 
-absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePagedView(const KvCacheShape& shape,
-                                                                  kernels::KernelBackend* backend,
-                                                                  uint8_t* slab, size_t slab_bytes,
-                                                                  const PagedPlace& place) {
+absl::Status KvCache::CheckPagedPlace(const KvCacheShape& shape, size_t slab_bytes,
+                                      const PagedPlace& place) {
   if (place.page_bytes == 0 || slab_bytes < place.page_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("pages of ", place.page_bytes, " bytes in a slab of ", slab_bytes));
@@ -344,6 +342,15 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePagedView(const KvCacheS
                      " bytes that must start at a page of the slab of ", slab_bytes,
                      " (-1 when there are none)"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> KvCache::CreatePagedView(const KvCacheShape& shape,
+                                                                  kernels::KernelBackend* backend,
+                                                                  uint8_t* slab, size_t slab_bytes,
+                                                                  const PagedPlace& place) {
+  RETURN_IF_ERROR(CheckPagedPlace(shape, slab_bytes, place));
+  const size_t side = CodedSideBytes(shape);
   auto cache = std::unique_ptr<KvCache>(new KvCache());
   cache->tables_ = place.tables;
   cache->LayOutPaged(shape, backend, slab, place.page_bytes,

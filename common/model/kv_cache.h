@@ -129,6 +129,10 @@ class KvCache {
   // allocated (mapped by KernelBackend::ImportMemory), laid out as that pool's cache of `shape`
   // at `place`: every table and offset is checked against the shape and the slab. It owns no
   // pages; its positions are its own host memory.
+  // Whether `place` lays a cache of `shape` out in a slab of `slab_bytes` (CreatePagedView's
+  // checks, for a node that only checks a request).
+  static absl::Status CheckPagedPlace(const KvCacheShape& shape, size_t slab_bytes,
+                                      const PagedPlace& place);
   static absl::StatusOr<std::unique_ptr<KvCache>> CreatePagedView(const KvCacheShape& shape,
                                                                   kernels::KernelBackend* backend,
                                                                   uint8_t* slab, size_t slab_bytes,

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
 
@@ -90,6 +91,8 @@ absl::string_view KvTransportName(KvTransport t) {
       return "shm";
     case KvTransport::kCudaIpc:
       return "cuda_ipc";
+    case KvTransport::kNccl:
+      return "nccl";
   }
   return "?";
 }
@@ -101,6 +104,7 @@ KvPlacement PlacementOf(KvTransport t) {
     case KvTransport::kShm:
       return KvPlacement::kRowsAndPositions;
     case KvTransport::kCudaIpc:
+    case KvTransport::kNccl:
       return KvPlacement::kRows;
   }
   return KvPlacement::kNone;
@@ -110,12 +114,17 @@ absl::StatusOr<KvTransport> ParseKvTransport(absl::string_view name) {
   if (name == "grpc") return KvTransport::kGrpc;
   if (name == "shm") return KvTransport::kShm;
   if (name == "cuda_ipc") return KvTransport::kCudaIpc;
-  if (name == "nccl") {
-    return absl::UnimplementedError(
-        "the nccl KV transport is not built yet; use grpc, shm or cuda_ipc");
-  }
+  if (name == "nccl") return KvTransport::kNccl;
   return absl::InvalidArgumentError(
-      absl::StrCat("must be grpc, shm or cuda_ipc (nccl is not built yet); got '", name, "'"));
+      absl::StrCat("must be grpc, shm, cuda_ipc or nccl; got '", name, "'"));
+}
+
+bool IsLinkPeerName(absl::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_') return false;
+  }
+  return true;
 }
 
 absl::StatusOr<WireChunk> PlacedChunk(const WireChunk& c, const KvCache& cache, int kept,
@@ -133,39 +142,50 @@ absl::StatusOr<WireChunk> PlacedChunk(const WireChunk& c, const KvCache& cache, 
   return p;
 }
 
-absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& c, int kept) {
+PlacedSpans PlacedSpansOf(const KvCache& cache, const WireChunk& c, int kept) {
   const LayerCache& lc = cache.layer(c.layer);
   const kernels::KvCoding& coding = lc.coding;
   const int d = lc.head_dim;
-  // Every head's spans in order: its rows, then (coded) its groups' parameters and scales.
-  std::vector<kernels::ByteSpan> spans;
-  std::vector<size_t> head_end;
+  PlacedSpans out;
+  auto add = [&](const uint8_t* data, int64_t bytes) {
+    out.spans.push_back({data, bytes});
+    out.bytes += bytes;
+  };
   for (int h = c.head_begin; h < c.head_begin + c.head_count; ++h) {
     for (int t = c.token_begin; t < c.token_begin + c.token_count; ++t) {
       if (lc.coded()) {
         const int kc = CodedKeyRowBytes(coding.format, d),
                   vc = CodedValueRowBytes(coding.format, d);
-        spans.push_back({lc.k + lc.layout.Row(h, t, kc), kc});
-        spans.push_back({lc.v + coding.v_layout.Row(h, t, vc), vc});
+        add(lc.k + lc.layout.Row(h, t, kc), kc);
+        add(lc.v + coding.v_layout.Row(h, t, vc), vc);
       } else {
         const int64_t at = lc.layout.Row(h, t, d) * static_cast<int64_t>(DTypeSize(lc.dtype));
         const auto row = static_cast<int64_t>(lc.row_bytes());
-        spans.push_back({lc.k + at, row});
-        spans.push_back({lc.v + at, row});
+        add(lc.k + at, row);
+        add(lc.v + at, row);
       }
     }
     if (lc.coded()) {
       const KvGroups groups{kept};
       const int g0 = groups.Of(c.token_begin), g1 = groups.Of(c.token_begin + c.token_count - 1);
       const auto group_bytes = static_cast<int64_t>(KvKeyGroupBytes(coding.format, d));
-      spans.push_back({coding.k_params + (int64_t{h} * coding.max_groups + g0) * group_bytes,
-                       (g1 - g0 + 1) * group_bytes});
+      add(coding.k_params + (int64_t{h} * coding.max_groups + g0) * group_bytes,
+          (g1 - g0 + 1) * group_bytes);
       if (coding.format == KvFormat::kFP8) {
-        spans.push_back({coding.v_scales + int64_t{h} * coding.max_groups + g0, g1 - g0 + 1});
+        add(coding.v_scales + int64_t{h} * coding.max_groups + g0, g1 - g0 + 1);
       }
     }
-    head_end.push_back(spans.size());
+    out.head_end.push_back(out.spans.size());
   }
+  return out;
+}
+
+absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& c, int kept) {
+  const LayerCache& lc = cache.layer(c.layer);
+  // Every head's spans in order: its rows, then (coded) its groups' parameters and scales.
+  const PlacedSpans placed = PlacedSpansOf(cache, c, kept);
+  const std::vector<kernels::ByteSpan>& spans = placed.spans;
+  const std::vector<size_t>& head_end = placed.head_end;
   std::vector<uint32_t> sums(spans.size());
   if (cache.host_rows()) {
     for (size_t i = 0; i < spans.size(); ++i) {
@@ -412,7 +432,7 @@ absl::Status KvAssembler::CheckChunk(const WireChunk& c) {
   const bool placed = expect_.placement != KvPlacement::kNone;
   if (c.placed != placed) {
     return Malformed(absl::StrCat(where, placed ? ": its rows travel in it, but this stream "
-                                                  "places them in the cache (shm, cuda_ipc)"
+                                                  "places them in the cache (shm, cuda_ipc, nccl)"
                                                 : ": placed in the cache, but its rows travel on "
                                                   "this stream"));
   }
@@ -522,6 +542,12 @@ absl::Status KvAssembler::CheckPlacedRows(const WireChunk& c) {
     return absl::DataLossError(
         absl::StrCat(ChunkName(c), ": CRC-32C mismatch over the rows placed in the cache's pages"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status KvAssembler::CheckNext(const WireChunk& c) {
+  if (failed_) return absl::FailedPreconditionError("KV stream already failed");
+  if (absl::Status st = CheckChunk(c); !st.ok()) return Fail(st);
   return absl::OkStatus();
 }
 

@@ -29,10 +29,16 @@ inline constexpr size_t kMaxChunkBytesLimit = 16 << 20;
 //   shm       written by the prefill node into the decode node's cache, a shared host region
 //   cuda_ipc  written by the prefill node into the decode node's pool pages on the GPU (one
 //             host; the pool's slab mapped through CUDA IPC); positions still in the chunks
-enum class KvTransport : uint8_t { kGrpc = 0, kShm = 1, kCudaIpc = 2 };
+//   nccl      sent by the prefill node on a link (NCCL between GPUs, any two hosts; a
+//             KernelBackend::OpenLink) and received by the decode node into its pool pages;
+//             positions still in the chunks
+enum class KvTransport : uint8_t { kGrpc = 0, kShm = 1, kCudaIpc = 2, kNccl = 3 };
 absl::string_view KvTransportName(KvTransport t);
-// "grpc", "shm" or "cuda_ipc"; nccl is named as not built.
+// "grpc", "shm", "cuda_ipc" or "nccl".
 absl::StatusOr<KvTransport> ParseKvTransport(absl::string_view name);
+// A decode node's name for its links (nccl: the prefill nodes keep links per name): 1 to 64
+// letters, digits, '-' or '_'.
+bool IsLinkPeerName(absl::string_view name);
 
 struct WireHeader {
   uint32_t format_version = kWireFormatVersion;
@@ -45,6 +51,10 @@ struct WireHeader {
   std::string policy;
   int prompt_len = 0;
   std::vector<int> kept_per_layer;
+  // nccl: the link the rows travel on (the prefill node's name for it), and the offer the
+  // decode node joins it with when it is new (empty: a link both already hold).
+  std::string link_name;
+  std::string link_offer;
 };
 
 struct WireChunk {
@@ -59,6 +69,10 @@ struct WireChunk {
   // payload the chunk stands for (what grpc would carry).
   bool placed = false;
   int64_t placed_bytes = 0;
+  // nccl: the rows follow on the stream's link as one message of link_bytes (PlacedSpans'
+  // bytes, packed), the link_seq-th since the link was made.
+  uint64_t link_seq = 0;
+  int64_t link_bytes = 0;
 
   size_t payload_bytes() const {
     return placed ? static_cast<size_t>(placed_bytes) : positions.size() + k.size() + v.size();
@@ -92,6 +106,16 @@ uint32_t ChunkChecksum(const WireChunk& chunk);
 absl::StatusOr<WireChunk> PlacedChunk(const WireChunk& c, const KvCache& cache, int kept,
                                       bool with_positions);
 absl::StatusOr<uint32_t> PlacedChecksum(const KvCache& cache, const WireChunk& chunk, int kept);
+// The memory PlacedChecksum covers for a chunk, in its order: per head its rows (K then V per
+// token) and (coded) its groups' parameters and scales; `head_end[i]` is where head
+// head_begin + i's spans end. What the nccl transport packs into one message (the same spans,
+// of the same sizes, on both nodes however each lays the cache out).
+struct PlacedSpans {
+  std::vector<kernels::ByteSpan> spans;
+  std::vector<size_t> head_end;
+  int64_t bytes = 0;
+};
+PlacedSpans PlacedSpansOf(const KvCache& cache, const WireChunk& chunk, int kept);
 
 // One head's strictly ascending positions, coded as whichever is smaller (a tie: deltas):
 //   0x00, then n LEB128 varints: the first position, then each gap less one
@@ -111,8 +135,8 @@ std::vector<WireChunk> ChunkLayer(const CompressedLayer& layer, KvFormat format,
 // Whether a stream's sender writes into the receiving cache itself:
 //   kNone               the chunks carry the rows (grpc)
 //   kRowsAndPositions   rows and positions are in the cache (shm: the whole cache is shared)
-//   kRows               rows are in the cache (cuda_ipc: the pool's pages), positions in the
-//                       chunks, stored by the receiver as grpc's are
+//   kRows               rows are in the cache (cuda_ipc: the pool's pages; nccl: received into
+//                       them), positions in the chunks, stored by the receiver as grpc's are
 enum class KvPlacement : uint8_t { kNone, kRowsAndPositions, kRows };
 KvPlacement PlacementOf(KvTransport t);
 
@@ -146,6 +170,9 @@ class KvAssembler {
 
   absl::Status OnHeader(const WireHeader& header);
   absl::Status OnChunk(const WireChunk& chunk);
+  // OnChunk's checks of `chunk` as the stream's next, without taking it: what a transport that
+  // writes its rows into the cache by another way checks before it writes (nccl's receive).
+  absl::Status CheckNext(const WireChunk& chunk);
   // Every layer complete and the trailer sane.
   absl::Status OnTrailer(const WireTrailer& trailer, int vocab_size);
 

@@ -114,6 +114,7 @@ class ServicePairTest : public ::testing::Test {
     if (transport_ == KvTransport::kCudaIpc || serve_cuda_ipc_) {
       o.device = prefill_model_->backend();
     }
+    if (transport_ == KvTransport::kNccl || serve_nccl_) o.links = prefill_model_->backend();
     auto s = PrefillServer::Start(node->faults.get(), std::move(o));
     EXPECT_TRUE(s.ok()) << s.status();
     node->server = std::move(*s);
@@ -344,6 +345,7 @@ class ServicePairTest : public ::testing::Test {
   KvTransport transport_ = KvTransport::kGrpc;
   bool serve_shm_ = true;
   bool serve_cuda_ipc_ = false;  // the prefill nodes serve cuda_ipc (on a device backend)
+  bool serve_nccl_ = false;      // ... and nccl
   std::unique_ptr<LlamaModel> prefill_model_, decode_model_;
   std::vector<std::unique_ptr<PrefillNode>> prefills_;
   std::unique_ptr<DecodeServer> decode_;
@@ -363,7 +365,7 @@ class ServicePairTransport : public ServicePairTest,
   void SetUp() override {
     transport_ = GetParam();
     if (transport_ == KvTransport::kShm && !ShmFits()) GTEST_SKIP() << kNoShm;
-    if (transport_ == KvTransport::kCudaIpc) {
+    if (transport_ == KvTransport::kCudaIpc || transport_ == KvTransport::kNccl) {
       LoadOptions o;
       o.backend = kernels::BackendKind::kGuarded;
       LoadNodeModels(o);
@@ -375,7 +377,7 @@ class ServicePairTransport : public ServicePairTest,
 
 INSTANTIATE_TEST_SUITE_P(Transports, ServicePairTransport,
                          ::testing::Values(KvTransport::kGrpc, KvTransport::kShm,
-                                           KvTransport::kCudaIpc),
+                                           KvTransport::kCudaIpc, KvTransport::kNccl),
                          [](const auto& info) { return std::string(KvTransportName(info.param)); });
 
 TEST_P(ServicePairTransport, TokensEqualSingleProcessGeneration) {
@@ -402,6 +404,64 @@ TEST_F(ServicePairTest, CudaIpcMovesWhatGrpcMoves) {
     SCOPED_TRACE(format);
     ExpectTransportsMoveTheSame(KvTransport::kCudaIpc, format);
   }
+}
+
+// nccl against grpc, both nodes on the guarded backend (whose links emulate NCCL over a
+// loopback socket): the same tokens and K/V payload, the rows received into the decode node's
+// pool pages. Then requests at once on the last decode node, which share the prefill node's
+// links (one stream each at a time, kept warm between them).
+TEST_F(ServicePairTest, NcclMovesWhatGrpcMoves) {
+  LoadOptions device;
+  device.backend = kernels::BackendKind::kGuarded;
+  LoadNodeModels(device);
+  serve_nccl_ = true;
+  AddPrefill();
+  for (const char* format : {"auto", "int4", "fp8"}) {
+    SCOPED_TRACE(format);
+    ExpectTransportsMoveTheSame(KvTransport::kNccl, format);
+  }
+  const std::vector<int32_t> want = Call(*stub_, Request(LongPrompt(200), 6)).ids;
+  ASSERT_EQ(want.size(), 6u);
+  std::vector<std::thread> calls;
+  std::vector<Result> got(6);
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 0; i < 3; ++i) {
+      calls.emplace_back(
+          [&, i, round] { got[3 * round + i] = Call(*stub_, Request(LongPrompt(200), 6)); });
+    }
+    for (auto& t : calls) t.join();
+    calls.clear();
+  }
+  for (const Result& r : got) {
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.ids, want);
+  }
+  ExpectPoolEmpty();
+}
+
+// nccl needs a device pool on the decode node and a device prefill node that serves it.
+TEST_F(ServicePairTest, NcclRefusedWhereItCannotRun) {
+  AddPrefill();  // a CPU prefill node
+  DecodeServerOptions host;
+  host.kv_transport = KvTransport::kNccl;
+  host.listen = "127.0.0.1:0";
+  host.prefill_target = "127.0.0.1:" + std::to_string(prefills_[0]->port());
+  auto refused = DecodeServer::Start(decode_model_.get(), host);  // a host pool
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("--backend cuda"), std::string::npos)
+      << refused.status();
+  LoadOptions device;
+  device.backend = kernels::BackendKind::kGuarded;
+  LoadNodeModels(device);
+  prefills_.clear();
+  AddPrefill();
+  ExpectRefusedSaying(KvTransport::kNccl, "does not serve the nccl");
+  PrefillServerOptions p;
+  p.listen = "127.0.0.1:0";
+  p.links = Load()->backend();
+  auto engine = std::make_unique<PrefillEngine>(prefill_model_.get(), PrefillEngineOptions{});
+  auto server = PrefillServer::Start(engine.get(), p);
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
 }
 
 // cuda_ipc needs a device pool on the decode node and a device prefill node that serves it;

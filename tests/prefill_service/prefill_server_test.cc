@@ -214,7 +214,7 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
       // Where a transport that writes the decode node's cache writes: every field checked, and
       // those of another transport refused.
       {[](auto* r) { *r->mutable_region() = IpcRegion(2); }, grpc::StatusCode::INVALID_ARGUMENT,
-       "applies to the shm and cuda_ipc KV transports", "region"},
+       "applies to the shm, cuda_ipc and nccl KV transports", "region"},
       {[](auto* r) { r->set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC); },
        grpc::StatusCode::INVALID_ARGUMENT, "needs the decode pool's slab", "region"},
       {[](auto* r) {
@@ -246,13 +246,59 @@ TEST_F(PrefillServerTest, RefusesBadRequestsSayingWhy) {
          *r->mutable_region() = IpcRegion(2);
          r->mutable_region()->set_name("/kvwire-1-00");
        },
-       grpc::StatusCode::INVALID_ARGUMENT, "apply to the cuda_ipc transport", "region"},
-      // Well formed, to a node on the CPU: it does not serve cuda_ipc, and says how it would.
+       grpc::StatusCode::INVALID_ARGUMENT, "apply to the cuda_ipc and nccl transports", "region"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC);
+         *r->mutable_region() = IpcRegion(2);
+         r->mutable_region()->set_link_peer("decode-1");
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "link_peer applies to the nccl transport", "region"},
+      // nccl: the pages as on cuda_ipc, with the decode node's name instead of a handle.
+      {[](auto* r) { r->set_kv_transport(v1::KV_TRANSPORT_NCCL); },
+       grpc::StatusCode::INVALID_ARGUMENT, "needs the decode node's name", "region"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_NCCL);
+         *r->mutable_region() = IpcRegion(2);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "ipc_handle applies to the cuda_ipc transport",
+       "region"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_NCCL);
+         *r->mutable_region() = IpcRegion(2);
+         r->mutable_region()->clear_ipc_handle();
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "link_peer '': nccl needs", "region"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_NCCL);
+         *r->mutable_region() = IpcRegion(2);
+         r->mutable_region()->clear_ipc_handle();
+         r->mutable_region()->set_link_peer("decode/../1");
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "1 to 64 letters", "region"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_NCCL);
+         *r->mutable_region() = IpcRegion(2);
+         r->mutable_region()->clear_ipc_handle();
+         r->mutable_region()->set_link_peer("decode-1");
+         r->mutable_region()->add_capacity(16);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "2 page tables for 3 layers", "region"},
+      {[](auto* r) { r->set_kv_transport(static_cast<v1::KvTransport>(9)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "unknown transport 9", "kv_transport"},
+      // Well formed, to a node on the CPU: it does not serve cuda_ipc or nccl, and says how it
+      // would.
       {[](auto* r) {
          r->set_kv_transport(v1::KV_TRANSPORT_CUDA_IPC);
          *r->mutable_region() = IpcRegion(2);
        },
        grpc::StatusCode::FAILED_PRECONDITION, "does not serve the cuda_ipc KV transport"},
+      {[](auto* r) {
+         r->set_kv_transport(v1::KV_TRANSPORT_NCCL);
+         *r->mutable_region() = IpcRegion(2);
+         r->mutable_region()->clear_ipc_handle();
+         r->mutable_region()->set_link_peer("decode-1");
+       },
+       grpc::StatusCode::FAILED_PRECONDITION, "does not serve the nccl KV transport"},
   };
   for (const Case& c : cases) {
     v1::PrefillRequest req = Request(20, CompressionConfig{});

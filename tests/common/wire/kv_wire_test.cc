@@ -10,9 +10,11 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <thread>
 
 #include "common/base/shared_region.h"
 #include "common/model/kv_pool.h"
+#include "common/wire/kv_links.h"
 
 namespace kvwire {
 namespace {
@@ -816,4 +818,193 @@ TEST(SharedRegion, IsOpenedByNameAtItsSizeUntilItsOwnerGoes) {
 }
 
 }  // namespace
+// nccl: the two ends of a link between a prefill node (a host copy of the decode cache,
+// assembled from the stream) and a decode node (pages of a device pool), both on guarded
+// backends whose links emulate NCCL. Each chunk's rows, packed, land in the pages, which then
+// hold what a stream fed the usual way would have stored; the link is lent again after a
+// whole stream, its messages numbered on; receives wait for their turn; a wrong size, a
+// missing message and a stream that did not end whole each end the link.
+struct LinkPair {
+  kernels::KernelBackendPtr decode_backend, prefill_backend;
+  std::unique_ptr<KvPool> pool;
+  std::unique_ptr<KvCache> decode, prefill;
+  std::unique_ptr<SenderLinks> sender;
+  std::unique_ptr<ReceiverLinks> receiver;
+};
+std::unique_ptr<LinkPair> MakeLinkPair(const Stream& s) {
+  auto p = std::make_unique<LinkPair>();
+  p->decode_backend = *kernels::MakeBackend(kernels::BackendKind::kGuarded, 1);
+  p->prefill_backend = *kernels::MakeBackend(kernels::BackendKind::kGuarded, 1);
+  KvCacheShape shape = MakeCache(s)->shape();
+  shape.format = DecodeCacheFormat(s.header.kv_format);
+  auto pool = KvPool::OnBackend(
+      std::shared_ptr<kernels::KernelBackend>(p->decode_backend.get(), [](auto*) {}),
+      size_t{4} << 20, size_t{16} << 10);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  p->pool = std::move(*pool);
+  p->decode = *KvCache::CreatePaged(shape, *p->pool);
+  p->prefill = *KvCache::Create(shape, HeapKvAllocator());
+  p->sender = std::make_unique<SenderLinks>(p->prefill_backend.get());
+  p->receiver = std::make_unique<ReceiverLinks>(p->decode_backend.get());
+  return p;
+}
+
+// What the prefill node sends for chunk `c` on `link`: the chunk's message, and (`message`) its
+// rows packed; the host copy takes the chunk first.
+WireChunk LinkChunk(LinkPair& p, KvAssembler& copy, KvLink& link, const Stream& s,
+                    const WireChunk& c, std::vector<uint8_t>* message) {
+  EXPECT_TRUE(copy.OnChunk(c).ok());
+  const int kept = s.header.kept_per_layer[c.layer];
+  WireChunk placed = *PlacedChunk(c, *p.prefill, kept, true);
+  EXPECT_TRUE(p.sender->Prepare(link, *p.prefill, kept, &placed, message).ok());
+  return placed;
+}
+
+TEST(KvLinks, CarryEachChunksRowsIntoThePages) {
+  constexpr auto kWait = std::chrono::milliseconds(5000);
+  for (KvFormat f : {KvFormat::kAuto, KvFormat::kFP8, KvFormat::kInt4}) {
+    SCOPED_TRACE(KvFormatName(f));
+    const Stream s = MakeStream(2, 3, 8, {60, 41}, 400, DType::kF32, 23, f);
+    ASSERT_GE(s.chunks.size(), 3u);
+    auto p = MakeLinkPair(s);
+    std::string offer;
+    auto link = p->sender->Acquire(p->receiver->peer(), &offer);
+    ASSERT_TRUE(link.ok()) << link.status();
+    ASSERT_FALSE(offer.empty());
+    auto end = p->receiver->Use((*link)->name(), offer);
+    ASSERT_TRUE(end.ok()) << end.status();
+    WireExpectation plain = Expect(s);
+    plain.kept_per_layer.clear();
+    KvAssembler copy(plain, p->prefill.get());
+    WireExpectation e = Expect(s);
+    e.placement = KvPlacement::kRows;
+    KvAssembler receiver(e, p->decode.get());
+    ASSERT_TRUE(copy.OnHeader(s.header).ok());
+    ASSERT_TRUE(receiver.OnHeader(s.header).ok());
+    // Messages 0 and 1 are received in the other order (two streams' threads at a hand-over):
+    // the second waits for the first.
+    std::vector<std::vector<uint8_t>> messages(s.chunks.size());
+    std::vector<WireChunk> placed;
+    for (size_t i = 0; i < s.chunks.size(); ++i) {
+      placed.push_back(LinkChunk(*p, copy, **link, s, s.chunks[i], &messages[i]));
+      EXPECT_EQ(placed[i].link_seq, i);
+      EXPECT_EQ(static_cast<size_t>(placed[i].link_bytes), messages[i].size());
+    }
+    std::thread sending([&] {
+      for (const auto& m : messages) EXPECT_TRUE(p->sender->Send(**link, m, kWait).ok());
+    });
+    auto kept = [&](const WireChunk& c) { return s.header.kept_per_layer[c.layer]; };
+    absl::Status second;
+    std::thread later([&] {
+      second = p->receiver->Receive(**end, placed[1], *p->decode, kept(placed[1]), kWait);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_TRUE(receiver.CheckNext(placed[0]).ok());
+    ASSERT_TRUE(p->receiver->Receive(**end, placed[0], *p->decode, kept(placed[0]), kWait).ok());
+    later.join();
+    ASSERT_TRUE(second.ok()) << second;
+    for (size_t i = 0; i < placed.size(); ++i) {
+      if (i >= 2) {
+        ASSERT_TRUE(receiver.CheckNext(placed[i]).ok());
+        const absl::Status st =
+            p->receiver->Receive(**end, placed[i], *p->decode, kept(placed[i]), kWait);
+        ASSERT_TRUE(st.ok()) << st;
+      }
+      const absl::Status st = receiver.OnChunk(placed[i]);  // the checksum over the pages
+      ASSERT_TRUE(st.ok()) << st;
+    }
+    sending.join();
+    ASSERT_TRUE(receiver.OnTrailer(s.trailer, 512).ok());
+    auto fed = KvCache::Create(p->decode->shape(), HeapKvAllocator());
+    ASSERT_TRUE(Feed(s, fed->get()).ok());
+    for (const WireChunk& c : s.chunks) {
+      EXPECT_EQ(*PlacedChecksum(*p->decode, c, kept(c)), *PlacedChecksum(**fed, c, kept(c)));
+    }
+    // The stream ended whole: both ends keep the link, and the next stream gets it warm, its
+    // messages numbered on from the last.
+    const std::string name = (*link)->name();
+    p->receiver->Done(*end, true);
+    p->sender->Release(p->receiver->peer(), *std::move(link));
+    EXPECT_EQ(p->sender->idle(), 1);
+    auto again = p->sender->Acquire(p->receiver->peer(), &offer);
+    ASSERT_TRUE(again.ok());
+    EXPECT_TRUE(offer.empty());
+    EXPECT_EQ((*again)->name(), name);
+    auto end2 = p->receiver->Use(name, "");
+    ASSERT_TRUE(end2.ok()) << end2.status();
+    EXPECT_EQ(p->receiver->open(), 1);
+    auto pages = KvCache::CreatePaged(p->decode->shape(), *p->pool);
+    ASSERT_TRUE(pages.ok());
+    KvAssembler copy2(plain, p->prefill.get()), receiver2(e, pages->get());
+    ASSERT_TRUE(copy2.OnHeader(s.header).ok());
+    ASSERT_TRUE(receiver2.OnHeader(s.header).ok());
+    std::vector<uint8_t> m;
+    WireChunk c = LinkChunk(*p, copy2, **again, s, s.chunks[0], &m);
+    EXPECT_EQ(c.link_seq, s.chunks.size());
+    std::thread send2([&] { EXPECT_TRUE(p->sender->Send(**again, m, kWait).ok()); });
+    ASSERT_TRUE(receiver2.CheckNext(c).ok());
+    ASSERT_TRUE(p->receiver->Receive(**end2, c, **pages, kept(c), kWait).ok());
+    send2.join();
+    EXPECT_TRUE(receiver2.OnChunk(c).ok());
+    // A byte changed on the link: the rows land, and the checksum over the pages refuses them.
+    WireChunk bent = LinkChunk(*p, copy2, **again, s, s.chunks[1], &m);
+    m[m.size() / 2] ^= 0x10;
+    std::thread send3([&] { EXPECT_TRUE(p->sender->Send(**again, m, kWait).ok()); });
+    ASSERT_TRUE(receiver2.CheckNext(bent).ok());
+    ASSERT_TRUE(p->receiver->Receive(**end2, bent, **pages, kept(bent), kWait).ok());
+    send3.join();
+    absl::Status st = receiver2.OnChunk(bent);
+    EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+    // A message whose size is not the cache's for the chunk: the link is out of step, and ends.
+    WireChunk wrong = LinkChunk(*p, copy2, **again, s, s.chunks[2], &m);
+    wrong.link_bytes += 1;
+    st = p->receiver->Receive(**end2, wrong, **pages, kept(wrong), kWait);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find("bytes on the link"), std::string::npos) << st;
+    st = p->receiver->Receive(**end2, c, **pages, kept(c), kWait);
+    EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+    // Not whole: the decode node drops it, and a stream the prefill node puts on it fails.
+    p->receiver->Done(*end2, false);
+    EXPECT_EQ(p->receiver->open(), 0);
+    st = p->receiver->Use(name, "").status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_NE(st.message().find("does not hold"), std::string::npos) << st;
+    EXPECT_EQ(p->receiver->Use("", "").status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+// A message that never comes: the receive gives up after its timeout, and the link with it.
+TEST(KvLinks, AReceiveNothingArrivesForEndsTheLink) {
+  const Stream s = MakeStream(1, 2, 8, {30}, 1 << 20, DType::kBF16, 3);
+  auto p = MakeLinkPair(s);
+  std::string offer;
+  auto link = p->sender->Acquire(p->receiver->peer(), &offer);
+  ASSERT_TRUE(link.ok());
+  auto end = p->receiver->Use((*link)->name(), offer);
+  ASSERT_TRUE(end.ok());
+  EXPECT_EQ(p->receiver->Use((*link)->name(), offer).status().code(),
+            absl::StatusCode::kInvalidArgument);  // offered twice
+  KvAssembler copy(Expect(s), p->prefill.get());
+  ASSERT_TRUE(copy.OnHeader(s.header).ok());
+  std::vector<uint8_t> m;
+  const WireChunk c = LinkChunk(*p, copy, **link, s, s.chunks[0], &m);
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st = p->receiver->Receive(**end, c, *p->decode, 30, std::chrono::milliseconds(300));
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(250));
+  // A later message, which waits for its turn, is not waited for either.
+  WireChunk later = c;
+  later.link_seq = 5;
+  st = p->receiver->Receive(**end, later, *p->decode, 30, std::chrono::milliseconds(5000));
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  // The sender's end finds its peer gone once the decode node drops the link.
+  p->receiver->Done(*end, false);
+  end->reset();
+  absl::Status sent;
+  for (int i = 0; i < 50 && sent.ok(); ++i) {
+    sent = p->sender->Send(**link, m, std::chrono::milliseconds(200));
+  }
+  EXPECT_FALSE(sent.ok());
+}
+
 }  // namespace kvwire
