@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # KV transports side by side on one host: one prefill node serving them all (grpc and shm on the
-# CPU; grpc and cuda_ipc with --backend cuda) and a decode node per transport in front of it;
+# CPU; grpc, cuda_ipc and nccl with --backend cuda) and a decode node per transport in front of it;
 # prompts of each length go to them alternately (grpc, shm, grpc, shm, ...), one at a time, and
 # the table
 # gives, per transport, setting and length, the medians of the decode node's time from the
@@ -11,7 +11,8 @@
 #   bash bench/transport_bench.sh [--build-dir build] [--model synthetic:llama-1b] [--dtype bf16]
 #       [--lengths 2048,8192] [--settings full,snapkv:128] [--rounds 2] [--threads 2]
 #       [--vocab 32000 (prompt ids are drawn below it)] [--backend cpu|cuda|guarded]
-#       [--transports grpc,shm (cpu) | grpc,cuda_ipc (cuda, guarded)] [--tokens 8]
+#       [--transports grpc,shm (cpu) | grpc,cuda_ipc (cuda, guarded; or nccl, which on cuda
+#        needs a second GPU: NCCL refuses two ranks on one)] [--tokens 8]
 #       [--pool-bytes 8GiB (N, NKiB, NMiB or NGiB: each decode node's KV pool; shm keeps it in /dev/shm)]
 #
 # Every request is greedy and generates --tokens tokens (the first sampled on the prefill node,
@@ -58,7 +59,8 @@ while [[ $# -gt 0 ]]; do
 done
 case "$BACKEND" in
   cpu) TRANSPORTS=${TRANSPORTS:-grpc,shm} ;;
-  # guarded: the device path without a GPU, its IPC emulated between the processes.
+  # guarded: the device path without a GPU, its IPC (and nccl's links) emulated between the
+  # processes.
   cuda|guarded) TRANSPORTS=${TRANSPORTS:-grpc,cuda_ipc} ;;
   *) echo "transport_bench: --backend must be cpu, cuda or guarded, got '$BACKEND'" >&2; exit 2 ;;
 esac

@@ -200,35 +200,27 @@ absl::StatusOr<std::shared_ptr<KvTransfer>> GrpcKvSource::Start(
     job.region_name = region->name();
     job.region_bytes = region->size();
     job.region_shape = cache->shape();
-  } else if (transport_ == KvTransport::kCudaIpc) {
-    // The prefill node writes the rows into the cache's pages: it gets the pool's slab and
-    // where the cache lies in it; the positions come on the stream.
+  } else if (transport_ == KvTransport::kCudaIpc || transport_ == KvTransport::kNccl) {
+    // The rows go into the cache's pages of this node's device pool: cuda_ipc's prefill node
+    // writes them there itself (it gets the pool's slab), nccl's sends them on a link to this
+    // node, which receives them there (it gets this node's name: links are per decode node);
+    // either gets where the cache lies, and the positions come on the stream.
     KvCache* cache = receiver->destination();
     auto place = cache != nullptr ? cache->paged_place()
                                   : absl::FailedPreconditionError("no destination cache");
     if (!place.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the cuda_ipc KV transport writes into the decode cache's pages of a device pool: ",
-          place.status().message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("the ", KvTransportName(transport_),
+                       " KV transport moves the rows into the decode cache's pages of a device "
+                       "pool: ",
+                       place.status().message()));
     }
-    job.transport = KvTransport::kCudaIpc;
-    job.region_handle = pool_handle_;
-    job.region_bytes = pool_bytes_;
-    job.region_shape = cache->shape();
-    job.region_place = *std::move(place);
-  } else if (transport_ == KvTransport::kNccl) {
-    // The prefill node sends the rows on a link to this node, which receives them into the
-    // cache's pages: it gets this node's name (its links are per decode node) and the layout.
-    KvCache* cache = receiver->destination();
-    auto place = cache != nullptr ? cache->paged_place()
-                                  : absl::FailedPreconditionError("no destination cache");
-    if (!place.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the nccl KV transport receives into the decode cache's pages of a device pool: ",
-          place.status().message()));
+    job.transport = transport_;
+    if (transport_ == KvTransport::kCudaIpc) {
+      job.region_handle = pool_handle_;
+    } else {
+      job.link_peer = links_->peer();
     }
-    job.transport = KvTransport::kNccl;
-    job.link_peer = links_->peer();
     job.region_bytes = pool_bytes_;
     job.region_shape = cache->shape();
     job.region_place = *std::move(place);

@@ -375,32 +375,33 @@ absl::Status ValidateSample(const SampleParams& p) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Each span of n: a size >= 0, and memory where it has bytes.
+absl::Status ValidateSpans(absl::string_view op, const ByteSpan* spans, int n) {
+  for (int i = 0; i < n; ++i) {
+    RETURN_IF_ERROR(Require(spans[i].bytes >= 0 && (spans[i].bytes == 0 || spans[i].data), op, [&] {
+      return absl::StrCat("span ", i, " has ", spans[i].bytes,
+                          " bytes; need >= 0, and data where > 0");
+    }));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ValidateChecksumSpans(const ChecksumSpansParams& p) {
   constexpr absl::string_view kOp = "ChecksumSpans";
   RETURN_IF_ERROR(
       Require(p.n >= 0 && (p.n == 0 || (p.spans && p.out)), kOp, "n >= 0, and spans and out set"));
-  for (int i = 0; i < p.n; ++i) {
-    RETURN_IF_ERROR(
-        Require(p.spans[i].bytes >= 0 && (p.spans[i].bytes == 0 || p.spans[i].data), kOp, [&] {
-          return absl::StrCat("span ", i, " has ", p.spans[i].bytes,
-                              " bytes; need >= 0, and data where > 0");
-        }));
-  }
-  return absl::OkStatus();
+  return ValidateSpans(kOp, p.spans, p.n);
 }
 
 absl::Status ValidatePackSpans(const PackSpansParams& p) {
   constexpr absl::string_view kOp = "PackSpans";
   RETURN_IF_ERROR(Require(p.n >= 0 && (p.n == 0 || (p.spans && p.packed)), kOp,
                           "n >= 0, and spans and packed set"));
-  for (int i = 0; i < p.n; ++i) {
-    RETURN_IF_ERROR(
-        Require(p.spans[i].bytes >= 0 && (p.spans[i].bytes == 0 || p.spans[i].data), kOp, [&] {
-          return absl::StrCat("span ", i, " has ", p.spans[i].bytes,
-                              " bytes; need >= 0, and data where > 0");
-        }));
-  }
-  return absl::OkStatus();
+  return ValidateSpans(kOp, p.spans, p.n);
 }
 
 }  // namespace kvwire::kernels

@@ -56,6 +56,12 @@ else
   cublas="$(sed -n 's/^cuBLAS from //p' "$work/env.log")"
   export LD_LIBRARY_PATH="$dir/lib${cublas:+:$cublas}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export KVWIRE_SHARED_DIR="$dir/shared" KVWIRE_SOURCE_DIR="$root"
+  # NCCL for the nccl transport's link test (it only loads there: one GPU holds one rank): the
+  # copy PyTorch's wheel ships, where the toolkit's is not on the path.
+  if [[ -z "${KVWIRE_NCCL_LIBRARY:-}" ]]; then
+    nccl="$(python3 -c 'import glob, nvidia.nccl as n; print((glob.glob(n.__path__[0] + "/lib/libnccl.so*") or [""])[0])' 2>/dev/null || true)"
+    [[ -n "$nccl" ]] && export KVWIRE_NCCL_LIBRARY="$nccl"
+  fi
   shared="$KVWIRE_SHARED_DIR"
   find_bin() { [[ -x "$dir/bin/$1" ]] && echo "$dir/bin/$1"; }
 fi

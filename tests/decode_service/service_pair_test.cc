@@ -439,56 +439,38 @@ TEST_F(ServicePairTest, NcclMovesWhatGrpcMoves) {
   ExpectPoolEmpty();
 }
 
-// nccl needs a device pool on the decode node and a device prefill node that serves it.
-TEST_F(ServicePairTest, NcclRefusedWhereItCannotRun) {
-  AddPrefill();  // a CPU prefill node
-  DecodeServerOptions host;
-  host.kv_transport = KvTransport::kNccl;
-  host.listen = "127.0.0.1:0";
-  host.prefill_target = "127.0.0.1:" + std::to_string(prefills_[0]->port());
-  auto refused = DecodeServer::Start(decode_model_.get(), host);  // a host pool
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
-  EXPECT_NE(refused.status().message().find("--backend cuda"), std::string::npos)
-      << refused.status();
-  LoadOptions device;
-  device.backend = kernels::BackendKind::kGuarded;
-  LoadNodeModels(device);
-  prefills_.clear();
-  AddPrefill();
-  ExpectRefusedSaying(KvTransport::kNccl, "does not serve the nccl");
-  PrefillServerOptions p;
-  p.listen = "127.0.0.1:0";
-  p.links = Load()->backend();
-  auto engine = std::make_unique<PrefillEngine>(prefill_model_.get(), PrefillEngineOptions{});
-  auto server = PrefillServer::Start(engine.get(), p);
-  EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
-}
-
-// cuda_ipc needs a device pool on the decode node and a device prefill node that serves it;
-// each refusal says what to change.
-TEST_F(ServicePairTest, CudaIpcRefusedWhereItCannotRun) {
-  AddPrefill();  // a CPU prefill node, which serves grpc and shm only
-  DecodeServerOptions host;
-  host.kv_transport = KvTransport::kCudaIpc;
-  host.listen = "127.0.0.1:0";
-  host.prefill_target = "127.0.0.1:" + std::to_string(prefills_[0]->port());
-  auto refused = DecodeServer::Start(decode_model_.get(), host);  // a host pool
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
-  EXPECT_NE(refused.status().message().find("--backend cuda"), std::string::npos)
-      << refused.status();
-  LoadOptions device;
-  device.backend = kernels::BackendKind::kGuarded;
-  LoadNodeModels(device);
-  prefills_.clear();
-  AddPrefill();
-  ExpectRefusedSaying(KvTransport::kCudaIpc, "does not serve the cuda_ipc");
-  // And a prefill node on a host backend cannot serve it at all.
-  PrefillServerOptions p;
-  p.listen = "127.0.0.1:0";
-  p.device = Load()->backend();
-  auto engine = std::make_unique<PrefillEngine>(prefill_model_.get(), PrefillEngineOptions{});
-  auto server = PrefillServer::Start(engine.get(), p);
-  EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
+// cuda_ipc and nccl need a device pool on the decode node and a device prefill node that serves
+// them; each refusal says what to change.
+TEST_F(ServicePairTest, DeviceTransportsRefusedWhereTheyCannotRun) {
+  for (KvTransport t : {KvTransport::kCudaIpc, KvTransport::kNccl}) {
+    const std::string name(KvTransportName(t));
+    SCOPED_TRACE(name);
+    decode_.reset();
+    prefills_.clear();
+    LoadNodeModels(LoadOptions{});
+    AddPrefill();  // a CPU prefill node, which serves grpc and shm only
+    DecodeServerOptions host;
+    host.kv_transport = t;
+    host.listen = "127.0.0.1:0";
+    host.prefill_target = "127.0.0.1:" + std::to_string(prefills_[0]->port());
+    auto refused = DecodeServer::Start(decode_model_.get(), host);  // a host pool
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_NE(refused.status().message().find("--backend cuda"), std::string::npos)
+        << refused.status();
+    LoadOptions device;
+    device.backend = kernels::BackendKind::kGuarded;
+    LoadNodeModels(device);
+    prefills_.clear();
+    AddPrefill();
+    ExpectRefusedSaying(t, "does not serve the " + name);
+    // And a prefill node on a host backend cannot serve it at all.
+    PrefillServerOptions p;
+    p.listen = "127.0.0.1:0";
+    (t == KvTransport::kCudaIpc ? p.device : p.links) = Load()->backend();
+    auto engine = std::make_unique<PrefillEngine>(prefill_model_.get(), PrefillEngineOptions{});
+    auto server = PrefillServer::Start(engine.get(), p);
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
+  }
 }
 
 // A prefill node that does not serve shm refuses it, saying how to; the decode node reports it.

@@ -628,8 +628,10 @@ struct PagedPair {
     if (mapped != nullptr) prefill_backend->CloseImported(mapped);
   }
 };
-std::unique_ptr<PagedPair> MakePaged(const Stream& s) {
-  auto p = std::make_unique<PagedPair>();
+// Two guarded backends, one with a pool of 16 KiB pages the decode cache of `s` goes in (the
+// decode node's), and that cache's shape.
+template <typename Pair>
+KvCacheShape MakeDevicePair(const Stream& s, Pair* p) {
   p->decode_backend = *kernels::MakeBackend(kernels::BackendKind::kGuarded, 1);
   p->prefill_backend = *kernels::MakeBackend(kernels::BackendKind::kGuarded, 1);
   KvCacheShape shape = MakeCache(s)->shape();
@@ -639,6 +641,11 @@ std::unique_ptr<PagedPair> MakePaged(const Stream& s) {
       size_t{4} << 20, size_t{16} << 10);
   EXPECT_TRUE(pool.ok()) << pool.status();
   p->pool = std::move(*pool);
+  return shape;
+}
+std::unique_ptr<PagedPair> MakePaged(const Stream& s) {
+  auto p = std::make_unique<PagedPair>();
+  const KvCacheShape shape = MakeDevicePair(s, p.get());
   // A cache that is not the pool's first: its pages start past others.
   auto before = KvCache::CreatePaged(shape, *p->pool);
   auto decode = KvCache::CreatePaged(shape, *p->pool);
@@ -833,15 +840,7 @@ struct LinkPair {
 };
 std::unique_ptr<LinkPair> MakeLinkPair(const Stream& s) {
   auto p = std::make_unique<LinkPair>();
-  p->decode_backend = *kernels::MakeBackend(kernels::BackendKind::kGuarded, 1);
-  p->prefill_backend = *kernels::MakeBackend(kernels::BackendKind::kGuarded, 1);
-  KvCacheShape shape = MakeCache(s)->shape();
-  shape.format = DecodeCacheFormat(s.header.kv_format);
-  auto pool = KvPool::OnBackend(
-      std::shared_ptr<kernels::KernelBackend>(p->decode_backend.get(), [](auto*) {}),
-      size_t{4} << 20, size_t{16} << 10);
-  EXPECT_TRUE(pool.ok()) << pool.status();
-  p->pool = std::move(*pool);
+  const KvCacheShape shape = MakeDevicePair(s, p.get());
   p->decode = *KvCache::CreatePaged(shape, *p->pool);
   p->prefill = *KvCache::Create(shape, HeapKvAllocator());
   p->sender = std::make_unique<SenderLinks>(p->prefill_backend.get());
