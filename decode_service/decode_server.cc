@@ -39,10 +39,12 @@ class GrpcSink final : public ResponseSink {
  public:
   static constexpr int kMaxFoldedTokens = 256;
 
-  GrpcSink(std::shared_ptr<Stream> stream, std::string request_id, int stream_interval)
+  GrpcSink(std::shared_ptr<Stream> stream, std::string request_id, int stream_interval,
+           int prompt_tokens)
       : stream_(std::move(stream)),
         request_id_(std::move(request_id)),
-        stream_interval_(stream_interval) {}
+        stream_interval_(stream_interval),
+        prompt_tokens_(prompt_tokens) {}
 
   bool Send(TokenDelta delta) override {
     Append(delta, &held_);
@@ -65,6 +67,8 @@ class GrpcSink final : public ResponseSink {
         [&] {                     // a new message: `waiting_` is its contents from now on
           waiting_.Swap(&held_);  // held_ is cleared below
           waiting_.set_request_id(request_id_);
+          waiting_.set_prompt_tokens(first_ ? prompt_tokens_ : 0);
+          first_ = false;
           return SerializeMessage(waiting_);
         },
         [&](grpc::ByteBuffer* queued) {  // `waiting_` is `queued`'s contents
@@ -128,7 +132,9 @@ class GrpcSink final : public ResponseSink {
   std::shared_ptr<Stream> stream_;
   std::string request_id_;
   const int stream_interval_;
+  const int prompt_tokens_;
   bool sent_any_ = false;
+  bool first_ = true;             // the next new message is the stream's first
   v1::GenerateResponse held_;     // tokens not sent yet (--stream-interval), no request_id
   v1::GenerateResponse waiting_;  // the last message queued, while SendFoldable may fold
 };
@@ -175,7 +181,8 @@ struct DecodeServer::Impl final
                      TranslateGenerateRequest(request, *model, options, next_id.fetch_add(1)));
     job.deadline = FromWallDeadline(*options.engine.clock, ctx.deadline(), options.max_deadline);
     job.trace = TraceFromMetadata(ctx.client_metadata());
-    auto sink = std::make_shared<GrpcSink>(stream, job.request_id, options.stream_interval);
+    auto sink = std::make_shared<GrpcSink>(stream, job.request_id, options.stream_interval,
+                                           static_cast<int>(job.prompt_ids.size()));
     return engine->Submit(std::move(job), sink);
   }
 };

@@ -250,7 +250,7 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
     s.set_seed(seed->is_number_unsigned() ? seed->get<uint64_t>()
                                           : static_cast<uint64_t>(*AsInt(*seed)));
   }
-  if (const In* stop = body.Take("stop")) {
+  if (const In* stop = body.Take("stop"); stop != nullptr && !stop->is_null()) {
     const In list = stop->is_string() ? In::array({*stop}) : *stop;
     bool ok = list.is_array();
     for (const In& x : list) ok = ok && x.is_string() && !x.get<std::string>().empty();
@@ -268,13 +268,15 @@ void ParseCommon(Body& body, const std::string& model_id, ParsedRequest* out) {
     if (!out->stream) RefuseField("stream_options", "only allowed with stream: true");
     if (!options->is_object()) RefuseField("stream_options", "expected an object");
     for (const auto& [key, value] : options->items()) {
-      if (key != "include_usage") {
-        RefuseField("stream_options." + key, "unknown field (include_usage is the only one)");
+      if (key != "include_usage" && key != "continuous_usage_stats") {
+        RefuseField("stream_options." + key,
+                    "unknown field (include_usage and continuous_usage_stats are served)");
       }
       if (!value.is_null() && !value.is_boolean()) {
-        RefuseField("stream_options.include_usage", "expected true or false");
+        RefuseField("stream_options." + key, "expected true or false");
       }
-      out->include_usage = value.is_boolean() && value.get<bool>();
+      (key == "include_usage" ? out->include_usage : out->continuous_usage) =
+          value.is_boolean() && value.get<bool>();
     }
   }
   for (const char* name : {"frequency_penalty", "presence_penalty"}) {

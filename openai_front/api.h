@@ -47,6 +47,8 @@ struct ParsedRequest {
   bool chat = false;
   bool stream = false;
   bool include_usage = false;
+  // stream_options.continuous_usage_stats (vLLM's): usage on every chunk, counted so far.
+  bool continuous_usage = false;
   bool logprobs = false;
   bool add_generation_prompt = true;
   // The body field of the generation length: chat has max_tokens and max_completion_tokens.

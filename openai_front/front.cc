@@ -464,7 +464,8 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Request-Id", id);
   const bool chat = parsed.chat, want_logprobs = parsed.logprobs,
-             include_usage = parsed.include_usage;
+             include_usage = parsed.include_usage, continuous = parsed.continuous_usage;
+  const int64_t prompt_tokens = first->prompt_tokens();
 
   // A token's event without logprobs, the hot path, is bytes around its text: the JSON of
   // the event with a placeholder, split once per request.
@@ -490,9 +491,20 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
   res.set_chunked_content_provider(
       "text/event-stream",
       [this, shared, first, event, before, after, id, created, chat, want_logprobs, include_usage,
-       ttft, max_tokens_field = parsed.max_tokens_field](size_t, httplib::DataSink& sink) {
+       continuous, prompt_tokens, ttft,
+       max_tokens_field = parsed.max_tokens_field](size_t, httplib::DataSink& sink) {
         Call& c = *shared;
         size_t offset = 0;
+        int64_t completion_tokens = 0;
+        // continuous_usage_stats: the counts so far, on every chunk (as vLLM sends them).
+        auto counted = [&](Json e) {
+          if (continuous) {
+            e["usage"] = Json{{"prompt_tokens", prompt_tokens},
+                              {"completion_tokens", completion_tokens},
+                              {"total_tokens", prompt_tokens + completion_tokens}};
+          }
+          return Sse(e);
+        };
         bool role_sent = false, corked = true;
         auto send = [&](const std::string& data) {
           const bool ok = sink.write(data.data(), data.size());
@@ -512,6 +524,7 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
         };
         v1::GenerateResponse& msg = *first;
         for (bool have = true; have; have = c.reader->Read(&msg)) {
+          completion_tokens += msg.token_ids_size();
           if (msg.token_ids_size() > 0 || !msg.text().empty()) {
             Json lp;
             if (want_logprobs) {
@@ -522,14 +535,16 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
             std::string data;
             if (chat && !role_sent) {
               role_sent = true;
-              data = Sse(event(Json{{"delta", {{"role", "assistant"}, {"content", msg.text()}}}},
-                               nullptr, std::move(lp)));
-            } else if (lp.is_null()) {
+              data =
+                  counted(event(Json{{"delta", {{"role", "assistant"}, {"content", msg.text()}}}},
+                                nullptr, std::move(lp)));
+            } else if (lp.is_null() && !continuous) {
               data = before + QuoteJson(msg.text()) + after;
             } else if (chat) {
-              data = Sse(event(Json{{"delta", {{"content", msg.text()}}}}, nullptr, std::move(lp)));
+              data = counted(
+                  event(Json{{"delta", {{"content", msg.text()}}}}, nullptr, std::move(lp)));
             } else {
-              data = Sse(event(Json{{"text", msg.text()}}, nullptr, std::move(lp)));
+              data = counted(event(Json{{"text", msg.text()}}, nullptr, std::move(lp)));
             }
             if (!send(data)) return EndCall(c, /*cancel=*/true), false;
           }
@@ -546,7 +561,7 @@ void Front::AnswerStream(std::unique_ptr<Call> call, const ParsedRequest& parsed
               Json tail = Envelope(chat, /*chunk=*/true, id, created);
               tail["choices"] = Json::array();
               tail["usage"] = Usage(f, ttft);
-              ending = Sse(last) + Sse(tail);
+              ending = counted(std::move(last)) + Sse(tail);
             } else {
               last["usage"] = Usage(f, ttft);  // kvwire's figures ride on the last chunk
               ending = Sse(last);

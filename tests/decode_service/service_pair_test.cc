@@ -39,6 +39,7 @@ struct Result {
   v1::Final final;
   int messages = 0;
   std::vector<int> tokens_per_message;  // of the messages with tokens
+  std::vector<uint32_t> prompt_tokens;  // each message's (the first's is set)
 };
 
 Result Call(v1::Generation::Stub& stub, const v1::GenerateRequest& req, int deadline_ms = 30000,
@@ -51,6 +52,7 @@ Result Call(v1::Generation::Stub& stub, const v1::GenerateRequest& req, int dead
   while (reader->Read(&msg)) {
     ++r.messages;
     if (msg.token_ids_size() > 0) r.tokens_per_message.push_back(msg.token_ids_size());
+    r.prompt_tokens.push_back(msg.prompt_tokens());
     r.ids.insert(r.ids.end(), msg.token_ids().begin(), msg.token_ids().end());
     r.text += msg.text();
     r.logprobs.insert(r.logprobs.end(), msg.logprobs().begin(), msg.logprobs().end());
@@ -854,6 +856,13 @@ TEST_F(ServicePairTest, StreamIntervalSendsTheFirstTokenThenEveryNTokens) {
   EXPECT_EQ(r.text, every.text);
   EXPECT_EQ(r.logprobs, every.logprobs);
   EXPECT_EQ(r.final.usage().completion_tokens(), 50);
+  // The prompt's tokens on the first message only, as the usage counts them.
+  for (const Result* each : {&r, &every}) {
+    ASSERT_GE(each->prompt_tokens.size(), 2u);
+    EXPECT_EQ(each->prompt_tokens[0], 40u);
+    EXPECT_EQ(each->final.usage().prompt_tokens(), 40);
+    for (size_t i = 1; i < each->prompt_tokens.size(); ++i) EXPECT_EQ(each->prompt_tokens[i], 0u);
+  }
   ExpectPoolEmpty();
 }
 

@@ -123,6 +123,8 @@ TEST(ParseCompletionTest, RefusesEachBadFieldNamingIt) {
       {R"("stop": ["a","b","c","d","e","f","g","h","i","j","k","l","m","n","o","p","q"])", "stop"},
       {R"("stream_options": {"include_usage": true})", "stream_options"},
       {R"("stream": true, "stream_options": {"other": 1})", "stream_options.other"},
+      {R"("stream": true, "stream_options": {"continuous_usage_stats": "yes"})",
+       "stream_options.continuous_usage_stats"},
       {R"("stream": "yes")", "stream"},
       {R"("kv_budget": 0)", "kv_budget"},
       {R"("kv_budget": 8, "kv_ratio": 0.5)", "kv_ratio"},

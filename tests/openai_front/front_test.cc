@@ -15,6 +15,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -24,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/base/status.h"
 #include "kvwire/v1/generation.grpc.pb.h"
 #include "proto/convert.h"
@@ -63,6 +65,7 @@ class ScriptedGeneration final : public v1::Generation::Service {
       m.set_request_id(req->request_id());
       m.add_token_ids(static_cast<int>(10 + i));
       m.set_text(texts[i]);
+      if (i == 0) m.set_prompt_tokens(4);  // as a decode node counts it, on the first message
       if (req->return_logprobs()) {
         m.add_logprobs(-0.5f * (i + 1));
         m.add_token_texts(texts[i]);
@@ -205,6 +208,57 @@ TEST_F(FrontTest, StreamsEventsEndingWithDone) {
   EXPECT_TRUE(last_choice["usage"].is_null());
   EXPECT_TRUE(events.back()["choices"].empty());
   EXPECT_EQ(events.back()["usage"]["completion_tokens"], 3);
+}
+
+// vLLM's continuous_usage_stats (guidellm sends it with every streamed request): the counts so
+// far on every chunk, the prompt's from the decode node's first message; with include_usage the
+// whole usage still follows on a chunk of its own.
+TEST_F(FrontTest, ContinuousUsageCountsOnEveryChunk) {
+  for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+    for (bool include : {false, true}) {
+      SCOPED_TRACE(std::string(path) + (include ? " with include_usage" : ""));
+      const std::string options = absl::StrCat(R"("stream": true, "stop": null, "ignore_eos": true,
+          "stream_options": {"continuous_usage_stats": true, "include_usage": )",
+                                               include ? "true" : "false", "}");
+      const std::string body =
+          std::string(path) == "/v1/completions"
+              ? Body("hello", ", " + options)
+              : absl::StrCat(R"({"model": "m", "messages": [{"role": "user", "content": "ok"}], )",
+                             options, "}");
+      auto r = Post(path, body);
+      ASSERT_TRUE(r);
+      ASSERT_EQ(r->status, 200) << r->body;
+      std::vector<Json> events;
+      size_t at = 0;
+      while ((at = r->body.find("data: ", at)) != std::string::npos) {
+        const size_t end = r->body.find("\n\n", at);
+        const std::string data = r->body.substr(at + 6, end - at - 6);
+        at = end;
+        if (data == "[DONE]") break;
+        events.push_back(Json::parse(data));
+      }
+      // A chunk per token, the one that ends the choice, and with include_usage the usage's.
+      ASSERT_EQ(events.size(), include ? 5u : 4u);
+      for (int i = 0; i < 4; ++i) {
+        const Json& u = events[i]["usage"];
+        EXPECT_EQ(u["prompt_tokens"], 4) << events[i];
+        EXPECT_EQ(u["completion_tokens"], std::min(i + 1, 3)) << events[i];
+        EXPECT_EQ(u["total_tokens"], 4 + std::min(i + 1, 3)) << events[i];
+      }
+      EXPECT_EQ(events[3]["choices"][0]["finish_reason"], "length");
+      if (include) {
+        EXPECT_TRUE(events[4]["choices"].empty());
+        EXPECT_EQ(events[4]["usage"]["completion_tokens"], 3);
+        EXPECT_EQ(events[4]["usage"]["kvwire"]["full_cache_bytes"], 4096);
+      }
+    }
+  }
+  auto r =
+      Post("/v1/completions",
+           Body("hello", R"(, "stream": true, "stream_options": {"continuous_usage_stats": 1})"));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400);
+  EXPECT_EQ(Json::parse(r->body)["error"]["param"], "stream_options.continuous_usage_stats");
 }
 
 TEST_F(FrontTest, RefusalsOfTheDecodeTierAreHttpStatuses) {
