@@ -121,6 +121,7 @@ class GrpcSink final : public ResponseSink {
       s->set_mean_itl_ms(f->mean_itl_ms);
       s->set_policy(f->policy);
       s->set_prefill_node(f->prefill_node);
+      s->set_cached_tokens(f->cached_tokens);
       s->set_decode_node(f->decode_node);
       s->set_attention(f->attention);
       s->set_prefill_attempts(f->prefill_attempts);

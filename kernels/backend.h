@@ -93,6 +93,10 @@ struct PrefillAttentionParams {
   float scale = 0.f;
   int window = 0;
   float* window_scores = nullptr;  // [n_heads, window, len]
+  // Query rows [q_begin, len) only (rows are still indexed from 0 in q and out; the rows
+  // before are keys whose queries were computed in an earlier pass: a cached prompt prefix).
+  // The window's rows must be among them: window <= len - q_begin.
+  int q_begin = 0;
 };
 
 // One sequence in a batched decode step. Its cache for this layer holds `len` tokens per

@@ -203,12 +203,13 @@ void CpuPrefillAttention(const PrefillAttentionParams& p, ThreadPool& pool,
                          int64_t min_work_per_task) {
   const int group = p.n_heads / p.n_kv_heads;
   const int d = p.head_dim;
-  const int64_t q_tiles = (p.len + kQueryTile - 1) / kQueryTile;
+  const int queries = p.len - p.q_begin;
+  const int64_t q_tiles = (queries + kQueryTile - 1) / kQueryTile;
   const int64_t tasks = q_tiles * p.n_kv_heads;
   // A task's multiply-adds, about: its query rows × the group × half the keys on average ×
   // 2·head_dim; short prompts of small models run on the calling thread.
   const int64_t work_per_task = std::max<int64_t>(
-      1, int64_t{std::min(p.len, kQueryTile)} * group * ((p.len + 1) / 2) * 2 * d);
+      1, int64_t{std::min(queries, kQueryTile)} * group * ((p.q_begin + p.len + 1) / 2) * 2 * d);
   const int window_start = p.len - p.window;
   pool.ParallelFor(
       tasks, std::max<int64_t>(1, min_work_per_task / work_per_task), [&](int64_t t0, int64_t t1) {
@@ -245,7 +246,7 @@ void CpuPrefillAttention(const PrefillAttentionParams& p, ThreadPool& pool,
           const int64_t qt_raw = task / p.n_kv_heads;
           const int64_t qt = (qt_raw % 2 == 0) ? qt_raw / 2 : q_tiles - 1 - qt_raw / 2;
           const int g = static_cast<int>(task % p.n_kv_heads);
-          const int i0 = static_cast<int>(qt * kQueryTile);
+          const int i0 = p.q_begin + static_cast<int>(qt * kQueryTile);
           const int i1 = std::min(p.len, i0 + kQueryTile);
           std::fill(m.begin(), m.end(), kNegInf);
           std::fill(l.begin(), l.end(), 0.f);

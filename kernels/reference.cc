@@ -106,7 +106,7 @@ class ReferenceBackend final : public HostMemoryBackend {
     std::vector<float> s(p.len);
     for (int h = 0; h < p.n_heads; ++h) {
       const int g = h / group;
-      for (int i = 0; i < p.len; ++i) {
+      for (int i = p.q_begin; i < p.len; ++i) {
         const float* q = p.q + i * p.q_stride + static_cast<int64_t>(h) * p.head_dim;
         float mx = -std::numeric_limits<float>::infinity();
         for (int j = 0; j <= i; ++j) {

@@ -118,8 +118,12 @@ absl::Status ValidatePrefillAttention(const PrefillAttentionParams& p) {
                               p.kv_stride >= int64_t{p.n_kv_heads} * p.head_dim &&
                               p.out_stride >= int64_t{p.n_heads} * p.head_dim,
                           kOp, "a row stride is smaller than its heads · head_dim"));
-  RETURN_IF_ERROR(Require(p.window >= 0 && p.window <= p.len, kOp, [&] {
-    return absl::StrCat("window must be in [0, len=", p.len, "], got ", p.window);
+  RETURN_IF_ERROR(Require(p.q_begin >= 0 && p.q_begin < p.len, kOp, [&] {
+    return absl::StrCat("q_begin must be in [0, len=", p.len, "), got ", p.q_begin);
+  }));
+  RETURN_IF_ERROR(Require(p.window >= 0 && p.window <= p.len - p.q_begin, kOp, [&] {
+    return absl::StrCat("window must be in [0, len - q_begin = ", p.len - p.q_begin, "], got ",
+                        p.window);
   }));
   return Require(p.window == 0 || p.window_scores, kOp, "window > 0 needs window_scores");
 }

@@ -652,6 +652,8 @@ Json Usage(const v1::Final& final, double front_ttft_ms) {
   u["prompt_tokens"] = final.usage().prompt_tokens();
   u["completion_tokens"] = final.usage().completion_tokens();
   u["total_tokens"] = final.usage().prompt_tokens() + final.usage().completion_tokens();
+  // As OpenAI and vLLM report a prefix cache's hit.
+  u["prompt_tokens_details"] = Json{{"cached_tokens", st.cached_tokens()}};
   u["kvwire"] = std::move(k);
   return u;
 }

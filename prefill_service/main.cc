@@ -34,6 +34,11 @@ int main(int argc, char** argv) {
   flags.Define("send-timeout-ms", "10000",
                "cancel a stream whose reader takes no KV chunk for this long");
   flags.Define("max-deadline-s", "300", "longest a prefill may run, whatever its caller asks");
+  flags.Define("prefix-cache-bytes", "0",
+               "memory for the prefix cache: the full K/V of recent prompts' leading blocks, "
+               "reused by prompts that start the same (0: none)");
+  flags.Define("prefix-block-tokens", "64",
+               "tokens per prefix cache block: prompts share cached K/V in whole blocks");
   flags.Define("kv-transport", "grpc",
                "KV transports served, comma-separated: grpc (always), shm (writing into the "
                "caches of decode nodes on this host), cuda_ipc (writing into the device pools "
@@ -55,11 +60,16 @@ int main(int argc, char** argv) {
   auto request_bytes = ParseBytes(flags.GetString("max-request-bytes"));
   auto send_timeout = flags.GetInt("send-timeout-ms", 100, 3600000);
   auto max_deadline = flags.GetInt("max-deadline-s", 1, 86400);
+  auto prefix_bytes = ParseBytes(flags.GetString("prefix-cache-bytes"));
+  auto prefix_block = flags.GetInt("prefix-block-tokens", 1, 4096);
   for (const absl::Status& st :
        {workers.status(), queue.status(), grace.status(), request_bytes.status(),
-        send_timeout.status(), max_deadline.status()}) {
+        send_timeout.status(), max_deadline.status(), prefix_bytes.status(),
+        prefix_block.status()}) {
     if (!st.ok()) return fail(st);
   }
+  engine_options.prefix_cache_bytes = *prefix_bytes;
+  engine_options.prefix_block_tokens = static_cast<int>(*prefix_block);
   engine_options.workers = static_cast<int>(*workers);
   engine_options.max_queue = static_cast<int>(*queue);
   o.tls = ServerTlsFromFlags(flags);
@@ -102,6 +112,18 @@ int main(int argc, char** argv) {
                             : 4096 + 5 * static_cast<size_t>((*model)->config().context_limit());
   if (serve_cuda_ipc) o.device = (*model)->backend();
   if (serve_nccl) o.links = (*model)->backend();
+  if (const ModelConfig& mc = (*model)->config(); engine_options.prefix_cache_bytes > 0) {
+    const size_t block = PrefixCache::BlockBytes(mc.num_layers, mc.num_kv_heads * mc.head_dim,
+                                                 engine_options.prefix_block_tokens);
+    if (engine_options.prefix_cache_bytes < block) {
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("--prefix-cache-bytes ", engine_options.prefix_cache_bytes,
+                       " holds no block: one of --prefix-block-tokens ",
+                       engine_options.prefix_block_tokens, " takes ", block,
+                       " bytes of this model (every layer's K and V in f32); 0 turns the "
+                       "cache off")));
+    }
+  }
   PrefillEngine engine(model->get(), engine_options);
   auto server = PrefillServer::Start(&engine, o);
   if (!server.ok()) return fail(server.status());

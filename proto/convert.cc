@@ -458,6 +458,7 @@ v1::KvTrailer ToProto(const WireTrailer& t) {
   p.set_kv_payload_bytes(t.kv_payload_bytes);
   p.set_chunks(t.chunks);
   p.set_node(t.node);
+  p.set_cached_tokens(static_cast<uint32_t>(t.cached_tokens));
   return p;
 }
 
@@ -471,6 +472,8 @@ WireTrailer FromProto(const v1::KvTrailer& p) {
   t.kv_payload_bytes = p.kv_payload_bytes();
   t.chunks = static_cast<int>(p.chunks());
   t.node = p.node();
+  // Beyond int range it is negative, and the assembler refuses it.
+  t.cached_tokens = static_cast<int>(p.cached_tokens());
   return t;
 }
 

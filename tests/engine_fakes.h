@@ -117,6 +117,41 @@ inline std::string CacheDifference(const KvCache& want, const KvCache& got) {
   return "";
 }
 
+// "" when two caches keep the same positions in every layer and head and their K and V rows
+// agree within `tol` (absolute, and relative to the larger magnitude), else where they first
+// differ: a prefill that computed some rows in other batches (a prefix cache's) rounds them
+// differently.
+inline std::string CacheCloseness(const KvCache& want, const KvCache& got, float tol) {
+  if (want.num_layers() != got.num_layers()) return "layer counts differ";
+  for (int l = 0; l < want.num_layers(); ++l) {
+    const LayerCache& a = want.layer(l);
+    const LayerCache& b = got.layer(l);
+    if (a.len != b.len || a.n_heads != b.n_heads || a.dtype != b.dtype ||
+        a.head_dim != b.head_dim) {
+      return "layer " + std::to_string(l) + ": shapes differ";
+    }
+    std::vector<float> x(a.head_dim), y(a.head_dim);
+    for (int h = 0; h < a.n_heads; ++h) {
+      for (int t = 0; t < a.len; ++t) {
+        const std::string at = "layer " + std::to_string(l) + " head " + std::to_string(h) +
+                               " slot " + std::to_string(t) + ": ";
+        if (a.position(h, t) != b.position(h, t)) return at + "positions differ";
+        for (int kv = 0; kv < 2; ++kv) {
+          ToFloat(a.dtype, kv ? a.v_row(h, t) : a.k_row(h, t), x.data(), a.head_dim);
+          ToFloat(b.dtype, kv ? b.v_row(h, t) : b.k_row(h, t), y.data(), b.head_dim);
+          for (int i = 0; i < a.head_dim; ++i) {
+            if (std::abs(x[i] - y[i]) >
+                tol * std::max(1.f, std::max(std::abs(x[i]), std::abs(y[i])))) {
+              return at + (kv ? "V" : "K") + " differs beyond the tolerance";
+            }
+          }
+        }
+      }
+    }
+  }
+  return "";
+}
+
 class FakeClock final : public Clock {
  public:
   TimePoint Now() const override { return TimePoint(std::chrono::nanoseconds(ns_.load())); }

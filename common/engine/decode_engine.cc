@@ -477,6 +477,7 @@ void DecodeEngine::Complete(const std::shared_ptr<Seq>& s, const absl::Status& s
   f.mean_itl_ms = s->itl_count ? s->itl_sum_ms / s->itl_count : 0;
   f.policy = s->job.compression.Describe();
   f.prefill_node = s->trailer.node;
+  f.cached_tokens = s->trailer.cached_tokens;
   f.decode_node = options_.node_name;
   f.attention = s->job.attention.Describe();
   f.prefill_attempts = s->attempts;

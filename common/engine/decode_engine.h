@@ -58,6 +58,7 @@ struct TokenDelta {
 
 struct RequestFigures {
   int prompt_tokens = 0, completion_tokens = 0, kept_tokens = 0;
+  int cached_tokens = 0;  // the prefill node's prefix cache hit
   int64_t full_cache_bytes = 0, wire_bytes = 0;
   int64_t kv_payload_bytes = 0;  // positions, K and V of the kept rows (the trailer's count)
   double transfer_ms = 0, prefill_ms = 0, queue_ms = 0, ttft_ms = 0, mean_itl_ms = 0;

@@ -1,6 +1,7 @@
 #include "common/engine/prefill_engine.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
@@ -71,6 +72,26 @@ class Guarded final : public PrefillObserver {
   const Span* forward_;
 };
 
+// Copies each layer's K/V of the blocks a prefill fills into the prefix cache, after the
+// compressor saw the layer.
+class Capturing final : public PrefillObserver {
+ public:
+  Capturing(PrefillObserver* inner, PrefixCache* cache, const PrefixCache::Plan* plan)
+      : inner_(inner), cache_(cache), plan_(plan) {}
+  int window(int len) const override { return inner_->window(len); }
+  bool NeedsScores(int layer, int len) const override { return inner_->NeedsScores(layer, len); }
+  absl::Status Finish() override { return inner_->Finish(); }
+  absl::Status OnLayer(const PrefillLayer& layer) override {
+    RETURN_IF_ERROR(inner_->OnLayer(layer));
+    return cache_->Capture(*plan_, layer.layer, layer.k, layer.v, layer.kv_stride);
+  }
+
+ private:
+  PrefillObserver* inner_;
+  PrefixCache* cache_;
+  const PrefixCache::Plan* plan_;
+};
+
 }  // namespace
 
 struct PrefillEngine::Queued {
@@ -104,7 +125,14 @@ WireExpectation StreamExpectation(const LlamaModel& model, const CompressionConf
 
 PrefillEngine::PrefillEngine(LlamaModel* model, PrefillEngineOptions options)
     : model_(model), options_(std::move(options)) {
-  KVWIRE_CHECK(options_.workers >= 0 && options_.max_queue >= 1 && options_.clock != nullptr);
+  KVWIRE_CHECK(options_.workers >= 0 && options_.max_queue >= 1 && options_.clock != nullptr &&
+               options_.prefix_block_tokens >= 1);
+  if (options_.prefix_cache_bytes > 0) {
+    const ModelConfig& mc = model_->config();
+    prefix_cache_ = std::make_unique<PrefixCache>(
+        model_->backend(), mc.num_layers, mc.num_kv_heads * mc.head_dim,
+        options_.prefix_block_tokens, options_.prefix_cache_bytes, model_->fingerprint());
+  }
   for (int i = 0; i < options_.workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
@@ -185,8 +213,29 @@ absl::StatusOr<PrefillOutcome> PrefillEngine::Run(const PrefillJob& job, KvStrea
   Compressor compressor(config, mc, model_->kv_dtype(), &chunks);
   Span forward = telemetry ? telemetry->StartSpan("prefill.forward", span.context()) : Span();
   Guarded observer(&compressor, &sink, job, clock, telemetry, &forward);
-  auto result = model_->Prefill(job.prompt_ids, &observer);
+  // With a prefix cache: the cached blocks that start the prompt, up to where the compressor's
+  // observation window begins (its queries are computed anew, so it scores every key as a cold
+  // prefill does), and the prompt's other whole blocks filled for the next request.
+  PrefixCache::Plan plan;
+  std::optional<Capturing> capturing;
+  PrefillObserver* observing = &observer;
+  if (prefix_cache_ != nullptr) {
+    plan = prefix_cache_->Lookup(job.prompt_ids, len - std::max(1, observer.window(len)));
+    capturing.emplace(&observer, prefix_cache_.get(), &plan);
+    observing = &*capturing;
+  }
+  auto result = model_->Prefill(job.prompt_ids, observing, /*all_logits=*/false,
+                                plan.hit_tokens() > 0 ? &plan.prefix : nullptr);
   forward.SetAttribute("prompt_tokens", len);
+  const int cached = plan.hit_tokens();
+  if (prefix_cache_ != nullptr) {
+    prefix_cache_->Finish(plan, result.ok());
+    forward.SetAttribute("prefix.hit_tokens", cached);
+    if (telemetry) {
+      const PrefixCache::Counters c = prefix_cache_->counters();
+      telemetry->CountPrefix(cached, len - cached, static_cast<double>(c.bytes), c.evictions);
+    }
+  }
   forward.End();
   RETURN_IF_ERROR(result.status());
 
@@ -204,6 +253,7 @@ absl::StatusOr<PrefillOutcome> PrefillEngine::Run(const PrefillJob& job, KvStrea
   trailer.kv_payload_bytes = chunks.payload_bytes();
   trailer.chunks = chunks.chunks();
   trailer.node = options_.node_name;
+  trailer.cached_tokens = cached;
   RETURN_IF_ERROR(sink.OnTrailer(trailer));
 
   span.SetAttribute("policy", header.policy);

@@ -23,6 +23,7 @@
 #include "common/base/clock.h"
 #include "common/compression/compression.h"
 #include "common/engine/prefill_job.h"
+#include "common/engine/prefix_cache.h"
 #include "common/model/llama_model.h"
 #include "common/telemetry/telemetry.h"
 #include "common/wire/kv_stream.h"
@@ -53,6 +54,10 @@ struct PrefillEngineOptions {
   int max_queue = 16;                 // prefills that may wait; more is ResourceExhausted
   Telemetry* telemetry = nullptr;     // metrics and traces of a prefill node (null: none)
   const Clock* clock = &Clock::Real();
+  // The prefix cache (common/engine/prefix_cache.h): bytes it may hold (0: none), and tokens
+  // per block.
+  size_t prefix_cache_bytes = 0;
+  int prefix_block_tokens = 64;
 };
 
 class PrefillEngine final : public PrefillExecutor {
@@ -72,6 +77,8 @@ class PrefillEngine final : public PrefillExecutor {
   void Shutdown();
 
   const LlamaModel& model() const { return *model_; }
+  // Null without one (prefix_cache_bytes 0).
+  const PrefixCache* prefix_cache() const { return prefix_cache_.get(); }
   const PrefillEngineOptions& options() const { return options_; }
 
  private:
@@ -80,6 +87,7 @@ class PrefillEngine final : public PrefillExecutor {
 
   LlamaModel* model_;
   PrefillEngineOptions options_;
+  std::unique_ptr<PrefixCache> prefix_cache_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Queued>> queue_;

@@ -310,7 +310,8 @@ absl::Status LlamaModel::UploadInputs(Activations& a) {
 }
 
 absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
-                                                  PrefillObserver* observer, bool all_logits) {
+                                                  PrefillObserver* observer, bool all_logits,
+                                                  const PrefillPrefix* prefix) {
   const ModelConfig& c = config_;
   const int len = static_cast<int>(ids.size());
   if (len == 0) return absl::InvalidArgumentError("prefill needs at least one token");
@@ -322,24 +323,66 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
   const int d = c.head_dim, qd = c.num_heads * d, kvd = c.num_kv_heads * d;
   const int64_t stride = qd + 2 * kvd;
   const int window = observer ? std::min(observer->window(len), len) : 0;
+  const int cached = prefix ? prefix->tokens() : 0;
+  if (cached > 0) {
+    if (all_logits || cached >= len || window > len - cached) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a cached prefix of ", cached, " tokens leaves ", len - cached, " of the prompt's ", len,
+          " to compute; they must hold the observation window (", window,
+          ") and the last token, without all_logits"));
+    }
+    for (const auto& block : prefix->blocks) {
+      if (static_cast<int>(block.size()) != c.num_layers) {
+        return absl::InvalidArgumentError("a cached prefix block must hold every layer");
+      }
+    }
+  }
   const int first = all_logits ? 0 : len - 1;
   ASSIGN_OR_RETURN(std::unique_ptr<Activations> acts,
-                   MakeActivations(len, std::min(len, kMlpRowChunk), len - first, false));
+                   MakeActivations(len, std::min(len - cached, kMlpRowChunk), len - first, false));
   Activations& a = *acts;
+  // The rows computed: all of them, or those after the prefix (a view into the same buffers).
+  Activations tail;
+  Activations& rows = cached > 0 ? tail : a;
+  if (cached > 0) {
+    tail.rows = tail.capacity = len - cached;
+    tail.chunk = a.chunk;
+    tail.x = a.x + int64_t{cached} * c.hidden_size;
+    tail.h = a.h + int64_t{cached} * c.hidden_size;
+    tail.qkv = a.qkv + cached * stride;
+    tail.attn = a.attn + int64_t{cached} * qd;
+    tail.gate_up = a.gate_up;
+    tail.act = a.act;
+    tail.logits = a.logits;
+    tail.positions = a.positions + cached;
+  }
   const size_t n_scores = static_cast<size_t>(c.num_heads) * window * len;
   BackendPtr scores_buffer;
   if (n_scores > 0) {
     ASSIGN_OR_RETURN(scores_buffer, AllocateOnBackend(n_scores * sizeof(float)));
   }
   float* scores = static_cast<float*>(scores_buffer.get());
-  for (int i = 0; i < len; ++i) {
+  for (int i = cached; i < len; ++i) {
     a.positions_in[i] = i;
     EmbedRow(ids[i], a.x_in + int64_t{i} * c.hidden_size);
   }
   RETURN_IF_ERROR(UploadInputs(a));
+  // Each cached block's rows go to the K and V columns of their rows of the qkv buffer.
+  std::vector<kernels::ByteSpan> spans(cached > 0 ? prefix->block_tokens : 0);
   for (int li = 0; li < c.num_layers; ++li) {
     const Layer& L = layers_[li];
-    RETURN_IF_ERROR(AttentionIn(L, a));
+    RETURN_IF_ERROR(AttentionIn(L, rows));
+    for (size_t b = 0; cached > 0 && b < prefix->blocks.size(); ++b) {
+      for (int t = 0; t < prefix->block_tokens; ++t) {
+        const int64_t row = static_cast<int64_t>(b) * prefix->block_tokens + t;
+        spans[t] = {reinterpret_cast<const uint8_t*>(a.qkv + row * stride + qd),
+                    static_cast<int64_t>(2 * kvd * sizeof(float))};
+      }
+      RETURN_IF_ERROR(backend_->PackSpans(
+          {spans.data(), prefix->block_tokens,
+           reinterpret_cast<uint8_t*>(const_cast<float*>(prefix->blocks[b][li])),
+           /*unpack=*/true}));
+    }
     PrefillAttentionParams ap;
     ap.q = a.qkv;
     ap.k = a.qkv + qd;
@@ -348,6 +391,7 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
     ap.q_stride = ap.kv_stride = stride;
     ap.out_stride = qd;
     ap.len = len;
+    ap.q_begin = cached;
     ap.n_heads = c.num_heads;
     ap.n_kv_heads = c.num_kv_heads;
     ap.head_dim = d;
@@ -369,12 +413,12 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
       pl.window = ap.window;
       RETURN_IF_ERROR(observer->OnLayer(pl));
     }
-    RETURN_IF_ERROR(AttentionOutAndMlp(L, a));
+    RETURN_IF_ERROR(AttentionOutAndMlp(L, rows));
   }
   if (observer) RETURN_IF_ERROR(observer->Finish());
   PrefillResult result;
   result.logits.resize(int64_t{len - first} * c.vocab_size);
-  RETURN_IF_ERROR(Logits(a, first, result.logits.data()));
+  RETURN_IF_ERROR(Logits(rows, first - cached, result.logits.data()));
   return result;
 }
 

@@ -88,6 +88,15 @@ struct PrefillResult {
   std::vector<float> logits;  // [vocab], or [len, vocab] with all_logits
 };
 
+// A prompt's first tokens as an earlier prefill computed them (the prefill tier's prefix
+// cache): per block of block_tokens tokens and per layer, the rows' K (after RoPE) and V, each
+// row K then V ([block_tokens, 2 · kv_heads · head_dim] floats, in the backend's memory).
+struct PrefillPrefix {
+  int block_tokens = 0;
+  std::vector<std::vector<const float*>> blocks;  // [block][layer]
+  int tokens() const { return block_tokens * static_cast<int>(blocks.size()); }
+};
+
 // Receives decode-time attention probabilities, for fidelity measurements.
 class DecodeObserver {
  public:
@@ -135,8 +144,13 @@ class LlamaModel {
   DType kv_dtype() const { return weight_dtype_; }
 
   // Runs the prompt through the model. `ids` must be non-empty and within the context.
+  // With `prefix`, the K and V of its tokens (the first of `ids`) are taken as they are and only
+  // the rest is computed: their rows' queries, MLPs and logits are skipped, while attention and
+  // the observer still see every key. The observer's window must lie in the computed rows, and
+  // all_logits is refused.
   absl::StatusOr<PrefillResult> Prefill(absl::Span<const int32_t> ids, PrefillObserver* observer,
-                                        bool all_logits = false);
+                                        bool all_logits = false,
+                                        const PrefillPrefix* prefix = nullptr);
 
   // Appends each input's token to its cache and writes logits [batch, vocab]. Each cache
   // needs room for one more token per layer. Not reentrant; Prefill may run concurrently.

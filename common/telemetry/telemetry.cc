@@ -205,6 +205,10 @@ struct Telemetry::Metrics {
   prometheus::Gauge* pool_capacity;
   prometheus::Counter* prompt_tokens;
   prometheus::Counter* generated_tokens;
+  prometheus::Counter* prefix_hit_tokens;
+  prometheus::Counter* prefix_miss_tokens;
+  prometheus::Gauge* prefix_bytes;
+  prometheus::Gauge* prefix_evictions;  // the cache's own count, mirrored
 };
 
 absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(const TelemetryOptions& options) {
@@ -260,6 +264,15 @@ absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(const TelemetryOpti
   m->pool_capacity = &gauge("kvwire_kv_pool_capacity_bytes", "KV pool size.");
   m->prompt_tokens = &counter("kvwire_prompt_tokens_total", "Prompt tokens processed.").Add({});
   m->generated_tokens = &counter("kvwire_generated_tokens_total", "Tokens generated.").Add({});
+  m->prefix_hit_tokens = &counter("kvwire_prefix_cache_hit_tokens_total",
+                                  "Prompt tokens whose K/V came from the prefix cache.")
+                              .Add({});
+  m->prefix_miss_tokens = &counter("kvwire_prefix_cache_miss_tokens_total",
+                                   "Prompt tokens computed, where a prefix cache is on.")
+                               .Add({});
+  m->prefix_bytes = &gauge("kvwire_prefix_cache_bytes", "Bytes the prefix cache holds.");
+  m->prefix_evictions =
+      &gauge("kvwire_prefix_cache_evictions", "Prefix cache blocks evicted since the start.");
   t->metrics_ = std::move(m);
 
   if (!options.metrics_listen.empty()) {
@@ -322,6 +335,13 @@ void Telemetry::ObserveRequest(double s) { metrics_->request_seconds->Observe(s)
 void Telemetry::CountTokens(int64_t prompt, int64_t generated) {
   metrics_->prompt_tokens->Increment(static_cast<double>(prompt));
   metrics_->generated_tokens->Increment(static_cast<double>(generated));
+}
+void Telemetry::CountPrefix(int64_t hit_tokens, int64_t miss_tokens, double bytes,
+                            int64_t evictions) {
+  metrics_->prefix_hit_tokens->Increment(static_cast<double>(hit_tokens));
+  metrics_->prefix_miss_tokens->Increment(static_cast<double>(miss_tokens));
+  metrics_->prefix_bytes->Set(bytes);
+  metrics_->prefix_evictions->Set(static_cast<double>(evictions));
 }
 void Telemetry::SetPool(double used, double capacity) {
   metrics_->pool_used->Set(used);

@@ -137,6 +137,9 @@ class Telemetry {
   void ObserveRequest(double seconds);
   void CountTokens(int64_t prompt, int64_t generated);
   void SetPool(double used_bytes, double capacity_bytes);
+  // Prefill node: a prompt's tokens found in the prefix cache and computed; the cache's bytes
+  // and evictions so far.
+  void CountPrefix(int64_t hit_tokens, int64_t miss_tokens, double bytes, int64_t evictions);
 
  private:
   struct Metrics;

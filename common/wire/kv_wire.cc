@@ -646,6 +646,11 @@ absl::Status KvAssembler::OnTrailer(const WireTrailer& t, int vocab_size) {
         Malformed(absl::StrCat("trailer counts ", t.chunks, " chunks / ", t.kv_payload_bytes,
                                " bytes but ", chunks_, " / ", payload_bytes_, " arrived")));
   }
+  if (t.cached_tokens < 0 || t.cached_tokens >= header_.prompt_len) {
+    return Fail(
+        Malformed(absl::StrCat("trailer: ", t.cached_tokens, " cached tokens of a prompt of ",
+                               header_.prompt_len, " (the last is always computed)")));
+  }
   complete_ = true;
   return absl::OkStatus();
 }

@@ -88,6 +88,7 @@ struct WireTrailer {
   int64_t kv_payload_bytes = 0;
   int chunks = 0;
   std::string node;
+  int cached_tokens = 0;  // prompt tokens whose K/V the prefill node's prefix cache held
 };
 
 // The checksum a chunk carries: over its five rectangle fields (int32 LE), positions, K, V.

@@ -19,8 +19,8 @@ template <int DPL>
 __global__ void PrefillAttentionKernel(PrefillAttentionParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (item >= static_cast<int64_t>(p.len) * p.n_heads) return;
-  const int i = static_cast<int>(item / p.n_heads);
+  if (item >= static_cast<int64_t>(p.len - p.q_begin) * p.n_heads) return;
+  const int i = p.q_begin + static_cast<int>(item / p.n_heads);
   const int h = static_cast<int>(item % p.n_heads);
   const int g = h / (p.n_heads / p.n_kv_heads);
   const int d = p.head_dim;
@@ -85,7 +85,7 @@ __global__ void PrefillAttentionKernel(PrefillAttentionParams p) {
 
 absl::Status LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_t stream) {
   RETURN_IF_ERROR(ValidatePrefillAttention(p));
-  const int64_t items = static_cast<int64_t>(p.len) * p.n_heads;
+  const int64_t items = static_cast<int64_t>(p.len - p.q_begin) * p.n_heads;
   const int blocks = static_cast<int>((items + kWarpsPerBlock - 1) / kWarpsPerBlock);
   return DispatchHeadDim(p.head_dim, [&]<int DPL>() {
     PrefillAttentionKernel<DPL><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(p);

@@ -335,6 +335,78 @@ TEST_P(BackendOpsTest, PrefillAttention) {
   }
 }
 
+// Queries from row q_begin only (a prompt whose first rows' keys came from a prefix cache):
+// each row computed is the same, bit for bit, as in the pass over every row on the same
+// backend, and the rows before it are not written; the window must lie after q_begin.
+TEST_P(BackendOpsTest, PrefillAttentionFromARow) {
+  uint32_t seed = 450;
+  for (int len : {40, 133}) {
+    for (int q_begin : {1, 16, 37, len - 1}) {
+      for (int window : {0, 1, std::min(len - q_begin, 8)}) {
+        SCOPED_TRACE(absl::StrCat("len=", len, " q_begin=", q_begin, " window=", window));
+        const int heads = 4, kv_heads = 2, d = 64;
+        const int64_t qs = int64_t{heads} * d, kvs = int64_t{kv_heads} * d;
+        const auto q = Random(len * qs, seed++, -2.f, 2.f);
+        const auto k = Random(len * kvs, seed++, -2.f, 2.f);
+        const auto v = Random(len * kvs, seed++);
+        auto run = [&](KernelBackend& b, int from, std::vector<float>* scores) {
+          Arena a(b);
+          PrefillAttentionParams p;
+          p.q = a.Upload(q);
+          p.k = a.Upload(k);
+          p.v = a.Upload(v);
+          p.q_stride = p.out_stride = qs;
+          p.kv_stride = kvs;
+          p.out = a.Upload(std::vector<float>(len * qs, 7.f));
+          p.len = len;
+          p.n_heads = heads;
+          p.n_kv_heads = kv_heads;
+          p.head_dim = d;
+          p.scale = 0.125f;
+          p.window = window;
+          p.q_begin = from;
+          const size_t ns = static_cast<size_t>(heads) * window * len;
+          p.window_scores = window ? a.Zeros(ns) : nullptr;
+          const absl::Status st = b.PrefillAttention(p);
+          EXPECT_TRUE(st.ok()) << st;
+          if (window) *scores = a.Download(p.window_scores, ns);
+          return a.Download(p.out, len * qs);
+        };
+        std::vector<float> s_all, s_from, s_ref;
+        const auto all = run(*backend_, 0, &s_all);
+        const auto from = run(*backend_, q_begin, &s_from);
+        for (int64_t x = 0; x < len * qs; ++x) {
+          if (x < q_begin * qs) {
+            ASSERT_EQ(from[x], 7.f) << "row " << x / qs << " was written";
+          } else {
+            ASSERT_EQ(from[x], all[x]) << "row " << x / qs;
+          }
+        }
+        EXPECT_EQ(s_from, s_all);
+        const auto ref = run(*reference_, q_begin, &s_ref);
+        EXPECT_TRUE(AllClose(from, ref, {2e-5f, 2e-4f}));
+      }
+    }
+  }
+  // A window reaching before q_begin, and q_begin outside the rows.
+  Arena a(*backend_);
+  PrefillAttentionParams p;
+  p.q = p.k = p.v = a.Zeros(64);
+  p.out = a.Zeros(64);
+  p.q_stride = p.kv_stride = p.out_stride = 8;
+  p.len = 8;
+  p.n_heads = p.n_kv_heads = 1;
+  p.head_dim = 8;
+  p.scale = 1.f;
+  p.q_begin = 6;
+  p.window = 3;
+  p.window_scores = a.Zeros(24);
+  EXPECT_EQ(backend_->PrefillAttention(p).code(), absl::StatusCode::kInvalidArgument);
+  p.window = 0;
+  p.q_begin = 8;
+  EXPECT_EQ(backend_->PrefillAttention(p).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_P(BackendOpsTest, PrefillWindowScoresAreRowSoftmaxes) {
   // Each window row is a probability distribution over keys 0..i and zero after.
   const int len = 37, heads = 4, kv = 2, d = 16, window = 7;

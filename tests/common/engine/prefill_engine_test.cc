@@ -30,6 +30,7 @@ class PrefillEngineTest : public ::testing::Test {
     j.sampling.temperature = 0;
     return j;
   }
+  void ExpectWarmPrefixStreamsAsCold(LlamaModel& model);
   std::unique_ptr<LlamaModel> model_;
 };
 
@@ -77,6 +78,91 @@ TEST_F(PrefillEngineTest, StreamRebuildsTheCacheOfASingleProcessPrefill) {
   EXPECT_EQ(out->trailer.first_token, want->first_token);
   EXPECT_EQ(out->logits, want->logits);
   EXPECT_EQ(testing::CacheDifference(*want->cache, **cache), "");
+}
+
+// The prefix cache: a prompt that starts with the blocks an earlier prompt computed computes
+// only the rest, and streams what a cold prefill streams (the compressor's window is always
+// computed anew, so it scores every key as a cold prefill does). Questions after one document,
+// the same prompt twice, and one that shares part of a block, for each policy family; on the
+// CPU and on the guarded backend (the device path: blocks in the backend's memory).
+TEST_F(PrefillEngineTest, AWarmPrefixStreamsWhatAColdPrefillDoes) {
+  for (auto backend : {kernels::BackendKind::kCpu, kernels::BackendKind::kGuarded}) {
+    SCOPED_TRACE(kernels::BackendName(backend));
+    LoadOptions load;
+    load.backend = backend;
+    auto model = LlamaModel::Load("synthetic:tiny", load);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ExpectWarmPrefixStreamsAsCold(**model);
+  }
+}
+
+void PrefillEngineTest::ExpectWarmPrefixStreamsAsCold(LlamaModel& model) {
+  LlamaModel* const model_ = &model;
+  PrefillEngine cold(model_, {.node_name = "cold", .workers = 0});
+  PrefillEngineOptions o;
+  o.node_name = "warm";
+  o.workers = 0;
+  o.prefix_cache_bytes = size_t{16} << 20;
+  o.prefix_block_tokens = 16;
+  PrefillEngine warm(model_, o);
+  ASSERT_NE(warm.prefix_cache(), nullptr);
+  const std::vector<int32_t> document = Job(100).prompt_ids;
+  // The first prompt fills the cache; the others: another question, the same again, a longer.
+  struct Case {
+    std::vector<int32_t> question;
+  };
+  std::vector<Case> cases = {{{7, 8, 9, 10, 11, 12}},
+                             {{20, 21, 22, 23}},
+                             {{20, 21, 22, 23}},
+                             {{30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44}}};
+  for (const char* policy : {"snapkv", "full", "chunkkv", "hbw"}) {
+    SCOPED_TRACE(policy);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      SCOPED_TRACE(i);
+      PrefillJob job = Job(2, policy, 24);
+      job.prompt_ids = document;
+      job.prompt_ids.insert(job.prompt_ids.end(), cases[i].question.begin(),
+                            cases[i].question.end());
+      const int len = static_cast<int>(job.prompt_ids.size());
+      auto run = [&](PrefillEngine& engine, std::unique_ptr<KvCache>* cache) {
+        auto shape = PrefillSequence(*model_, job.prompt_ids, job.compression, 0);
+        *cache = *KvCache::Create(shape->cache->shape(), HeapKvAllocator());
+        CacheStreamSink sink(StreamExpectation(*model_, job.compression, len, job.max_chunk_bytes),
+                             cache->get(), model_->config().vocab_size);
+        auto out = engine.Run(job, sink);
+        EXPECT_TRUE(out.ok()) << out.status();
+        EXPECT_TRUE(sink.assembler().complete());
+        return out.ok() ? *std::move(out) : PrefillOutcome{};
+      };
+      // What the prompts before left in the cache is used up to where the compressor's window
+      // begins (its rows are computed anew).
+      const int window = job.compression.NeedsScores() ? job.compression.window : 0;
+      const int reusable = (len - std::max(1, window)) / 16 * 16;
+      const int cached = std::min(warm.prefix_cache()->CachedTokens(job.prompt_ids), reusable);
+      if (i > 0) {
+        EXPECT_GE(cached, 80);
+      }
+      std::unique_ptr<KvCache> want, got;
+      const PrefillOutcome a = run(cold, &want);
+      const PrefillOutcome b = run(warm, &got);
+      EXPECT_EQ(b.trailer.cached_tokens, cached);
+      EXPECT_EQ(a.trailer.cached_tokens, 0);
+      // The same kept positions and first token; the rows computed apart from the prefix's
+      // round a little differently (their matrix products have other shapes).
+      EXPECT_EQ(b.trailer.first_token, a.trailer.first_token);
+      EXPECT_EQ(testing::CacheCloseness(*want, *got, 1e-4f), "");
+      float most = 0;
+      for (size_t v = 0; v < a.logits.size(); ++v) {
+        most = std::max(most, std::abs(a.logits[v] - b.logits[v]));
+      }
+      EXPECT_LT(most, 1e-4f);
+    }
+  }
+  // A question that shares only part of the document's last block: the whole blocks before it.
+  PrefillJob job = Job(2, "snapkv", 24);
+  job.prompt_ids.assign(document.begin(), document.begin() + 90);
+  job.prompt_ids.insert(job.prompt_ids.end(), {5, 6, 7, 8, 9, 10, 11, 12, 13, 14});
+  EXPECT_EQ(warm.prefix_cache()->CachedTokens(job.prompt_ids), 80);
 }
 
 TEST_F(PrefillEngineTest, RefusesBadJobsSayingWhy) {
