@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
@@ -10,9 +11,12 @@
 
 namespace kvwire {
 
-absl::StatusOr<PrefilledSequence> PrefillSequence(
-    LlamaModel& model, absl::Span<const int32_t> prompt, const CompressionConfig& compression,
-    int extra_tokens, const kernels::SamplingParams& sampling, uint64_t seed) {
+absl::StatusOr<PrefilledSequence> PrefillSequence(LlamaModel& model,
+                                                  absl::Span<const int32_t> prompt,
+                                                  const CompressionConfig& compression,
+                                                  int extra_tokens,
+                                                  const kernels::SamplingParams& sampling,
+                                                  uint64_t seed, PrefillEngine* engine) {
   RETURN_IF_ERROR(compression.Validate());
   const int len = static_cast<int>(prompt.size());
   KvCacheShape shape =
@@ -22,10 +26,13 @@ absl::StatusOr<PrefilledSequence> PrefillSequence(
   ASSIGN_OR_RETURN(seq.cache, model.NewCache(shape));
   seq.cache->set_prompt_len(len);
 
-  PrefillEngineOptions options;
-  options.node_name = "local";
-  options.workers = 0;  // on this thread
-  PrefillEngine engine(&model, options);
+  std::optional<PrefillEngine> own;
+  if (engine == nullptr) {
+    PrefillEngineOptions options;
+    options.node_name = "local";
+    options.workers = 0;  // on this thread
+    engine = &own.emplace(&model, options);
+  }
   PrefillJob job;
   job.prompt_ids.assign(prompt.begin(), prompt.end());
   job.compression = compression;
@@ -33,12 +40,13 @@ absl::StatusOr<PrefilledSequence> PrefillSequence(
   job.seed = seed;
   CacheStreamSink sink(StreamExpectation(model, compression, len, job.max_chunk_bytes),
                        seq.cache.get(), model.config().vocab_size);
-  ASSIGN_OR_RETURN(PrefillOutcome out, engine.Run(job, sink));
+  ASSIGN_OR_RETURN(PrefillOutcome out, engine->Run(job, sink));
   seq.logits = std::move(out.logits);
   seq.first_token = out.trailer.first_token;
   seq.first_logprob = out.trailer.first_logprob;
   seq.prefill_seconds = out.trailer.forward_ms / 1e3;
   seq.compress_seconds = out.trailer.compress_ms / 1e3;
+  seq.cached_tokens = out.trailer.cached_tokens;
   return seq;
 }
 
@@ -61,7 +69,7 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
   const kernels::KernelBackend::CopyCounts before = model.copy_counts();
   ASSIGN_OR_RETURN(PrefilledSequence seq,
                    PrefillSequence(model, request.prompt_ids, compression, request.max_tokens,
-                                   request.sampling, request.seed));
+                                   request.sampling, request.seed, request.prefill));
   const kernels::KernelBackend::CopyCounts prefilled = model.copy_counts();
   KvCache* cache = seq.cache.get();
   ASSIGN_OR_RETURN(KvAllocator * memory, model.CacheAllocator());
@@ -73,6 +81,7 @@ absl::StatusOr<GenerationResult> Generate(LlamaModel& model, const GenerationReq
   result.attention = attention;
   result.prefill_seconds = seq.prefill_seconds;
   result.compress_seconds = seq.compress_seconds;
+  result.cached_tokens = seq.cached_tokens;
   result.full_cache_bytes = int64_t{len} * c.KvBytesPerToken(model.kv_dtype());
   result.kept_cache_bytes = cache->StoredBytes();
 

@@ -20,6 +20,8 @@
 
 namespace kvwire {
 
+class PrefillEngine;
+
 // Why generation ended: max_tokens reached, or a stop token / stop string.
 enum class FinishReason { kLength, kStop };
 
@@ -31,24 +33,29 @@ struct PrefilledSequence {
   float first_logprob = 0;
   double prefill_seconds = 0;
   double compress_seconds = 0;  // part of prefill_seconds spent selecting and gathering
+  int cached_tokens = 0;        // prompt tokens the engine's prefix cache held
 };
 
 // Runs the prompt through the model, compressing each layer by `compression` into a new
 // cache for the model (LlamaModel::NewCache) with room for `extra_tokens` generated tokens; the
 // first token is sampled with `sampling` and the first draw of `seed`. The cache keeps a coded
 // kv_format's rows coded (DecodeCacheFormat).
+// `engine`, when given, runs the prefill (its prefix cache, say); else a fresh one on this
+// thread.
 absl::StatusOr<PrefilledSequence> PrefillSequence(
     LlamaModel& model, absl::Span<const int32_t> prompt, const CompressionConfig& compression,
-    int extra_tokens, const kernels::SamplingParams& sampling = {0.f}, uint64_t seed = 0);
+    int extra_tokens, const kernels::SamplingParams& sampling = {0.f}, uint64_t seed = 0,
+    PrefillEngine* engine = nullptr);
 
 struct GenerationRequest {
   std::vector<int32_t> prompt_ids;
   int max_tokens = 16;
   kernels::SamplingParams sampling;  // greedy unless a temperature is set
   uint64_t seed = 0;
-  std::vector<int32_t> stop_ids;    // generation ends after emitting one of these
-  CompressionConfig compression;    // how the prompt's cache is compressed (default: full)
-  DecodeAttentionConfig attention;  // how decode attends over it (default: dense)
+  std::vector<int32_t> stop_ids;     // generation ends after emitting one of these
+  CompressionConfig compression;     // how the prompt's cache is compressed (default: full)
+  DecodeAttentionConfig attention;   // how decode attends over it (default: dense)
+  PrefillEngine* prefill = nullptr;  // the engine to prefill with (null: a fresh one)
 };
 
 struct GenerationResult {
@@ -61,6 +68,7 @@ struct GenerationResult {
   double prefill_seconds = 0;
   double compress_seconds = 0;
   double decode_seconds = 0;
+  int cached_tokens = 0;          // the prefill engine's prefix cache hit
   CompressionConfig compression;  // as applied (rocketkv resolved into its stages)
   DecodeAttentionConfig attention;
   // The model backend's copy ledger over the prefill and over the decode steps after it.

@@ -108,6 +108,8 @@ class ServicePairTest : public ::testing::Test {
     auto node = std::make_unique<PrefillNode>();
     PrefillEngineOptions e;
     e.node_name = name;
+    e.prefix_cache_bytes = prefix_cache_bytes_;
+    e.prefix_block_tokens = 16;
     node->engine = std::make_unique<PrefillEngine>(prefill_model_.get(), e);
     node->faults = std::make_unique<testing::FaultyPrefills>(node->engine.get(), faults);
     PrefillServerOptions o;
@@ -346,8 +348,9 @@ class ServicePairTest : public ::testing::Test {
   // with --kv-transport grpc,shm).
   KvTransport transport_ = KvTransport::kGrpc;
   bool serve_shm_ = true;
-  bool serve_cuda_ipc_ = false;  // the prefill nodes serve cuda_ipc (on a device backend)
-  bool serve_nccl_ = false;      // ... and nccl
+  bool serve_cuda_ipc_ = false;    // the prefill nodes serve cuda_ipc (on a device backend)
+  bool serve_nccl_ = false;        // ... and nccl
+  size_t prefix_cache_bytes_ = 0;  // the prefill nodes' prefix caches (blocks of 16 tokens)
   std::unique_ptr<LlamaModel> prefill_model_, decode_model_;
   std::vector<std::unique_ptr<PrefillNode>> prefills_;
   std::unique_ptr<DecodeServer> decode_;
@@ -472,6 +475,53 @@ TEST_F(ServicePairTest, DeviceTransportsRefusedWhereTheyCannotRun) {
     auto engine = std::make_unique<PrefillEngine>(prefill_model_.get(), PrefillEngineOptions{});
     auto server = PrefillServer::Start(engine.get(), p);
     EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
+  }
+}
+
+// The prefix cache through the pair: the second question on a document reads the document's
+// blocks from the prefill node's cache (cached_tokens in the stats), and generates what a node
+// without a cache does; every policy, and a prompt that shares part of a block.
+TEST_F(ServicePairTest, APrefixCachedOnThePrefillNodeGivesTheSameTokens) {
+  AddPrefill("plain");
+  prefix_cache_bytes_ = size_t{16} << 20;
+  AddPrefill("cached");
+  std::vector<std::unique_ptr<DecodeServer>> decodes;
+  auto stub_to = [&](int prefill) {
+    DecodeServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.prefill_target = "127.0.0.1:" + std::to_string(prefills_[prefill]->port());
+    o.engine.local_prefill_below = 0;
+    auto d = DecodeServer::Start(decode_model_.get(), o);
+    EXPECT_TRUE(d.ok()) << d.status();
+    decodes.push_back(std::move(*d));
+    return v1::Generation::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(decodes.back()->port()), grpc::InsecureChannelCredentials()));
+  };
+  auto plain = stub_to(0), cached = stub_to(1);
+  const std::vector<int32_t> document = LongPrompt(160);
+  int i = 0;
+  for (const char* policy : {"snapkv", "full", "chunkkv", "hbw"}) {
+    for (int question = 0; question < 3; ++question, ++i) {
+      SCOPED_TRACE(absl::StrCat(policy, " question ", question));
+      std::vector<int32_t> ids = document;
+      // The third question cuts into the document's last block.
+      if (question == 2) ids.resize(150);
+      for (int t = 0; t < 6; ++t) ids.push_back(5 + (question * 7 + t) % 40);
+      v1::GenerateRequest req = Request(ids, 8);
+      req.mutable_compression()->set_policy(policy);
+      if (std::string(policy) != "full") req.mutable_compression()->set_budget(48);
+      const Result want = Call(*plain, req), got = Call(*cached, req);
+      ASSERT_TRUE(want.status.ok()) << want.status.error_message();
+      ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+      EXPECT_EQ(got.ids, want.ids);
+      EXPECT_EQ(got.final.stats().kept_tokens(), want.final.stats().kept_tokens());
+      EXPECT_EQ(want.final.stats().cached_tokens(), 0);
+      if (i == 0) {
+        EXPECT_EQ(got.final.stats().cached_tokens(), 0);  // the first fills the cache
+      } else {
+        EXPECT_GE(got.final.stats().cached_tokens(), question == 2 ? 96 : 128);
+      }
+    }
   }
 }
 
