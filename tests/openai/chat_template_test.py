@@ -150,6 +150,36 @@ class ChatTemplateTest(unittest.TestCase):
     self.assertEqual(t.render([{"role": "user", "content": "x"}], add_generation_prompt=False),
                      "user: x\n")
 
+  def test_each_turn_starts_with_the_last(self):
+    """A conversation's turn n+1, as the front renders it, starts with turn n's prompt (then the
+    assistant's answer, as the template writes it): the prefill tier's prefix cache then holds
+    turn n's blocks when turn n+1 arrives (issue 33). Six turns, on every shipped template and
+    the plain fallback, and in tokens too where the model's tokenizer is here (stories260K,
+    whose chat is the plain fallback)."""
+    templates = {name: self.ct.ChatTemplate(spec["chat_template"],
+                                            {k: spec[k] for k in ("bos_token", "eos_token")
+                                             if spec.get(k)}, name)
+                 for name, spec in self.specs.items() if name != "jinja_features"}
+    templates["plain"] = self.ct.ChatTemplate.for_model("")
+    tokenizer = None
+    stories = os.path.join(REPO, "..", "shared", "models", "stories260K-hf", "tokenizer.json")
+    if os.path.exists(stories):
+      from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+      tokenizer = Tokenizer.from_file(stories)
+    for name, template in templates.items():
+      messages = [] if name == "mistral" else [{"role": "system", "content": "Be brief."}]
+      last = ""
+      for turn in range(6):
+        messages.append({"role": "user", "content": "Question %d: what next?" % turn})
+        prompt = template.render(messages)
+        messages.append({"role": "assistant", "content": " Answer %d." % turn})
+        with self.subTest(template=name, turn=turn):
+          self.assertTrue(prompt.startswith(last), "%r\ndoes not start with\n%r" % (prompt, last))
+          if tokenizer is not None and name == "plain" and last:
+            before = tokenizer.encode(last).ids
+            self.assertEqual(tokenizer.encode(prompt).ids[:len(before)], before)
+        last = prompt
+
   def test_tokenizer_config_forms(self):
     import tempfile  # pylint: disable=import-outside-toplevel
     spec = self.specs["llama3"]
