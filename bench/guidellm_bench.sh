@@ -90,12 +90,27 @@ for format in /v1/completions /v1/chat/completions; do
     names+=("$name")
   done
 done
+# The prefill nodes' prefix cache counters (metrics ports BASE+5 and BASE+7), before and after
+# the multi-turn run: the share of its prompt tokens read from a cache.
+prefix_tokens() {
+  local hit=0 miss=0 port text
+  for port in $((BASE_PORT + 5)) $((BASE_PORT + 7)); do
+    text=$(curl -sf "http://127.0.0.1:$port/metrics")
+    hit=$((hit + $(awk '/^kvwire_prefix_cache_hit_tokens_total/ {printf "%d", $2}' <<<"$text")))
+    miss=$((miss + $(awk '/^kvwire_prefix_cache_miss_tokens_total/ {printf "%d", $2}' <<<"$text")))
+  done
+  echo "$hit $miss"
+}
+read -r hit0 miss0 < <(prefix_tokens)
 run multiturn /v1/chat/completions true \
   "kind=synthetic_text,prompt_tokens=48,output_tokens=16,turns=$TURNS,prefix_tokens=16,prefix_count=2"
 names+=(multiturn)
+read -r hit1 miss1 < <(prefix_tokens)
 
 echo "guidellm $GUIDELLM_VERSION against $FRONT ($SERVED), $REQUESTS requests per run," \
   "$STREAMS at a time; logs and JSON in $DIR"
+echo "multiturn: $((hit1 - hit0)) of $((hit1 - hit0 + miss1 - miss0)) prompt tokens read from the" \
+  "prefill nodes' prefix caches"
 python3 - "$DIR" "${names[@]}" <<'EOF'
 import json, sys
 

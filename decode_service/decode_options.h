@@ -21,6 +21,9 @@ inline constexpr int kMaxStreamInterval = 1024;
 struct DecodeServerOptions {
   std::string listen = "0.0.0.0:0";
   std::string prefill_target;  // empty: every prompt prefills on this node
+  // Prefill node by the prompt's first prefill_affinity_tokens tokens
+  // (--prefill-affinity-tokens: to the node whose prefix cache holds them), or round robin (0).
+  int prefill_affinity_tokens = 0;
   // How the prefill nodes' K/V rows come (--kv-transport): on the stream (grpc), or written
   // into the cache by a prefill node on this host (shm: a host backend's pool; cuda_ipc: a
   // device backend's).

@@ -264,7 +264,8 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
         impl->remote,
         GrpcKvSource::Create(o.prefill_target, o.prefill_tls, o.prefill_auth_token, *o.engine.clock,
                              o.kv_transport, std::move(pool_handle), impl->pool->capacity(),
-                             impl->pool->paged() ? impl->pool->backend() : nullptr));
+                             impl->pool->paged() ? impl->pool->backend() : nullptr,
+                             o.prefill_affinity_tokens));
   }
   if (o.kv_transport == KvTransport::kShm) {
     // Shared regions that a decode node on this host left behind when it died, then room for

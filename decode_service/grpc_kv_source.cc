@@ -2,6 +2,7 @@
 
 #include <mutex>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
 #include "common/server/trace_metadata.h"
@@ -150,7 +151,7 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
 absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(
     const std::string& target, const ClientTls& tls, const std::string& auth_token,
     const Clock& clock, KvTransport transport, std::string pool_handle, size_t pool_bytes,
-    kernels::KernelBackend* device) {
+    kernels::KernelBackend* device, int affinity_tokens) {
   if (target.empty()) return absl::InvalidArgumentError("no prefill target (--prefill)");
   if ((transport == KvTransport::kCudaIpc) != !pool_handle.empty()) {
     return absl::InvalidArgumentError(
@@ -181,6 +182,21 @@ absl::StatusOr<std::unique_ptr<GrpcKvSource>> GrpcKvSource::Create(
   if (!auth_token.empty()) source->authorization_ = absl::StrCat("Bearer ", auth_token);
   source->channel_ = grpc::CreateCustomChannel(target, creds, args);
   source->stub_ = v1::Prefill::NewStub(source->channel_);
+  if (affinity_tokens > 0) {
+    // A node's channel names its address: TLS checks the certificate against the name the
+    // target gave (a Service's), unless a name is set.
+    grpc::ChannelArguments node_args = args;
+    if (tls.server_name.empty() && !absl::StartsWith(target, "ipv4:")) {
+      std::string host = absl::StartsWith(target, "dns:///") ? target.substr(7) : target;
+      host = host.substr(0, host.rfind(':'));
+      node_args.SetSslTargetNameOverride(host);
+    }
+    ASSIGN_OR_RETURN(source->router_,
+                     PrefillRouter::Create(
+                         target, affinity_tokens, [creds, node_args](const std::string& address) {
+                           return grpc::CreateCustomChannel(address, creds, node_args);
+                         }));
+  }
   return source;
 }
 
@@ -225,14 +241,18 @@ absl::StatusOr<std::shared_ptr<KvTransfer>> GrpcKvSource::Start(
     job.region_shape = cache->shape();
     job.region_place = *std::move(place);
   }
+  // Affinity: the node the prompt's leading tokens map to, the next one on a retry.
+  PrefillRouter::Pick pick;
+  if (router_ != nullptr) pick = router_->Route(router_->Key(job.prompt_ids), job.attempt);
+  v1::Prefill::Stub* stub = pick.stub != nullptr ? pick.stub : stub_.get();
   auto handle = std::make_shared<CallReactor::Handle>();
   auto* reactor = new CallReactor(std::move(receiver), handle, transport_, links_);
   {
     std::lock_guard<std::mutex> lock(handle->mu);
     handle->reactor = reactor;
   }
-  reactor->Begin(stub_.get(), ToPrefillRequest(job), ToWallDeadline(clock_, job.deadline),
-                 job.trace, authorization_);
+  reactor->Begin(stub, ToPrefillRequest(job), ToWallDeadline(clock_, job.deadline), job.trace,
+                 authorization_);
   return std::shared_ptr<KvTransfer>(handle);
 }
 

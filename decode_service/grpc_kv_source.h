@@ -12,6 +12,7 @@
 #include "common/engine/kv_source.h"
 #include "common/server/grpc_util.h"
 #include "common/wire/kv_links.h"
+#include "decode_service/prefill_router.h"
 #include "kvwire/v1/prefill.grpc.pb.h"
 
 namespace kvwire {
@@ -33,11 +34,15 @@ class GrpcKvSource final : public KvSource {
   // `pool_bytes` they map by `pool_handle` (KernelBackend::ExportMemory). kNccl: they send the
   // rows on links (common/wire/kv_links.h) that this node joins on `device`, the backend of
   // its pool (a slab of `pool_bytes`), which receives them into the cache's pages.
+  //
+  // `affinity_tokens` > 0 routes each prefill by its prompt's first affinity_tokens tokens
+  // (PrefillRouter: to the node whose prefix cache holds them), the round-robin channel taking
+  // what the router cannot place; 0 balances round robin.
   static absl::StatusOr<std::unique_ptr<GrpcKvSource>> Create(
       const std::string& target, const ClientTls& tls, const std::string& auth_token = "",
       const Clock& clock = Clock::Real(), KvTransport transport = KvTransport::kGrpc,
-      std::string pool_handle = "", size_t pool_bytes = 0,
-      kernels::KernelBackend* device = nullptr);
+      std::string pool_handle = "", size_t pool_bytes = 0, kernels::KernelBackend* device = nullptr,
+      int affinity_tokens = 0);
   absl::string_view name() const override { return KvTransportName(transport_); }
   KvPlacement placement() const override { return PlacementOf(transport_); }
   bool leases_cache() const override { return transport_ == KvTransport::kCudaIpc; }
@@ -50,8 +55,9 @@ class GrpcKvSource final : public KvSource {
   KvTransport transport_ = KvTransport::kGrpc;
   std::string pool_handle_;  // cuda_ipc
   size_t pool_bytes_ = 0;
-  std::shared_ptr<ReceiverLinks> links_;  // nccl
-  std::string authorization_;             // "Bearer <token>", or empty
+  std::shared_ptr<ReceiverLinks> links_;   // nccl
+  std::unique_ptr<PrefillRouter> router_;  // affinity routing
+  std::string authorization_;              // "Bearer <token>", or empty
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Prefill::Stub> stub_;
 };

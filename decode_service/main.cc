@@ -29,6 +29,12 @@ absl::StatusOr<DecodeServerOptions> OptionsFromFlags(const Flags& f) {
         "--kv-transport ", KvTransportName(o.kv_transport),
         " moves K/V from prefill nodes, and --prefill names none (every prompt prefills here)"));
   }
+  ASSIGN_OR_RETURN(int64_t affinity, f.GetInt("prefill-affinity-tokens", 0, 1 << 20));
+  if (affinity > 0 && o.prefill_target.empty()) {
+    return absl::InvalidArgumentError(
+        "--prefill-affinity-tokens routes among prefill nodes, and --prefill names none");
+  }
+  o.prefill_affinity_tokens = static_cast<int>(affinity);
   o.prefill_tls = {f.GetString("prefill-tls-ca"), f.GetString("prefill-tls-cert"),
                    f.GetString("prefill-tls-key"), f.GetString("prefill-tls-server-name")};
   o.tls = ServerTlsFromFlags(f);
@@ -90,6 +96,11 @@ int main(int argc, char** argv) {
   flags.Define("prefill", "",
                "prefill nodes: ipv4:HOST:PORT,HOST:PORT or dns:///NAME:PORT (round-robin "
                "balanced); empty: prefill every prompt here");
+  flags.Define("prefill-affinity-tokens", "0",
+               "route each prefill by the prompt's first N tokens, on a consistent-hash ring of "
+               "the prefill nodes, so that prompts that start the same reach the node whose "
+               "prefix cache holds them (the prefill nodes' --prefix-block-tokens); 0: round "
+               "robin");
   flags.Define("kv-transport", "grpc",
                "how the prefill nodes' K/V rows come: grpc (on the Prefill stream, any hosts), "
                "shm (written into this node's cache by a prefill node on this host; a CPU "

@@ -388,6 +388,7 @@ void DecodeEngine::StartPrefill(const std::shared_ptr<Seq>& s) {
   s->assembler = std::make_unique<KvAssembler>(std::move(expect), s->cache.get());
 
   PrefillJob job;
+  job.attempt = s->tries - 1;
   job.request_id = s->job.request_id;
   job.prompt_ids = s->job.prompt_ids;
   job.compression = s->job.compression;

@@ -26,6 +26,7 @@ struct PrefillJob {
   std::optional<std::string> model_fingerprint;  // checked when set (another node's request)
   Clock::TimePoint deadline = Clock::TimePoint::max();
   TraceContext trace;
+  int attempt = 0;  // the request's attempts before this one (a router tries another node)
   // How the K/V rows travel, and where a transport that writes the decode node's cache writes
   // (a cache of `region_shape`): shm into the shared region `region_name` of `region_bytes`;
   // cuda_ipc into the pages `region_place` of the device pool whose slab, of `region_bytes`,

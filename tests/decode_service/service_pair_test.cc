@@ -10,6 +10,8 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <map>
+#include <set>
 #include <thread>
 
 #include "common/engine/generate.h"
@@ -523,6 +525,63 @@ TEST_F(ServicePairTest, APrefixCachedOnThePrefillNodeGivesTheSameTokens) {
       }
     }
   }
+}
+
+// Affinity routing: a decode node that routes by the prompt's leading tokens sends every
+// question on a document to one prefill node, whose prefix cache then holds the document, and
+// spreads documents over the nodes; round robin finds the document cached less often. A dead
+// preferred node: the retry takes the next node on the ring.
+TEST_F(ServicePairTest, AffinityRoutingSendsADocumentsQuestionsToOneNode) {
+  prefix_cache_bytes_ = size_t{16} << 20;
+  AddPrefill("p0");
+  AddPrefill("p1");
+  auto run = [&](int affinity_tokens, std::map<int, std::set<std::string>>* nodes) {
+    decode_.reset();
+    DecodeServerOptions o;
+    o.prefill_affinity_tokens = affinity_tokens;
+    o.engine.local_prefill_below = 0;
+    StartDecode(o);
+    int hits = 0;
+    for (int question = 0; question < 4; ++question) {
+      for (int doc = 0; doc < 7; ++doc) {
+        std::vector<int32_t> ids = {1};
+        for (int t = 0; t < 90; ++t) ids.push_back(3 + (doc * 131 + t * 7 + affinity_tokens) % 400);
+        for (int t = 0; t < 5; ++t) ids.push_back(3 + (question * 11 + t) % 400);
+        const Result r = Call(*stub_, Request(ids, 2));
+        EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+        (*nodes)[doc].insert(r.final.stats().prefill_node());
+        hits += r.final.stats().cached_tokens() > 0;
+      }
+    }
+    return hits;
+  };
+  std::map<int, std::set<std::string>> by_affinity, by_round_robin;
+  const int affinity_hits = run(16, &by_affinity);
+  const int round_robin_hits = run(0, &by_round_robin);
+  std::set<std::string> used;
+  for (const auto& [doc, nodes] : by_affinity) {
+    EXPECT_EQ(nodes.size(), 1u) << "document " << doc;
+    used.insert(nodes.begin(), nodes.end());
+  }
+  EXPECT_EQ(used.size(), 2u);       // 7 documents over 2 nodes: both get some
+  EXPECT_EQ(affinity_hits, 3 * 7);  // every question after a document's first
+  EXPECT_LT(round_robin_hits, affinity_hits);
+  // The node a document maps to goes away: its questions are answered by the other.
+  const std::string gone = *by_affinity[0].begin();
+  for (auto& p : prefills_) {
+    if (p->engine->options().node_name == gone) p->Shutdown();
+  }
+  decode_.reset();
+  DecodeServerOptions o;
+  o.prefill_affinity_tokens = 16;
+  o.engine.local_prefill_below = 0;
+  StartDecode(o);
+  std::vector<int32_t> ids = {1};
+  for (int t = 0; t < 90; ++t) ids.push_back(3 + (t * 7 + 16) % 400);
+  ids.push_back(9);
+  const Result r = Call(*stub_, Request(ids, 2));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_NE(r.final.stats().prefill_node(), gone);
 }
 
 // A prefill node that does not serve shm refuses it, saying how to; the decode node reports it.

@@ -121,7 +121,10 @@ class ClusterE2ETest(LocalClusterCase):
 
     cls.REPO, cls.BUILD = REPO, BUILD
     try:
-      cls.start_cluster(cls.model, "kvwire-e2e-")
+      # Round robin between the prefill nodes: test_5 needs both to serve a few prompts, which
+      # affinity routing (the default) may send to one (the pair test covers affinity).
+      cls.start_cluster(cls.model, "kvwire-e2e-",
+                        start_args=("--set", "DECODE_PREFILL_AFFINITY_TOKENS=0"))
       cls.decode_metrics = ["127.0.0.1:%d" % cls.metrics_ports[n] for n in ("decode-0", "decode-1")]
       cls.prefill0_port = cls.node_ports["prefill-0"]
       cls.cluster("wait-ready", "--timeout", "60")
