@@ -372,8 +372,8 @@ int Fidelity(const Flags& flags, const ParamValues& compression) {
 
 // The flags of `eval passkey --target` (a deployment) and of the in-process evaluation;
 // one given in the other mode is an error.
-const std::vector<std::string> kRemoteFlags = {"concurrency", "timeout-s", "tls-ca",
-                                               "tls-cert",    "tls-key",   "tls-server-name"};
+const std::vector<std::string> kRemoteFlags = {
+    "concurrency", "timeout-s", "tls-ca", "tls-cert", "tls-key", "tls-server-name", "warm-pass"};
 const std::vector<std::string> kInProcessFlags = {"dtype", "threads", "backend"};
 
 absl::Status CheckModeFlags(const Flags& flags, bool remote) {
@@ -398,6 +398,7 @@ absl::StatusOr<RemoteOptions> RemoteOptionsFromFlags(const Flags& flags) {
   o.timeout_ms = static_cast<int>(timeout_s * 1000);
   o.tls = {flags.GetString("tls-ca"), flags.GetString("tls-cert"), flags.GetString("tls-key"),
            flags.GetString("tls-server-name")};
+  o.warm_pass = flags.IsDefined("warm-pass") && flags.GetBool("warm-pass");
   if (o.tls.ca_file.empty() &&
       (!o.tls.cert_file.empty() || !o.tls.key_file.empty() || !o.tls.server_name.empty())) {
     return absl::InvalidArgumentError(
@@ -448,6 +449,39 @@ void PrintPasskeyTable(const std::vector<PasskeyRow>& rows, bool wire) {
   }
 }
 
+// --warm-pass: per method, format and budget, the cold and the warm request's TTFT (medians,
+// at the decode node), the warm one's prompt tokens found cached, and its answers against the
+// cold ones'.
+void PrintWarmPass(const std::vector<PasskeyAnswer>& answers) {
+  struct Group {
+    std::vector<double> cold, warm;
+    int64_t prompt = 0, cached = 0;
+    int same = 0;
+  };
+  std::map<std::string, Group> groups;
+  for (const PasskeyAnswer& a : answers) {
+    Group& g = groups[absl::StrFormat("%-28s %6s %6d", a.method, a.kv_format, a.budget)];
+    g.cold.push_back(a.ttft_ms);
+    g.warm.push_back(a.warm_ttft_ms);
+    g.prompt += a.prompt_tokens;
+    g.cached += std::max(0, a.warm_cached_tokens);
+    g.same += a.warm_tokens == a.tokens;
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  std::printf("warm pass (the same request again): TTFT at the decode node, medians\n");
+  std::printf("%-28s %6s %6s %10s %10s %7s %8s %12s\n", "policy", "format", "budget", "cold_ms",
+              "warm_ms", "ratio", "cached", "same_answer");
+  for (const auto& [key, g] : groups) {
+    const double cold = median(g.cold), warm = median(g.warm);
+    std::printf("%s %10.1f %10.1f %7.3f %7.1f%% %7d/%-4zu\n", key.c_str(), cold, warm,
+                cold > 0 ? warm / cold : 0.0, 100.0 * g.cached / std::max<int64_t>(1, g.prompt),
+                g.same, g.cold.size());
+  }
+}
+
 absl::Status WriteAnswers(const std::string& path, const std::vector<PasskeyAnswer>& answers) {
   nlohmann::json j = nlohmann::json::array();
   for (const PasskeyAnswer& a : answers) j.push_back(ToJson(a));
@@ -494,6 +528,7 @@ int Passkey(const Flags& flags, const ParamValues& compression) {
   if (!run.ok()) return Fail("eval passkey", run.status());
   const std::vector<PasskeyRow> rows = SummarizePasskey(run->answers);
   PrintPasskeyTable(rows, remote);
+  if (remote_options->warm_pass) PrintWarmPass(run->answers);
   if (!run->skipped.empty()) {
     std::fprintf(stderr, "%zu prompts did not fit the model's context of %d and were skipped\n",
                  run->skipped.size(), e.model->config().context_limit());
@@ -560,6 +595,9 @@ int RunEval(int argc, char** argv) {
                  "evaluate through a running deployment: HOST:PORT of the router or a decode "
                  "node (one Generate call per prompt, method and budget)");
     flags.Define("concurrency", "1", "with --target: requests in flight");
+    flags.DefineBool("warm-pass",
+                     "with --target: send each request twice, cold then warm (the prefill tier's "
+                     "prefix cache), and report both TTFTs and whether the answers agree");
     flags.Define("timeout-s", "120", "with --target: deadline of each request, seconds");
     flags.Define("tls-ca", "", "with --target: CA of the server's certificate (enables TLS)");
     flags.Define("tls-cert", "", "with --target: client certificate (mutual TLS)");

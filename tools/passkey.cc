@@ -323,6 +323,13 @@ nlohmann::json ToJson(const PasskeyAnswer& a) {
     j["needle_mass"] = a.needle_mass;
   }
   if (a.wire_bytes >= 0) j["wire_bytes"] = a.wire_bytes;
+  if (a.ttft_ms >= 0) j["ttft_ms"] = a.ttft_ms;
+  if (a.cached_tokens >= 0) j["cached_tokens"] = a.cached_tokens;
+  if (a.warm_ttft_ms >= 0) {
+    j["warm_ttft_ms"] = a.warm_ttft_ms;
+    j["warm_cached_tokens"] = a.warm_cached_tokens;
+    j["warm_tokens"] = a.warm_tokens;
+  }
   return j;
 }
 

@@ -53,6 +53,12 @@ struct PasskeyAnswer {
   int64_t full_bf16_bytes = 0;  // the full cache in bf16, however the model's is stored
   int64_t kv_payload_bytes = 0;
   int64_t wire_bytes = -1;  // through the pair: bytes of the KV messages received
+  // Through the pair: the decode node's time to first token and the prompt tokens its prefill
+  // node's prefix cache held; with a warm pass, the same of the prompt's second request and its
+  // answer.
+  double ttft_ms = -1, warm_ttft_ms = -1;
+  int cached_tokens = -1, warm_cached_tokens = -1;
+  std::vector<int32_t> warm_tokens;
 };
 
 struct PasskeyRun {

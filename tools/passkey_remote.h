@@ -21,6 +21,9 @@ struct RemoteOptions {
   int concurrency = 1;
   int timeout_ms = 120000;  // per request
   int connect_timeout_ms = 10000;
+  // Each request twice in a row, cold then warm (the second may find the prompt in its prefill
+  // node's prefix cache): both TTFTs, and the warm answer, which must equal the cold one.
+  bool warm_pass = false;
 };
 
 absl::StatusOr<PasskeyRun> EvalPasskeyRemote(const RemoteOptions& options,

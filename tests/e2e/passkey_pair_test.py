@@ -108,10 +108,28 @@ class PasskeyPairTest(LocalClusterCase):
     self.assertGreater(snapkv["ratio"], 3.5)  # 491..1975 tokens kept to 128
     self.assertLess(snapkv["wire_ratio"], snapkv["ratio"])
 
+  def test_warm_pass_finds_each_prompt_cached(self):
+    """--warm-pass: each request twice. With the prefix cache and affinity routing (the local
+    cluster's defaults: both decode nodes send a prompt to the same prefill node) the second
+    finds its prompt cached there, and answers as the first did."""
+    router = "127.0.0.1:%d" % self.router_port
+    r, _, rows, _ = self.eval("warm", "--target", router, "--warm-pass")
+    self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+    self.assertIn("warm pass (the same request again)", r.stdout)
+    self.assertEqual(len(rows), len(HANDFUL) * 6 * 2)
+    for a in rows:
+      self.assertEqual(a["warm_tokens"], a["tokens"], a)
+      self.assertGreater(a["warm_cached_tokens"], 0, a)
+      self.assertGreater(a["ttft_ms"], 0, a)
+      self.assertGreater(a["warm_ttft_ms"], 0, a)
+
   def test_flags_of_the_other_mode_are_refused(self):
     r, _, _, _ = self.eval("bad", "--concurrency", "2")
     self.assertEqual(r.returncode, 2, r.stderr)
     self.assertIn("--concurrency applies only with --target", r.stderr)
+    r, _, _, _ = self.eval("bad3", "--warm-pass")
+    self.assertEqual(r.returncode, 2, r.stderr)
+    self.assertIn("--warm-pass applies only with --target", r.stderr)
     r, _, _, _ = self.eval("bad2", "--target", "127.0.0.1:%d" % self.router_port, "--threads",
                            "2")
     self.assertEqual(r.returncode, 2, r.stderr)
