@@ -224,6 +224,26 @@ class OpenAIFrontTest(LocalClusterCase):
     self.assertEqual(chunks[-1].object, "chat.completion.chunk")
     self.check_figures(chunks[-1].usage)
 
+  def test_a_conversation_reads_its_earlier_turns_from_the_prefix_cache(self):
+    """Six turns of one chat: each turn's prompt starts with the last one's (the template renders
+    them so), the decode nodes route it by its first tokens to the same prefill node (the local
+    cluster's affinity routing), and that node's prefix cache holds the earlier turns: every
+    turn after the first reports cached prompt tokens, as vLLM does."""
+    system = ("You are a storyteller for small children. Every answer is one short, gentle "
+              "sentence about a cat named Tom who lives in a little blue house by the sea, "
+              "and his friend the old dog who sleeps in the sun all day long. %d" % os.getpid())
+    messages = [{"role": "system", "content": system}]
+    cached = []
+    for turn in range(6):
+      messages.append({"role": "user", "content": "What did Tom do on day %d?" % turn})
+      r = self.client.chat.completions.create(model=self.model_id, messages=messages,
+                                              max_tokens=6, temperature=0)
+      cached.append(r.usage.prompt_tokens_details.cached_tokens)
+      messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    self.assertEqual(cached[0], 0, cached)
+    self.assertTrue(all(c > 0 for c in cached[1:]), cached)
+    self.assertEqual(cached, sorted(cached), cached)  # the conversation grows, and so its hits
+
   def test_sampling_seed_and_attention(self):
     args = dict(model=self.model_id, prompt=self.prompt, max_tokens=16, temperature=0.9,
                 top_p=0.9, seed=7)
