@@ -6,8 +6,9 @@
 # table gives, per
 # routing, the questions after a document's first that found it cached on their prefill node
 # (usage.prompt_tokens_details.cached_tokens > 0), the share of their prompt tokens read from a
-# cache, the prefill nodes' peak prefix cache bytes against their bound, and the mean time to
-# first token the front measured. A benchmark, not a CI test.
+# cache, the prefill nodes' peak prefix cache bytes against their bound, and the median time to
+# first token the front measured of documents' first questions and of the later ones (and their
+# ratio: what a question on a document already asked about costs). A benchmark, not a CI test.
 #
 #   bash bench/prefix_cluster_bench.sh [--build-dir build] [--documents 4] [--questions 8]
 #       [--clients 8] [--document-tokens 300] [--question-tokens 12] [--base-port 18280]
@@ -50,8 +51,8 @@ trap 'cluster stop --dir "$DIR/cluster" >/dev/null 2>&1 || true' EXIT
 
 echo "the prefix cache through the local cluster: $DOCUMENTS documents of $DOC_TOKENS tokens x" \
   "$QUESTIONS questions of $QUESTION_TOKENS, $CLIENTS clients; logs in $DIR"
-printf '%-12s %10s %14s %14s %16s %12s\n' routing later_hits cached_share peak_cache_MiB \
-  cache_bound_MiB mean_ttft_ms
+printf '%-12s %10s %13s %15s %16s %14s %14s %6s\n' routing later_hits cached_share \
+  peak_cache_MiB cache_bound_MiB first_ttft_ms later_ttft_ms ratio
 for routing in round_robin affinity; do
   tokens=0
   [[ $routing == affinity ]] && tokens=64
@@ -112,9 +113,14 @@ bound = re.search(r"^PREFILL_PREFIX_CACHE_BYTES=(\d+)MiB", open(flags).read(), r
 later = [r for r in results if r[1] > 0]
 hits = sum(1 for r in later if r[3] > 0)
 share = sum(r[3] for r in later) / max(1, sum(r[2] for r in later))
-print("%-12s %5d/%-4d %13.1f%% %14.2f %16s %12.1f" % (
+def median(v):
+  v = sorted(v)
+  return v[len(v) // 2] if v else float("nan")
+first = median([r[4] for r in results if r[1] == 0])
+rest = median([r[4] for r in later])
+print("%-12s %5d/%-4d %12.1f%% %15.2f %16s %14.1f %14.1f %6.3f" % (
     routing, hits, len(later), 100 * share, max(peak) / 2**20, bound.group(1) if bound else "?",
-    sum(r[4] for r in results) / len(results)))
+    first, rest, rest / first))
 EOF
   cluster stop --dir "$DIR/cluster" >>"$DIR/$routing.cluster.log" 2>&1
 done
