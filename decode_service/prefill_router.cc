@@ -9,18 +9,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/base/splitmix.h"
 
 namespace kvwire {
 namespace {
 
-// splitmix64's finaliser: spreads consecutive inputs over the ring.
-uint64_t Mix(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+// SplitMix64 spreads consecutive inputs over the ring.
+uint64_t Mix(uint64_t x) { return SplitMix64(x); }
 uint64_t HashString(absl::string_view s) {
   uint64_t h = 0x84222325cbf29ce4ull;
   for (unsigned char c : s) h = Mix(h ^ c);

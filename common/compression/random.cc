@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/splitmix.h"
 #include "common/base/status.h"
 #include "common/compression/policy.h"
 
@@ -26,12 +27,7 @@ struct RandomParams {
   uint64_t seed = 0;
 };
 
-uint64_t Mix(uint64_t x) {  // SplitMix64's finalizer
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+uint64_t Mix(uint64_t x) { return SplitMix64(x); }
 
 // n distinct positions of [0, prefix), uniformly (partial Fisher-Yates), sorted.
 std::vector<int32_t> RandomSelect(int prefix, int n, uint64_t seed) {

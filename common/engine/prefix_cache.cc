@@ -1,24 +1,17 @@
 #include "common/engine/prefix_cache.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/base/splitmix.h"
 #include "common/base/status.h"
 
 namespace kvwire {
 namespace {
 
-// A 64-bit hash of a block's tokens chained to its parent's (splitmix64's finaliser over
-// each token): stable within the process, which is all the cache needs (the tokens are
-// compared too).
-uint64_t Mix(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+// A 64-bit hash of a block's tokens chained to its parent's (SplitMix64 over each token):
+// stable within the process, which is all the cache needs (the tokens are compared too).
 uint64_t ChainHash(uint64_t parent, absl::Span<const int32_t> tokens) {
-  uint64_t h = Mix(parent ^ 0x9e3779b97f4a7c15ull);
-  for (int32_t t : tokens) h = Mix(h ^ static_cast<uint32_t>(t));
+  uint64_t h = SplitMix64(parent);
+  for (int32_t t : tokens) h = SplitMix64(h ^ static_cast<uint32_t>(t));
   return h;
 }
 

@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/base/splitmix.h"
 #include "common/base/status.h"
 #include "common/model/llama_model.h"
 
@@ -17,12 +18,7 @@ namespace {
 
 // SplitMix64: a tiny, good-enough generator for synthetic weights, seekable by index so
 // that any slice of a tensor can be filled independently and deterministically.
-uint64_t SplitMix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+uint64_t SplitMix(uint64_t x) { return SplitMix64(x); }
 
 float UniformAt(uint64_t seed, uint64_t i) {
   return static_cast<float>(SplitMix(seed ^ (i * 0x2545f4914f6cdd1dull)) >> 40) * 0x1.0p-24f * 2.f -

@@ -122,6 +122,19 @@ class FrontTest : public ::testing::Test {
     return c.Post(path.c_str(), headers, body, "application/json");
   }
 
+  // A streamed body's events, up to [DONE].
+  static std::vector<Json> Events(const std::string& body) {
+    std::vector<Json> events;
+    size_t at = 0;
+    while ((at = body.find("data: ", at)) != std::string::npos) {
+      const size_t end = body.find("\n\n", at);
+      const std::string data = body.substr(at + 6, end - at - 6);
+      at = end;
+      if (data == "[DONE]") break;
+      events.push_back(Json::parse(data));
+    }
+    return events;
+  }
   static std::string Body(const std::string& prompt, const std::string& extra = "") {
     return R"({"model": "m", "prompt": ")" + prompt + "\"" + extra + "}";
   }
@@ -183,15 +196,7 @@ TEST_F(FrontTest, StreamsEventsEndingWithDone) {
   ASSERT_EQ(r->status, 200) << r->body;
   EXPECT_EQ(r->get_header_value("Content-Type"), "text/event-stream");
   EXPECT_EQ(r->get_header_value("Content-Encoding"), "");  // events are never held back
-  std::vector<Json> events;
-  size_t at = 0;
-  while ((at = r->body.find("data: ", at)) != std::string::npos) {
-    const size_t end = r->body.find("\n\n", at);
-    const std::string data = r->body.substr(at + 6, end - at - 6);
-    at = end;
-    if (data == "[DONE]") break;
-    events.push_back(Json::parse(data));
-  }
+  const std::vector<Json> events = Events(r->body);
   EXPECT_EQ(r->body.substr(r->body.size() - 14), "data: [DONE]\n\n");
   // The plain fallback template makes the prompt "user: ok\nassistant:", which the service
   // answers with its three tokens.
@@ -228,15 +233,7 @@ TEST_F(FrontTest, ContinuousUsageCountsOnEveryChunk) {
       auto r = Post(path, body);
       ASSERT_TRUE(r);
       ASSERT_EQ(r->status, 200) << r->body;
-      std::vector<Json> events;
-      size_t at = 0;
-      while ((at = r->body.find("data: ", at)) != std::string::npos) {
-        const size_t end = r->body.find("\n\n", at);
-        const std::string data = r->body.substr(at + 6, end - at - 6);
-        at = end;
-        if (data == "[DONE]") break;
-        events.push_back(Json::parse(data));
-      }
+      const std::vector<Json> events = Events(r->body);
       // A chunk per token, the one that ends the choice, and with include_usage the usage's.
       ASSERT_EQ(events.size(), include ? 5u : 4u);
       for (int i = 0; i < 4; ++i) {
