@@ -1,7 +1,6 @@
 #include "common/engine/prefill_engine.h"
 
 #include <algorithm>
-#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
@@ -35,17 +34,22 @@ class ChunkingSink final : public CompressedLayerSink {
 };
 
 // Stops the forward pass between layers when the reader is gone or the deadline passed,
-// and traces each layer's compression (cheap next to the layer's forward pass).
+// traces each layer's compression (cheap next to the layer's forward pass), and, with a prefix
+// cache, copies the layer's rows of the blocks this prefill fills into it once the compressor
+// saw them.
 class Guarded final : public PrefillObserver {
  public:
   Guarded(Compressor* inner, const KvStreamSink* sink, const PrefillJob& job, const Clock& clock,
-          Telemetry* telemetry, const Span* forward)
+          Telemetry* telemetry, const Span* forward, PrefixCache* cache,
+          const PrefixCache::Plan* plan)
       : inner_(inner),
         sink_(sink),
         job_(job),
         clock_(clock),
         telemetry_(telemetry),
-        forward_(forward) {}
+        forward_(forward),
+        cache_(cache),
+        plan_(plan) {}
   int window(int len) const override { return inner_->window(len); }
   bool NeedsScores(int layer, int len) const override { return inner_->NeedsScores(layer, len); }
   absl::Status Finish() override { return inner_->Finish(); }
@@ -55,6 +59,13 @@ class Guarded final : public PrefillObserver {
       return absl::DeadlineExceededError(
           absl::StrCat("deadline passed during prefill, at layer ", layer.layer));
     }
+    RETURN_IF_ERROR(Compress(layer));
+    if (cache_ == nullptr) return absl::OkStatus();
+    return cache_->Capture(*plan_, layer.layer, layer.k, layer.v, layer.kv_stride);
+  }
+
+ private:
+  absl::Status Compress(const PrefillLayer& layer) {
     if (telemetry_ == nullptr) return inner_->OnLayer(layer);
     Span span = telemetry_->StartSpan("prefill.compress", forward_->context());
     span.SetAttribute("layer", layer.layer);
@@ -63,33 +74,14 @@ class Guarded final : public PrefillObserver {
     return st;
   }
 
- private:
   Compressor* inner_;
   const KvStreamSink* sink_;
   const PrefillJob& job_;
   const Clock& clock_;
   Telemetry* telemetry_;
   const Span* forward_;
-};
-
-// Copies each layer's K/V of the blocks a prefill fills into the prefix cache, after the
-// compressor saw the layer.
-class Capturing final : public PrefillObserver {
- public:
-  Capturing(PrefillObserver* inner, PrefixCache* cache, const PrefixCache::Plan* plan)
-      : inner_(inner), cache_(cache), plan_(plan) {}
-  int window(int len) const override { return inner_->window(len); }
-  bool NeedsScores(int layer, int len) const override { return inner_->NeedsScores(layer, len); }
-  absl::Status Finish() override { return inner_->Finish(); }
-  absl::Status OnLayer(const PrefillLayer& layer) override {
-    RETURN_IF_ERROR(inner_->OnLayer(layer));
-    return cache_->Capture(*plan_, layer.layer, layer.k, layer.v, layer.kv_stride);
-  }
-
- private:
-  PrefillObserver* inner_;
-  PrefixCache* cache_;
-  const PrefixCache::Plan* plan_;
+  PrefixCache* cache_;             // null: none
+  const PrefixCache::Plan* plan_;  // the cache's plan for this prefill
 };
 
 }  // namespace
@@ -212,19 +204,15 @@ absl::StatusOr<PrefillOutcome> PrefillEngine::Run(const PrefillJob& job, KvStrea
   ChunkingSink chunks(&sink, config.kv_format, job.max_chunk_bytes);
   Compressor compressor(config, mc, model_->kv_dtype(), &chunks);
   Span forward = telemetry ? telemetry->StartSpan("prefill.forward", span.context()) : Span();
-  Guarded observer(&compressor, &sink, job, clock, telemetry, &forward);
   // With a prefix cache: the cached blocks that start the prompt, up to where the compressor's
   // observation window begins (its queries are computed anew, so it scores every key as a cold
   // prefill does), and the prompt's other whole blocks filled for the next request.
   PrefixCache::Plan plan;
-  std::optional<Capturing> capturing;
-  PrefillObserver* observing = &observer;
   if (prefix_cache_ != nullptr) {
-    plan = prefix_cache_->Lookup(job.prompt_ids, len - std::max(1, observer.window(len)));
-    capturing.emplace(&observer, prefix_cache_.get(), &plan);
-    observing = &*capturing;
+    plan = prefix_cache_->Lookup(job.prompt_ids, len - std::max(1, compressor.window(len)));
   }
-  auto result = model_->Prefill(job.prompt_ids, observing, /*all_logits=*/false,
+  Guarded observer(&compressor, &sink, job, clock, telemetry, &forward, prefix_cache_.get(), &plan);
+  auto result = model_->Prefill(job.prompt_ids, &observer, /*all_logits=*/false,
                                 plan.hit_tokens() > 0 ? &plan.prefix : nullptr);
   forward.SetAttribute("prompt_tokens", len);
   const int cached = plan.hit_tokens();

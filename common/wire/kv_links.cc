@@ -159,13 +159,17 @@ absl::StatusOr<std::shared_ptr<KvLink>> ReceiverLinks::Use(const std::string& na
   return link;
 }
 
-void ReceiverLinks::Drop(const std::string& name, const std::shared_ptr<KvLink>& link) {
+void ReceiverLinks::Break(KvLink& link) {
   {
-    std::lock_guard<std::mutex> lock(link->mu_);
-    link->broken_ = true;
+    std::lock_guard<std::mutex> lock(link.mu_);
+    link.broken_ = true;
   }
-  link->turn_.notify_all();
-  link->link_->Abort();
+  link.turn_.notify_all();
+  link.link_->Abort();
+}
+
+void ReceiverLinks::Drop(const std::string& name, const std::shared_ptr<KvLink>& link) {
+  Break(*link);
   std::lock_guard<std::mutex> lock(mu_);
   if (auto it = links_.find(name); it != links_.end() && it->second == link) links_.erase(it);
 }
@@ -187,12 +191,7 @@ int ReceiverLinks::open() const {
 absl::Status ReceiverLinks::Receive(KvLink& link, const WireChunk& chunk, KvCache& cache, int kept,
                                     std::chrono::milliseconds timeout) {
   auto fail = [&](absl::Status st) {
-    {
-      std::lock_guard<std::mutex> lock(link.mu_);
-      link.broken_ = true;
-    }
-    link.turn_.notify_all();
-    link.link_->Abort();
+    Break(link);
     return st;
   };
   if (cache.backend() != backend_) {

@@ -109,6 +109,8 @@ class ReceiverLinks {
   int open() const;
 
  private:
+  // Marks `link` failed (every stream waiting for its turn fails too) and aborts it.
+  static void Break(KvLink& link);
   void Drop(const std::string& name, const std::shared_ptr<KvLink>& link);
 
   kernels::KernelBackend* const backend_;
