@@ -19,10 +19,13 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
   struct Handle final : public KvTransfer {
     std::mutex mu;
     CallReactor* reactor = nullptr;  // null once done
+    std::string node_, route_;       // set before the engine sees the handle
     void Cancel() override {
       std::lock_guard<std::mutex> lock(mu);
       if (reactor) reactor->context_.TryCancel();
     }
+    std::string node() const override { return node_; }
+    std::string route() const override { return route_; }
   };
 
   CallReactor(std::shared_ptr<KvReceiver> receiver, std::shared_ptr<Handle> handle,
@@ -32,9 +35,11 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
         transport_(transport),
         links_(std::move(links)) {}
 
-  void Begin(v1::Prefill::Stub* stub, v1::PrefillRequest request,
+  // `keep` holds what the stub needs (and the routed node's load) until the call is done.
+  void Begin(v1::Prefill::Stub* stub, std::shared_ptr<const void> keep, v1::PrefillRequest request,
              std::chrono::system_clock::time_point deadline, const TraceContext& trace,
              const std::string& authorization) {
+    keep_ = std::move(keep);
     request_ = std::move(request);
     context_.set_deadline(deadline);
     if (!authorization.empty()) context_.AddMetadata("authorization", authorization);
@@ -93,6 +98,7 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
       handle_->reactor = nullptr;
     }
     if (link_ != nullptr) links_->Done(link_, whole_);
+    keep_.reset();  // the node's load drops before the engine may retry
     receiver_->OnDone(error_.ok() ? FromGrpcStatus(status) : error_, wire_bytes_);
     delete this;
   }
@@ -134,6 +140,7 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
 
   std::shared_ptr<KvReceiver> receiver_;
   std::shared_ptr<Handle> handle_;
+  std::shared_ptr<const void> keep_;
   const KvTransport transport_;
   const std::shared_ptr<ReceiverLinks> links_;
   std::shared_ptr<KvLink> link_;
@@ -246,13 +253,15 @@ absl::StatusOr<std::shared_ptr<KvTransfer>> GrpcKvSource::Start(
   if (router_ != nullptr) pick = router_->Route(router_->Key(job.prompt_ids), job.attempt);
   v1::Prefill::Stub* stub = pick.stub != nullptr ? pick.stub : stub_.get();
   auto handle = std::make_shared<CallReactor::Handle>();
+  handle->node_ = pick.node;
+  handle->route_ = pick.stub != nullptr ? pick.route : "round_robin";
   auto* reactor = new CallReactor(std::move(receiver), handle, transport_, links_);
   {
     std::lock_guard<std::mutex> lock(handle->mu);
     handle->reactor = reactor;
   }
-  reactor->Begin(stub, ToPrefillRequest(job), ToWallDeadline(clock_, job.deadline), job.trace,
-                 authorization_);
+  reactor->Begin(stub, std::move(pick.keep), ToPrefillRequest(job),
+                 ToWallDeadline(clock_, job.deadline), job.trace, authorization_);
   return std::shared_ptr<KvTransfer>(handle);
 }
 

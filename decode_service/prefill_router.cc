@@ -136,28 +136,52 @@ uint64_t PrefillRouter::Key(absl::Span<const int32_t> prompt) const {
 PrefillRouter::Pick PrefillRouter::Route(uint64_t key, int attempt) {
   std::lock_guard<std::mutex> lock(mu_);
   if (ring_.empty()) return {};
+  // The nodes in ring order from the key.
   auto it = std::lower_bound(ring_.begin(), ring_.end(), std::make_pair(key, std::string()));
-  std::vector<std::string> seen;
-  for (size_t step = 0; step < ring_.size() && seen.size() < nodes_.size(); ++step, ++it) {
+  std::vector<std::string> order;
+  for (size_t step = 0; step < ring_.size() && order.size() < nodes_.size(); ++step, ++it) {
     if (it == ring_.end()) it = ring_.begin();
-    if (std::find(seen.begin(), seen.end(), it->second) != seen.end()) continue;
-    seen.push_back(it->second);
+    if (std::find(order.begin(), order.end(), it->second) == order.end()) {
+      order.push_back(it->second);
+    }
   }
-  // The nodes in ring order from the key; failing ones last, so a retry still reaches them
-  // when every other node failed too.
-  std::stable_partition(seen.begin(), seen.end(), [&](const std::string& a) {
+  auto healthy = [&](const std::string& a) {
     const grpc_connectivity_state s = nodes_.at(a)->channel->GetState(/*try_to_connect=*/true);
     return s != GRPC_CHANNEL_TRANSIENT_FAILURE && s != GRPC_CHANNEL_SHUTDOWN;
+  };
+  auto pick = [&](const std::string& a, const char* route) {
+    std::shared_ptr<Node> n = nodes_.at(a);
+    n->in_flight.fetch_add(1, std::memory_order_relaxed);
+    v1::Prefill::Stub* stub = n->stub.get();
+    // The keep releases the node's load when the call lets go of it.
+    std::shared_ptr<const void> keep(
+        stub, [n](const void*) { n->in_flight.fetch_sub(1, std::memory_order_relaxed); });
+    return Pick{stub, a, route, std::move(keep)};
+  };
+  if (attempt == 0 && healthy(order[0])) return pick(order[0], kAffinity);
+  // Fallback: the key's node refused, failed or is failing. The healthy others by load, then
+  // the key's node again, so that a request waiting out a full tier comes back to it.
+  std::vector<std::string> others;
+  for (size_t i = 1; i < order.size(); ++i) {
+    if (healthy(order[i])) others.push_back(order[i]);
+  }
+  std::stable_sort(others.begin(), others.end(), [&](const std::string& a, const std::string& b) {
+    return nodes_.at(a)->in_flight.load(std::memory_order_relaxed) <
+           nodes_.at(b)->in_flight.load(std::memory_order_relaxed);
   });
-  const std::string& a = seen[static_cast<size_t>(attempt) % seen.size()];
-  const std::shared_ptr<Node>& n = nodes_.at(a);
-  return {n->stub.get(), a, n};
+  if (healthy(order[0])) others.push_back(order[0]);
+  if (others.empty()) {  // none healthy: each in turn, so that retries still reach every one
+    const std::string& a = order[static_cast<size_t>(attempt) % order.size()];
+    return pick(a, a == order[0] ? kAffinity : kFallback);
+  }
+  const std::string& a = others[static_cast<size_t>(std::max(attempt - 1, 0)) % others.size()];
+  return pick(a, a == order[0] ? kAffinity : kFallback);
 }
 
-std::vector<std::string> PrefillRouter::nodes() const {
+std::map<std::string, int> PrefillRouter::load() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::string> out;
-  for (const auto& [a, n] : nodes_) out.push_back(a);
+  std::map<std::string, int> out;
+  for (const auto& [a, n] : nodes_) out[a] = n->in_flight.load(std::memory_order_relaxed);
   return out;
 }
 

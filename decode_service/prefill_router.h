@@ -1,9 +1,11 @@
 // Affinity routing of prefills (--prefill-affinity-tokens): the prefill node for a request is
 // the one a consistent-hash ring of the target's nodes gives its prompt's leading tokens, so that
 // requests that start the same (questions on one document, a conversation's turns) reach the
-// node whose prefix cache holds them (as llm-d's and Dynamo's KV-aware routers do). A retry
-// takes the next node on the ring; a node whose channel is failing is passed over, and the
-// caller falls back to its round-robin channel when the ring has none.
+// node whose prefix cache holds them (as llm-d's and Dynamo's KV-aware routers do). When that
+// node's channel is failing, or on a retry (it refused a full queue, failed or hung), the call
+// falls back to the least loaded other node: the one with the fewest of this decode node's
+// prefills in flight (Envoy's least-request balancing; a decode node sees only its own calls).
+// The caller falls back to its round-robin channel when the ring has no node.
 //
 // The nodes come from the target: an "ipv4:" list, "host:port", or "dns:///name:port"
 // (re-resolved every kResolveEvery: a Kubernetes headless Service's pods come and go). Each
@@ -47,12 +49,20 @@ class PrefillRouter {
   struct Pick {
     v1::Prefill::Stub* stub = nullptr;  // null: the ring has no node
     std::string node;                   // its address
-    std::shared_ptr<const void> keep;   // keeps the stub while the call starts
+    // kAffinity: the node the key maps to; kFallback: the least loaded other one.
+    const char* route = "";
+    // Keeps the stub, and counts the call in the node's load, until it is released.
+    std::shared_ptr<const void> keep;
   };
-  // The `attempt`-th node (0 first) on the ring from `key` whose channel is not failing.
+  static constexpr const char* kAffinity = "affinity";
+  static constexpr const char* kFallback = "fallback";
+  // Attempt 0 (the request's first): the key's node, unless its channel is failing. Attempt
+  // k > 0, or a failing key's node: the (k-1)-th of the healthy other nodes ordered by load
+  // (ties in ring order) followed by the key's node; when none is healthy, the k-th node in ring
+  // order.
   Pick Route(uint64_t key, int attempt);
-  // The nodes the ring holds now.
-  std::vector<std::string> nodes() const;
+  // The nodes the ring holds now, and this node's calls in flight on each.
+  std::map<std::string, int> load() const;
 
  private:
   PrefillRouter() = default;
@@ -62,6 +72,7 @@ class PrefillRouter {
   struct Node {
     std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<v1::Prefill::Stub> stub;
+    std::atomic<int> in_flight{0};  // Picks not yet released
   };
   int key_tokens_ = 64;
   std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel_;

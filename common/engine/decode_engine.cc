@@ -412,6 +412,13 @@ void DecodeEngine::StartPrefill(const std::shared_ptr<Seq>& s) {
   auto transfer = s->source->Start(std::move(job), std::make_shared<Receiver>(this, s));
   if (transfer.ok()) {
     s->transfer = std::move(*transfer);
+    if (const std::string route = s->transfer->route(); !route.empty()) {
+      s->prefill_span.SetAttribute("prefill.route", route);
+      if (const std::string node = s->transfer->node(); !node.empty()) {
+        s->prefill_span.SetAttribute("prefill.node", node);
+      }
+      if (options_.telemetry) options_.telemetry->CountRoute(route);
+    }
   } else {
     prefill_done_.emplace_back(s, transfer.status());  // handled by the loop's next turn
     wake_ = true;

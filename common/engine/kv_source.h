@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -43,6 +44,10 @@ class KvTransfer {
  public:
   virtual ~KvTransfer() = default;
   virtual void Cancel() = 0;
+  // Where the attempt went and how it was chosen ("affinity", "fallback", "round_robin"), for
+  // the trace and metrics; empty where the source does not choose among nodes.
+  virtual std::string node() const { return {}; }
+  virtual std::string route() const { return {}; }
 };
 
 class KvSource {

@@ -209,6 +209,7 @@ struct Telemetry::Metrics {
   prometheus::Counter* prefix_miss_tokens;
   prometheus::Gauge* prefix_bytes;
   prometheus::Gauge* prefix_evictions;  // the cache's own count, mirrored
+  prometheus::Family<prometheus::Counter>* prefill_routes;
 };
 
 absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(const TelemetryOptions& options) {
@@ -273,6 +274,8 @@ absl::StatusOr<std::unique_ptr<Telemetry>> Telemetry::Create(const TelemetryOpti
   m->prefix_bytes = &gauge("kvwire_prefix_cache_bytes", "Bytes the prefix cache holds.");
   m->prefix_evictions =
       &gauge("kvwire_prefix_cache_evictions", "Prefix cache blocks evicted since the start.");
+  m->prefill_routes = &counter("kvwire_prefill_routes_total",
+                               "Prefill attempts sent to a prefill node, by how it was chosen.");
   t->metrics_ = std::move(m);
 
   if (!options.metrics_listen.empty()) {
@@ -342,6 +345,9 @@ void Telemetry::CountPrefix(int64_t hit_tokens, int64_t miss_tokens, double byte
   metrics_->prefix_miss_tokens->Increment(static_cast<double>(miss_tokens));
   metrics_->prefix_bytes->Set(bytes);
   metrics_->prefix_evictions->Set(static_cast<double>(evictions));
+}
+void Telemetry::CountRoute(const std::string& route) {
+  metrics_->prefill_routes->Add({{"route", route}}).Increment();
 }
 void Telemetry::SetPool(double used, double capacity) {
   metrics_->pool_used->Set(used);

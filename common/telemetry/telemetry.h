@@ -140,6 +140,9 @@ class Telemetry {
   // Prefill node: a prompt's tokens found in the prefix cache and computed; the cache's bytes
   // and evictions so far.
   void CountPrefix(int64_t hit_tokens, int64_t miss_tokens, double bytes, int64_t evictions);
+  // Decode node: a prefill attempt sent to a node, by how it was chosen ("affinity" to the node
+  // holding the prompt's prefix, "fallback" to the least loaded other, "round_robin").
+  void CountRoute(const std::string& route);
 
  private:
   struct Metrics;

@@ -15,7 +15,9 @@
 #include <thread>
 
 #include "common/engine/generate.h"
+#include "common/telemetry/telemetry.h"
 #include "decode_service/decode_server.h"
+#include "decode_service/prefill_router.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "kvwire/v1/generation.grpc.pb.h"
@@ -112,6 +114,7 @@ class ServicePairTest : public ::testing::Test {
     e.node_name = name;
     e.prefix_cache_bytes = prefix_cache_bytes_;
     e.prefix_block_tokens = 16;
+    e.max_queue = prefill_max_queue_;
     node->engine = std::make_unique<PrefillEngine>(prefill_model_.get(), e);
     node->faults = std::make_unique<testing::FaultyPrefills>(node->engine.get(), faults);
     PrefillServerOptions o;
@@ -353,6 +356,7 @@ class ServicePairTest : public ::testing::Test {
   bool serve_cuda_ipc_ = false;    // the prefill nodes serve cuda_ipc (on a device backend)
   bool serve_nccl_ = false;        // ... and nccl
   size_t prefix_cache_bytes_ = 0;  // the prefill nodes' prefix caches (blocks of 16 tokens)
+  int prefill_max_queue_ = 16;     // prefills that may wait on a prefill node
   std::unique_ptr<LlamaModel> prefill_model_, decode_model_;
   std::vector<std::unique_ptr<PrefillNode>> prefills_;
   std::unique_ptr<DecodeServer> decode_;
@@ -582,6 +586,76 @@ TEST_F(ServicePairTest, AffinityRoutingSendsADocumentsQuestionsToOneNode) {
   const Result r = Call(*stub_, Request(ids, 2));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_NE(r.final.stats().prefill_node(), gone);
+}
+
+// The node a document maps to is full (its worker busy, its queue at --max-queue): the
+// question it refuses goes to the least loaded other node, and the decode node's metrics count
+// the affinity picks and the fallback.
+TEST_F(ServicePairTest, AffinityFallsBackToTheLeastLoadedNodeWhenThePreferredIsFull) {
+  prefix_cache_bytes_ = size_t{16} << 20;
+  prefill_max_queue_ = 1;
+  PrefillNode* busy = AddPrefill("p0", {.hold_chunk = 0});
+  AddPrefill("p1");
+  AddPrefill("p2");
+  auto telemetry = Telemetry::Create({"decode", "d", "", ""});
+  ASSERT_TRUE(telemetry.ok()) << telemetry.status();
+  DecodeServerOptions o;
+  o.prefill_affinity_tokens = 16;
+  o.engine.local_prefill_below = 0;
+  o.telemetry = telemetry->get();
+  StartDecode(o);
+  // A document whose leading tokens map to p0, found with a router over the same nodes.
+  std::string target = "ipv4:";
+  for (size_t i = 0; i < prefills_.size(); ++i) {
+    target += (i ? ",127.0.0.1:" : "127.0.0.1:") + std::to_string(prefills_[i]->port());
+  }
+  auto router = PrefillRouter::Create(target, 16, [](const std::string& a) {
+    return grpc::CreateChannel(a, grpc::InsecureChannelCredentials());
+  });
+  ASSERT_TRUE(router.ok()) << router.status();
+  const std::string p0 = "ipv4:127.0.0.1:" + std::to_string(busy->port());
+  std::vector<int32_t> document;
+  for (int doc = 0; document.empty() && doc < 100; ++doc) {
+    std::vector<int32_t> ids = {1};
+    for (int t = 0; t < 40; ++t) ids.push_back(3 + (doc * 131 + t * 7) % 400);
+    if ((*router)->Route((*router)->Key(ids), 0).node == p0) document = ids;
+  }
+  ASSERT_FALSE(document.empty()) << "no document of 100 maps to p0";
+  auto question = [&](int q) {
+    std::vector<int32_t> ids = document;
+    for (int t = 0; t < 5; ++t) ids.push_back(3 + (q * 11 + t) % 400);
+    return Request(ids, 2);
+  };
+  // The first question runs on p0 and is held there; the second waits in its queue.
+  Result first, second;
+  helpers_.emplace_back([&] { first = Call(*stub_, question(0)); });
+  ASSERT_TRUE(busy->faults->WaitHeld(1));
+  helpers_.emplace_back([&] { second = Call(*stub_, question(1)); });
+  ASSERT_TRUE(busy->faults->WaitSubmitted(2));
+  // The third is refused by p0 and answered by p1 or p2, whichever has less in flight (both
+  // none): the first of them on the ring.
+  const Result third = Call(*stub_, question(2));
+  ASSERT_TRUE(third.status.ok()) << third.status.error_message();
+  EXPECT_NE(third.final.stats().prefill_node(), "p0");
+  EXPECT_GE(third.final.stats().prefill_attempts(), 1);
+  busy->Release();
+  for (auto& t : helpers_) t.join();
+  helpers_.clear();
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(first.final.stats().prefill_node(), "p0");
+  EXPECT_EQ(second.final.stats().prefill_node(), "p0");
+  EXPECT_GT(second.final.stats().cached_tokens(), 0);  // the document, from the first
+  const std::string metrics = (*telemetry)->Scrape();
+  EXPECT_NE(
+      metrics.find("kvwire_prefill_routes_total{node=\"d\",role=\"decode\",route=\"affinity\"} 3"),
+      std::string::npos)
+      << metrics;
+  EXPECT_NE(
+      metrics.find("kvwire_prefill_routes_total{node=\"d\",role=\"decode\",route=\"fallback\"} 1"),
+      std::string::npos)
+      << metrics;
+  decode_.reset();  // before the telemetry it reports to
 }
 
 // A prefill node that does not serve shm refuses it, saying how to; the decode node reports it.

@@ -129,6 +129,7 @@ TEST_F(TracingTest, OneTraceFromClientToPrefillNode) {
   const json request = one("decode.request");
   EXPECT_EQ(parent_of(request), client_span);
   const json rpc = one("decode.prefill_rpc");
+  EXPECT_EQ(Attr(rpc, "prefill.route"), "round_robin");  // no --prefill-affinity-tokens
   EXPECT_EQ(parent_of(one("decode.queue")), request["spanId"].get<std::string>());
   EXPECT_EQ(parent_of(rpc), request["spanId"].get<std::string>());
   EXPECT_EQ(parent_of(one("decode.generate")), request["spanId"].get<std::string>());
