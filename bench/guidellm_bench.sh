@@ -3,7 +3,9 @@
 # OpenAI front, as a user would point it at a vLLM server: completions and chat, streamed and
 # not, synthetic prompts, then its multi-turn synthetic scenario (each turn's prompt carries the
 # conversation so far). The table gives, per run, the requests that succeeded and failed and the
-# median TTFT and inter-token latency guidellm measured; the run fails when any request failed.
+# median TTFT and inter-token latency guidellm measured, then the multi-turn run turn by turn
+# (requests that found a cached prefix, mean prompt and cached tokens); the run fails when any
+# request failed.
 # A benchmark, not a CI test (it installs guidellm from PyPI into a venv of its own).
 #
 #   bash bench/guidellm_bench.sh [--build-dir build] [--model ../shared/models/stories260K-hf]
@@ -22,7 +24,7 @@ VENV=""
 DIR=""
 GUIDELLM_VERSION=0.8.1
 
-usage() { sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while (($#)); do
   case "$1" in
     --build-dir) BUILD=$2; shift 2 ;;
@@ -129,5 +131,20 @@ for name in names:
     print(f"{name:<26}{totals['successful']:>5}{totals['errored']:>8}{totals['incomplete']:>12}"
           f"{show(prompt):>12}{show(ttft):>13}{show(itl if ttft is not None else None):>12}")
     bad += totals["errored"] + totals["incomplete"] + (totals["successful"] == 0)
+
+# The multi-turn run turn by turn: guidellm keeps each request's turn and the usage the front
+# returned (usage.prompt_tokens_details.cached_tokens, vLLM's field).
+turns = {}
+for r in json.load(open(f"{folder}/multiturn.json"))["benchmarks"][0]["requests"]["successful"]:
+    t = turns.setdefault(r["info"]["turn_index"], [0, 0, 0, 0])
+    cached = r["input_metrics"].get("cached_tokens") or 0
+    t[0] += 1
+    t[1] += cached > 0
+    t[2] += r["input_metrics"]["text_tokens"]
+    t[3] += cached
+print(f"\n{'multiturn turn':<16}{'requests':>9}{'hit':>6}{'prompt tokens':>15}{'cached tokens':>15}")
+for turn in sorted(turns):
+    n, hit, prompt, cached = turns[turn]
+    print(f"{turn + 1:<16}{n:>9}{hit:>6}{prompt / n:>15.1f}{cached / n:>15.1f}")
 sys.exit(1 if bad else 0)
 EOF

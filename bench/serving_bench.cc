@@ -12,7 +12,10 @@
 // time to first token with the prefill node's own forward time (from the response's
 // figures): with layer-wise streaming the KV is on the wire while later layers compute,
 // so TTFT should stay within a few percent of the forward pass. transfer_ms is the decode node's
-// time from the first KV byte to the trailer.
+// time from the first KV byte to the trailer. With --ttft-questions Q > 1 each prompt is a
+// document asked Q questions in a row (the document, then 16 tokens of its own per question): a
+// prefill node with a prefix cache computes only the later questions' new tokens, and the run
+// reports each later question's TTFT against the document's first.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -42,6 +45,7 @@ struct Sample {
   int tokens = 0;
   int64_t full_bytes = 0, wire_bytes = 0;
   double server_ttft_ms = 0, prefill_ms = 0, transfer_ms = 0;
+  int cached_tokens = 0;
   std::vector<int32_t> ids;
   std::string error;
 };
@@ -72,6 +76,7 @@ Sample Run(v1::Generation::Stub& stub, const v1::GenerateRequest& req) {
       s.server_ttft_ms = r.final().stats().ttft_ms();
       s.prefill_ms = r.final().stats().prefill_ms();
       s.transfer_ms = r.final().stats().transfer_ms();
+      s.cached_tokens = r.final().stats().cached_tokens();
     }
   }
   const grpc::Status st = reader->Finish();
@@ -113,6 +118,8 @@ int main(int argc, char** argv) {
   f.Define("settings", "full,snapkv:64",
            "compression settings compared, policy[:budget][@kv_format] (snapkv:128@int4)");
   f.Define("ttft-prompt", "0", "measure TTFT vs forward time with prompts of this many tokens");
+  f.Define("ttft-questions", "1",
+           "questions in a row on each --ttft-prompt document (> 1: later TTFT / first)");
   f.Define("ttft-max-tokens", "2",
            "tokens each --ttft-prompt request generates (printed, so runs can be compared)");
   f.Define("vocab", "512", "vocabulary for synthetic prompts");
@@ -131,9 +138,10 @@ int main(int argc, char** argv) {
        max_tokens_or = f.GetInt("max-tokens", 1, 1 << 16), vocab_or = f.GetInt("vocab", 4, 1 << 24),
        ttft_or = f.GetInt("ttft-prompt", 0, 1 << 20),
        ttft_tokens_or = f.GetInt("ttft-max-tokens", 1, 1 << 16),
+       questions_or = f.GetInt("ttft-questions", 1, 1024),
        prompt_tokens_or = f.GetInt("prompt-tokens", 2, 1 << 20);
   for (const auto* v : {&concurrency_or, &requests_or, &max_tokens_or, &vocab_or, &ttft_or,
-                        &ttft_tokens_or, &prompt_tokens_or}) {
+                        &ttft_tokens_or, &questions_or, &prompt_tokens_or}) {
     if (!v->ok()) return fail(std::string(v->status().message()));
   }
   const int concurrency = static_cast<int>(*concurrency_or);
@@ -142,6 +150,8 @@ int main(int argc, char** argv) {
   const int max_tokens = static_cast<int>(*max_tokens_or);
   const int vocab = static_cast<int>(*vocab_or);
   const int ttft_prompt = static_cast<int>(*ttft_or);
+  const int questions = static_cast<int>(*questions_or);
+  if (questions > 1 && ttft_prompt == 0) return fail("--ttft-questions needs --ttft-prompt");
   auto stub = v1::Generation::NewStub(
       grpc::CreateChannel(f.GetString("target"), grpc::InsecureChannelCredentials()));
 
@@ -172,26 +182,47 @@ int main(int argc, char** argv) {
   }
 
   if (ttft_prompt > 0) {
-    std::printf("%-18s %8s %12s %12s %12s %12s %8s %s\n", "setting", "prompt", "forward_ms",
-                "transfer_ms", "ttft_ms", "client_ttft", "ratio", "ids");
+    constexpr int kQuestionTokens = 16;
+    std::printf("%-18s %8s %3s %7s %12s %12s %12s %12s %8s %s\n", "setting", "prompt", "q",
+                "cached", "forward_ms", "transfer_ms", "ttft_ms", "client_ttft", "ratio", "ids");
+    const int documents = std::min(requests, 8);
+    int setting_index = 0;
     for (const std::string& setting : f.GetList("settings")) {
-      std::vector<double> ratios;
-      for (int i = 0; i < std::min(requests, 8); ++i) {
-        v1::GenerateRequest req;
-        for (int32_t id : prompts[i % prompts.size()]) req.mutable_prompt_ids()->add_ids(id);
-        req.mutable_sampling()->set_max_tokens(ttft_tokens);
-        ApplySetting(setting, &req);
-        const Sample s = Run(*stub, req);
-        if (!s.ok) {
-          std::fprintf(stderr, "request failed: %s\n", s.error.c_str());
-          return 1;
+      std::vector<double> ratios, later;
+      // Each setting asks documents of its own, so that its first questions find none cached.
+      const int first_document = questions > 1 ? documents * setting_index++ : 0;
+      for (int i = 0; i < documents; ++i) {
+        double first_ttft = 0;
+        for (int q = 0; q < questions; ++q) {
+          std::vector<int32_t> ids = prompts[(first_document + i) % prompts.size()];
+          if (questions > 1) {
+            for (int t = 0; t < kQuestionTokens; ++t) {
+              ids.push_back(3 + (t * 13 + q * 101 + i) % (vocab - 3));
+            }
+          }
+          v1::GenerateRequest req;
+          for (int32_t id : ids) req.mutable_prompt_ids()->add_ids(id);
+          req.mutable_sampling()->set_max_tokens(ttft_tokens);
+          ApplySetting(setting, &req);
+          const Sample s = Run(*stub, req);
+          if (!s.ok) {
+            std::fprintf(stderr, "request failed: %s\n", s.error.c_str());
+            return 1;
+          }
+          ratios.push_back(s.server_ttft_ms / s.prefill_ms);
+          if (q == 0) first_ttft = s.server_ttft_ms;
+          if (q > 0) later.push_back(s.server_ttft_ms / first_ttft);
+          std::printf("%-18s %8zu %3d %7d %12.1f %12.1f %12.1f %12.1f %8.3f %s\n",
+                      setting.c_str(), ids.size(), q, s.cached_tokens, s.prefill_ms,
+                      s.transfer_ms, s.server_ttft_ms, s.ttft_ms, s.server_ttft_ms / s.prefill_ms,
+                      absl::StrJoin(s.ids, "-").c_str());
         }
-        ratios.push_back(s.server_ttft_ms / s.prefill_ms);
-        std::printf("%-18s %8d %12.1f %12.1f %12.1f %12.1f %8.3f %s\n", setting.c_str(),
-                    ttft_prompt, s.prefill_ms, s.transfer_ms, s.server_ttft_ms, s.ttft_ms,
-                    s.server_ttft_ms / s.prefill_ms, absl::StrJoin(s.ids, "-").c_str());
       }
       std::printf("%-18s median TTFT / forward = %.3f\n", setting.c_str(), Pct(ratios, 50));
+      if (!later.empty()) {
+        std::printf("%-18s median TTFT of later questions / first = %.3f\n", setting.c_str(),
+                    Pct(later, 50));
+      }
     }
     return 0;
   }
