@@ -212,9 +212,9 @@ int main(int argc, char** argv) {
           ratios.push_back(s.server_ttft_ms / s.prefill_ms);
           if (q == 0) first_ttft = s.server_ttft_ms;
           if (q > 0) later.push_back(s.server_ttft_ms / first_ttft);
-          std::printf("%-18s %8zu %3d %7d %12.1f %12.1f %12.1f %12.1f %8.3f %s\n",
-                      setting.c_str(), ids.size(), q, s.cached_tokens, s.prefill_ms,
-                      s.transfer_ms, s.server_ttft_ms, s.ttft_ms, s.server_ttft_ms / s.prefill_ms,
+          std::printf("%-18s %8zu %3d %7d %12.1f %12.1f %12.1f %12.1f %8.3f %s\n", setting.c_str(),
+                      ids.size(), q, s.cached_tokens, s.prefill_ms, s.transfer_ms, s.server_ttft_ms,
+                      s.ttft_ms, s.server_ttft_ms / s.prefill_ms,
                       absl::StrJoin(s.ids, "-").c_str());
         }
       }
