@@ -107,15 +107,17 @@ class ServicePairTest : public ::testing::Test {
     void Release() { faults->Release(); }
   };
 
+  // `model`: another model than the fixture's prefill model.
   PrefillNode* AddPrefill(const std::string& name = "prefill", Faults faults = {},
-                          const std::string& listen = "127.0.0.1:0") {
+                          const std::string& listen = "127.0.0.1:0", LlamaModel* model = nullptr) {
+    if (model == nullptr) model = prefill_model_.get();
     auto node = std::make_unique<PrefillNode>();
     PrefillEngineOptions e;
     e.node_name = name;
     e.prefix_cache_bytes = prefix_cache_bytes_;
     e.prefix_block_tokens = 16;
     e.max_queue = prefill_max_queue_;
-    node->engine = std::make_unique<PrefillEngine>(prefill_model_.get(), e);
+    node->engine = std::make_unique<PrefillEngine>(model, e);
     node->faults = std::make_unique<testing::FaultyPrefills>(node->engine.get(), faults);
     PrefillServerOptions o;
     o.listen = listen;
@@ -133,13 +135,7 @@ class ServicePairTest : public ::testing::Test {
 
   void StartDecode(DecodeServerOptions o = {}) {
     o.listen = "127.0.0.1:0";
-    if (o.prefill_target.empty() && !prefills_.empty()) {
-      o.prefill_target = "ipv4:";
-      for (size_t i = 0; i < prefills_.size(); ++i) {
-        o.prefill_target +=
-            (i ? ",127.0.0.1:" : "127.0.0.1:") + std::to_string(prefills_[i]->port());
-      }
-    }
+    if (o.prefill_target.empty() && !prefills_.empty()) o.prefill_target = PrefillTarget();
     o.engine.node_name = "decode-test";
     if (o.kv_transport == KvTransport::kGrpc) o.kv_transport = transport_;
     if (o.kv_transport == KvTransport::kShm &&
@@ -158,6 +154,31 @@ class ServicePairTest : public ::testing::Test {
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(decode_->port()),
                                    grpc::InsecureChannelCredentials());
     stub_ = v1::Generation::NewStub(channel_);
+  }
+
+  // Every prefill node, as the decode node's --prefill names them.
+  std::string PrefillTarget() const {
+    std::string target = "ipv4:";
+    for (size_t i = 0; i < prefills_.size(); ++i) {
+      target += (i ? ",127.0.0.1:" : "127.0.0.1:") + std::to_string(prefills_[i]->port());
+    }
+    return target;
+  }
+  // A prompt (a 40-token document) whose leading 16 tokens a router over the prefill nodes maps
+  // to `node`, found among 100.
+  std::vector<int32_t> DocumentRoutedTo(const PrefillNode* node) const {
+    auto router = PrefillRouter::Create(PrefillTarget(), 16, [](const std::string& a) {
+      return grpc::CreateChannel(a, grpc::InsecureChannelCredentials());
+    });
+    EXPECT_TRUE(router.ok()) << router.status();
+    const std::string address = "ipv4:127.0.0.1:" + std::to_string(node->port());
+    for (int doc = 0; router.ok() && doc < 100; ++doc) {
+      std::vector<int32_t> ids = {1};
+      for (int t = 0; t < 40; ++t) ids.push_back(3 + (doc * 131 + t * 7) % 400);
+      if ((*router)->Route((*router)->Key(ids), 0).node == address) return ids;
+    }
+    ADD_FAILURE() << "no document of 100 maps to " << address;
+    return {};
   }
 
   // The pool is empty again (waits a little: pages return when the engine notices).
@@ -604,23 +625,8 @@ TEST_F(ServicePairTest, AffinityFallsBackToTheLeastLoadedNodeWhenThePreferredIsF
   o.engine.local_prefill_below = 0;
   o.telemetry = telemetry->get();
   StartDecode(o);
-  // A document whose leading tokens map to p0, found with a router over the same nodes.
-  std::string target = "ipv4:";
-  for (size_t i = 0; i < prefills_.size(); ++i) {
-    target += (i ? ",127.0.0.1:" : "127.0.0.1:") + std::to_string(prefills_[i]->port());
-  }
-  auto router = PrefillRouter::Create(target, 16, [](const std::string& a) {
-    return grpc::CreateChannel(a, grpc::InsecureChannelCredentials());
-  });
-  ASSERT_TRUE(router.ok()) << router.status();
-  const std::string p0 = "ipv4:127.0.0.1:" + std::to_string(busy->port());
-  std::vector<int32_t> document;
-  for (int doc = 0; document.empty() && doc < 100; ++doc) {
-    std::vector<int32_t> ids = {1};
-    for (int t = 0; t < 40; ++t) ids.push_back(3 + (doc * 131 + t * 7) % 400);
-    if ((*router)->Route((*router)->Key(ids), 0).node == p0) document = ids;
-  }
-  ASSERT_FALSE(document.empty()) << "no document of 100 maps to p0";
+  const std::vector<int32_t> document = DocumentRoutedTo(busy);
+  ASSERT_FALSE(document.empty());
   auto question = [&](int q) {
     std::vector<int32_t> ids = document;
     for (int t = 0; t < 5; ++t) ids.push_back(3 + (q * 11 + t) % 400);
@@ -656,6 +662,40 @@ TEST_F(ServicePairTest, AffinityFallsBackToTheLeastLoadedNodeWhenThePreferredIsF
       std::string::npos)
       << metrics;
   decode_.reset();  // before the telemetry it reports to
+}
+
+// Two prefill nodes of different models behind one decode node (a deployment mistake): the
+// node of the other model refuses the decode node's prompts before computing anything, saying
+// the fingerprints differ, so its prefix cache never holds them; the node of the decode node's
+// model serves and caches them.
+TEST_F(ServicePairTest, APrefillNodeOfAnotherModelRefusesAndCachesNothing) {
+  prefix_cache_bytes_ = size_t{16} << 20;
+  auto other = LlamaModel::Load("synthetic:stories,seed=7", {});
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_NE((*other)->fingerprint(), prefill_model_->fingerprint());
+  PrefillNode* same = AddPrefill("p-same");
+  PrefillNode* differs = AddPrefill("p-other", {}, "127.0.0.1:0", other->get());
+  DecodeServerOptions o;
+  o.prefill_affinity_tokens = 16;
+  o.engine.local_prefill_below = 0;
+  StartDecode(o);
+  const std::vector<int32_t> ours = DocumentRoutedTo(same), theirs = DocumentRoutedTo(differs);
+  ASSERT_FALSE(ours.empty() || theirs.empty());
+  for (int question = 0; question < 2; ++question) {
+    std::vector<int32_t> ids = ours;
+    for (int t = 0; t < 5; ++t) ids.push_back(3 + (question * 11 + t) % 400);
+    const Result r = Call(*stub_, Request(ids, 2));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.final.stats().prefill_node(), "p-same");
+    EXPECT_EQ(r.final.stats().cached_tokens() > 0, question == 1);
+  }
+  const Result refused = Call(*stub_, Request(theirs, 2));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(refused.status.error_message().find("fingerprints differ"), std::string::npos)
+      << refused.status.error_message();
+  EXPECT_EQ(differs->engine->prefix_cache()->counters().blocks, 0);
+  EXPECT_GT(same->engine->prefix_cache()->counters().blocks, 0);
+  ExpectStillServing();
 }
 
 // A prefill node that does not serve shm refuses it, saying how to; the decode node reports it.
