@@ -130,7 +130,7 @@ for len in "${lengths[@]}"; do
       port=$((port + 1))
       "$BENCH" --target "127.0.0.1:$port" --ttft-prompt "$len" --vocab "$VOCAB" --requests 1 \
         --ttft-max-tokens "$TOKENS" --settings "$SETTINGS" | awk -v t="$t" -v r="$round" \
-        '$2 ~ /^[0-9]+$/ {print t "\t" r "\t" $1 "\t" $2 "\t" $3 "\t" $4 "\t" $5 "\t" $8}' >>"$raw"
+        '$2 ~ /^[0-9]+$/ {print t "\t" r "\t" $1 "\t" $2 "\t" $5 "\t" $6 "\t" $7 "\t" $10}' >>"$raw"
     done
   done
 done
