@@ -11,6 +11,8 @@
 #              transformers' stories260K greedy ids against kvwire's on cuda
 #   gpu_bench  decode at batch 1/8/32 and prefill at 2K/16K against the measured ceilings
 #   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
+#              (decode attention through FlashInfer where it serves the cache)
+#   decode_native  the same on kvwire's own decode kernel (KVWIRE_CUDA_DECODE_ATTENTION=native)
 #   copies     kvwire timing's copy ledger: a compressing prefill, a sparse decode step
 #   cuda_ipc   two processes on the GPU: a prefill node writing into a decode node's pool pages
 #              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared)
@@ -30,7 +32,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
   dry=1
   build="${2:-$root/build}"
 elif [[ $# -gt 0 ]]; then
-  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 fi
 out="${OUT:-$(mktemp -d)}"
@@ -159,6 +161,9 @@ else
 fi
 decode_detail() { tail_detail "$1" "$2" 14; }
 phase decode 150 decode_detail "$(find_bin decode_bench)" "${decode_args[@]}"
+# The same with kvwire's own decode kernel in place of FlashInfer's, for the two side by side.
+phase decode_native 120 decode_detail env KVWIRE_CUDA_DECODE_ATTENTION=native \
+  "$(find_bin decode_bench)" "${decode_args[@]}"
 
 # What crosses between host and device in a compressing prefill and a sparse decode step
 # (kvwire timing's copy ledger): the kept rows and the sampled tokens only.

@@ -74,6 +74,15 @@ pip_install "the transformers oracle" \
   "import jinja2, transformers; assert tuple(map(int, jinja2.__version__.split('.')[:3])) >= (3, 1, 6)" \
   "transformers>=4.43" "jinja2>=3.1.6"
 pip_install "the openai client" "import openai" "openai>=1.40"
+# FlashInfer's headers, for the CUDA backend's decode attention (kernels/cuda/flashinfer_decode.cu
+# instantiates its templates ahead of time; CMake finds them in .venv). Only the wheel's files
+# are needed, not its Python dependencies (PyTorch): installed without them, and never imported.
+FLASHINFER_VERSION=0.7.2.post1
+if command -v nvcc >/dev/null 2>&1 || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  pip_install "FlashInfer $FLASHINFER_VERSION (headers)" \
+    "import importlib.metadata as m; assert m.version('flashinfer-python') == '$FLASHINFER_VERSION'" \
+    --no-deps "flashinfer-python==$FLASHINFER_VERSION"
+fi
 # The project's own client package (clients/python; its stubs are generated from proto/ at
 # build time), so that `import kvwire` works in .venv. Reinstalled when proto/ or the package
 # changed since the last time.

@@ -11,6 +11,7 @@
  * event), so CopyToDevice returns at once and the caller's buffer may go. Errors inside a
  * kernel surface at the next synchronisation of the lane. */
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -23,6 +24,9 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_util.cuh"
+#if KVWIRE_HAVE_FLASHINFER
+#include "kernels/cuda/flashinfer_decode.h"
+#endif
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/nccl_link.h"
 #include "kernels/cuda_backend.h"
@@ -154,9 +158,15 @@ struct Lane {
   }
 };
 
+// Which kernel decode attention runs where both can ($KVWIRE_CUDA_DECODE_ATTENTION): FlashInfer's
+// batch decode, or kvwire's own (decode_attention.cu; also the one for coded caches and
+// probabilities), so that a benchmark can set the two side by side on one device.
+enum class DecodeKernel { kFlashInfer, kNative };
+
 class CudaBackend final : public KernelBackend {
  public:
-  CudaBackend(int threads, size_t memory_limit) : pool_(threads), limit_(memory_limit) {}
+  CudaBackend(int threads, size_t memory_limit, DecodeKernel decode_kernel)
+      : pool_(threads), limit_(memory_limit), decode_kernel_(decode_kernel) {}
   ~CudaBackend() override {
     lanes_.clear();
     for (void* p : imported_) cudaIpcCloseMemHandle(p);
@@ -273,6 +283,12 @@ class CudaBackend final : public KernelBackend {
         cuda::UploadPageTables(layouts, lens, OpMemoryOf(*lane), cuda::kTableDecodePages));
     ASSIGN_OR_RETURN(void* table, TableOn(*lane, &lane->seqs_table, seqs.data(),
                                           sizeof(DecodeSequence) * p.batch));
+#if KVWIRE_HAVE_FLASHINFER
+    if (decode_kernel_ == DecodeKernel::kFlashInfer && cuda::FlashInferDecodeServes(p)) {
+      return cuda::LaunchFlashInferDecode(p, static_cast<const DecodeSequence*>(table),
+                                          OpMemoryOf(*lane), lane->compute);
+    }
+#endif
     return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table), lane->compute);
   }
   // Host work between ops (sparse selection on the host) on the host's cores, idle while
@@ -508,6 +524,7 @@ class CudaBackend final : public KernelBackend {
 
   ThreadPool pool_;
   const size_t limit_;  // 0: none
+  const DecodeKernel decode_kernel_;
   std::mutex memory_mu_;
   std::unordered_map<void*, size_t> allocations_;
   std::set<void*> imported_;  // other processes' memory mapped here (ImportMemory)
@@ -528,7 +545,22 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads, size_t memory_limi
   if (!CudaDevicePresent()) {
     return absl::UnavailableError("this build has CUDA but no GPU is visible (cudaGetDeviceCount)");
   }
-  return KernelBackendPtr(std::make_unique<CudaBackend>(threads, memory_limit));
+  const char* env = std::getenv("KVWIRE_CUDA_DECODE_ATTENTION");
+  const std::string choice = env == nullptr || *env == '\0' ? "" : env;
+  DecodeKernel kernel = KVWIRE_HAVE_FLASHINFER ? DecodeKernel::kFlashInfer : DecodeKernel::kNative;
+  if (choice == "native") {
+    kernel = DecodeKernel::kNative;
+  } else if (choice == "flashinfer") {
+    if (!KVWIRE_HAVE_FLASHINFER) {
+      return absl::FailedPreconditionError(
+          "KVWIRE_CUDA_DECODE_ATTENTION=flashinfer, but this build has no FlashInfer (CMake did "
+          "not find its headers: run scripts/install_deps.sh and configure again)");
+    }
+  } else if (!choice.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("KVWIRE_CUDA_DECODE_ATTENTION is '", choice,
+                                                   "'; expected flashinfer or native"));
+  }
+  return KernelBackendPtr(std::make_unique<CudaBackend>(threads, memory_limit, kernel));
 }
 
 }  // namespace kvwire::kernels

@@ -35,7 +35,18 @@ absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p,
 // is a buffer of at least `bytes` (one per slot, reused in stream order); table(id, host, bytes)
 // copies a host array into device table `id` (queued on the stream, so the host array may go
 // at once). Ops that call another op use different slots and tables from it.
-enum ScratchSlot : int { kScratchSort = 0, kScratchWork = 1, kScratchSlots = 2 };
+enum ScratchSlot : int {
+  kScratchSort = 0,
+  kScratchWork,
+  // FlashInfer's batch decode (flashinfer_decode.h): its workspaces, page tables, gathered
+  // queries and 16-bit outputs.
+  kScratchFlashInferFloat,
+  kScratchFlashInferInt,
+  kScratchFlashInferRows,
+  kScratchFlashInferQ,
+  kScratchFlashInferOut,
+  kScratchSlots
+};
 enum TableId : int {
   kTableTopK = 0,
   kTableTopKOffsets,
@@ -50,6 +61,8 @@ enum TableId : int {
   kTableAppendPages,
   kTableChecksumSpans,
   kTablePackSpans,
+  kTableFlashInferIndptr,
+  kTableFlashInferLastPage,
   kTables
 };
 struct OpMemory {

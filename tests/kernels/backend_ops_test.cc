@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -16,6 +17,9 @@
 #include "kernels/reference.h"
 #include "tests/kernels/ops_test_util.h"
 #include "tests/test_util.h"
+#if KVWIRE_HAVE_FLASHINFER
+#include "kernels/cuda/flashinfer_decode.h"
+#endif
 
 namespace kvwire::kernels {
 namespace {
@@ -53,6 +57,25 @@ PagedRows ToPages(const std::vector<float>& region, int heads, int capacity, int
     }
   }
   return p;
+}
+
+// Calls that went through FlashInfer's batch decode so far (0 in a build without it), and
+// whether the CUDA backend sends the calls it serves there (not where
+// $KVWIRE_CUDA_DECODE_ATTENTION=native keeps them on kvwire's kernel).
+int64_t FlashInferDecodeLaunchesHere() {
+#if KVWIRE_HAVE_FLASHINFER
+  return cuda::FlashInferDecodeLaunches();
+#else
+  return 0;
+#endif
+}
+bool CudaDecodesThroughFlashInfer() {
+#if KVWIRE_HAVE_FLASHINFER
+  const char* env = std::getenv("KVWIRE_CUDA_DECODE_ATTENTION");
+  return env == nullptr || std::string(env) != "native";
+#else
+  return false;
+#endif
 }
 
 // ---------------------------------------------------------------- MatMul
@@ -538,6 +561,118 @@ TEST_P(BackendOpsTest, DecodeAttention) {
             const auto want = run(*reference_, &p_want);
             EXPECT_TRUE(AllClose(got, want, {2e-5f, 2e-4f}));
             EXPECT_TRUE(AllClose(p_got, p_want, {1e-6f, 2e-4f}));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Decode attention as a decode step runs it (no probabilities asked for), over caches laid out
+// as the device pool lays them out: pages of page_tokens tokens holding every head, every
+// sequence's K pages in one half of one buffer and its V pages at the same places in the other.
+// On cuda, bf16 caches of head_dim 64 and 128 with a query-head group FlashInfer dispatches go
+// through FlashInfer's batch decode (kernels/cuda/flashinfer_decode.h), whose 16-bit outputs
+// are held to f16's rounding; the rest through kvwire's kernel, to the usual bound.
+TEST_P(BackendOpsTest, DecodeAttentionWithoutProbabilities) {
+  uint32_t seed = 900;
+  for (DType t : {DType::kBF16, DType::kF32}) {
+    for (int len : {1, 37, 733, 3000}) {
+      for (auto [heads, cache_heads] :
+           std::vector<std::pair<int, int>>{{8, 2}, {4, 4}, {8, 1}, {6, 2}, {5, 1}}) {
+        for (int d : {64, 128}) {
+          for (bool sparse : {false, true}) {
+            SCOPED_TRACE(absl::StrCat("dtype=", DTypeName(t), " len=", len, " heads=", heads, "/",
+                                      cache_heads, " d=", d, " sparse=", sparse));
+            const int batch = 3, page_tokens = 16;
+            const int blocks = (len + page_tokens - 1) / page_tokens;
+            const int64_t page = int64_t{cache_heads} * page_tokens * d;  // elements
+            const int n_pages = batch * blocks + 5;
+            std::vector<int32_t> ids(n_pages);
+            for (int i = 0; i < n_pages; ++i) ids[i] = i;
+            std::mt19937 rng(seed++);
+            std::shuffle(ids.begin(), ids.end(), rng);
+            // Both halves start as noise that no row overwrites.
+            std::vector<float> pool = Random(2 * n_pages * page, seed++, -3.f, 3.f);
+            std::vector<std::vector<int32_t>> tables(batch), idx(batch);
+            std::vector<std::vector<float>> qs;
+            const int n_idx = sparse ? (len + 1) / 2 : 0;
+            for (int b = 0; b < batch; ++b) {
+              tables[b].assign(ids.begin() + b * blocks, ids.begin() + (b + 1) * blocks);
+              KvLayout layout;
+              layout.pages = tables[b].data();
+              layout.page_tokens = page_tokens;
+              layout.heads_per_page = cache_heads;
+              layout.n_heads = cache_heads;
+              layout.page_stride = page;
+              const std::vector<float> k =
+                  Random(int64_t{cache_heads} * len * d, seed++, -2.f, 2.f);
+              const std::vector<float> v = Random(int64_t{cache_heads} * len * d, seed++);
+              for (int c = 0; c < cache_heads; ++c) {
+                for (int i = 0; i < len; ++i) {
+                  const int64_t row = layout.Row(c, i, d), from = (int64_t{c} * len + i) * d;
+                  std::copy_n(k.begin() + from, d, pool.begin() + row);
+                  std::copy_n(v.begin() + from, d, pool.begin() + n_pages * page + row);
+                }
+                std::vector<int32_t> perm(len);
+                for (int i = 0; i < len; ++i) perm[i] = i;
+                std::shuffle(perm.begin(), perm.end(), rng);
+                idx[b].insert(idx[b].end(), perm.begin(), perm.begin() + n_idx);
+              }
+              qs.push_back(Random(heads * d, seed++, -2.f, 2.f));
+            }
+            auto run = [&](KernelBackend& be) {
+              Arena a(be);
+              const std::vector<uint8_t> bytes = Encode(pool, t);
+              const uint8_t* base = a.Upload(bytes);
+              const size_t half = bytes.size() / 2;
+              // The queries of the batch in one array, as a decode step makes them.
+              std::vector<float> all_q;
+              for (const auto& q : qs) all_q.insert(all_q.end(), q.begin(), q.end());
+              const float* q = a.Upload(all_q);
+              float* out = a.Zeros(static_cast<size_t>(batch) * heads * d);
+              std::vector<DecodeSequence> seqs(batch);
+              for (int b = 0; b < batch; ++b) {
+                DecodeSequence& s = seqs[b];
+                s.q = q + int64_t{b} * heads * d;
+                s.out = out + int64_t{b} * heads * d;
+                s.k = base;
+                s.v = base + half;
+                s.layout.pages = tables[b].data();
+                s.layout.page_tokens = page_tokens;
+                s.layout.heads_per_page = cache_heads;
+                s.layout.n_heads = cache_heads;
+                s.layout.page_stride = page;
+                s.len = len;
+                if (sparse) {
+                  s.indices = a.Upload(idx[b]);
+                  s.num_indices = n_idx;
+                }
+              }
+              DecodeAttentionParams p;
+              p.seqs = seqs.data();
+              p.batch = batch;
+              p.n_heads = heads;
+              p.n_cache_heads = cache_heads;
+              p.head_dim = d;
+              p.kv_dtype = t;
+              p.scale = 1.f / std::sqrt(static_cast<float>(d));
+              const absl::Status st = be.DecodeAttention(p);
+              EXPECT_TRUE(st.ok()) << st;
+              return a.Download(out, static_cast<size_t>(batch) * heads * d);
+            };
+            const int64_t before = FlashInferDecodeLaunchesHere();
+            const auto got = run(*backend_);
+            const bool library = FlashInferDecodeLaunchesHere() > before;
+            const auto want = run(*reference_);
+            const int group = heads / cache_heads;
+            const bool expect_library = GetParam() == BackendKind::kCuda &&
+                                        CudaDecodesThroughFlashInfer() && t == DType::kBF16 &&
+                                        group != 5;
+            EXPECT_EQ(library, expect_library);
+            // f16 outputs: half a unit in the 11th bit of values within [-1, 1].
+            EXPECT_TRUE(
+                AllClose(got, want, library ? Tolerance{1e-3f, 1e-3f} : Tolerance{2e-5f, 2e-4f}));
           }
         }
       }
