@@ -13,6 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/base/status.h"
 #include "common/engine/local_kv_source.h"
+#include "common/server/fault_watch.h"
 #include "common/server/grpc_stream.h"
 #include "common/server/grpc_util.h"
 #include "common/server/trace_metadata.h"
@@ -162,6 +163,8 @@ struct DecodeServer::Impl final
   std::unique_ptr<grpc::Server> server;
   int port = 0;
   std::atomic<uint64_t> next_id{1};
+  // After the server: destroyed first, so that it never touches a server that is gone.
+  std::unique_ptr<FaultWatch> fault_watch;
 
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Generate(grpc::CallbackServerContext* ctx,
                                                        const grpc::ByteBuffer* raw) override {
@@ -176,6 +179,7 @@ struct DecodeServer::Impl final
   // The request handed to the engine, or why not.
   absl::Status Serve(const grpc::CallbackServerContext& ctx, const grpc::ByteBuffer& raw,
                      const std::shared_ptr<Stream>& stream) {
+    RETURN_IF_ERROR(fault_watch->Check());  // a faulted device: UNAVAILABLE, try another node
     v1::GenerateRequest request;
     RETURN_IF_ERROR(ParseRequest(raw, &request));
     ASSIGN_OR_RETURN(GenerationJob job,
@@ -298,6 +302,9 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
     impl->live_engine = impl->engine.get();
   }
 
+  std::shared_ptr<kernels::KernelBackend> backend = model->backend();
+  impl->fault_watch = std::make_unique<FaultWatch>([backend] { return backend->fault(); },
+                                                   impl->options.engine.node_name);
   ASSIGN_OR_RETURN(auto creds, MakeServerCredentials(o.tls));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -309,6 +316,7 @@ absl::StatusOr<std::unique_ptr<DecodeServer>> DecodeServer::Start(LlamaModel* mo
   if (impl->server == nullptr || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", o.listen));
   }
+  impl->fault_watch->Attach(impl->server.get());
   return std::unique_ptr<DecodeServer>(new DecodeServer(std::move(impl)));
 }
 

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
@@ -255,6 +256,21 @@ class KernelBackend {
   // a stream does; each host thread has its own queue on a GPU).
   virtual absl::Status Synchronize() = 0;
 
+  // A fault that leaves the device unusable until the process restarts, or OK: CUDA's sticky
+  // errors (an illegal address, a failed launch, an uncorrectable ECC error), after which every
+  // call on the context fails. A node takes itself out of service on one (health NOT_SERVING,
+  // common/server/fault_watch.h) rather than failing every later request on the device.
+  virtual absl::Status fault() const {
+    std::lock_guard<std::mutex> lock(fault_mu_);
+    return fault_;
+  }
+  // Records such a fault; the first one stays. The CUDA backend records its sticky errors; a
+  // test injects one into the guarded backend, whose work then fails as a faulted device's.
+  void MarkFaulted(const absl::Status& fault) {
+    std::lock_guard<std::mutex> lock(fault_mu_);
+    if (fault_.ok() && !fault.ok()) fault_ = fault;
+  }
+
   virtual absl::Status MatMul(const MatMulParams& p) = 0;
   virtual absl::Status RmsNorm(const RmsNormParams& p) = 0;
   virtual absl::Status Rope(const RopeParams& p) = 0;
@@ -317,6 +333,8 @@ class KernelBackend {
   }
 
  private:
+  mutable std::mutex fault_mu_;
+  absl::Status fault_;
   std::atomic<int64_t> to_device_bytes_{0}, to_device_calls_{0};
   std::atomic<int64_t> to_host_bytes_{0}, to_host_calls_{0};
 };

@@ -147,6 +147,13 @@ class GuardedBackend final : public KernelBackend {
     regions_.erase(it);
   }
   absl::Status Synchronize() override {
+    // A device that faulted (MarkFaulted: a test's stand-in for CUDA's sticky errors) runs
+    // nothing more: its queued work is dropped and every synchronisation fails with the fault.
+    if (absl::Status f = fault(); !f.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.clear();
+      return f;
+    }
     std::lock_guard<std::mutex> lock(mu_);
     absl::Status st = FlushLocked();
     if (st.ok() && !deferred_.ok()) st = std::exchange(deferred_, absl::OkStatus());

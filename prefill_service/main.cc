@@ -112,6 +112,8 @@ int main(int argc, char** argv) {
                             : 4096 + 5 * static_cast<size_t>((*model)->config().context_limit());
   if (serve_cuda_ipc) o.device = (*model)->backend();
   if (serve_nccl) o.links = (*model)->backend();
+  o.backend = (*model)->backend();
+  o.node_name = engine_options.node_name;
   if (const ModelConfig& mc = (*model)->config(); engine_options.prefix_cache_bytes > 0) {
     const size_t block = PrefixCache::BlockBytes(mc.num_layers, mc.num_kv_heads * mc.head_dim,
                                                  engine_options.prefix_block_tokens);

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
+#include "common/server/fault_watch.h"
 #include "common/server/grpc_stream.h"
 #include "common/server/trace_metadata.h"
 #include "common/telemetry/telemetry.h"
@@ -390,6 +391,8 @@ struct PrefillServer::Impl final
   std::shared_ptr<SenderLinks> links;    // serving nccl
   std::unique_ptr<grpc::Server> server;
   int port = 0;
+  // After the server: destroyed first, so that it never touches a server that is gone.
+  std::unique_ptr<FaultWatch> fault_watch;
 
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Prefill(grpc::CallbackServerContext* ctx,
                                                       const grpc::ByteBuffer* raw) override {
@@ -408,6 +411,7 @@ struct PrefillServer::Impl final
     if (!options.auth_token.empty() && !Authorized(ctx, options.auth_token)) {
       return absl::UnauthenticatedError("missing or wrong bearer token");
     }
+    RETURN_IF_ERROR(fault_watch->Check());  // a faulted device: UNAVAILABLE, try another node
     v1::PrefillRequest request;
     RETURN_IF_ERROR(ParseRequest(raw, &request));
     ASSIGN_OR_RETURN(PrefillJob job, TranslatePrefillRequest(request));
@@ -452,6 +456,13 @@ absl::StatusOr<std::unique_ptr<PrefillServer>> PrefillServer::Start(PrefillExecu
   auto impl = std::make_unique<Impl>();
   impl->prefills = prefills;
   impl->options = std::move(options);
+  {
+    std::shared_ptr<kernels::KernelBackend> backend = impl->options.backend;
+    impl->fault_watch = std::make_unique<FaultWatch>(
+        backend ? std::function<absl::Status()>([backend] { return backend->fault(); })
+                : std::function<absl::Status()>(),
+        impl->options.node_name);
+  }
   const PrefillServerOptions& o = impl->options;
   if (o.max_request_bytes < 1024 || o.max_request_bytes > (1 << 30)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -503,6 +514,7 @@ absl::StatusOr<std::unique_ptr<PrefillServer>> PrefillServer::Start(PrefillExecu
                              kKeepaliveMs / 2);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   impl->server = builder.BuildAndStart();
+  if (impl->server != nullptr) impl->fault_watch->Attach(impl->server.get());
   if (impl->server == nullptr || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", o.listen));
   }

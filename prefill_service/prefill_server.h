@@ -42,6 +42,10 @@ struct PrefillServerOptions {
   // nccl: the device backend whose links (KernelBackend::OpenLink) send to decode nodes
   // (null: not served).
   std::shared_ptr<kernels::KernelBackend> links;
+  // The model's backend, whose fault (KernelBackend::fault) takes the node out of service
+  // (common/server/fault_watch.h); null: not watched.
+  std::shared_ptr<kernels::KernelBackend> backend;
+  std::string node_name = "prefill";  // in a refusal after a fault
 };
 
 class PrefillServer {

@@ -34,6 +34,21 @@
 #include "kernels/validate.h"
 
 namespace kvwire::kernels {
+namespace cuda {
+namespace {
+std::mutex sticky_mu;
+absl::Status sticky_error;  // the process's first sticky CUDA error
+}  // namespace
+void RecordStickyError(const absl::Status& status) {
+  std::lock_guard<std::mutex> lock(sticky_mu);
+  if (sticky_error.ok()) sticky_error = status;
+}
+absl::Status StickyError() {
+  std::lock_guard<std::mutex> lock(sticky_mu);
+  return sticky_error;
+}
+}  // namespace cuda
+
 namespace {
 
 using cuda::CudaStatus;
@@ -208,6 +223,11 @@ class CudaBackend final : public KernelBackend {
       allocations_.erase(it);
     }
     cudaFree(ptr);
+  }
+  // A sticky error fails every call on the process's context, whichever backend object made it.
+  absl::Status fault() const override {
+    if (absl::Status st = cuda::StickyError(); !st.ok()) return st;
+    return KernelBackend::fault();
   }
   absl::Status Synchronize() override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());

@@ -20,10 +20,36 @@ namespace kvwire::kernels::cuda {
 // check (LaunchStatus) would find it and blame that kernel: a non-sticky error (an allocation
 // that failed) is cleared here, once reported. A sticky one (a fault inside a kernel) stays
 // and fails every later call, as it must.
+// Whether `err` leaves the context unusable (every later call fails with it until the process
+// restarts), as CUDA's documentation lists them.
+inline bool StickyCudaError(cudaError_t err) {
+  switch (err) {
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+      return true;
+    default:
+      return false;
+  }
+}
+// The process's first sticky error, recorded by CudaStatus (cuda_backend.cu); the CUDA backend's
+// fault() reports it.
+void RecordStickyError(const absl::Status& status);
+
 inline absl::Status CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
   cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+  absl::Status st = absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+  if (StickyCudaError(err)) RecordStickyError(st);
+  return st;
 }
 
 // Checks the launch itself; errors inside the kernel surface at the next synchronisation.

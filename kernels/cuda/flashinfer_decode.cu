@@ -18,17 +18,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
+#include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/flashinfer_decode.h"
 
 namespace kvwire::kernels::cuda {
 namespace {
 
 std::atomic<int64_t> launches{0};
-
-absl::Status Cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
-}
 
 // The parameters FlashInfer's batch decode reads: those of its generated
 // batch_decode_customize_config for the default attention variant (no RoPE in the kernel: our
@@ -137,7 +133,7 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
         float_bytes, int_bytes, indptr.data(), requests, group, /*page_size=*/1,
         /*enable_cuda_graph=*/false, stream, estimate);
   });
-  RETURN_IF_ERROR(Cuda(planned, "FlashInfer DecodePlanWorkspaceSize"));
+  RETURN_IF_ERROR(CudaStatus(planned, "FlashInfer DecodePlanWorkspaceSize"));
   ASSIGN_OR_RETURN(void* float_ws,
                    mem.scratch(kScratchFlashInferFloat, std::max<size_t>(float_bytes, 16)));
   ASSIGN_OR_RETURN(void* int_ws,
@@ -152,7 +148,7 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
         float_ws, float_bytes, int_ws, int_host.data(), int_bytes, plan, indptr.data(), requests,
         group, /*page_size=*/1, /*enable_cuda_graph=*/false, stream, estimate);
   });
-  RETURN_IF_ERROR(Cuda(planned, "FlashInfer DecodePlan"));
+  RETURN_IF_ERROR(CudaStatus(planned, "FlashInfer DecodePlan"));
 
   // The page tables: each request's rows, made on the device from the sequences' layouts.
   ASSIGN_OR_RETURN(void* indptr_d, mem.table(kTableFlashInferIndptr, indptr.data(),
@@ -165,7 +161,7 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
   RowIndices<<<requests, 128, 0, stream>>>(seqs_device, p.n_cache_heads, p.head_dim, elem_bytes, k0,
                                            static_cast<const int32_t*>(indptr_d),
                                            static_cast<int32_t*>(rows_d));
-  RETURN_IF_ERROR(Cuda(cudaGetLastError(), "FlashInfer RowIndices"));
+  RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "FlashInfer RowIndices"));
 
   // Queries: the batch's rows where they lie when they are one array, else gathered.
   const int64_t per_seq = int64_t{p.n_heads} * p.head_dim;
@@ -177,9 +173,10 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
                      mem.scratch(kScratchFlashInferQ, sizeof(float) * per_seq * p.batch));
     q = static_cast<float*>(gathered);
     for (int s = 0; s < p.batch; ++s) {
-      RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(q + s * per_seq, p.seqs[s].q, sizeof(float) * per_seq,
-                                           cudaMemcpyDeviceToDevice, stream),
-                           "cudaMemcpyAsync (FlashInfer queries)"));
+      RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(q + s * per_seq, p.seqs[s].q, sizeof(float) * per_seq,
+                                     cudaMemcpyDeviceToDevice, stream),
+                     "cudaMemcpyAsync (FlashInfer queries)"));
     }
   }
   ASSIGN_OR_RETURN(void* o, mem.scratch(kScratchFlashInferOut, sizeof(half) * per_seq * p.batch));
@@ -223,15 +220,15 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
     tmp_v = flashinfer::GetPtrFromBaseOffset<half>(float_ws, plan.v_offset);
     tmp_s = flashinfer::GetPtrFromBaseOffset<float>(float_ws, plan.s_offset);
   }
-  RETURN_IF_ERROR(Cuda(flashinfer::BatchDecodeWithPagedKVCacheDispatched<D, kNoRope, Variant>(
-                           params, tmp_v, tmp_s, /*enable_pdl=*/false, stream),
-                       "FlashInfer BatchDecodeWithPagedKVCache"));
+  RETURN_IF_ERROR(CudaStatus(flashinfer::BatchDecodeWithPagedKVCacheDispatched<D, kNoRope, Variant>(
+                                 params, tmp_v, tmp_s, /*enable_pdl=*/false, stream),
+                             "FlashInfer BatchDecodeWithPagedKVCache"));
 
   const int64_t n = per_seq * p.batch;
   const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
   WidenOut<<<blocks, 256, 0, stream>>>(seqs_device, static_cast<int>(per_seq),
                                        static_cast<const half*>(o), n);
-  RETURN_IF_ERROR(Cuda(cudaGetLastError(), "FlashInfer WidenOut"));
+  RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "FlashInfer WidenOut"));
   launches.fetch_add(1, std::memory_order_relaxed);
   return absl::OkStatus();
 }

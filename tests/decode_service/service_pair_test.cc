@@ -126,6 +126,8 @@ class ServicePairTest : public ::testing::Test {
       o.device = prefill_model_->backend();
     }
     if (transport_ == KvTransport::kNccl || serve_nccl_) o.links = prefill_model_->backend();
+    o.backend = model->backend();
+    o.node_name = name;
     auto s = PrefillServer::Start(node->faults.get(), std::move(o));
     EXPECT_TRUE(s.ok()) << s.status();
     node->server = std::move(*s);
@@ -379,6 +381,7 @@ class ServicePairTest : public ::testing::Test {
   size_t prefix_cache_bytes_ = 0;  // the prefill nodes' prefix caches (blocks of 16 tokens)
   int prefill_max_queue_ = 16;     // prefills that may wait on a prefill node
   std::unique_ptr<LlamaModel> prefill_model_, decode_model_;
+  std::vector<std::unique_ptr<LlamaModel>> other_models_;  // of prefill nodes given their own
   std::vector<std::unique_ptr<PrefillNode>> prefills_;
   std::unique_ptr<DecodeServer> decode_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -673,8 +676,9 @@ TEST_F(ServicePairTest, APrefillNodeOfAnotherModelRefusesAndCachesNothing) {
   auto other = LlamaModel::Load("synthetic:stories,seed=7", {});
   ASSERT_TRUE(other.ok()) << other.status();
   ASSERT_NE((*other)->fingerprint(), prefill_model_->fingerprint());
+  other_models_.push_back(*std::move(other));
   PrefillNode* same = AddPrefill("p-same");
-  PrefillNode* differs = AddPrefill("p-other", {}, "127.0.0.1:0", other->get());
+  PrefillNode* differs = AddPrefill("p-other", {}, "127.0.0.1:0", other_models_.back().get());
   DecodeServerOptions o;
   o.prefill_affinity_tokens = 16;
   o.engine.local_prefill_below = 0;
@@ -1231,38 +1235,88 @@ TEST_P(ServicePairTransport, CorruptedChunkIsRejectedByChecksum) {
   ExpectPoolEmpty();
 }
 
+// grpc.health.v1.Health/Check's answer for the whole server ("" service): the serialized
+// HealthCheckResponse, field 1 varint 1 (SERVING) or 2 (NOT_SERVING); an RPC error's message
+// otherwise.
+const std::string kServing("\x08\x01", 2), kNotServing("\x08\x02", 2);
+std::string HealthOf(int port) {
+  auto ch =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Slice empty("", 0);
+  grpc::ByteBuffer request(&empty, 1), response;  // HealthCheckRequest{service: ""}: empty
+  grpc::GenericStub generic(ch);
+  grpc::Status st;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      st = s;
+                      done = true;
+                      cv.notify_all();
+                    });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done; });
+  if (!st.ok()) return "error: " + st.error_message();
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return "error: unreadable response";
+  std::string out;
+  for (const grpc::Slice& sl : slices) {
+    out.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  }
+  return out;
+}
+
 TEST_F(ServicePairTest, HealthCheckingIsServing) {
   AddPrefill();
   StartDecode();
-  for (int port : {decode_->port(), prefills_[0]->port()}) {
-    auto ch = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                  grpc::InsecureChannelCredentials());
-    grpc::ClientContext ctx;
-    grpc::Slice empty("", 0);
-    grpc::ByteBuffer request(&empty, 1), response;
-    // grpc.health.v1.HealthCheckRequest{service: ""} is the empty message.
-    grpc::GenericStub generic(ch);
-    grpc::Status st;
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                      &response, [&](grpc::Status s) {
-                        std::lock_guard<std::mutex> lock(mu);
-                        st = s;
-                        done = true;
-                        cv.notify_all();
-                      });
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return done; });
-    ASSERT_TRUE(st.ok()) << st.error_message();
-    std::vector<grpc::Slice> slices;
-    ASSERT_TRUE(response.Dump(&slices).ok());
-    // HealthCheckResponse{status: SERVING (1)} encodes as field 1, varint 1.
-    ASSERT_EQ(slices.size(), 1u);
-    EXPECT_EQ(std::string(reinterpret_cast<const char*>(slices[0].begin()), slices[0].size()),
-              std::string("\x08\x01", 2));
+  for (int port : {decode_->port(), prefills_[0]->port()}) EXPECT_EQ(HealthOf(port), kServing);
+}
+
+// A device fault that leaves the device unusable (CUDA's sticky errors; injected here into the
+// guarded backend, which then runs nothing more) takes the node out of service: its health goes
+// NOT_SERVING with no request in flight, and the calls it gets are refused at once saying why.
+// The decode node's retry takes the other prefill node meanwhile.
+TEST_F(ServicePairTest, ADeviceFaultTakesTheNodeOutOfService) {
+  LoadOptions guarded;
+  guarded.backend = kernels::BackendKind::kGuarded;
+  LoadNodeModels(guarded);
+  auto own = LlamaModel::Load(ModelSpec(), guarded);
+  ASSERT_TRUE(own.ok()) << own.status();
+  other_models_.push_back(*std::move(own));
+  LlamaModel* faulty = other_models_.back().get();
+  PrefillNode* bad = AddPrefill("p-faulty", {}, "127.0.0.1:0", faulty);
+  AddPrefill("p-ok");
+  DecodeServerOptions o;
+  o.engine.local_prefill_below = 0;
+  StartDecode(o);
+  EXPECT_EQ(HealthOf(bad->port()), kServing);
+  const absl::Status fault =
+      absl::InternalError("cudaStreamSynchronize: an illegal memory access was encountered");
+  faulty->backend()->MarkFaulted(fault);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (HealthOf(bad->port()) != kNotServing && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  EXPECT_EQ(HealthOf(bad->port()), kNotServing);
+  EXPECT_EQ(HealthOf(prefills_[1]->port()), kServing);
+  for (int i = 0; i < 4; ++i) {
+    const Result r = Call(*stub_, Request(LongPrompt(40 + i), 2));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.final.stats().prefill_node(), "p-ok");
+  }
+  // The decode node's own device: refused at once, and out of service.
+  decode_model_->backend()->MarkFaulted(fault);
+  const Result refused = Call(*stub_, Request(LongPrompt(40), 2));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(refused.status.error_message().find("out of service"), std::string::npos)
+      << refused.status.error_message();
+  EXPECT_NE(refused.status.error_message().find("illegal memory access"), std::string::npos)
+      << refused.status.error_message();
+  EXPECT_EQ(HealthOf(decode_->port()), kNotServing);
 }
 
 TEST_F(ServicePairTest, OversizedRequestMessageIsRefused) {

@@ -835,6 +835,30 @@ TEST(GuardedBackend, CopiesAndOpsRunAtTheNextSynchronisation) {
   EXPECT_EQ(back, (std::vector<float>{1, 2, 3, 4}));
 }
 
+// A device fault that leaves it unusable (MarkFaulted; CUDA's sticky errors on a GPU): the
+// first fault stays, queued work is dropped, and every synchronisation and copy back fails with
+// it from then on.
+TEST(GuardedBackend, AFaultedDeviceRunsNothingMore) {
+  auto b = MakeBackend(BackendKind::kGuarded, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE((*b)->fault().ok());
+  Arena a(**b);
+  float* x = a.Zeros(4);
+  float* y = a.Zeros(4);
+  std::vector<float> ones(4, 1.f);
+  ASSERT_TRUE((*b)->CopyToDevice(x, ones.data(), 4 * sizeof(float)).ok());
+  ASSERT_TRUE((*b)->Add({x, y, 4}).ok());  // queued
+  (*b)->MarkFaulted(absl::InternalError("an illegal memory access was encountered"));
+  (*b)->MarkFaulted(absl::InternalError("a later error"));  // the first one stays
+  EXPECT_NE(std::string((*b)->fault().message()).find("illegal memory access"), std::string::npos);
+  const absl::Status st = (*b)->Synchronize();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(std::string(st.message()).find("illegal memory access"), std::string::npos) << st;
+  std::vector<float> back(4, -1.f);
+  EXPECT_FALSE((*b)->CopyToHost(back.data(), y, 4 * sizeof(float)).ok());
+  EXPECT_EQ(back, std::vector<float>(4, -1.f));  // nothing ran, nothing came back
+}
+
 // A capacity makes the device's out-of-memory paths testable: allocations past it are
 // RESOURCE_EXHAUSTED, and memory freed is available again. Host backends refuse a limit.
 TEST(GuardedBackend, CapacityLimitsAllocations) {
