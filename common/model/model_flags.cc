@@ -9,7 +9,7 @@ void DefineModelFlags(Flags& flags) {
   flags.Define("model", "",
                "Hugging Face model folder (config.json, *.safetensors, tokenizer.json) or "
                "synthetic:NAME (synthetic:tiny, synthetic:stories, synthetic:llama-1b, "
-               "synthetic:attn-8kv)");
+               "synthetic:llama-8b, synthetic:attn-8kv)");
   flags.Define("dtype", "", "convert weights to f32, bf16 or f16 at load (default: as stored)");
   flags.Define("threads", "0", "CPU threads (0: all cores)");
   flags.Define("weights", "copy",

@@ -240,6 +240,26 @@ TEST(Engine, SyntheticModelsAreDeterministic) {
   EXPECT_NE((*a)->description().find("synthetic"), std::string::npos);
 }
 
+// Loading fills a tensor's rows on several host threads; the weights do not depend on how
+// many (each element is a function of its index), and llama-8b is a preset.
+TEST(Engine, SyntheticWeightsDoNotDependOnTheThreads) {
+  const std::string spec =
+      "synthetic:tiny,layers=1,hidden=1024,heads=8,kv_heads=4,head_dim=128,ffn=4096";
+  std::vector<std::vector<float>> logits;
+  for (int threads : {1, 3}) {
+    LoadOptions o;
+    o.backend = kernels::BackendKind::kReference;
+    o.threads = threads;
+    auto m = LlamaModel::Load(spec, o);
+    ASSERT_TRUE(m.ok()) << m.status();
+    auto out = (*m)->Prefill(std::vector<int32_t>{1, 72, 101}, nullptr);
+    ASSERT_TRUE(out.ok()) << out.status();
+    logits.push_back(out->logits);
+  }
+  EXPECT_EQ(logits[0], logits[1]);
+  EXPECT_NE(LlamaModel::SyntheticSpecHelp().find("llama-8b"), std::string::npos);
+}
+
 TEST(Engine, SyntheticSpecErrors) {
   for (const char* spec : {"synthetic:nope", "synthetic:tiny,layers=0", "synthetic:tiny,colour=red",
                            "synthetic:tiny,heads=3,kv_heads=2", "synthetic:tiny,dtype=f8"}) {
