@@ -98,6 +98,11 @@ struct PrefillAttentionParams {
   // before are keys whose queries were computed in an earlier pass: a cached prompt prefix).
   // The window's rows must be among them: window <= len - q_begin.
   int q_begin = 0;
+  // The precision the products may run in: f32, or bf16 for a model whose weights are bf16 (the
+  // CUDA backend then runs FlashInfer's prefill on tensor cores over q, k and v rounded to
+  // bf16, as vLLM and SGLang run such a model; the window's scores stay in f32). The host
+  // backends compute in f32 whatever it says.
+  DType precision = DType::kF32;
 };
 
 // One sequence in a batched decode step. Its cache for this layer holds `len` tokens per

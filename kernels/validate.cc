@@ -125,6 +125,9 @@ absl::Status ValidatePrefillAttention(const PrefillAttentionParams& p) {
     return absl::StrCat("window must be in [0, len - q_begin = ", p.len - p.q_begin, "], got ",
                         p.window);
   }));
+  RETURN_IF_ERROR(Require(p.precision == DType::kF32 || p.precision == DType::kBF16, kOp, [&] {
+    return absl::StrCat("precision must be f32 or bf16, got ", DTypeName(p.precision));
+  }));
   return Require(p.window == 0 || p.window_scores, kOp, "window > 0 needs window_scores");
 }
 

@@ -12,7 +12,7 @@
 #   gpu_bench  decode at batch 1/8/32 and prefill at 2K/16K against the measured ceilings
 #   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
 #              (decode attention through FlashInfer where it serves the cache)
-#   decode_native  the same on kvwire's own decode kernel (KVWIRE_CUDA_DECODE_ATTENTION=native)
+#   decode_native  the same on kvwire's own kernels (KVWIRE_CUDA_ATTENTION=native)
 #   copies     kvwire timing's copy ledger: a compressing prefill, a sparse decode step
 #   cuda_ipc   two processes on the GPU: a prefill node writing into a decode node's pool pages
 #              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared)
@@ -161,8 +161,8 @@ else
 fi
 decode_detail() { tail_detail "$1" "$2" 14; }
 phase decode 150 decode_detail "$(find_bin decode_bench)" "${decode_args[@]}"
-# The same with kvwire's own decode kernel in place of FlashInfer's, for the two side by side.
-phase decode_native 120 decode_detail env KVWIRE_CUDA_DECODE_ATTENTION=native \
+# The same with kvwire's own attention kernels in place of FlashInfer's, side by side.
+phase decode_native 120 decode_detail env KVWIRE_CUDA_ATTENTION=native \
   "$(find_bin decode_bench)" "${decode_args[@]}"
 
 # What crosses between host and device in a compressing prefill and a sparse decode step

@@ -396,6 +396,8 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
     ap.n_kv_heads = c.num_kv_heads;
     ap.head_dim = d;
     ap.scale = 1.f / std::sqrt(static_cast<float>(d));
+    // A bf16 model's attention may run in bf16 (FlashInfer on a GPU); an f32 model's stays exact.
+    ap.precision = weight_dtype_ == DType::kBF16 ? DType::kBF16 : DType::kF32;
     ap.window = window > 0 && observer->NeedsScores(li, len) ? window : 0;
     ap.window_scores = ap.window > 0 ? scores : nullptr;
     RETURN_IF_ERROR(backend_->PrefillAttention(ap));

@@ -26,6 +26,7 @@
 #include "kernels/cuda/cuda_util.cuh"
 #if KVWIRE_HAVE_FLASHINFER
 #include "kernels/cuda/flashinfer_decode.h"
+#include "kernels/cuda/flashinfer_prefill.h"
 #endif
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/nccl_link.h"
@@ -173,15 +174,16 @@ struct Lane {
   }
 };
 
-// Which kernel decode attention runs where both can ($KVWIRE_CUDA_DECODE_ATTENTION): FlashInfer's
-// batch decode, or kvwire's own (decode_attention.cu; also the one for coded caches and
-// probabilities), so that a benchmark can set the two side by side on one device.
-enum class DecodeKernel { kFlashInfer, kNative };
+// Which kernels attention runs on where both can ($KVWIRE_CUDA_ATTENTION): FlashInfer's (batch
+// decode; single prefill for a bf16 model), or kvwire's own (decode_attention.cu, also the one
+// for coded caches and probabilities; prefill_attention.cu), so that a benchmark can set the
+// two side by side on one device.
+enum class AttentionKernel { kFlashInfer, kNative };
 
 class CudaBackend final : public KernelBackend {
  public:
-  CudaBackend(int threads, size_t memory_limit, DecodeKernel decode_kernel)
-      : pool_(threads), limit_(memory_limit), decode_kernel_(decode_kernel) {}
+  CudaBackend(int threads, size_t memory_limit, AttentionKernel attention_kernel)
+      : pool_(threads), limit_(memory_limit), attention_kernel_(attention_kernel) {}
   ~CudaBackend() override {
     lanes_.clear();
     for (void* p : imported_) cudaIpcCloseMemHandle(p);
@@ -283,6 +285,17 @@ class CudaBackend final : public KernelBackend {
   }
   absl::Status PrefillAttention(const PrefillAttentionParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
+#if KVWIRE_HAVE_FLASHINFER
+    if (attention_kernel_ == AttentionKernel::kFlashInfer && cuda::FlashInferPrefillServes(p)) {
+      RETURN_IF_ERROR(ValidatePrefillAttention(p));
+      RETURN_IF_ERROR(cuda::LaunchFlashInferPrefill(p, OpMemoryOf(*lane), lane->compute));
+      if (p.window == 0) return absl::OkStatus();
+      // The window's rows again on kvwire's kernel, for their scores (and f32 outputs).
+      PrefillAttentionParams window = p;
+      window.q_begin = p.len - p.window;
+      return cuda::LaunchPrefillAttention(window, lane->compute);
+    }
+#endif
     return cuda::LaunchPrefillAttention(p, lane->compute);
   }
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
@@ -304,7 +317,7 @@ class CudaBackend final : public KernelBackend {
     ASSIGN_OR_RETURN(void* table, TableOn(*lane, &lane->seqs_table, seqs.data(),
                                           sizeof(DecodeSequence) * p.batch));
 #if KVWIRE_HAVE_FLASHINFER
-    if (decode_kernel_ == DecodeKernel::kFlashInfer && cuda::FlashInferDecodeServes(p)) {
+    if (attention_kernel_ == AttentionKernel::kFlashInfer && cuda::FlashInferDecodeServes(p)) {
       return cuda::LaunchFlashInferDecode(p, static_cast<const DecodeSequence*>(table),
                                           OpMemoryOf(*lane), lane->compute);
     }
@@ -544,7 +557,7 @@ class CudaBackend final : public KernelBackend {
 
   ThreadPool pool_;
   const size_t limit_;  // 0: none
-  const DecodeKernel decode_kernel_;
+  const AttentionKernel attention_kernel_;
   std::mutex memory_mu_;
   std::unordered_map<void*, size_t> allocations_;
   std::set<void*> imported_;  // other processes' memory mapped here (ImportMemory)
@@ -565,20 +578,21 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads, size_t memory_limi
   if (!CudaDevicePresent()) {
     return absl::UnavailableError("this build has CUDA but no GPU is visible (cudaGetDeviceCount)");
   }
-  const char* env = std::getenv("KVWIRE_CUDA_DECODE_ATTENTION");
+  const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
   const std::string choice = env == nullptr || *env == '\0' ? "" : env;
-  DecodeKernel kernel = KVWIRE_HAVE_FLASHINFER ? DecodeKernel::kFlashInfer : DecodeKernel::kNative;
+  AttentionKernel kernel =
+      KVWIRE_HAVE_FLASHINFER ? AttentionKernel::kFlashInfer : AttentionKernel::kNative;
   if (choice == "native") {
-    kernel = DecodeKernel::kNative;
+    kernel = AttentionKernel::kNative;
   } else if (choice == "flashinfer") {
     if (!KVWIRE_HAVE_FLASHINFER) {
       return absl::FailedPreconditionError(
-          "KVWIRE_CUDA_DECODE_ATTENTION=flashinfer, but this build has no FlashInfer (CMake did "
+          "KVWIRE_CUDA_ATTENTION=flashinfer, but this build has no FlashInfer (CMake did "
           "not find its headers: run scripts/install_deps.sh and configure again)");
     }
   } else if (!choice.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("KVWIRE_CUDA_DECODE_ATTENTION is '", choice,
-                                                   "'; expected flashinfer or native"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KVWIRE_CUDA_ATTENTION is '", choice, "'; expected flashinfer or native"));
   }
   return KernelBackendPtr(std::make_unique<CudaBackend>(threads, memory_limit, kernel));
 }

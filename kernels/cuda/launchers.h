@@ -44,6 +44,8 @@ enum ScratchSlot : int {
   kScratchFlashInferInt,
   kScratchFlashInferRows,
   kScratchFlashInferQ,
+  kScratchFlashInferK,
+  kScratchFlashInferV,
   kScratchFlashInferOut,
   kScratchSlots
 };

@@ -19,6 +19,7 @@
 #include "tests/test_util.h"
 #if KVWIRE_HAVE_FLASHINFER
 #include "kernels/cuda/flashinfer_decode.h"
+#include "kernels/cuda/flashinfer_prefill.h"
 #endif
 
 namespace kvwire::kernels {
@@ -61,7 +62,7 @@ PagedRows ToPages(const std::vector<float>& region, int heads, int capacity, int
 
 // Calls that went through FlashInfer's batch decode so far (0 in a build without it), and
 // whether the CUDA backend sends the calls it serves there (not where
-// $KVWIRE_CUDA_DECODE_ATTENTION=native keeps them on kvwire's kernel).
+// $KVWIRE_CUDA_ATTENTION=native keeps them on kvwire's kernel).
 int64_t FlashInferDecodeLaunchesHere() {
 #if KVWIRE_HAVE_FLASHINFER
   return cuda::FlashInferDecodeLaunches();
@@ -69,9 +70,16 @@ int64_t FlashInferDecodeLaunchesHere() {
   return 0;
 #endif
 }
+int64_t FlashInferPrefillLaunchesHere() {
+#if KVWIRE_HAVE_FLASHINFER
+  return cuda::FlashInferPrefillLaunches();
+#else
+  return 0;
+#endif
+}
 bool CudaDecodesThroughFlashInfer() {
 #if KVWIRE_HAVE_FLASHINFER
-  const char* env = std::getenv("KVWIRE_CUDA_DECODE_ATTENTION");
+  const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
   return env == nullptr || std::string(env) != "native";
 #else
   return false;
@@ -352,6 +360,68 @@ TEST_P(BackendOpsTest, PrefillAttention) {
           const auto want = run(*reference_, &s_want);
           EXPECT_TRUE(AllClose(got, want, {2e-5f, 2e-4f}));
           EXPECT_TRUE(AllClose(s_got, s_want, {1e-6f, 2e-4f}));
+        }
+      }
+    }
+  }
+}
+
+// A bf16 model's prefill attention (precision bf16): on cuda, FlashInfer's single prefill over
+// q, k and v rounded to bf16, its outputs held to bf16's rounding, and the window's rows still on
+// kvwire's kernel (their scores as exact as in f32); elsewhere f32, as the reference. From a
+// row too (a cached prefix), and with head dims FlashInfer is not built for (kvwire's kernel).
+TEST_P(BackendOpsTest, PrefillAttentionInBf16) {
+  uint32_t seed = 480;
+  for (int len : {1, 37, 300}) {
+    for (auto [heads, kv_heads] : std::vector<std::pair<int, int>>{{8, 2}, {4, 4}, {8, 1}}) {
+      for (int d : {32, 64, 128}) {
+        for (int q_begin : {0, len / 2}) {
+          for (int window : {0, std::min(len - q_begin, 8)}) {
+            SCOPED_TRACE(absl::StrCat("len=", len, " heads=", heads, "/", kv_heads, " d=", d,
+                                      " q_begin=", q_begin, " window=", window));
+            const int64_t qs = int64_t{heads} * d, kvs = int64_t{kv_heads} * d + 2;
+            const auto q = Random(len * qs, seed++, -1.f, 1.f);
+            const auto k = Random(len * kvs, seed++, -1.f, 1.f);
+            const auto v = Random(len * kvs, seed++);
+            auto run = [&](KernelBackend& b, std::vector<float>* scores) {
+              Arena a(b);
+              PrefillAttentionParams p;
+              p.q = a.Upload(q);
+              p.k = a.Upload(k);
+              p.v = a.Upload(v);
+              p.q_stride = qs;
+              p.kv_stride = kvs;
+              p.out_stride = qs;
+              p.out = a.Zeros(len * qs);
+              p.len = len;
+              p.q_begin = q_begin;
+              p.n_heads = heads;
+              p.n_kv_heads = kv_heads;
+              p.head_dim = d;
+              p.scale = 1.f / std::sqrt(static_cast<float>(d));
+              p.precision = DType::kBF16;
+              p.window = window;
+              const size_t ns = static_cast<size_t>(heads) * window * len;
+              p.window_scores = window ? a.Zeros(ns) : nullptr;
+              const absl::Status st = b.PrefillAttention(p);
+              EXPECT_TRUE(st.ok()) << st;
+              if (window) *scores = a.Download(p.window_scores, ns);
+              return a.Download(p.out, len * qs);
+            };
+            std::vector<float> s_got, s_want;
+            const int64_t before = FlashInferPrefillLaunchesHere();
+            const auto got = run(*backend_, &s_got);
+            const bool library = FlashInferPrefillLaunchesHere() > before;
+            const auto want = run(*reference_, &s_want);
+            EXPECT_EQ(library, GetParam() == BackendKind::kCuda && CudaDecodesThroughFlashInfer() &&
+                                   d != 32);
+            // bf16 inputs and outputs: a few units in the 9th bit of values within [-1, 1].
+            EXPECT_TRUE(AllClose(got, want,
+                                 library ? Tolerance{1.5e-2f, 1.5e-2f} : Tolerance{2e-5f, 2e-4f}));
+            EXPECT_TRUE(AllClose(s_got, s_want, {1e-6f, 2e-4f}));
+            // Rows before q_begin are not written, whichever kernel ran.
+            for (int64_t i = 0; i < int64_t{q_begin} * qs; ++i) ASSERT_EQ(got[i], 0.f) << i;
+          }
         }
       }
     }
