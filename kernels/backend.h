@@ -128,6 +128,18 @@ struct DecodeSequence {
   float* probs = nullptr;
 };
 
+// out[i, :] = table[ids[i], :] widened to float32, for i < n: the embedding lookup where the
+// activations are, so a device backend takes 4 bytes a token from the host rather than a row of
+// hidden floats. `ids` is a host array (as the other ops' tables are), each checked < vocab.
+struct EmbedRowsParams {
+  const void* table = nullptr;  // [vocab, hidden] in dtype
+  DType dtype = DType::kF32;
+  int vocab = 0, hidden = 0;
+  const int32_t* ids = nullptr;  // host [n]
+  int n = 0;
+  float* out = nullptr;  // [n, hidden]
+};
+
 // y[i] += x[i] for i < n: the residual connections. x and y do not overlap.
 struct AddParams {
   const float* x = nullptr;
@@ -283,6 +295,7 @@ class KernelBackend {
   virtual absl::Status PrefillAttention(const PrefillAttentionParams& p) = 0;
   virtual absl::Status DecodeAttention(const DecodeAttentionParams& p) = 0;
   virtual absl::Status Add(const AddParams& p) = 0;
+  virtual absl::Status EmbedRows(const EmbedRowsParams& p) = 0;
   virtual absl::Status AppendKv(const AppendKvParams& p) = 0;
 
   // Selection compute and sampling (kernels/selection.h): what compression and sparse decode

@@ -243,6 +243,18 @@ class GuardedBackend final : public KernelBackend {
     return Queue("Add", {{p.x, Floats(p.n), "x"}, {p.y, Floats(p.n), "y"}},
                  [this, p] { return inner_->Add(p); });
   }
+  absl::Status EmbedRows(const EmbedRowsParams& p) override {
+    RETURN_IF_ERROR(ValidateEmbedRows(p));
+    const int64_t table = int64_t{p.vocab} * p.hidden * static_cast<int64_t>(DTypeSize(p.dtype));
+    std::vector<int32_t> ids(p.ids, p.ids + p.n);  // a host array: copied now, as CUDA uploads it
+    return Queue("EmbedRows",
+                 {{p.table, table, "table"}, {p.out, Floats(int64_t{p.n} * p.hidden), "out"}},
+                 [this, p, ids = std::move(ids)] {
+                   EmbedRowsParams q = p;
+                   q.ids = ids.data();
+                   return inner_->EmbedRows(q);
+                 });
+  }
   absl::Status AppendKv(const AppendKvParams& p) override {
     RETURN_IF_ERROR(ValidateAppendKv(p));
     std::vector<Extent> ext;

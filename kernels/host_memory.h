@@ -40,6 +40,15 @@ class HostMemoryBackend : public KernelBackend {
     for (int64_t i = 0; i < p.n; ++i) p.y[i] += p.x[i];
     return absl::OkStatus();
   }
+  absl::Status EmbedRows(const EmbedRowsParams& p) override {
+    RETURN_IF_ERROR(ValidateEmbedRows(p));
+    const size_t row = static_cast<size_t>(p.hidden) * DTypeSize(p.dtype);
+    for (int i = 0; i < p.n; ++i) {
+      ToFloat(p.dtype, static_cast<const uint8_t*>(p.table) + p.ids[i] * row,
+              p.out + int64_t{i} * p.hidden, p.hidden);
+    }
+    return absl::OkStatus();
+  }
   absl::Status AppendKv(const AppendKvParams& p) override {
     RETURN_IF_ERROR(ValidateAppendKv(p));
     const int per_kv = p.n_cache_heads / p.n_kv_heads;

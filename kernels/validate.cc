@@ -165,6 +165,19 @@ absl::Status ValidateAdd(const AddParams& p) {
                  "x and y must be set and n must be >= 0");
 }
 
+absl::Status ValidateEmbedRows(const EmbedRowsParams& p) {
+  constexpr absl::string_view kOp = "EmbedRows";
+  RETURN_IF_ERROR(
+      Require(p.n >= 0 && p.vocab > 0 && p.hidden > 0 && (p.n == 0 || (p.table && p.ids && p.out)),
+              kOp, "table, ids and out must be set, vocab and hidden > 0, n >= 0"));
+  for (int i = 0; i < p.n; ++i) {
+    RETURN_IF_ERROR(Require(p.ids[i] >= 0 && p.ids[i] < p.vocab, kOp, [&] {
+      return absl::StrCat("ids[", i, "] = ", p.ids[i], " is outside the vocabulary of ", p.vocab);
+    }));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateAppendKv(const AppendKvParams& p) {
   constexpr absl::string_view kOp = "AppendKv";
   RETURN_IF_ERROR(Require(p.batch >= 0 && (p.batch == 0 || p.seqs), kOp, "seqs must be set"));

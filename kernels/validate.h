@@ -14,6 +14,7 @@ absl::Status ValidateSwiGlu(const SwiGluParams& p);
 absl::Status ValidatePrefillAttention(const PrefillAttentionParams& p);
 absl::Status ValidateDecodeAttention(const DecodeAttentionParams& p);
 absl::Status ValidateAdd(const AddParams& p);
+absl::Status ValidateEmbedRows(const EmbedRowsParams& p);
 absl::Status ValidateAppendKv(const AppendKvParams& p);
 absl::Status ValidateWindowVotes(const WindowVotesParams& p);
 absl::Status ValidatePool1d(const Pool1dParams& p);

@@ -19,9 +19,9 @@ struct LlamaModel::Activations {
         *act = nullptr, *logits = nullptr;
   kernels::SampledToken* sampled = nullptr;  // a sampling step's tokens [rows]
   int32_t* positions = nullptr;
-  // Where the inputs (token embeddings, positions) are written on the host: x and positions
-  // themselves on a host backend, else these arrays, which UploadInputs copies to the device.
-  std::vector<float> x_host;
+  // Where the inputs are written on the host: on a host backend, the token embeddings into x
+  // (x_in) and the positions into positions; on a device, the positions into positions_host,
+  // which UploadInputs copies, and the embeddings are looked up there (EmbedOnDevice; x_in null).
   std::vector<int32_t> positions_host;
   float* x_in = nullptr;
   int32_t* positions_in = nullptr;

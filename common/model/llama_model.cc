@@ -131,8 +131,14 @@ absl::Status LlamaModel::PlaceWeights(bool mapped) {
   RETURN_IF_ERROR(place_linear(lm_head_));
   ASSIGN_OR_RETURN(final_norm_w_, place_floats(final_norm_));
   ASSIGN_OR_RETURN(inv_freq_w_, place_floats(inv_freq_));
-  // The embedding stays on the host (EmbedRow reads one row a token); embed_.w now names the
-  // device copy where it is also the LM head.
+  // A device looks tokens up in its own copy of the embedding (EmbedRows: 4 bytes a token
+  // cross, not a row), the LM head's where they are tied; a host backend reads the host's rows
+  // (EmbedRow). embed_.w names the device copy where it is also the LM head.
+  if (!backend_->host_addressable()) {
+    ASSIGN_OR_RETURN(embed_device_,
+                     upload(embed_host_, static_cast<size_t>(config_.vocab_size) *
+                                             config_.hidden_size * DTypeSize(embed_.dtype)));
+  }
   if (auto it = placed.find(embed_.w); it != placed.end()) embed_.w = it->second;
   // The host copies of the projections are no longer read: the synthetic ones are freed (a
   // mapped file's pages are the page cache's).
@@ -229,9 +235,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel::Activations>> LlamaModel::MakeActivat
   }
   a->capacity = rows;
   if (on_device()) {
-    a->x_host.resize(int64_t{rows} * c.hidden_size);
     a->positions_host.resize(rows);
-    a->x_in = a->x_host.data();
+    a->x_in = nullptr;  // the embedding rows are looked up on the device (EmbedOnDevice)
     a->positions_in = a->positions_host.data();
   } else {
     a->x_in = a->x;
@@ -300,13 +305,23 @@ absl::Status LlamaModel::Logits(Activations& a, int first, float* logits) {
                               static_cast<size_t>(rows) * c.vocab_size * sizeof(float));
 }
 
-// The inputs filled in on the host (embeddings, positions) into the backend's memory.
+// The inputs filled in on the host (positions) into the backend's memory.
 absl::Status LlamaModel::UploadInputs(Activations& a) {
   if (!on_device()) return absl::OkStatus();  // written in place
-  RETURN_IF_ERROR(backend_->CopyToDevice(
-      a.x, a.x_host.data(), static_cast<size_t>(a.rows) * config_.hidden_size * sizeof(float)));
   return backend_->CopyToDevice(a.positions, a.positions_host.data(),
                                 static_cast<size_t>(a.rows) * sizeof(int32_t));
+}
+
+absl::Status LlamaModel::EmbedOnDevice(absl::Span<const int32_t> ids, float* out) {
+  kernels::EmbedRowsParams p;
+  p.table = embed_device_;
+  p.dtype = embed_.dtype;
+  p.vocab = config_.vocab_size;
+  p.hidden = config_.hidden_size;
+  p.ids = ids.data();
+  p.n = static_cast<int>(ids.size());
+  p.out = out;
+  return backend_->EmbedRows(p);
 }
 
 absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
@@ -364,9 +379,12 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
   float* scores = static_cast<float*>(scores_buffer.get());
   for (int i = cached; i < len; ++i) {
     a.positions_in[i] = i;
-    EmbedRow(ids[i], a.x_in + int64_t{i} * c.hidden_size);
+    if (!on_device()) EmbedRow(ids[i], a.x_in + int64_t{i} * c.hidden_size);
   }
   RETURN_IF_ERROR(UploadInputs(a));
+  if (on_device()) {
+    RETURN_IF_ERROR(EmbedOnDevice(ids.subspan(cached), a.x + int64_t{cached} * c.hidden_size));
+  }
   // Each cached block's rows go to the K and V columns of their rows of the qkv buffer.
   std::vector<kernels::ByteSpan> spans(cached > 0 ? prefix->block_tokens : 0);
   for (int li = 0; li < c.num_layers; ++li) {
@@ -512,11 +530,14 @@ absl::StatusOr<LlamaModel::Activations*> LlamaModel::DecodeLayers(
   }
   Activations& a = *decode_activations_;
   a.rows = a.chunk = bsz;
+  std::vector<int32_t> tokens(bsz);
   for (int b = 0; b < bsz; ++b) {
     a.positions_in[b] = batch[b].position;
-    EmbedRow(batch[b].token, a.x_in + int64_t{b} * config_.hidden_size);
+    tokens[b] = batch[b].token;
+    if (!on_device()) EmbedRow(batch[b].token, a.x_in + int64_t{b} * config_.hidden_size);
   }
   RETURN_IF_ERROR(UploadInputs(a));
+  if (on_device()) RETURN_IF_ERROR(EmbedOnDevice(tokens, a.x));
   if (on_device()) RETURN_IF_ERROR(SyncDeviceCaches(batch));
   for (int li = 0; li < config_.num_layers; ++li) {
     const Layer& L = layers_[li];

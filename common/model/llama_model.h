@@ -235,6 +235,8 @@ class LlamaModel {
   absl::StatusOr<Activations*> DecodeLayers(absl::Span<const DecodeInput> batch,
                                             DecodeObserver* observer, DecodeTimes* times);
   absl::Status UploadInputs(Activations& a);
+  // Rows of the embedding for `ids` into `out` (backend memory), looked up on the device.
+  absl::Status EmbedOnDevice(absl::Span<const int32_t> ids, float* out);
   absl::Status DecodeAttentionLayerOnDevice(int layer, absl::Span<const DecodeInput> batch,
                                             Activations& a, DecodeTimes* times);
 
@@ -254,7 +256,8 @@ class LlamaModel {
   std::vector<float> inv_freq_;
   const float* final_norm_w_ = nullptr;  // backend memory, as Layer's norms
   const float* inv_freq_w_ = nullptr;
-  const void* embed_host_ = nullptr;  // the embedding rows on the host (EmbedRow)
+  const void* embed_host_ = nullptr;    // the embedding rows on the host (EmbedRow)
+  const void* embed_device_ = nullptr;  // a device backend's copy (EmbedOnDevice)
   // Shared with the device copies of caches (KvCache attachments), which free their memory
   // through it and may outlive the model.
   std::shared_ptr<kernels::KernelBackend> backend_;

@@ -250,6 +250,14 @@ class CudaBackend final : public KernelBackend {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     return cuda::LaunchAdd(p, lane->compute);
   }
+  absl::Status EmbedRows(const EmbedRowsParams& p) override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    RETURN_IF_ERROR(ValidateEmbedRows(p));  // every id, before it indexes the table
+    if (p.n == 0) return absl::OkStatus();
+    ASSIGN_OR_RETURN(void* ids,
+                     OpMemoryOf(*lane).table(cuda::kTableEmbedIds, p.ids, sizeof(int32_t) * p.n));
+    return cuda::LaunchEmbedRows(p, static_cast<const int32_t*>(ids), lane->compute);
+  }
   absl::Status AppendKv(const AppendKvParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateAppendKv(p));  // before sizing the table from p.batch

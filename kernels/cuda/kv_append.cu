@@ -129,6 +129,25 @@ absl::Status LaunchAdd(const AddParams& p, cudaStream_t stream) {
   return LaunchStatus("AddKernel");
 }
 
+// One block per row: the table's row of ids[i], widened into out's row i.
+template <typename T>
+__global__ void EmbedRowsKernel(const T* __restrict__ table, const int32_t* __restrict__ ids,
+                                int hidden, float* __restrict__ out) {
+  const T* src = table + int64_t{ids[blockIdx.x]} * hidden;
+  float* dst = out + int64_t{blockIdx.x} * hidden;
+  for (int j = threadIdx.x; j < hidden; j += blockDim.x) dst[j] = ToF32(src[j]);
+}
+
+absl::Status LaunchEmbedRows(const EmbedRowsParams& p, const int32_t* ids_device,
+                             cudaStream_t stream) {
+  if (p.n == 0) return absl::OkStatus();
+  return DispatchDType(p.dtype, [&]<typename T>() {
+    EmbedRowsKernel<T>
+        <<<p.n, 256, 0, stream>>>(static_cast<const T*>(p.table), ids_device, p.hidden, p.out);
+    return LaunchStatus("EmbedRowsKernel");
+  });
+}
+
 absl::Status LaunchAppendKv(const AppendKvParams& p, const KvAppend* seqs_device,
                             cudaStream_t stream) {
   if (p.batch == 0) return absl::OkStatus();

@@ -23,6 +23,9 @@ size_t MatMulScratchBytes(const MatMulParams& p);
 absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* scratch,
                           cudaStream_t stream);
 absl::Status LaunchAdd(const AddParams& p, cudaStream_t stream);
+// `ids_device` is p.ids copied to device memory (p validated).
+absl::Status LaunchEmbedRows(const EmbedRowsParams& p, const int32_t* ids_device,
+                             cudaStream_t stream);
 // `seqs_device` is p.seqs copied to device memory.
 absl::Status LaunchAppendKv(const AppendKvParams& p, const KvAppend* seqs_device,
                             cudaStream_t stream);
@@ -63,6 +66,7 @@ enum TableId : int {
   kTableAppendPages,
   kTableChecksumSpans,
   kTablePackSpans,
+  kTableEmbedIds,
   kTableFlashInferIndptr,
   kTableFlashInferLastPage,
   kTables

@@ -542,6 +542,52 @@ TEST_P(BackendOpsTest, PrefillWindowScoresAreRowSoftmaxes) {
   }
 }
 
+// ---------------------------------------------------------------- EmbedRows
+
+TEST_P(BackendOpsTest, EmbedRows) {
+  uint32_t seed = 950;
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (int hidden : {1, 64, 1000}) {
+      SCOPED_TRACE(absl::StrCat("dtype=", DTypeName(t), " hidden=", hidden));
+      const int vocab = 37;
+      const std::vector<float> table = Random(int64_t{vocab} * hidden, seed++);
+      const std::vector<int32_t> ids = {0, 36, 5, 5, 17, 1};
+      auto run = [&](KernelBackend& b) {
+        Arena a(b);
+        EmbedRowsParams p;
+        p.table = a.Upload(Encode(table, t));
+        p.dtype = t;
+        p.vocab = vocab;
+        p.hidden = hidden;
+        p.ids = ids.data();
+        p.n = static_cast<int>(ids.size());
+        p.out = a.Zeros(ids.size() * hidden);
+        EXPECT_TRUE(b.EmbedRows(p).ok());
+        return a.Download(p.out, ids.size() * hidden);
+      };
+      const auto got = run(*backend_);
+      EXPECT_EQ(got, run(*reference_));  // a widening: exact
+      // Row 2 is the table's row 5, whatever the dtype rounded it to.
+      const auto want = run(*reference_);
+      EXPECT_EQ(std::vector<float>(got.begin() + 2 * hidden, got.begin() + 3 * hidden),
+                std::vector<float>(want.begin() + 3 * hidden, want.begin() + 4 * hidden));
+    }
+  }
+  // An id outside the vocabulary is refused, naming it, before anything is read.
+  Arena a(*backend_);
+  EmbedRowsParams p;
+  p.table = a.Zeros(8);
+  p.vocab = 2;
+  p.hidden = 4;
+  const std::vector<int32_t> bad = {1, 2};
+  p.ids = bad.data();
+  p.n = 2;
+  p.out = a.Zeros(8);
+  const absl::Status st = backend_->EmbedRows(p);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("ids[1] = 2"), std::string::npos) << st;
+}
+
 // ---------------------------------------------------------------- DecodeAttention
 
 TEST_P(BackendOpsTest, DecodeAttention) {
