@@ -319,6 +319,41 @@ TEST_P(BackendOpsTest, SwiGlu) {
 
 // ---------------------------------------------------------------- PrefillAttention
 
+// One PrefillAttention on `b` over the host rows of `c` (q rows qs floats apart, k and v rows kvs;
+// out rows qs apart, each float starting as c.fill): the outputs, and the window's scores into
+// *scores when there is a window.
+struct PrefillCase {
+  std::vector<float> q, k, v;
+  int64_t qs = 0, kvs = 0;
+  int len = 0, heads = 0, kv_heads = 0, d = 0, window = 0, q_begin = 0;
+  float scale = 0.f, fill = 0.f;
+  DType precision = DType::kF32;
+};
+std::vector<float> RunPrefill(KernelBackend& b, const PrefillCase& c, std::vector<float>* scores) {
+  Arena a(b);
+  PrefillAttentionParams p;
+  p.q = a.Upload(c.q);
+  p.k = a.Upload(c.k);
+  p.v = a.Upload(c.v);
+  p.q_stride = p.out_stride = c.qs;
+  p.kv_stride = c.kvs;
+  p.out = a.Upload(std::vector<float>(c.len * c.qs, c.fill));
+  p.len = c.len;
+  p.q_begin = c.q_begin;
+  p.n_heads = c.heads;
+  p.n_kv_heads = c.kv_heads;
+  p.head_dim = c.d;
+  p.scale = c.scale;
+  p.precision = c.precision;
+  p.window = c.window;
+  const size_t ns = static_cast<size_t>(c.heads) * c.window * c.len;
+  p.window_scores = c.window ? a.Zeros(ns) : nullptr;
+  const absl::Status st = b.PrefillAttention(p);
+  EXPECT_TRUE(st.ok()) << st;
+  if (c.window) *scores = a.Download(p.window_scores, ns);
+  return a.Download(p.out, c.len * c.qs);
+}
+
 TEST_P(BackendOpsTest, PrefillAttention) {
   uint32_t seed = 400;
   for (int len : {1, 7, 37, 133}) {
@@ -329,31 +364,20 @@ TEST_P(BackendOpsTest, PrefillAttention) {
           SCOPED_TRACE(absl::StrCat("len=", len, " heads=", heads, "/", kv_heads, " d=", d,
                                     " window=", window));
           const int64_t qs = int64_t{heads} * d, kvs = int64_t{kv_heads} * d + 3;
-          const auto q = Random(len * qs, seed++, -2.f, 2.f);
-          const auto k = Random(len * kvs, seed++, -2.f, 2.f);
-          const auto v = Random(len * kvs, seed++);
+          PrefillCase c;
+          c.q = Random(len * qs, seed++, -2.f, 2.f);
+          c.k = Random(len * kvs, seed++, -2.f, 2.f);
+          c.v = Random(len * kvs, seed++);
+          c.qs = qs;
+          c.kvs = kvs;
+          c.len = len;
+          c.heads = heads;
+          c.kv_heads = kv_heads;
+          c.d = d;
+          c.scale = 1.f / std::sqrt(static_cast<float>(d));
+          c.window = window;
           auto run = [&](KernelBackend& b, std::vector<float>* scores) {
-            Arena a(b);
-            PrefillAttentionParams p;
-            p.q = a.Upload(q);
-            p.k = a.Upload(k);
-            p.v = a.Upload(v);
-            p.q_stride = qs;
-            p.kv_stride = kvs;
-            p.out_stride = qs;
-            p.out = a.Zeros(len * qs);
-            p.len = len;
-            p.n_heads = heads;
-            p.n_kv_heads = kv_heads;
-            p.head_dim = d;
-            p.scale = 1.f / std::sqrt(static_cast<float>(d));
-            p.window = window;
-            const size_t ns = static_cast<size_t>(heads) * window * len;
-            p.window_scores = window ? a.Zeros(ns) : nullptr;
-            const absl::Status st = b.PrefillAttention(p);
-            EXPECT_TRUE(st.ok()) << st;
-            if (window) *scores = a.Download(p.window_scores, ns);
-            return a.Download(p.out, len * qs);
+            return RunPrefill(b, c, scores);
           };
           std::vector<float> s_got, s_want;
           const auto got = run(*backend_, &s_got);
@@ -380,33 +404,22 @@ TEST_P(BackendOpsTest, PrefillAttentionInBf16) {
             SCOPED_TRACE(absl::StrCat("len=", len, " heads=", heads, "/", kv_heads, " d=", d,
                                       " q_begin=", q_begin, " window=", window));
             const int64_t qs = int64_t{heads} * d, kvs = int64_t{kv_heads} * d + 2;
-            const auto q = Random(len * qs, seed++, -1.f, 1.f);
-            const auto k = Random(len * kvs, seed++, -1.f, 1.f);
-            const auto v = Random(len * kvs, seed++);
+            PrefillCase c;
+            c.q = Random(len * qs, seed++, -1.f, 1.f);
+            c.k = Random(len * kvs, seed++, -1.f, 1.f);
+            c.v = Random(len * kvs, seed++);
+            c.qs = qs;
+            c.kvs = kvs;
+            c.len = len;
+            c.q_begin = q_begin;
+            c.heads = heads;
+            c.kv_heads = kv_heads;
+            c.d = d;
+            c.scale = 1.f / std::sqrt(static_cast<float>(d));
+            c.precision = DType::kBF16;
+            c.window = window;
             auto run = [&](KernelBackend& b, std::vector<float>* scores) {
-              Arena a(b);
-              PrefillAttentionParams p;
-              p.q = a.Upload(q);
-              p.k = a.Upload(k);
-              p.v = a.Upload(v);
-              p.q_stride = qs;
-              p.kv_stride = kvs;
-              p.out_stride = qs;
-              p.out = a.Zeros(len * qs);
-              p.len = len;
-              p.q_begin = q_begin;
-              p.n_heads = heads;
-              p.n_kv_heads = kv_heads;
-              p.head_dim = d;
-              p.scale = 1.f / std::sqrt(static_cast<float>(d));
-              p.precision = DType::kBF16;
-              p.window = window;
-              const size_t ns = static_cast<size_t>(heads) * window * len;
-              p.window_scores = window ? a.Zeros(ns) : nullptr;
-              const absl::Status st = b.PrefillAttention(p);
-              EXPECT_TRUE(st.ok()) << st;
-              if (window) *scores = a.Download(p.window_scores, ns);
-              return a.Download(p.out, len * qs);
+              return RunPrefill(b, c, scores);
             };
             std::vector<float> s_got, s_want;
             const int64_t before = FlashInferPrefillLaunchesHere();
@@ -439,31 +452,23 @@ TEST_P(BackendOpsTest, PrefillAttentionFromARow) {
         SCOPED_TRACE(absl::StrCat("len=", len, " q_begin=", q_begin, " window=", window));
         const int heads = 4, kv_heads = 2, d = 64;
         const int64_t qs = int64_t{heads} * d, kvs = int64_t{kv_heads} * d;
-        const auto q = Random(len * qs, seed++, -2.f, 2.f);
-        const auto k = Random(len * kvs, seed++, -2.f, 2.f);
-        const auto v = Random(len * kvs, seed++);
+        PrefillCase c;
+        c.q = Random(len * qs, seed++, -2.f, 2.f);
+        c.k = Random(len * kvs, seed++, -2.f, 2.f);
+        c.v = Random(len * kvs, seed++);
+        c.qs = qs;
+        c.kvs = kvs;
+        c.len = len;
+        c.heads = heads;
+        c.kv_heads = kv_heads;
+        c.d = d;
+        c.scale = 0.125f;
+        c.window = window;
+        c.fill = 7.f;
         auto run = [&](KernelBackend& b, int from, std::vector<float>* scores) {
-          Arena a(b);
-          PrefillAttentionParams p;
-          p.q = a.Upload(q);
-          p.k = a.Upload(k);
-          p.v = a.Upload(v);
-          p.q_stride = p.out_stride = qs;
-          p.kv_stride = kvs;
-          p.out = a.Upload(std::vector<float>(len * qs, 7.f));
-          p.len = len;
-          p.n_heads = heads;
-          p.n_kv_heads = kv_heads;
-          p.head_dim = d;
-          p.scale = 0.125f;
-          p.window = window;
-          p.q_begin = from;
-          const size_t ns = static_cast<size_t>(heads) * window * len;
-          p.window_scores = window ? a.Zeros(ns) : nullptr;
-          const absl::Status st = b.PrefillAttention(p);
-          EXPECT_TRUE(st.ok()) << st;
-          if (window) *scores = a.Download(p.window_scores, ns);
-          return a.Download(p.out, len * qs);
+          PrefillCase f = c;
+          f.q_begin = from;
+          return RunPrefill(b, f, scores);
         };
         std::vector<float> s_all, s_from, s_ref;
         const auto all = run(*backend_, 0, &s_all);
