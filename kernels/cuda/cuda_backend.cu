@@ -94,7 +94,10 @@ struct DeviceBuffer {
 };
 
 // One host thread's share of the device (see the file comment).
+std::atomic<uint64_t> next_lane_id{1};
+
 struct Lane {
+  const uint64_t id = next_lane_id.fetch_add(1);  // OpMemory::lane
   cudaStream_t compute = nullptr, copy = nullptr;
   cublasHandle_t cublas = nullptr;
   DeviceBuffer matmul_scratch, slots[cuda::kScratchSlots];
@@ -560,7 +563,8 @@ class CudaBackend final : public KernelBackend {
             },
             [this, &lane](int table, const void* host, size_t bytes) {
               return TableOn(lane, &lane.op_tables[table], host, bytes);
-            }};
+            },
+            lane.id};
   }
 
   ThreadPool pool_;

@@ -120,35 +120,64 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
   }
   const std::vector<int32_t> last_page_len(requests, 1);
 
-  // Split-KV's work partition (FlashInfer's plan), on the host from the lengths.
+  // Split-KV's work partition (FlashInfer's plan), on the host from the lengths: once per decode
+  // step, since every layer of a step has the same lengths. The last plan made on this lane
+  // stays in its int workspace, which nothing else writes.
+  thread_local struct {
+    uint64_t lane = 0;
+    uint32_t head_dim = 0;
+    int group = 0;
+    std::vector<int32_t> indptr;
+    void* int_ws = nullptr;
+    size_t float_bytes = 0;
+    flashinfer::DecodePlanInfo plan;
+  } last;
   size_t float_bytes = 0, int_bytes = 0;
   flashinfer::DecodePlanInfo plan;
   std::vector<uint8_t> int_host;
   cudaError_t planned = cudaSuccess;
-  DISPATCH_GQA_GROUP_SIZE(group, GROUP_SIZE, {
-    auto estimate =
-        flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<GROUP_SIZE, D, kNoRope,
-                                                                        Variant, Params>;
-    planned = flashinfer::DecodePlanWorkspaceSize<D, kNoRope, Variant, Params>(
-        float_bytes, int_bytes, indptr.data(), requests, group, /*page_size=*/1,
-        /*enable_cuda_graph=*/false, stream, estimate);
-  });
-  RETURN_IF_ERROR(CudaStatus(planned, "FlashInfer DecodePlanWorkspaceSize"));
-  ASSIGN_OR_RETURN(void* float_ws,
-                   mem.scratch(kScratchFlashInferFloat, std::max<size_t>(float_bytes, 16)));
-  ASSIGN_OR_RETURN(void* int_ws,
-                   mem.scratch(kScratchFlashInferInt, std::max<size_t>(int_bytes, 16)));
-  int_host.resize(std::max<size_t>(int_bytes, 16));
-  DISPATCH_GQA_GROUP_SIZE(group, GROUP_SIZE, {
-    auto estimate =
-        flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<GROUP_SIZE, D, kNoRope,
-                                                                        Variant, Params>;
-    // int_host is pageable: the copy FlashInfer queues from it is staged before it returns.
-    planned = flashinfer::DecodePlan<D, kNoRope, Variant, Params>(
-        float_ws, float_bytes, int_ws, int_host.data(), int_bytes, plan, indptr.data(), requests,
-        group, /*page_size=*/1, /*enable_cuda_graph=*/false, stream, estimate);
-  });
-  RETURN_IF_ERROR(CudaStatus(planned, "FlashInfer DecodePlan"));
+  const bool same = last.lane == mem.lane && mem.lane != 0 && last.head_dim == D &&
+                    last.group == group && last.indptr == indptr;
+  void* float_ws = nullptr;
+  void* int_ws = nullptr;
+  if (same) {
+    plan = last.plan;
+    ASSIGN_OR_RETURN(float_ws,
+                     mem.scratch(kScratchFlashInferFloat, std::max<size_t>(last.float_bytes, 16)));
+    ASSIGN_OR_RETURN(int_ws, mem.scratch(kScratchFlashInferInt, 16));
+  }
+  if (!same || int_ws != last.int_ws) {
+    DISPATCH_GQA_GROUP_SIZE(group, GROUP_SIZE, {
+      auto estimate =
+          flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<GROUP_SIZE, D, kNoRope,
+                                                                          Variant, Params>;
+      planned = flashinfer::DecodePlanWorkspaceSize<D, kNoRope, Variant, Params>(
+          float_bytes, int_bytes, indptr.data(), requests, group, /*page_size=*/1,
+          /*enable_cuda_graph=*/false, stream, estimate);
+    });
+    RETURN_IF_ERROR(CudaStatus(planned, "FlashInfer DecodePlanWorkspaceSize"));
+    ASSIGN_OR_RETURN(float_ws,
+                     mem.scratch(kScratchFlashInferFloat, std::max<size_t>(float_bytes, 16)));
+    ASSIGN_OR_RETURN(int_ws, mem.scratch(kScratchFlashInferInt, std::max<size_t>(int_bytes, 16)));
+    int_host.resize(std::max<size_t>(int_bytes, 16));
+    DISPATCH_GQA_GROUP_SIZE(group, GROUP_SIZE, {
+      auto estimate =
+          flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<GROUP_SIZE, D, kNoRope,
+                                                                          Variant, Params>;
+      // int_host is pageable: the copy FlashInfer queues from it is staged before it returns.
+      planned = flashinfer::DecodePlan<D, kNoRope, Variant, Params>(
+          float_ws, float_bytes, int_ws, int_host.data(), int_bytes, plan, indptr.data(), requests,
+          group, /*page_size=*/1, /*enable_cuda_graph=*/false, stream, estimate);
+    });
+    RETURN_IF_ERROR(CudaStatus(planned, "FlashInfer DecodePlan"));
+    last.lane = mem.lane;
+    last.head_dim = D;
+    last.group = group;
+    last.indptr = indptr;
+    last.int_ws = int_ws;
+    last.float_bytes = float_bytes;
+    last.plan = plan;
+  }
 
   // The page tables: each request's rows, made on the device from the sequences' layouts.
   ASSIGN_OR_RETURN(void* indptr_d, mem.table(kTableFlashInferIndptr, indptr.data(),

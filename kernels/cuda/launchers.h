@@ -74,6 +74,9 @@ enum TableId : int {
 struct OpMemory {
   std::function<absl::StatusOr<void*>(int slot, size_t bytes)> scratch;
   std::function<absl::StatusOr<void*>(int table, const void* host, size_t bytes)> table;
+  // The lane's number, unique in the process (never reused): what an op may key state it keeps
+  // between its calls on one lane by (FlashInfer's decode plan).
+  uint64_t lane = 0;
 };
 
 // The page tables of paged layouts (KvLayout::pages, host arrays; each layout's first
