@@ -530,15 +530,17 @@ absl::StatusOr<LlamaModel::Activations*> LlamaModel::DecodeLayers(
   }
   Activations& a = *decode_activations_;
   a.rows = a.chunk = bsz;
-  std::vector<int32_t> tokens(bsz);
   for (int b = 0; b < bsz; ++b) {
     a.positions_in[b] = batch[b].position;
-    tokens[b] = batch[b].token;
     if (!on_device()) EmbedRow(batch[b].token, a.x_in + int64_t{b} * config_.hidden_size);
   }
   RETURN_IF_ERROR(UploadInputs(a));
-  if (on_device()) RETURN_IF_ERROR(EmbedOnDevice(tokens, a.x));
-  if (on_device()) RETURN_IF_ERROR(SyncDeviceCaches(batch));
+  if (on_device()) {
+    std::vector<int32_t> tokens(bsz);
+    for (int b = 0; b < bsz; ++b) tokens[b] = batch[b].token;
+    RETURN_IF_ERROR(EmbedOnDevice(tokens, a.x));
+    RETURN_IF_ERROR(SyncDeviceCaches(batch));
+  }
   for (int li = 0; li < config_.num_layers; ++li) {
     const Layer& L = layers_[li];
     RETURN_IF_ERROR(AttentionIn(L, a));

@@ -36,7 +36,6 @@ class FaultWatch {
   // OK, or UNAVAILABLE naming the fault (and the node taken out of service now, if the poll has
   // not yet done it).
   absl::Status Check();
-  bool faulted() const { return faulted_.load(); }
 
  private:
   void Trip(const absl::Status& fault);

@@ -329,6 +329,24 @@ struct PrefillCase {
   float scale = 0.f, fill = 0.f;
   DType precision = DType::kF32;
 };
+// Random rows for `len` tokens: q and k uniform in [-range, range], v in [-1, 1], each k and v
+// row kv_pad floats longer than its heads; the scale 1/√d. Draws q, k, v from *seed on.
+PrefillCase RandomPrefillCase(int len, int heads, int kv_heads, int d, int kv_pad, float range,
+                              uint32_t* seed) {
+  PrefillCase c;
+  c.qs = int64_t{heads} * d;
+  c.kvs = int64_t{kv_heads} * d + kv_pad;
+  c.q = Random(len * c.qs, (*seed)++, -range, range);
+  c.k = Random(len * c.kvs, (*seed)++, -range, range);
+  c.v = Random(len * c.kvs, (*seed)++);
+  c.len = len;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.d = d;
+  c.scale = 1.f / std::sqrt(static_cast<float>(d));
+  return c;
+}
+
 std::vector<float> RunPrefill(KernelBackend& b, const PrefillCase& c, std::vector<float>* scores) {
   Arena a(b);
   PrefillAttentionParams p;
@@ -363,18 +381,7 @@ TEST_P(BackendOpsTest, PrefillAttention) {
           if (window > len) continue;
           SCOPED_TRACE(absl::StrCat("len=", len, " heads=", heads, "/", kv_heads, " d=", d,
                                     " window=", window));
-          const int64_t qs = int64_t{heads} * d, kvs = int64_t{kv_heads} * d + 3;
-          PrefillCase c;
-          c.q = Random(len * qs, seed++, -2.f, 2.f);
-          c.k = Random(len * kvs, seed++, -2.f, 2.f);
-          c.v = Random(len * kvs, seed++);
-          c.qs = qs;
-          c.kvs = kvs;
-          c.len = len;
-          c.heads = heads;
-          c.kv_heads = kv_heads;
-          c.d = d;
-          c.scale = 1.f / std::sqrt(static_cast<float>(d));
+          PrefillCase c = RandomPrefillCase(len, heads, kv_heads, d, 3, 2.f, &seed);
           c.window = window;
           auto run = [&](KernelBackend& b, std::vector<float>* scores) {
             return RunPrefill(b, c, scores);
@@ -403,19 +410,8 @@ TEST_P(BackendOpsTest, PrefillAttentionInBf16) {
           for (int window : {0, std::min(len - q_begin, 8)}) {
             SCOPED_TRACE(absl::StrCat("len=", len, " heads=", heads, "/", kv_heads, " d=", d,
                                       " q_begin=", q_begin, " window=", window));
-            const int64_t qs = int64_t{heads} * d, kvs = int64_t{kv_heads} * d + 2;
-            PrefillCase c;
-            c.q = Random(len * qs, seed++, -1.f, 1.f);
-            c.k = Random(len * kvs, seed++, -1.f, 1.f);
-            c.v = Random(len * kvs, seed++);
-            c.qs = qs;
-            c.kvs = kvs;
-            c.len = len;
+            PrefillCase c = RandomPrefillCase(len, heads, kv_heads, d, 2, 1.f, &seed);
             c.q_begin = q_begin;
-            c.heads = heads;
-            c.kv_heads = kv_heads;
-            c.d = d;
-            c.scale = 1.f / std::sqrt(static_cast<float>(d));
             c.precision = DType::kBF16;
             c.window = window;
             auto run = [&](KernelBackend& b, std::vector<float>* scores) {
@@ -433,7 +429,7 @@ TEST_P(BackendOpsTest, PrefillAttentionInBf16) {
                                  library ? Tolerance{1.5e-2f, 1.5e-2f} : Tolerance{2e-5f, 2e-4f}));
             EXPECT_TRUE(AllClose(s_got, s_want, {1e-6f, 2e-4f}));
             // Rows before q_begin are not written, whichever kernel ran.
-            for (int64_t i = 0; i < int64_t{q_begin} * qs; ++i) ASSERT_EQ(got[i], 0.f) << i;
+            for (int64_t i = 0; i < int64_t{q_begin} * c.qs; ++i) ASSERT_EQ(got[i], 0.f) << i;
           }
         }
       }
@@ -451,18 +447,9 @@ TEST_P(BackendOpsTest, PrefillAttentionFromARow) {
       for (int window : {0, 1, std::min(len - q_begin, 8)}) {
         SCOPED_TRACE(absl::StrCat("len=", len, " q_begin=", q_begin, " window=", window));
         const int heads = 4, kv_heads = 2, d = 64;
-        const int64_t qs = int64_t{heads} * d, kvs = int64_t{kv_heads} * d;
-        PrefillCase c;
-        c.q = Random(len * qs, seed++, -2.f, 2.f);
-        c.k = Random(len * kvs, seed++, -2.f, 2.f);
-        c.v = Random(len * kvs, seed++);
-        c.qs = qs;
-        c.kvs = kvs;
-        c.len = len;
-        c.heads = heads;
-        c.kv_heads = kv_heads;
-        c.d = d;
+        PrefillCase c = RandomPrefillCase(len, heads, kv_heads, d, 0, 2.f, &seed);
         c.scale = 0.125f;
+        const int64_t qs = c.qs;
         c.window = window;
         c.fill = 7.f;
         auto run = [&](KernelBackend& b, int from, std::vector<float>* scores) {
