@@ -51,12 +51,16 @@ struct MatMulParams {
 };
 
 // y = x / sqrt(mean(x²) + eps) · weight, row by row. x and y may alias.
+// With `residual` set, the residual add before a block's norm in the same pass (FlashInfer's
+// FusedAddRMSNorm): residual += x, then y = the norm of that sum. residual is [rows, dim] and
+// overlaps neither x nor y.
 struct RmsNormParams {
   const float* x = nullptr;
   const float* weight = nullptr;
   float* y = nullptr;
   int rows = 0, dim = 0;
   float eps = 1e-5f;
+  float* residual = nullptr;
 };
 
 // Rotary position embedding in the "rotate_half" convention of Hugging Face Llama:
@@ -138,13 +142,6 @@ struct EmbedRowsParams {
   const int32_t* ids = nullptr;  // host [n]
   int n = 0;
   float* out = nullptr;  // [n, hidden]
-};
-
-// y[i] += x[i] for i < n: the residual connections. x and y do not overlap.
-struct AddParams {
-  const float* x = nullptr;
-  float* y = nullptr;
-  int64_t n = 0;
 };
 
 // One sequence's new token for AppendKv: its K (after RoPE) and V rows in float32, one per
@@ -294,7 +291,6 @@ class KernelBackend {
   virtual absl::Status SwiGlu(const SwiGluParams& p) = 0;
   virtual absl::Status PrefillAttention(const PrefillAttentionParams& p) = 0;
   virtual absl::Status DecodeAttention(const DecodeAttentionParams& p) = 0;
-  virtual absl::Status Add(const AddParams& p) = 0;
   virtual absl::Status EmbedRows(const EmbedRowsParams& p) = 0;
   virtual absl::Status AppendKv(const AppendKvParams& p) = 0;
 

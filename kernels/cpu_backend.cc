@@ -156,6 +156,11 @@ class CpuBackend final : public HostMemoryBackend {
                         for (int64_t r = r0; r < r1; ++r) {
                           const float* x = p.x + r * p.dim;
                           float* y = p.y + r * p.dim;
+                          if (p.residual) {  // the add, then the norm of the sum
+                            float* res = p.residual + r * p.dim;
+                            for (int i = 0; i < p.dim; ++i) res[i] += x[i];
+                            x = res;
+                          }
                           const float ss = simd::Dot(x, x, DType::kF32, p.dim);
                           const float inv = 1.f / std::sqrt(ss / p.dim + p.eps);
                           for (int i = 0; i < p.dim; ++i) y[i] = x[i] * inv * p.weight[i];

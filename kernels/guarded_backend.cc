@@ -181,7 +181,11 @@ class GuardedBackend final : public KernelBackend {
   absl::Status RmsNorm(const RmsNormParams& p) override {
     RETURN_IF_ERROR(ValidateRmsNorm(p));
     const int64_t n = Floats(int64_t{p.rows} * p.dim);
-    return Queue("RmsNorm", {{p.x, n, "x"}, {p.weight, Floats(p.dim), "weight"}, {p.y, n, "y"}},
+    return Queue("RmsNorm",
+                 {{p.x, n, "x"},
+                  {p.weight, Floats(p.dim), "weight"},
+                  {p.y, n, "y"},
+                  {p.residual, n, "residual"}},
                  [this, p] { return inner_->RmsNorm(p); });
   }
   absl::Status Rope(const RopeParams& p) override {
@@ -237,11 +241,6 @@ class GuardedBackend final : public KernelBackend {
       q.seqs = seqs.data();
       return inner_->DecodeAttention(q);
     });
-  }
-  absl::Status Add(const AddParams& p) override {
-    RETURN_IF_ERROR(ValidateAdd(p));
-    return Queue("Add", {{p.x, Floats(p.n), "x"}, {p.y, Floats(p.n), "y"}},
-                 [this, p] { return inner_->Add(p); });
   }
   absl::Status EmbedRows(const EmbedRowsParams& p) override {
     RETURN_IF_ERROR(ValidateEmbedRows(p));

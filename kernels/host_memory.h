@@ -35,11 +35,6 @@ class HostMemoryBackend : public KernelBackend {
   }
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
-  absl::Status Add(const AddParams& p) override {
-    RETURN_IF_ERROR(ValidateAdd(p));
-    for (int64_t i = 0; i < p.n; ++i) p.y[i] += p.x[i];
-    return absl::OkStatus();
-  }
   absl::Status EmbedRows(const EmbedRowsParams& p) override {
     RETURN_IF_ERROR(ValidateEmbedRows(p));
     const size_t row = static_cast<size_t>(p.hidden) * DTypeSize(p.dtype);

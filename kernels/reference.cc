@@ -59,6 +59,11 @@ class ReferenceBackend final : public HostMemoryBackend {
     for (int r = 0; r < p.rows; ++r) {
       const float* x = p.x + static_cast<int64_t>(r) * p.dim;
       float* y = p.y + static_cast<int64_t>(r) * p.dim;
+      if (p.residual) {  // the add, then the norm of the sum
+        float* res = p.residual + static_cast<int64_t>(r) * p.dim;
+        for (int i = 0; i < p.dim; ++i) res[i] += x[i];
+        x = res;
+      }
       float ss = 0.f;
       for (int i = 0; i < p.dim; ++i) ss += x[i] * x[i];
       const float inv = 1.f / std::sqrt(ss / p.dim + p.eps);

@@ -83,10 +83,17 @@ absl::Status ValidateMatMul(const MatMulParams& p) {
 
 absl::Status ValidateRmsNorm(const RmsNormParams& p) {
   RETURN_IF_ERROR(Require(p.x && p.weight && p.y, "RmsNorm", "x, weight and y must be set"));
-  return Require(p.rows > 0 && p.dim > 0 && p.eps >= 0, "RmsNorm", [&] {
+  RETURN_IF_ERROR(Require(p.rows > 0 && p.dim > 0 && p.eps >= 0, "RmsNorm", [&] {
     return absl::StrCat("need rows, dim > 0 and eps >= 0, got rows=", p.rows, " dim=", p.dim,
                         " eps=", p.eps);
-  });
+  }));
+  if (p.residual == nullptr) return absl::OkStatus();
+  // The fused add reads x and writes residual, then writes y: a shared row would be read
+  // after it was written.
+  const int64_t n = int64_t{p.rows} * p.dim;
+  auto overlaps = [&](const float* a) { return a < p.residual + n && p.residual < a + n; };
+  return Require(!overlaps(p.x) && !overlaps(p.y), "RmsNorm",
+                 "residual must overlap neither x nor y");
 }
 
 absl::Status ValidateRope(const RopeParams& p) {
@@ -158,11 +165,6 @@ absl::Status ValidateDecodeAttention(const DecodeAttentionParams& p) {
     }
   }
   return absl::OkStatus();
-}
-
-absl::Status ValidateAdd(const AddParams& p) {
-  return Require(p.n >= 0 && (p.n == 0 || (p.x && p.y)), "Add",
-                 "x and y must be set and n must be >= 0");
 }
 
 absl::Status ValidateEmbedRows(const EmbedRowsParams& p) {

@@ -13,7 +13,6 @@ absl::Status ValidateRope(const RopeParams& p);
 absl::Status ValidateSwiGlu(const SwiGluParams& p);
 absl::Status ValidatePrefillAttention(const PrefillAttentionParams& p);
 absl::Status ValidateDecodeAttention(const DecodeAttentionParams& p);
-absl::Status ValidateAdd(const AddParams& p);
 absl::Status ValidateEmbedRows(const EmbedRowsParams& p);
 absl::Status ValidateAppendKv(const AppendKvParams& p);
 absl::Status ValidateWindowVotes(const WindowVotesParams& p);

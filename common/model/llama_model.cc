@@ -96,18 +96,22 @@ absl::Status LlamaModel::PlaceWeights(bool mapped) {
   // Each host array once (the LM head may be the embedding).
   std::map<const void*, const void*> placed;
   const int64_t total = WeightBytes();
-  auto upload = [&](const void* host, size_t bytes) -> absl::StatusOr<const void*> {
-    if (auto it = placed.find(host); it != placed.end()) return it->second;
+  auto allocate = [&](size_t bytes) -> absl::StatusOr<uint8_t*> {
     auto buffer = AllocateOnBackend(bytes);
     if (!buffer.ok()) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the model's ", total >> 20, " MiB of weights do not fit in ",
           kernels::BackendName(backend_->kind()), " backend memory: ", buffer.status().message()));
     }
-    RETURN_IF_ERROR(backend_->CopyToDevice(buffer->get(), host, bytes));
-    placed[host] = buffer->get();
     placed_.push_back(std::move(*buffer));
-    return placed_.back().get();
+    return static_cast<uint8_t*>(placed_.back().get());
+  };
+  auto upload = [&](const void* host, size_t bytes) -> absl::StatusOr<const void*> {
+    if (auto it = placed.find(host); it != placed.end()) return it->second;
+    ASSIGN_OR_RETURN(uint8_t * buffer, allocate(bytes));
+    RETURN_IF_ERROR(backend_->CopyToDevice(buffer, host, bytes));
+    placed[host] = buffer;
+    return buffer;
   };
   auto place_linear = [&](Linear& l) -> absl::Status {
     ASSIGN_OR_RETURN(l.w, upload(l.w, static_cast<size_t>(l.out) * l.in * DTypeSize(l.dtype)));
@@ -121,10 +125,50 @@ absl::Status LlamaModel::PlaceWeights(bool mapped) {
     ASSIGN_OR_RETURN(const void* p, upload(v.data(), v.size() * sizeof(float)));
     return static_cast<const float*>(p);
   };
-  for (Layer& l : layers_) {
-    for (Linear* x : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down}) {
-      RETURN_IF_ERROR(place_linear(*x));
+  // Projections that read the same input placed as one matrix, their rows one after another
+  // (and their biases, a missing one as zeros), so that one product computes them all: fewer,
+  // larger GEMMs (one launch instead of three on a GPU). Each part stays a view into it.
+  auto place_fused = [&](std::initializer_list<Linear*> parts, Linear* fused) -> absl::Status {
+    Linear f = *parts.begin()[0];
+    f.out = 0;
+    bool bias = false;
+    for (const Linear* x : parts) {
+      if (x->dtype != f.dtype || x->in != f.in) {  // not one matrix: each on its own
+        for (Linear* y : parts) RETURN_IF_ERROR(place_linear(*y));
+        return absl::OkStatus();
+      }
+      f.out += x->out;
+      bias = bias || x->bias != nullptr;
     }
+    const size_t row = static_cast<size_t>(f.in) * DTypeSize(f.dtype);
+    ASSIGN_OR_RETURN(uint8_t * w, allocate(row * f.out));
+    std::vector<float> biases(bias ? f.out : 0, 0.f);
+    size_t at = 0;
+    for (Linear* x : parts) {
+      RETURN_IF_ERROR(backend_->CopyToDevice(w + at * row, x->w, row * x->out));
+      if (x->bias) std::copy_n(x->bias, x->out, biases.begin() + at);
+      x->w = w + at * row;
+      at += x->out;
+    }
+    f.w = w;
+    f.bias = nullptr;
+    if (bias) {  // (the copy is taken now: biases may go)
+      ASSIGN_OR_RETURN(uint8_t * b, allocate(biases.size() * sizeof(float)));
+      RETURN_IF_ERROR(backend_->CopyToDevice(b, biases.data(), biases.size() * sizeof(float)));
+      f.bias = reinterpret_cast<const float*>(b);
+      at = 0;
+      for (Linear* x : parts) {
+        x->bias = x->bias ? f.bias + at : nullptr;
+        at += x->out;
+      }
+    }
+    *fused = f;
+    return absl::OkStatus();
+  };
+  for (Layer& l : layers_) {
+    RETURN_IF_ERROR(place_fused({&l.q, &l.k, &l.v}, &l.qkv));
+    RETURN_IF_ERROR(place_fused({&l.gate, &l.up}, &l.gate_up));
+    for (Linear* x : {&l.o, &l.down}) RETURN_IF_ERROR(place_linear(*x));
     ASSIGN_OR_RETURN(l.attn_norm_w, place_floats(l.attn_norm));
     ASSIGN_OR_RETURN(l.mlp_norm_w, place_floats(l.mlp_norm));
   }
@@ -256,51 +300,72 @@ absl::Status LlamaModel::CheckTokens(absl::Span<const int32_t> ids) const {
   return absl::OkStatus();
 }
 
-// Attention's input: RMSNorm, the Q, K and V projections into one [rows, q|k|v] buffer, and
-// RoPE at each row's position.
+// Attention's input: the Q, K and V projections of the normed rows in h (the first layer's
+// norm, or the previous layer's fused into its residual add) into one [rows, q|k|v] buffer,
+// and RoPE at each row's position.
 absl::Status LlamaModel::AttentionIn(const Layer& L, Activations& a) {
   const ModelConfig& c = config_;
   const int d = c.head_dim, qd = c.num_heads * d, kvd = c.num_kv_heads * d;
   const int64_t stride = qd + 2 * kvd;
-  RETURN_IF_ERROR(
-      backend_->RmsNorm({a.x, L.attn_norm_w, a.h, a.rows, c.hidden_size, c.rms_norm_eps}));
-  RETURN_IF_ERROR(MatMul(L.q, a.h, a.rows, a.qkv, stride));
-  RETURN_IF_ERROR(MatMul(L.k, a.h, a.rows, a.qkv + qd, stride));
-  RETURN_IF_ERROR(MatMul(L.v, a.h, a.rows, a.qkv + qd + kvd, stride));
+  if (L.qkv.w != nullptr) {
+    RETURN_IF_ERROR(MatMul(L.qkv, a.h, a.rows, a.qkv));
+  } else {
+    RETURN_IF_ERROR(MatMul(L.q, a.h, a.rows, a.qkv, stride));
+    RETURN_IF_ERROR(MatMul(L.k, a.h, a.rows, a.qkv + qd, stride));
+    RETURN_IF_ERROR(MatMul(L.v, a.h, a.rows, a.qkv + qd + kvd, stride));
+  }
   RETURN_IF_ERROR(
       backend_->Rope({a.qkv, stride, a.positions, inv_freq_w_, a.rows, c.num_heads, d}));
   return backend_->Rope({a.qkv + qd, stride, a.positions, inv_freq_w_, a.rows, c.num_kv_heads, d});
 }
 
-// After attention: the output projection and the residual, then the SwiGLU MLP block and
-// its residual, `chunk` rows at a time (bounds the [rows, 2·ffn] buffer).
-absl::Status LlamaModel::AttentionOutAndMlp(const Layer& L, Activations& a) {
+// The first layer's norm of the embedded rows x into h; every later norm is fused into the
+// residual add before it (AttentionOutAndMlp).
+absl::Status LlamaModel::FirstNorm(Activations& a) {
   const ModelConfig& c = config_;
+  return backend_->RmsNorm(
+      {a.x, layers_[0].attn_norm_w, a.h, a.rows, c.hidden_size, c.rms_norm_eps});
+}
+
+// After attention: the output projection, its residual add fused into the MLP's norm, the
+// SwiGLU MLP block, and its residual add fused into the next norm (the next layer's, or the
+// final norm after the last), `chunk` rows at a time (bounds the [rows, 2·ffn] buffer). x is
+// the residual stream; h leaves with the next norm's rows.
+absl::Status LlamaModel::AttentionOutAndMlp(int li, Activations& a) {
+  const ModelConfig& c = config_;
+  const Layer& L = layers_[li];
+  const float* next_norm_w = li + 1 < c.num_layers ? layers_[li + 1].attn_norm_w : final_norm_w_;
   const int hd = c.hidden_size, ffn = c.intermediate_size;
   RETURN_IF_ERROR(MatMul(L.o, a.attn, a.rows, a.h));
-  RETURN_IF_ERROR(backend_->Add({a.h, a.x, int64_t{a.rows} * hd}));
   for (int r0 = 0; r0 < a.rows; r0 += a.chunk) {
     const int rows = std::min(a.chunk, a.rows - r0);
     float* xr = a.x + int64_t{r0} * hd;
     float* hr = a.h + int64_t{r0} * hd;
-    RETURN_IF_ERROR(backend_->RmsNorm({xr, L.mlp_norm_w, hr, rows, hd, c.rms_norm_eps}));
-    RETURN_IF_ERROR(MatMul(L.gate, hr, rows, a.gate_up, 2 * ffn));
-    RETURN_IF_ERROR(MatMul(L.up, hr, rows, a.gate_up + ffn, 2 * ffn));
+    RmsNormParams norm{hr, L.mlp_norm_w, hr, rows, hd, c.rms_norm_eps};
+    norm.residual = xr;
+    RETURN_IF_ERROR(backend_->RmsNorm(norm));
+    if (L.gate_up.w != nullptr) {
+      RETURN_IF_ERROR(MatMul(L.gate_up, hr, rows, a.gate_up));
+    } else {
+      RETURN_IF_ERROR(MatMul(L.gate, hr, rows, a.gate_up, 2 * ffn));
+      RETURN_IF_ERROR(MatMul(L.up, hr, rows, a.gate_up + ffn, 2 * ffn));
+    }
     RETURN_IF_ERROR(backend_->SwiGlu({a.gate_up, a.act, rows, ffn}));
     RETURN_IF_ERROR(MatMul(L.down, a.act, rows, hr));
-    RETURN_IF_ERROR(backend_->Add({hr, xr, int64_t{rows} * hd}));
+    norm.weight = next_norm_w;
+    RETURN_IF_ERROR(backend_->RmsNorm(norm));
   }
   return absl::OkStatus();
 }
 
-// The final norm and the LM head over rows [first, a.rows), into host memory at `logits`.
+// The LM head over rows [first, a.rows) of h (the final norm's, after the last layer), into
+// host memory at `logits`.
 absl::Status LlamaModel::Logits(Activations& a, int first, float* logits) {
   const ModelConfig& c = config_;
   const int rows = a.rows - first;
-  RETURN_IF_ERROR(backend_->RmsNorm({a.x + int64_t{first} * c.hidden_size, final_norm_w_, a.h, rows,
-                                     c.hidden_size, c.rms_norm_eps}));
-  if (!on_device()) return MatMul(lm_head_, a.h, rows, logits);
-  RETURN_IF_ERROR(MatMul(lm_head_, a.h, rows, a.logits));
+  const float* h = a.h + int64_t{first} * c.hidden_size;
+  if (!on_device()) return MatMul(lm_head_, h, rows, logits);
+  RETURN_IF_ERROR(MatMul(lm_head_, h, rows, a.logits));
   return backend_->CopyToHost(logits, a.logits,
                               static_cast<size_t>(rows) * c.vocab_size * sizeof(float));
 }
@@ -385,6 +450,7 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
   if (on_device()) {
     RETURN_IF_ERROR(EmbedOnDevice(ids.subspan(cached), a.x + int64_t{cached} * c.hidden_size));
   }
+  RETURN_IF_ERROR(FirstNorm(rows));
   // Each cached block's rows go to the K and V columns of their rows of the qkv buffer.
   std::vector<kernels::ByteSpan> spans(cached > 0 ? prefix->block_tokens : 0);
   for (int li = 0; li < c.num_layers; ++li) {
@@ -433,7 +499,7 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
       pl.window = ap.window;
       RETURN_IF_ERROR(observer->OnLayer(pl));
     }
-    RETURN_IF_ERROR(AttentionOutAndMlp(L, rows));
+    RETURN_IF_ERROR(AttentionOutAndMlp(li, rows));
   }
   if (observer) RETURN_IF_ERROR(observer->Finish());
   PrefillResult result;
@@ -502,8 +568,6 @@ absl::Status LlamaModel::DecodeStepSampled(absl::Span<const DecodeInput> batch,
   ASSIGN_OR_RETURN(Activations * a, DecodeLayers(batch, nullptr, times));
   const ModelConfig& c = config_;
   const int bsz = static_cast<int>(batch.size());
-  RETURN_IF_ERROR(
-      backend_->RmsNorm({a->x, final_norm_w_, a->h, bsz, c.hidden_size, c.rms_norm_eps}));
   RETURN_IF_ERROR(MatMul(lm_head_, a->h, bsz, a->logits));
   kernels::SampleParams sp;
   sp.logits = a->logits;
@@ -517,7 +581,7 @@ absl::Status LlamaModel::DecodeStepSampled(absl::Span<const DecodeInput> batch,
 }
 
 // The layers of a decode step, leaving each sequence's last hidden state in the returned
-// activations' x. Called with decode_mu_ held.
+// activations' x and its final norm in h. Called with decode_mu_ held.
 absl::StatusOr<LlamaModel::Activations*> LlamaModel::DecodeLayers(
     absl::Span<const DecodeInput> batch, DecodeObserver* observer, DecodeTimes* times) {
   const int bsz = static_cast<int>(batch.size());
@@ -541,15 +605,15 @@ absl::StatusOr<LlamaModel::Activations*> LlamaModel::DecodeLayers(
     RETURN_IF_ERROR(EmbedOnDevice(tokens, a.x));
     RETURN_IF_ERROR(SyncDeviceCaches(batch));
   }
+  RETURN_IF_ERROR(FirstNorm(a));
   for (int li = 0; li < config_.num_layers; ++li) {
-    const Layer& L = layers_[li];
-    RETURN_IF_ERROR(AttentionIn(L, a));
+    RETURN_IF_ERROR(AttentionIn(layers_[li], a));
     if (on_device()) {
       RETURN_IF_ERROR(DecodeAttentionLayerOnDevice(li, batch, a, times));
     } else {
       RETURN_IF_ERROR(DecodeAttentionLayer(li, batch, a, observer, times));
     }
-    RETURN_IF_ERROR(AttentionOutAndMlp(L, a));
+    RETURN_IF_ERROR(AttentionOutAndMlp(li, a));
   }
   return &a;
 }

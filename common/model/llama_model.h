@@ -195,6 +195,9 @@ class LlamaModel {
     const float* attn_norm_w = nullptr;  // the norms in the backend's memory
     const float* mlp_norm_w = nullptr;
     Linear q, k, v, o, gate, up, down;
+    // q|k|v and gate|up as one matrix each, where the weights were placed in backend memory
+    // (one product instead of three and two; w null where the kernels read a mapped file).
+    Linear qkv, gate_up;
   };
   // Memory of the backend (device memory on a GPU), freed with the model.
   struct BackendFree {
@@ -226,7 +229,8 @@ class LlamaModel {
   absl::Status CheckTokens(absl::Span<const int32_t> ids) const;
   absl::Status CheckDecodeBatch(absl::Span<const DecodeInput> batch) const;
   absl::Status AttentionIn(const Layer& layer, Activations& a);
-  absl::Status AttentionOutAndMlp(const Layer& layer, Activations& a);
+  absl::Status FirstNorm(Activations& a);
+  absl::Status AttentionOutAndMlp(int layer, Activations& a);
   absl::Status DecodeAttentionLayer(int layer, absl::Span<const DecodeInput> batch, Activations& a,
                                     DecodeObserver* observer, DecodeTimes* times);
   absl::Status Logits(Activations& a, int first_row, float* logits);

@@ -249,10 +249,6 @@ class CudaBackend final : public KernelBackend {
     }
     return cuda::LaunchMatMul(p, lane->cublas, scratch, lane->compute);
   }
-  absl::Status Add(const AddParams& p) override {
-    ASSIGN_OR_RETURN(Lane * lane, MyLane());
-    return cuda::LaunchAdd(p, lane->compute);
-  }
   absl::Status EmbedRows(const EmbedRowsParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateEmbedRows(p));  // every id, before it indexes the table

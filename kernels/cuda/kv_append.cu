@@ -1,6 +1,6 @@
-/* The element-wise ops of a decode step on the device: the residual Add, and AppendKv,
- * which stores each sequence's new K and V rows (float32, after RoPE) in its cache's dtype
- * at token t of every cache head. One block per (sequence, cache head, K or V), a thread per
+/* The element-wise ops of a decode step on the device: EmbedRows, and AppendKv, which stores
+ * each sequence's new K and V rows (float32, after RoPE) in its cache's dtype at token t of
+ * every cache head. One block per (sequence, cache head, K or V), a thread per
  * element; a coded cache's token goes into its residual, coded a group at a time. Tested against
  * the host backends' loops (kernels/host_memory.h). */
 #include <vector>
@@ -13,13 +13,6 @@
 
 namespace kvwire::kernels::cuda {
 namespace {
-
-__global__ void AddKernel(const float* __restrict__ x, float* __restrict__ y, int64_t n) {
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    y[t] += x[t];
-  }
-}
 
 // A coded cache's token t (KvCoding; kernels/coded_rows.h's AppendCodedRow is the
 // specification): its rows into the residual, and when they complete a group, the group coded
@@ -119,14 +112,6 @@ absl::Status UploadPageTables(const std::vector<KvLayout*>& layouts, const std::
     if (at[i] >= 0) layouts[i]->pages = static_cast<const int32_t*>(device) + at[i];
   }
   return absl::OkStatus();
-}
-
-absl::Status LaunchAdd(const AddParams& p, cudaStream_t stream) {
-  RETURN_IF_ERROR(ValidateAdd(p));
-  if (p.n == 0) return absl::OkStatus();
-  const int blocks = static_cast<int>(std::min<int64_t>((p.n + 255) / 256, 65535));
-  AddKernel<<<blocks, 256, 0, stream>>>(p.x, p.y, p.n);
-  return LaunchStatus("AddKernel");
 }
 
 // One block per row: the table's row of ids[i], widened into out's row i.

@@ -22,7 +22,6 @@ absl::Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream);
 size_t MatMulScratchBytes(const MatMulParams& p);
 absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* scratch,
                           cudaStream_t stream);
-absl::Status LaunchAdd(const AddParams& p, cudaStream_t stream);
 // `ids_device` is p.ids copied to device memory (p validated).
 absl::Status LaunchEmbedRows(const EmbedRowsParams& p, const int32_t* ids_device,
                              cudaStream_t stream);

@@ -19,6 +19,7 @@
 #include "tests/test_util.h"
 #if KVWIRE_HAVE_FLASHINFER
 #include "kernels/cuda/flashinfer_decode.h"
+#include "kernels/cuda/flashinfer_norm.h"
 #include "kernels/cuda/flashinfer_prefill.h"
 #endif
 
@@ -73,6 +74,13 @@ int64_t FlashInferDecodeLaunchesHere() {
 int64_t FlashInferPrefillLaunchesHere() {
 #if KVWIRE_HAVE_FLASHINFER
   return cuda::FlashInferPrefillLaunches();
+#else
+  return 0;
+#endif
+}
+int64_t FlashInferNormLaunchesHere() {
+#if KVWIRE_HAVE_FLASHINFER
+  return cuda::FlashInferNormLaunches();
 #else
   return 0;
 #endif
@@ -164,24 +172,7 @@ TEST_P(BackendOpsTest, Bf16WeightsMultiplyXRoundedToBf16) {
   }
 }
 
-// ---------------------------------------------------------------- Add, AppendKv
-
-TEST_P(BackendOpsTest, Add) {
-  uint32_t seed = 50;
-  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{37}, int64_t{70001}}) {
-    SCOPED_TRACE(absl::StrCat("n=", n));
-    const auto x = Random(n, seed++), y = Random(n, seed++);
-    auto run = [&](KernelBackend& b) {
-      Arena a(b);
-      float* yd = a.Upload(y);
-      const absl::Status st = b.Add({a.Upload(x), yd, n});
-      EXPECT_TRUE(st.ok()) << st;
-      return a.Download(yd, n);
-    };
-    // One float addition per element: equal bit for bit.
-    EXPECT_EQ(run(*backend_), run(*reference_));
-  }
-}
+// ---------------------------------------------------------------- AppendKv
 
 // Each sequence's new rows land at its own token of every cache head, in the cache's dtype
 // (bit for bit: one rounding), and nothing else of the cache changes.
@@ -270,6 +261,54 @@ TEST_P(BackendOpsTest, RmsNorm) {
       EXPECT_TRUE(AllClose(run(*backend_), run(*reference_), {1e-5f, 1e-4f}));
     }
   }
+}
+
+// The residual add fused into the norm: residual += x, y = the norm of the sum; in place (y is
+// x, as the model calls it, and as FlashInfer's FusedAddRMSNorm serves rows of a whole number
+// of 16-byte vectors on a GPU) and into another buffer.
+TEST_P(BackendOpsTest, RmsNormWithResidual) {
+  uint32_t seed = 150;
+  for (int rows : {1, 7, 37}) {
+    for (int dim : {1, 7, 64, 733, 2048}) {
+      for (bool in_place : {true, false}) {
+        SCOPED_TRACE(absl::StrCat("rows=", rows, " dim=", dim, " in_place=", in_place));
+        const size_t n = static_cast<size_t>(rows) * dim;
+        const auto x = Random(n, seed++, -3.f, 3.f);
+        const auto res = Random(n, seed++, -3.f, 3.f);
+        const auto w = Random(dim, seed++, 0.5f, 1.5f);
+        auto run = [&](KernelBackend& b, std::vector<float>* residual) {
+          Arena a(b);
+          float* xd = a.Upload(x);
+          RmsNormParams p{xd, a.Upload(w), in_place ? xd : a.Zeros(n), rows, dim, 1e-5f};
+          p.residual = a.Upload(res);
+          const absl::Status st = b.RmsNorm(p);
+          EXPECT_TRUE(st.ok()) << st;
+          *residual = a.Download(p.residual, n);
+          return a.Download(p.y, n);
+        };
+        const int64_t before = FlashInferNormLaunchesHere();
+        std::vector<float> got_res, want_res;
+        const std::vector<float> got = run(*backend_, &got_res);
+        const bool library = FlashInferNormLaunchesHere() > before;
+        const std::vector<float> want = run(*reference_, &want_res);
+        EXPECT_TRUE(AllClose(got, want, {1e-5f, 1e-4f}));
+        EXPECT_TRUE(AllClose(got_res, want_res, {0.f, 0.f}));  // one f32 add each: exact
+        if (GetParam() == BackendKind::kCuda) {
+          EXPECT_EQ(library, KVWIRE_HAVE_FLASHINFER && in_place && dim % 4 == 0);
+        }
+      }
+    }
+  }
+  // A residual sharing rows with x or y is refused, naming the op.
+  Arena a(*backend_);
+  float* buf = a.Zeros(64);
+  const float* w = a.Upload(std::vector<float>(8, 1.f));
+  RmsNormParams p{buf, w, buf + 32, 2, 8, 1e-5f};
+  p.residual = buf + 8;
+  const absl::Status st = backend_->RmsNorm(p);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("RmsNorm: residual must overlap neither x nor y"), std::string::npos)
+      << st;
 }
 
 TEST_P(BackendOpsTest, Rope) {
@@ -862,7 +901,9 @@ TEST(GuardedBackend, HostAccessBetweenOpsDies) {
   auto* p = static_cast<float*>(*mem);
   const std::vector<float> ones(64, 1.f);
   ASSERT_TRUE((*b)->CopyToDevice(p, ones.data(), 64 * sizeof(float)).ok());
-  ASSERT_TRUE((*b)->Add({p, p + 32, 32}).ok());
+  RmsNormParams norm{p, p, p + 16, 1, 16, 0.f};  // residual p[32, 48) += p[0, 16): 2s
+  norm.residual = p + 32;
+  ASSERT_TRUE((*b)->RmsNorm(norm).ok());
   std::vector<float> back(64);
   ASSERT_TRUE((*b)->CopyToHost(back.data(), p, 64 * sizeof(float)).ok());
   EXPECT_EQ(back[40], 2.f);
@@ -884,11 +925,16 @@ TEST(GuardedBackend, OpsRefuseHostPointers) {
   Arena a(**b);
   std::vector<float> host_x(8, 1.f);
   float* y = a.Zeros(8);
-  absl::Status st = (*b)->Add({host_x.data(), y, 8});
+  const float* w = a.Zeros(8);
+  absl::Status st = (*b)->RmsNorm({host_x.data(), w, y, 1, 8});
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("Add's x"), std::string::npos) << st;
-  st = (*b)->Add({y, host_x.data(), 8});
-  EXPECT_NE(st.message().find("Add's y"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("RmsNorm's x"), std::string::npos) << st;
+  st = (*b)->RmsNorm({y, w, host_x.data(), 1, 8});
+  EXPECT_NE(st.message().find("RmsNorm's y"), std::string::npos) << st;
+  RmsNormParams norm{y, w, y, 1, 8};
+  norm.residual = host_x.data();
+  st = (*b)->RmsNorm(norm);
+  EXPECT_NE(st.message().find("RmsNorm's residual"), std::string::npos) << st;
   DecodeSequence seq;
   seq.q = a.Zeros(8);
   seq.out = a.Zeros(8);
@@ -912,13 +958,20 @@ TEST(GuardedBackend, OpsRefuseRangesPastABuffer) {
   Arena a(**b);
   float* x = a.Zeros(32);
   float* y = a.Zeros(32);
-  EXPECT_TRUE((*b)->Add({x, y, 32}).ok());
-  absl::Status st = (*b)->Add({x, y, 33});
+  const float* w = a.Zeros(33);
+  RmsNormParams norm{x, w, x, 1, 32};
+  norm.residual = y;
+  EXPECT_TRUE((*b)->RmsNorm(norm).ok());
+  norm.dim = 33;
+  absl::Status st = (*b)->RmsNorm(norm);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.message().find("Add's x (132 bytes) is not within one buffer"), std::string::npos)
+  EXPECT_NE(st.message().find("RmsNorm's x (132 bytes) is not within one buffer"),
+            std::string::npos)
       << st;
-  st = (*b)->Add({x, y + 1, 32});
-  EXPECT_NE(st.message().find("Add's y"), std::string::npos) << st;
+  norm.dim = 32;
+  norm.residual = y + 1;
+  st = (*b)->RmsNorm(norm);
+  EXPECT_NE(st.message().find("RmsNorm's residual"), std::string::npos) << st;
   std::vector<float> out(40);
   EXPECT_EQ((*b)->CopyToHost(out.data(), x, 40 * sizeof(float)).code(),
             absl::StatusCode::kInvalidArgument);
@@ -934,7 +987,7 @@ TEST(GuardedBackend, CopiesAndOpsRunAtTheNextSynchronisation) {
   std::vector<float> src = {1, 2, 3, 4};
   ASSERT_TRUE((*b)->CopyToDevice(x, src.data(), 4 * sizeof(float)).ok());
   src.assign(4, 9.f);  // after the call: the copy already has its data
-  ASSERT_TRUE((*b)->Add({x, x, 0}).ok());
+  ASSERT_TRUE((*b)->SwiGlu({a.Zeros(8), a.Zeros(4), 1, 4}).ok());  // queued with the copy
   std::vector<float> back(4);
   auto ticket = (*b)->CopyToHostAsync(back.data(), x, 4 * sizeof(float));
   ASSERT_TRUE(ticket.ok()) << ticket.status();
@@ -955,7 +1008,7 @@ TEST(GuardedBackend, AFaultedDeviceRunsNothingMore) {
   float* y = a.Zeros(4);
   std::vector<float> ones(4, 1.f);
   ASSERT_TRUE((*b)->CopyToDevice(x, ones.data(), 4 * sizeof(float)).ok());
-  ASSERT_TRUE((*b)->Add({x, y, 4}).ok());  // queued
+  ASSERT_TRUE((*b)->RmsNorm({x, x, y, 1, 4}).ok());  // queued
   (*b)->MarkFaulted(absl::InternalError("an illegal memory access was encountered"));
   (*b)->MarkFaulted(absl::InternalError("a later error"));  // the first one stays
   EXPECT_NE(std::string((*b)->fault().message()).find("illegal memory access"), std::string::npos);
