@@ -157,14 +157,17 @@ int main(int argc, char** argv) {
       if (absl::Status st = (*cache)->CopyFrom(**host); !st.ok()) return Fail(st);
       caches.push_back(std::move(*cache));
     }
-    std::vector<float> logits(static_cast<size_t>(bsz) * c.vocab_size);
+    // Greedy tokens sampled on the device, as a decode node steps: the ids come back, not a
+    // [batch, vocab] of logits (16 MB a step at batch 32 of a 128K vocabulary).
+    const std::vector<kernels::SampleRow> rows(bsz);
+    std::vector<kernels::SampledToken> tokens(bsz);
     auto step = [&](int s) {
       std::vector<DecodeInput> in;
       for (int b = 0; b < bsz; ++b) {
         in.push_back({static_cast<int32_t>(3 + (b * 131 + s * 17) % (c.vocab_size - 3)),
                       caches[b]->layer(0).len, caches[b].get(), nullptr});
       }
-      return m.DecodeStep(in, logits.data());  // returns once the logits are on the host
+      return m.DecodeStepSampled(in, rows, tokens.data());  // returns once the ids are here
     };
     if (absl::Status st = step(0); !st.ok()) return Fail(st);  // a warm-up step
     // (seconds per step, bytes read per step) of each run; the caches grow between runs, so the

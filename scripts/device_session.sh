@@ -9,13 +9,15 @@
 #   pair       both nodes on cuda through gRPC (ServicePairOnDevice.*)
 #   oracle     PyTorch on the same device (scripts/device_oracle.py): ceilings, SDPA, and
 #              transformers' stories260K greedy ids against kvwire's on cuda
-#   gpu_bench  decode at batch 1/8/32 and prefill at 2K/16K against the measured ceilings
+#   gpu_bench  decode at batch 1/8/32 and prefill at 2K/16K against the measured ceilings, on
+#              the 1B shape, then (gpu_bench_8b) on the 8B shape
 #   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
 #              (decode attention through FlashInfer where it serves the cache)
 #   decode_native  the same on kvwire's own kernels (KVWIRE_CUDA_ATTENTION=native)
 #   copies     kvwire timing's copy ledger: a compressing prefill, a sparse decode step
 #   cuda_ipc   two processes on the GPU: a prefill node writing into a decode node's pool pages
-#              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared)
+#              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared), at 2K
+#              and 16K tokens: TTFT through the pair beside the prefill forward alone
 #   memcheck   compute-sanitizer memcheck over the op tests
 #
 # Logs, gtest JSON and bench output go to $OUT/logs.tar.gz, the summary to $OUT/summary.tsv
@@ -156,6 +158,10 @@ else
     awk -F'\t' '{printf "oracle.%s\t%s\t0\t%s\n", $1, $2, $3}' >>"$summary"
   bench_detail() { tail_detail "$1" "$2" 12; }
   phase gpu_bench 120 bench_detail "$(find_bin gpu_bench)" --runs 3
+  # The 8B shape (16 GB of bf16 weights, generated on the host's 16 threads): the issue's
+  # decode and prefill targets name both shapes.
+  phase gpu_bench_8b 150 bench_detail "$(find_bin gpu_bench)" --model synthetic:llama-8b \
+    --batches 1,8,32 --prefill 2048,16384 --runs 2
   decode_args=(--backend cuda --batch 8 --ctx 32768 --kept 2048 --t 1024 --steps 8
                --threads 16 --kv-formats fp8,int8,int4)
 fi
@@ -197,7 +203,7 @@ else
     echo "(exit $2)"
   }
   phase cuda_ipc 100 ipc_detail bash "$root/bench/transport_bench.sh" --build-dir "$dir/bin" \
-    --backend cuda --model synthetic:llama-1b --lengths 2048,8192 --settings full,snapkv:128 \
+    --backend cuda --model synthetic:llama-1b --lengths 2048,16384 --settings full,snapkv:128 \
     --rounds 1 --threads 8 --dir "$work/transport"
 fi
 
