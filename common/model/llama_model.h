@@ -196,7 +196,8 @@ class LlamaModel {
     const float* mlp_norm_w = nullptr;
     Linear q, k, v, o, gate, up, down;
     // q|k|v and gate|up as one matrix each, where the weights were placed in backend memory
-    // (one product instead of three and two; w null where the kernels read a mapped file).
+    // (one product instead of three and two). w is null where the parts stay apart: a mapped
+    // file's weights, or parts of different dtypes or input sizes.
     Linear qkv, gate_up;
   };
   // Memory of the backend (device memory on a GPU), freed with the model.

@@ -185,8 +185,11 @@ enum class AttentionKernel { kFlashInfer, kNative };
 
 class CudaBackend final : public KernelBackend {
  public:
-  CudaBackend(int threads, size_t memory_limit, AttentionKernel attention_kernel)
-      : pool_(threads), limit_(memory_limit), attention_kernel_(attention_kernel) {}
+  CudaBackend(int threads, size_t memory_limit, AttentionKernel attention_kernel, bool prefill_fa3)
+      : pool_(threads),
+        limit_(memory_limit),
+        attention_kernel_(attention_kernel),
+        prefill_fa3_(prefill_fa3) {}
   ~CudaBackend() override {
     lanes_.clear();
     for (void* p : imported_) cudaIpcCloseMemHandle(p);
@@ -295,7 +298,8 @@ class CudaBackend final : public KernelBackend {
 #if KVWIRE_HAVE_FLASHINFER
     if (attention_kernel_ == AttentionKernel::kFlashInfer && cuda::FlashInferPrefillServes(p)) {
       RETURN_IF_ERROR(ValidatePrefillAttention(p));
-      RETURN_IF_ERROR(cuda::LaunchFlashInferPrefill(p, OpMemoryOf(*lane), lane->compute));
+      RETURN_IF_ERROR(
+          cuda::LaunchFlashInferPrefill(p, OpMemoryOf(*lane), lane->compute, prefill_fa3_));
       if (p.window == 0) return absl::OkStatus();
       // The window's rows again on kvwire's kernel, for their scores (and f32 outputs).
       PrefillAttentionParams window = p;
@@ -566,6 +570,7 @@ class CudaBackend final : public KernelBackend {
   ThreadPool pool_;
   const size_t limit_;  // 0: none
   const AttentionKernel attention_kernel_;
+  const bool prefill_fa3_;  // FlashInfer's prefill through FA3 (an sm_90 device), else FA2
   std::mutex memory_mu_;
   std::unordered_map<void*, size_t> allocations_;
   std::set<void*> imported_;  // other processes' memory mapped here (ImportMemory)
@@ -592,17 +597,23 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads, size_t memory_limi
       KVWIRE_HAVE_FLASHINFER ? AttentionKernel::kFlashInfer : AttentionKernel::kNative;
   if (choice == "native") {
     kernel = AttentionKernel::kNative;
-  } else if (choice == "flashinfer") {
+  } else if (choice == "flashinfer" || choice == "flashinfer-fa2") {
     if (!KVWIRE_HAVE_FLASHINFER) {
       return absl::FailedPreconditionError(
           "KVWIRE_CUDA_ATTENTION=flashinfer, but this build has no FlashInfer (CMake did "
           "not find its headers: run scripts/install_deps.sh and configure again)");
     }
   } else if (!choice.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KVWIRE_CUDA_ATTENTION is '", choice, "'; expected flashinfer or native"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KVWIRE_CUDA_ATTENTION is '", choice, "'; expected flashinfer, flashinfer-fa2 or native"));
   }
-  return KernelBackendPtr(std::make_unique<CudaBackend>(threads, memory_limit, kernel));
+#if KVWIRE_HAVE_FLASHINFER
+  // FA3 where it was built for this device; flashinfer-fa2 keeps FA2, to compare the two.
+  const bool fa3 = choice != "flashinfer-fa2" && cuda::FlashInferFa3Serves();
+#else
+  const bool fa3 = false;
+#endif
+  return KernelBackendPtr(std::make_unique<CudaBackend>(threads, memory_limit, kernel, fa3));
 }
 
 }  // namespace kvwire::kernels

@@ -3,8 +3,10 @@
  * BackendOpsTest.RmsNormWithResidual on cuda. */
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <flashinfer/norm.cuh>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/flashinfer_norm.h"
 
@@ -22,7 +24,7 @@ bool FlashInferAddRmsNormServes(const RmsNormParams& p) {
          Aligned16(p.residual) && Aligned16(p.weight);
 }
 
-absl::Status LaunchFlashInferAddRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
+absl::Status LaunchFlashInferAddRmsNorm(const RmsNormParams& p, cudaStream_t stream) try {
   // FlashInfer takes mutable pointers for what it only reads (the weight).
   RETURN_IF_ERROR(CudaStatus(
       flashinfer::norm::FusedAddRMSNorm<float>(
@@ -32,6 +34,8 @@ absl::Status LaunchFlashInferAddRmsNorm(const RmsNormParams& p, cudaStream_t str
       "FlashInfer FusedAddRMSNorm"));
   launches.fetch_add(1, std::memory_order_relaxed);
   return absl::OkStatus();
+} catch (const std::exception& e) {  // FlashInfer reports what it cannot run by throwing
+  return absl::InternalError(absl::StrCat("FlashInfer FusedAddRMSNorm: ", e.what()));
 }
 
 int64_t FlashInferNormLaunches() { return launches.load(std::memory_order_relaxed); }

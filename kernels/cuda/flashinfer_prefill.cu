@@ -14,11 +14,14 @@
 #include "common/base/status.h"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/flashinfer_prefill.h"
+#if KVWIRE_HAVE_FA3
+#include "kernels/cuda/flashinfer_prefill_sm90.h"
+#endif
 
 namespace kvwire::kernels::cuda {
 namespace {
 
-std::atomic<int64_t> launches{0};
+std::atomic<int64_t> launches{0}, fa3_launches{0};
 
 // The parameters of FlashInfer's generated single_prefill_customize_config for its FA2 default
 // attention variant (no RoPE in the kernel: our keys come rotated; no mask beyond causal).
@@ -83,8 +86,19 @@ __global__ void WidenRows(const __nv_bfloat16* __restrict__ src, int64_t rows, i
 
 int Blocks(int64_t n) { return static_cast<int>(std::min<int64_t>((n + 255) / 256, 8192)); }
 
+// FlashInfer's bf16 output rows widened into `out` from row q_begin on; the call counted.
+absl::Status Widen(const PrefillAttentionParams& p, const __nv_bfloat16* oh, int64_t qo, int q_cols,
+                   cudaStream_t stream) {
+  WidenRows<<<Blocks(qo * q_cols), 256, 0, stream>>>(
+      oh, qo, q_cols, p.out + p.q_begin * p.out_stride, p.out_stride);
+  RETURN_IF_ERROR(LaunchStatus("FlashInfer prefill WidenRows"));
+  launches.fetch_add(1, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
 template <uint32_t D>
-absl::Status Run(const PrefillAttentionParams& p, const OpMemory& mem, cudaStream_t stream) {
+absl::Status Run(const PrefillAttentionParams& p, const OpMemory& mem, cudaStream_t stream,
+                 bool fa3) {
   const int64_t qo = p.len - p.q_begin, kv = p.len;
   const int q_cols = p.n_heads * p.head_dim, kv_cols = p.n_kv_heads * p.head_dim;
   ASSIGN_OR_RETURN(void* q, mem.scratch(kScratchFlashInferQ, sizeof(__nv_bfloat16) * qo * q_cols));
@@ -102,6 +116,16 @@ absl::Status Run(const PrefillAttentionParams& p, const OpMemory& mem, cudaStrea
   ToBf16Rows<<<Blocks(kv * kv_cols), 256, 0, stream>>>(p.v, p.kv_stride, kv, kv_cols, vh);
   RETURN_IF_ERROR(LaunchStatus("FlashInfer prefill ToBf16Rows"));
 
+#if KVWIRE_HAVE_FA3
+  if (fa3) {
+    RETURN_IF_ERROR(CudaStatus(
+        FlashInferFa3Prefill(D, qh, kh, vh, oh, static_cast<int>(qo), static_cast<int>(kv),
+                             p.n_heads, p.n_kv_heads, p.scale, stream),
+        "FlashInfer SinglePrefillWithKVCache (FA3, sm_90a)"));
+    fa3_launches.fetch_add(1, std::memory_order_relaxed);
+    return Widen(p, oh, qo, q_cols, stream);
+  }
+#endif
   Params params{};
   params.q = qh;
   params.k = kh;
@@ -131,11 +155,7 @@ absl::Status Run(const PrefillAttentionParams& p, const OpMemory& mem, cudaStrea
                                                      flashinfer::MaskMode::kCausal, Variant>(
           params, /*tmp=*/nullptr, stream),
       "FlashInfer SinglePrefillWithKVCache"));
-  WidenRows<<<Blocks(qo * q_cols), 256, 0, stream>>>(
-      oh, qo, q_cols, p.out + p.q_begin * p.out_stride, p.out_stride);
-  RETURN_IF_ERROR(LaunchStatus("FlashInfer prefill WidenRows"));
-  launches.fetch_add(1, std::memory_order_relaxed);
-  return absl::OkStatus();
+  return Widen(p, oh, qo, q_cols, stream);
 }
 
 }  // namespace
@@ -145,15 +165,28 @@ bool FlashInferPrefillServes(const PrefillAttentionParams& p) {
          p.len - p.q_begin >= 1 && int64_t{p.len} * p.n_heads * p.head_dim < (int64_t{1} << 31);
 }
 
+bool FlashInferFa3Serves() {
+#if KVWIRE_HAVE_FA3
+  int device = 0, major = 0, minor = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+         major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
 absl::Status LaunchFlashInferPrefill(const PrefillAttentionParams& p, const OpMemory& mem,
-                                     cudaStream_t stream) {
+                                     cudaStream_t stream, bool fa3) {
   try {  // FlashInfer reports what it cannot run by throwing
-    return p.head_dim == 64 ? Run<64>(p, mem, stream) : Run<128>(p, mem, stream);
+    return p.head_dim == 64 ? Run<64>(p, mem, stream, fa3) : Run<128>(p, mem, stream, fa3);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("FlashInfer single prefill: ", e.what()));
   }
 }
 
 int64_t FlashInferPrefillLaunches() { return launches.load(std::memory_order_relaxed); }
+int64_t FlashInferFa3PrefillLaunches() { return fa3_launches.load(std::memory_order_relaxed); }
 
 }  // namespace kvwire::kernels::cuda

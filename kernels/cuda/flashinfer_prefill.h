@@ -1,5 +1,6 @@
-// Prefill attention through FlashInfer's single-request prefill (FA2 on tensor cores: causal,
-// GQA, the queries of rows [q_begin, len) over every key), for a bf16 model
+// Prefill attention through FlashInfer's single-request prefill (FA3 on an sm_90 GPU where it
+// was built, FA2 on tensor cores elsewhere: causal, GQA, the queries of rows [q_begin, len) over
+// every key), for a bf16 model
 // (PrefillAttentionParams::precision) with head_dim 64 or 128. q, k and v are rounded to bf16
 // into scratch rows first and the output widened back into `out`; the observation window's
 // rows are then computed again by kvwire's kernel, which writes their scores (FlashInfer returns
@@ -17,10 +18,14 @@
 namespace kvwire::kernels::cuda {
 
 bool FlashInferPrefillServes(const PrefillAttentionParams& p);
-// The rows FlashInfer computes; the window's scores are the caller's (LaunchPrefillAttention
-// over the window's rows).
+// Whether FA3 was built and this thread's device is sm_90 (Hopper: H100, H200).
+bool FlashInferFa3Serves();
+// The rows FlashInfer computes, through FA3 when `fa3` (the caller checked FlashInferFa3Serves),
+// else FA2; the window's scores are the caller's (LaunchPrefillAttention over its rows).
 absl::Status LaunchFlashInferPrefill(const PrefillAttentionParams& p, const OpMemory& mem,
-                                     cudaStream_t stream);
+                                     cudaStream_t stream, bool fa3);
+// Calls so far, all of them and those through FA3.
 int64_t FlashInferPrefillLaunches();
+int64_t FlashInferFa3PrefillLaunches();
 
 }  // namespace kvwire::kernels::cuda

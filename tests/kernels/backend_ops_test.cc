@@ -85,6 +85,24 @@ int64_t FlashInferNormLaunchesHere() {
   return 0;
 #endif
 }
+// FA3's prefill calls so far, and whether a bf16 prefill on this GPU goes to FA3 (built for an
+// sm_90 device, and $KVWIRE_CUDA_ATTENTION neither native nor flashinfer-fa2).
+int64_t FlashInferFa3LaunchesHere() {
+#if KVWIRE_HAVE_FLASHINFER
+  return cuda::FlashInferFa3PrefillLaunches();
+#else
+  return 0;
+#endif
+}
+bool CudaPrefillsThroughFa3() {
+#if KVWIRE_HAVE_FLASHINFER
+  const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
+  const std::string choice = env == nullptr ? "" : env;
+  return choice != "native" && choice != "flashinfer-fa2" && cuda::FlashInferFa3Serves();
+#else
+  return false;
+#endif
+}
 bool FlashInferNormBuilt() {
 #if KVWIRE_HAVE_FLASHINFER
   return true;
@@ -306,6 +324,30 @@ TEST_P(BackendOpsTest, RmsNormWithResidual) {
       }
     }
   }
+  // Rows off a 16-byte boundary (x one float into its buffer): kvwire's kernel on a GPU, the
+  // same results.
+  {
+    const int rows = 3, dim = 64;
+    const size_t n = static_cast<size_t>(rows) * dim;
+    const auto x = Random(n + 1, 170, -3.f, 3.f);
+    const auto res = Random(n, 171, -3.f, 3.f);
+    const auto w = Random(dim, 172, 0.5f, 1.5f);
+    auto run = [&](KernelBackend& b, std::vector<float>* residual) {
+      Arena a(b);
+      float* xd = a.Upload(x) + 1;
+      RmsNormParams p{xd, a.Upload(w), xd, rows, dim, 1e-5f};
+      p.residual = a.Upload(res);
+      EXPECT_TRUE(b.RmsNorm(p).ok());
+      *residual = a.Download(p.residual, n);
+      return a.Download(p.y, n);
+    };
+    const int64_t before = FlashInferNormLaunchesHere();
+    std::vector<float> got_res, want_res;
+    const std::vector<float> got = run(*backend_, &got_res);
+    EXPECT_EQ(FlashInferNormLaunchesHere(), before);
+    EXPECT_TRUE(AllClose(got, run(*reference_, &want_res), {1e-5f, 1e-4f}));
+    EXPECT_TRUE(AllClose(got_res, want_res, {0.f, 0.f}));
+  }
   // A residual sharing rows with x or y is refused, naming the op.
   Arena a(*backend_);
   float* buf = a.Zeros(64);
@@ -465,11 +507,14 @@ TEST_P(BackendOpsTest, PrefillAttentionInBf16) {
             };
             std::vector<float> s_got, s_want;
             const int64_t before = FlashInferPrefillLaunchesHere();
+            const int64_t fa3_before = FlashInferFa3LaunchesHere();
             const auto got = run(*backend_, &s_got);
             const bool library = FlashInferPrefillLaunchesHere() > before;
+            const bool fa3 = FlashInferFa3LaunchesHere() > fa3_before;
             const auto want = run(*reference_, &s_want);
             EXPECT_EQ(library, GetParam() == BackendKind::kCuda && CudaDecodesThroughFlashInfer() &&
                                    d != 32);
+            EXPECT_EQ(fa3, library && CudaPrefillsThroughFa3());
             // bf16 inputs and outputs: a few units in the 9th bit of values within [-1, 1].
             EXPECT_TRUE(AllClose(got, want,
                                  library ? Tolerance{1.5e-2f, 1.5e-2f} : Tolerance{2e-5f, 2e-4f}));

@@ -7,10 +7,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <random>
 
+#include "absl/strings/str_cat.h"
 #include "common/base/flags.h"
 #include "common/engine/generate.h"
 #include "common/model/model_flags.h"
@@ -186,9 +189,12 @@ TEST(Engine, ReferenceBackendAgreesWithCpuBackend) {
   }
 }
 
-// The kernels read the same weights whether copied at load (the default) or read from the
-// file's mapping (--weights mapped): the same logits to the bit. A device backend, whose
-// kernels cannot read host memory, refuses the mapping, and the flag takes only its values.
+// The kernels read the same weights whether copied at load (the default: q|k|v and gate|up
+// placed as one matrix each) or read from the file's mapping (--weights mapped: each projection
+// apart): the same logits to the bit, for a prompt of at most 64 rows (the products of few rows
+// sum each output in one order however wide; wider f32 prompts go to OpenBLAS in other slices,
+// BiasedProjectionsAreFusedWithTheirBiases). A device backend, whose kernels cannot read host
+// memory, refuses the mapping, and the flag takes only its values.
 TEST(Engine, MappedWeightsGiveTheSameLogits) {
   KVWIRE_REQUIRE_SHARED();
   LoadOptions mapped;
@@ -319,6 +325,63 @@ void ExpectError(const absl::Status& st, absl::StatusCode code,
 }
 
 TEST_F(BrokenModelTest, LoadsWhenIntact) { EXPECT_TRUE(Load().ok()) << Load(); }
+
+// A checkpoint with biases on every projection (attention_bias and mlp_bias): the fused q|k|v
+// and gate|up carry each part's bias at its rows. The copied model (fused) gives the mapped
+// one's logits (each projection apart), on a prompt of few rows and on one of many, and the
+// biases change them.
+TEST_F(BrokenModelTest, BiasedProjectionsAreFusedWithTheirBiases) {
+  std::string cfg = testing::ReadFile(dir_ + "/config.json");
+  cfg.replace(cfg.find('{'), 1, "{\"attention_bias\": true, \"mlp_bias\": true, ");
+  testing::WriteFile(dir_ + "/config.json", cfg);
+  const int hd = 64, qd = 64, kvd = 32, ffn = 172;  // stories260K
+  std::vector<std::vector<float>> biases;
+  RewriteWeights([&](auto& ts) {
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> u(-0.5f, 0.5f);
+    const std::vector<std::pair<std::string, int>> parts = {
+        {"self_attn.q_proj", qd}, {"self_attn.k_proj", kvd}, {"self_attn.v_proj", kvd},
+        {"self_attn.o_proj", hd}, {"mlp.gate_proj", ffn},    {"mlp.up_proj", ffn},
+        {"mlp.down_proj", hd}};
+    for (int l = 0; l < 5; ++l) {
+      for (const auto& [name, n] : parts) {
+        biases.emplace_back(n);
+        for (float& b : biases.back()) b = u(rng);
+        ts.push_back({absl::StrCat("model.layers.", l, ".", name, ".bias"),
+                      "F32",
+                      {static_cast<int64_t>(n)},
+                      biases.back().data()});
+      }
+    }
+  });
+  auto fused = LlamaModel::Load(dir_);
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  LoadOptions mapped;
+  mapped.mapped_weights = true;
+  auto apart = LlamaModel::Load(dir_, mapped);
+  ASSERT_TRUE(apart.ok()) << apart.status();
+  auto plain = LlamaModel::Load(testing::StoriesModelDir());
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  for (int len : {20, 300}) {
+    SCOPED_TRACE(absl::StrCat("len=", len));
+    std::vector<int32_t> ids(len);
+    for (int i = 0; i < len; ++i) ids[i] = 3 + (i * 37) % 500;
+    auto a = (*fused)->Prefill(ids, nullptr, true);
+    auto b = (*apart)->Prefill(ids, nullptr, true);
+    auto c = (*plain)->Prefill(ids, nullptr, true);
+    ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+    ASSERT_EQ(a->logits.size(), b->logits.size());
+    double moved = 0;
+    for (size_t i = 0; i < a->logits.size(); ++i) {
+      ASSERT_NEAR(a->logits[i], b->logits[i], 1e-5 + 1e-5 * std::fabs(b->logits[i])) << i;
+      moved = std::max(moved, std::fabs(double{a->logits[i]} - c->logits[i]));
+    }
+    if (len <= 64) {
+      EXPECT_EQ(a->logits, b->logits);
+    }
+    EXPECT_GT(moved, 0.1);  // the biases were read
+  }
+}
 
 TEST_F(BrokenModelTest, MissingTensor) {
   RewriteWeights([](auto& ts) {
