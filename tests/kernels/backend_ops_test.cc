@@ -85,22 +85,12 @@ int64_t FlashInferNormLaunchesHere() {
   return 0;
 #endif
 }
-// FA3's prefill calls so far, and whether a bf16 prefill on this GPU goes to FA3 (built for an
-// sm_90 device, and $KVWIRE_CUDA_ATTENTION neither native nor flashinfer-fa2).
+// FA3's prefill calls so far.
 int64_t FlashInferFa3LaunchesHere() {
 #if KVWIRE_HAVE_FLASHINFER
   return cuda::FlashInferFa3PrefillLaunches();
 #else
   return 0;
-#endif
-}
-bool CudaPrefillsThroughFa3() {
-#if KVWIRE_HAVE_FLASHINFER
-  const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
-  const std::string choice = env == nullptr ? "" : env;
-  return choice != "native" && choice != "flashinfer-fa2" && cuda::FlashInferFa3Serves();
-#else
-  return false;
 #endif
 }
 bool FlashInferNormBuilt() {
@@ -110,10 +100,24 @@ bool FlashInferNormBuilt() {
   return false;
 #endif
 }
+// $KVWIRE_CUDA_ATTENTION, or "" where it is unset.
+std::string CudaAttentionChoice() {
+  const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
+  return env == nullptr ? "" : env;
+}
 bool CudaDecodesThroughFlashInfer() {
 #if KVWIRE_HAVE_FLASHINFER
-  const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
-  return env == nullptr || std::string(env) != "native";
+  return CudaAttentionChoice() != "native";
+#else
+  return false;
+#endif
+}
+// Whether a bf16 prefill on this GPU goes to FA3: built for an sm_90 device, and
+// $KVWIRE_CUDA_ATTENTION neither native nor flashinfer-fa2.
+bool CudaPrefillsThroughFa3() {
+#if KVWIRE_HAVE_FLASHINFER
+  return CudaDecodesThroughFlashInfer() && CudaAttentionChoice() != "flashinfer-fa2" &&
+         cuda::FlashInferFa3Serves();
 #else
   return false;
 #endif
@@ -673,6 +677,15 @@ TEST_P(BackendOpsTest, EmbedRows) {
 
 // ---------------------------------------------------------------- DecodeAttention
 
+// One DecodeAttention call over the batch `seqs` at the scale 1/√d, which must succeed.
+void RunDecodeAttention(KernelBackend& b, const std::vector<DecodeSequence>& seqs, int heads,
+                        int cache_heads, int d, DType t) {
+  const absl::Status st =
+      b.DecodeAttention({seqs.data(), static_cast<int>(seqs.size()), heads, cache_heads, d, t,
+                         1.f / std::sqrt(static_cast<float>(d))});
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 TEST_P(BackendOpsTest, DecodeAttention) {
   uint32_t seed = 500;
   for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
@@ -736,16 +749,7 @@ TEST_P(BackendOpsTest, DecodeAttention) {
                 probs[b] = a.Zeros(static_cast<size_t>(heads) * len);
                 s.probs = probs[b];
               }
-              DecodeAttentionParams p;
-              p.seqs = seqs.data();
-              p.batch = batch;
-              p.n_heads = heads;
-              p.n_cache_heads = cache_heads;
-              p.head_dim = d;
-              p.kv_dtype = t;
-              p.scale = 1.f / std::sqrt(static_cast<float>(d));
-              const absl::Status st = be.DecodeAttention(p);
-              EXPECT_TRUE(st.ok()) << st;
+              RunDecodeAttention(be, seqs, heads, cache_heads, d, t);
               std::vector<float> out;
               for (int b = 0; b < batch; ++b) {
                 auto o = a.Download(outs[b], heads * d);
@@ -848,16 +852,7 @@ TEST_P(BackendOpsTest, DecodeAttentionWithoutProbabilities) {
                   s.num_indices = n_idx;
                 }
               }
-              DecodeAttentionParams p;
-              p.seqs = seqs.data();
-              p.batch = batch;
-              p.n_heads = heads;
-              p.n_cache_heads = cache_heads;
-              p.head_dim = d;
-              p.kv_dtype = t;
-              p.scale = 1.f / std::sqrt(static_cast<float>(d));
-              const absl::Status st = be.DecodeAttention(p);
-              EXPECT_TRUE(st.ok()) << st;
+              RunDecodeAttention(be, seqs, heads, cache_heads, d, t);
               return a.Download(out, static_cast<size_t>(batch) * heads * d);
             };
             const int64_t before = FlashInferDecodeLaunchesHere();
