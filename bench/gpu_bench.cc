@@ -2,14 +2,15 @@
 //
 //   decode   tokens/s at each --batches size over caches of --ctx tokens, and the bytes one
 //            step must read (every weight once, plus each sequence's K/V) per second, as a
-//            fraction of a device-to-device copy's bytes (read + written) per second;
+//            fraction of a device-to-device copy's bytes (read + written) per second; each
+//            step as one CUDA graph and op by op (--graphs), side by side;
 //   prefill  tokens/s for each --prefill length, and its FLOP/s (2 per weight per token,
 //            plus causal attention's 2·len²·heads·head_dim per layer) as a fraction of
 //            cuBLAS's bf16 GEMM (8192³, float32 accumulation: the engine's own call).
 //
 // Medians of --runs. Needs a CUDA build on a machine with a GPU (scripts/device_run.sh).
 // Run: gpu_bench [--model synthetic:llama-1b --batches 1,8,32 --ctx 512 --steps 32
-//                 --prefill 2048,16384 --runs 3]
+//                 --prefill 2048,16384 --runs 3 --graphs on,off]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/base/flags.h"
 #include "common/engine/generate.h"
@@ -90,6 +92,7 @@ int main(int argc, char** argv) {
   f.Define("steps", "32", "timed decode steps per run");
   f.Define("prefill", "2048,16384", "prefill prompt lengths (empty: none)");
   f.Define("runs", "3", "timed runs of each measurement (the median is reported)");
+  f.Define("graphs", "on,off", "decode steps as CUDA graphs (on), op by op (off), or both");
   if (int rc = ParseFlagsOrExit(f, "gpu_bench", "gpu_bench [flags]", argc, argv); rc >= 0) {
     return rc;
   }
@@ -108,6 +111,17 @@ int main(int argc, char** argv) {
   }
   const int ctx = static_cast<int>(*ctx_or), steps = static_cast<int>(*steps_or),
             runs = static_cast<int>(*runs_or);
+  std::vector<bool> graph_modes;
+  for (absl::string_view mode : absl::StrSplit(f.GetString("graphs"), ',')) {
+    if (mode != "on" && mode != "off") {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("--graphs: '", mode, "' is neither on nor off (a list: on,off)")));
+    }
+    graph_modes.push_back(mode == "on");
+  }
+  const int modes = static_cast<int>(graph_modes.size());
+  // Tokens a decode cache takes: the context, then each mode's warm-up step and timed runs.
+  const int decode_tokens = ctx + modes * (steps * runs + 1) + 4;
   auto name = kernels::CudaDeviceName();
   if (!name.ok()) return Fail(name.status());
 
@@ -120,7 +134,7 @@ int main(int argc, char** argv) {
   lo.backend = kernels::BackendKind::kCuda;
   int max_prefill = 0;
   for (int p : prefills) max_prefill = std::max(max_prefill, p);
-  const int context = std::max(ctx + steps * (runs + 1) + 8, max_prefill + 8);
+  const int context = std::max(decode_tokens + 4, max_prefill + 8);
   std::string spec = f.GetString("model");
   if (spec.rfind("synthetic:", 0) == 0) spec += ",context=" + std::to_string(context);
   const Clock::time_point load0 = Clock::now();
@@ -136,13 +150,13 @@ int main(int argc, char** argv) {
       *copy / 1e9, *gemm / 1e12);
 
   std::printf("decode, %d-token caches, %d steps, median of %d runs\n", ctx, steps, runs);
-  std::printf("%6s %10s %10s %12s %14s %10s\n", "batch", "ms/step", "tokens/s", "MB/step",
-              "GB/s read", "of copy");
+  std::printf("%6s %7s %10s %10s %12s %14s %10s\n", "batch", "graphs", "ms/step", "tokens/s",
+              "MB/step", "GB/s read", "of copy");
   const int64_t kv_row = int64_t{2} * c.num_kv_heads * c.head_dim * DTypeSize(m.kv_dtype());
   for (int bsz : *batches) {
     // The caches in pages of a KV pool in device memory, as a decode node keeps them.
     const KvCacheShape shape{c.num_kv_heads, c.head_dim, m.kv_dtype(),
-                             std::vector<int>(c.num_layers, ctx + steps * (runs + 1) + 4)};
+                             std::vector<int>(c.num_layers, decode_tokens)};
     const size_t page = size_t{64} << 10;
     auto pool =
         KvPool::OnBackend(m.backend(), bsz * (KvCache::PagedPages(shape, page) + 1) * page, page);
@@ -169,25 +183,40 @@ int main(int argc, char** argv) {
       }
       return m.DecodeStepSampled(in, rows, tokens.data());  // returns once the ids are here
     };
-    if (absl::Status st = step(0); !st.ok()) return Fail(st);  // a warm-up step
-    // (seconds per step, bytes read per step) of each run; the caches grow between runs, so the
-    // median run's own bytes go with its time.
-    std::vector<std::pair<double, double>> per_run;
-    for (int r = 0; r < runs; ++r) {
-      int64_t kv_tokens = 0;
-      const Clock::time_point t0 = Clock::now();
-      for (int s = 0; s < steps; ++s) {
-        for (auto& cache : caches) kv_tokens += cache->layer(0).len + 1;
-        if (absl::Status st = step(1 + r * steps + s); !st.ok()) return Fail(st);
+    int next = 0;  // steps made, for the tokens
+    for (bool graphs : graph_modes) {
+      m.SetDecodeGraphs(graphs);
+      const kernels::KernelBackend::GraphCounts g0 = m.backend()->graph_counts();
+      if (absl::Status st = step(next++); !st.ok()) return Fail(st);  // a warm-up step
+      // (seconds per step, bytes read per step) of each run; the caches grow between runs, so
+      // the median run's own bytes go with its time.
+      std::vector<std::pair<double, double>> per_run;
+      for (int r = 0; r < runs; ++r) {
+        int64_t kv_tokens = 0;
+        const Clock::time_point t0 = Clock::now();
+        for (int s = 0; s < steps; ++s) {
+          for (auto& cache : caches) kv_tokens += cache->layer(0).len + 1;
+          if (absl::Status st = step(next++); !st.ok()) return Fail(st);
+        }
+        per_run.emplace_back(Seconds(t0, Clock::now()) / steps,
+                             static_cast<double>(m.WeightBytes()) +
+                                 static_cast<double>(kv_tokens) / steps * c.num_layers * kv_row);
       }
-      per_run.emplace_back(Seconds(t0, Clock::now()) / steps,
-                           static_cast<double>(m.WeightBytes()) +
-                               static_cast<double>(kv_tokens) / steps * c.num_layers * kv_row);
+      std::sort(per_run.begin(), per_run.end());
+      const auto [t, bytes] = per_run[per_run.size() / 2];
+      const kernels::KernelBackend::GraphCounts g = m.backend()->graph_counts();
+      std::printf("%6d %7s %10.3f %10.0f %12.1f %14.0f %10.2f", bsz, graphs ? "on" : "off", t * 1e3,
+                  bsz / t, bytes / 1e6, bytes / t / 1e9, bytes / t / *copy);
+      // A graph that failed leaves the model stepping op by op, which the row would hide.
+      if (graphs) {
+        std::printf("   (graphs: %lld made, %lld updated, %lld run%s)",
+                    static_cast<long long>(g.made - g0.made),
+                    static_cast<long long>(g.updated - g0.updated),
+                    static_cast<long long>(g.launched - g0.launched),
+                    m.decode_graphs() ? "" : "; FAILED, stepping op by op");
+      }
+      std::printf("\n");
     }
-    std::sort(per_run.begin(), per_run.end());
-    const auto [t, bytes] = per_run[per_run.size() / 2];
-    std::printf("%6d %10.3f %10.0f %12.1f %14.0f %10.2f\n", bsz, t * 1e3, bsz / t, bytes / 1e6,
-                bytes / t / 1e9, bytes / t / *copy);
   }
 
   if (!prefills.empty()) {

@@ -49,6 +49,15 @@ absl::StatusOr<std::unique_ptr<PeerLink>> KernelBackend::OpenLink(std::string*) 
       "has"));
 }
 
+absl::Status KernelBackend::BeginGraph(int64_t) {
+  return absl::UnimplementedError(absl::StrCat(
+      "the ", BackendName(kind()),
+      " backend runs each op as it is called; only a device backend (cuda; guarded, which "
+      "emulates it) records a step as a graph"));
+}
+
+absl::Status KernelBackend::EndGraph() { return BeginGraph(0); }
+
 absl::StatusOr<std::unique_ptr<PeerLink>> KernelBackend::JoinLink(const std::string& offer) {
   std::string unused;
   return OpenLink(&unused).status();

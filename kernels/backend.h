@@ -324,6 +324,25 @@ class KernelBackend {
   virtual absl::StatusOr<std::unique_ptr<PeerLink>> OpenLink(std::string* offer);
   virtual absl::StatusOr<std::unique_ptr<PeerLink>> JoinLink(const std::string& offer);
 
+  // A decode step as one graph (CUDA graphs): between BeginGraph and EndGraph the calling
+  // thread's ops and uploads are recorded, not run, each table and host array copied at its call
+  // as ever; EndGraph queues the recording as one graph, in the order of the thread's work. On
+  // CUDA the executable graph kept for `key` (a batch size) is updated in place where only
+  // parameters changed, and made anew where the work's shape did (llama.cpp's scheme), so a
+  // step's launches cost one. While recording, nothing may wait for the work or read what it
+  // wrote (Synchronize, CopyToHost, CopyToHostAsync, WaitCopy, ChecksumSpans, Free): each is
+  // refused, or fails the recording. AbortGraph drops a recording unrun (nothing it recorded
+  // has run). A backend without graphs says Unimplemented; SupportsGraphs tells.
+  virtual bool SupportsGraphs() const { return false; }
+  virtual absl::Status BeginGraph(int64_t key);
+  virtual absl::Status EndGraph();
+  virtual void AbortGraph() {}
+  // Graphs made (instantiated), updated in place, and run, since the backend was made.
+  struct GraphCounts {
+    int64_t made = 0, updated = 0, launched = 0;
+  };
+  virtual GraphCounts graph_counts() const { return {}; }
+
   // Host work between ops that splits into independent tasks (sparse decode selection, per
   // sequence and KV head): calls fn(begin, end) over disjoint ranges covering [0, n), on the
   // CPU backend's threads; the other backends run it on the calling thread, as the reference

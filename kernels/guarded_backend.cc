@@ -15,7 +15,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -130,6 +132,12 @@ class GuardedBackend final : public KernelBackend {
   void Free(void* ptr) override {
     if (ptr == nullptr) return;
     std::lock_guard<std::mutex> lock(mu_);
+    // cudaFree would wait for the work, which a recording has not queued: the graph is void.
+    if (Recording* r = RecordingHere(); r != nullptr && r->error.ok()) {
+      r->error = absl::FailedPreconditionError(
+          "guarded backend: Free while this thread records a graph (its ops may use the buffer, "
+          "and run only at EndGraph)");
+    }
     // A failure of the queued work is reported at the next synchronisation.
     if (absl::Status st = FlushLocked(); !st.ok() && deferred_.ok()) deferred_ = st;
     auto it = regions_.find(ptr);
@@ -147,6 +155,7 @@ class GuardedBackend final : public KernelBackend {
     regions_.erase(it);
   }
   absl::Status Synchronize() override {
+    RETURN_IF_ERROR(RefuseWhileRecording("Synchronize"));
     // A device that faulted (MarkFaulted: a test's stand-in for CUDA's sticky errors) runs
     // nothing more: its queued work is dropped and every synchronisation fails with the fault.
     if (absl::Status f = fault(); !f.ok()) {
@@ -395,6 +404,7 @@ class GuardedBackend final : public KernelBackend {
                  });
   }
   absl::Status ChecksumSpans(const ChecksumSpansParams& p) override {
+    RETURN_IF_ERROR(RefuseWhileRecording("ChecksumSpans"));
     RETURN_IF_ERROR(ValidateChecksumSpans(p));
     std::vector<Extent> ext;
     for (int i = 0; i < p.n; ++i) ext.push_back({p.spans[i].data, p.spans[i].bytes, "span"});
@@ -498,6 +508,42 @@ class GuardedBackend final : public KernelBackend {
     regions_[user] = r;
     return static_cast<void*>(user);
   }
+  // Graphs, emulated: a thread's recorded ops are held apart from the queue and join it at
+  // EndGraph, so a step that reads a result before then, or relies on a host array after its
+  // call, fails here as it would on a GPU.
+  bool SupportsGraphs() const override { return true; }
+  absl::Status BeginGraph(int64_t key) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (RecordingHere() != nullptr) {
+      return absl::FailedPreconditionError(
+          "guarded backend: BeginGraph while this thread already records a graph");
+    }
+    recordings_[std::this_thread::get_id()].key = key;
+    return absl::OkStatus();
+  }
+  absl::Status EndGraph() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = recordings_.find(std::this_thread::get_id());
+    if (it == recordings_.end()) {
+      return absl::FailedPreconditionError("guarded backend: EndGraph without BeginGraph");
+    }
+    Recording r = std::move(it->second);
+    recordings_.erase(it);
+    RETURN_IF_ERROR(r.error);
+    for (Op& op : r.ops) queue_.push_back(std::move(op));
+    ++(keys_.insert(r.key).second ? counts_.made : counts_.updated);
+    ++counts_.launched;
+    return absl::OkStatus();
+  }
+  void AbortGraph() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    recordings_.erase(std::this_thread::get_id());
+  }
+  GraphCounts graph_counts() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return counts_;
+  }
+
   // NCCL, emulated: a loopback socket, through host buffers (kernels/socket_link.h).
   absl::StatusOr<std::unique_ptr<PeerLink>> OpenLink(std::string* offer) override {
     return OpenSocketLink(this, offer);
@@ -528,6 +574,7 @@ class GuardedBackend final : public KernelBackend {
   }
   // Queued: WaitCopy synchronises.
   absl::StatusOr<CopyTicket> DoCopyToHostAsync(void* dst, const void* src, size_t bytes) override {
+    RETURN_IF_ERROR(RefuseWhileRecording("CopyToHostAsync"));
     RETURN_IF_ERROR(
         Queue("CopyToHostAsync", {{src, static_cast<int64_t>(bytes), "src"}}, [dst, src, bytes] {
           if (bytes > 0) std::memcpy(dst, src, bytes);
@@ -535,9 +582,13 @@ class GuardedBackend final : public KernelBackend {
         }));
     return CopyTicket{1};
   }
-  absl::Status WaitCopy(CopyTicket) override { return Synchronize(); }
+  absl::Status WaitCopy(CopyTicket) override {
+    RETURN_IF_ERROR(RefuseWhileRecording("WaitCopy"));
+    return Synchronize();
+  }
   // Runs everything queued before it: returns with `dst` filled.
   absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) override {
+    RETURN_IF_ERROR(RefuseWhileRecording("CopyToHost"));
     RETURN_IF_ERROR(
         Queue("CopyToHost", {{src, static_cast<int64_t>(bytes), "src"}}, [dst, src, bytes] {
           if (bytes > 0) std::memcpy(dst, src, bytes);
@@ -641,6 +692,24 @@ class GuardedBackend final : public KernelBackend {
     const char* name;
     std::function<absl::Status()> run;
   };
+  // A thread's graph being recorded (BeginGraph): its ops, and what already voids it.
+  struct Recording {
+    int64_t key = 0;
+    std::deque<Op> ops;
+    absl::Status error;
+  };
+  Recording* RecordingHere() {
+    auto it = recordings_.find(std::this_thread::get_id());
+    return it == recordings_.end() ? nullptr : &it->second;
+  }
+  absl::Status RefuseWhileRecording(const char* call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (RecordingHere() == nullptr) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("guarded backend: ", call,
+                     " while this thread records a graph: its work runs at EndGraph, and "
+                     "nothing may wait for it or read its results before then"));
+  }
 
   // Null (with any extent), or [p, p + bytes) inside one buffer of this backend.
   bool Within(const Extent& e) const {
@@ -664,7 +733,11 @@ class GuardedBackend final : public KernelBackend {
             "past a buffer's end)"));
       }
     }
-    queue_.push_back({op_name, std::forward<F>(run)});
+    if (Recording* r = RecordingHere(); r != nullptr) {
+      r->ops.push_back({op_name, std::forward<F>(run)});
+    } else {
+      queue_.push_back({op_name, std::forward<F>(run)});
+    }
     return absl::OkStatus();
   }
 
@@ -697,11 +770,14 @@ class GuardedBackend final : public KernelBackend {
   KernelBackendPtr inner_;
   const size_t page_;
   const size_t capacity_;  // 0: no limit
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::map<void*, Region> regions_;  // by the buffer's start
   size_t used_ = 0;
   std::deque<Op> queue_;
   absl::Status deferred_;  // a failure found by Free, for the next synchronisation
+  std::map<std::thread::id, Recording> recordings_;
+  std::set<int64_t> keys_;  // graphs "made"
+  GraphCounts counts_;
 };
 
 }  // namespace

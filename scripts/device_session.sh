@@ -9,8 +9,9 @@
 #   pair       both nodes on cuda through gRPC (ServicePairOnDevice.*)
 #   oracle     PyTorch on the same device (scripts/device_oracle.py): ceilings, SDPA, and
 #              transformers' stories260K greedy ids against kvwire's on cuda
-#   gpu_bench  decode at batch 1/8/32 and prefill at 2K/16K against the measured ceilings, on
-#              the 1B shape; gpu_bench_8b, the last phase, on the 8B shape
+#   gpu_bench  decode at batch 1/8/32 (each step a CUDA graph, and op by op) and prefill at
+#              2K/16K against the measured ceilings, on the 1B shape; gpu_bench_8b, the last
+#              phase, on the 8B shape
 #   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
 #              (decode attention through FlashInfer where it serves the cache)
 #   decode_native  the same on kvwire's own kernels (KVWIRE_CUDA_ATTENTION=native)
@@ -156,7 +157,7 @@ else
     --kvwire "$kvwire" --backend cuda --json "$work/oracle.json"
   grep -P '^\w+\t(pass|FAIL|skip)\t' "$work/oracle.log" |
     awk -F'\t' '{printf "oracle.%s\t%s\t0\t%s\n", $1, $2, $3}' >>"$summary"
-  bench_detail() { tail_detail "$1" "$2" 12; }
+  bench_detail() { tail_detail "$1" "$2" 16; }
   phase gpu_bench 120 bench_detail "$(find_bin gpu_bench)" --runs 3
   decode_args=(--backend cuda --batch 8 --ctx 32768 --kept 2048 --t 1024 --steps 8
                --threads 16 --kv-formats fp8,int8,int4)

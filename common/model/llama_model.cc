@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -551,8 +552,16 @@ absl::Status LlamaModel::DecodeStep(absl::Span<const DecodeInput> batch, float* 
         kernels::BackendName(backend_->kind()), " this version does not return them"));
   }
   std::lock_guard<std::mutex> lock(decode_mu_);
-  ASSIGN_OR_RETURN(Activations * a, DecodeLayers(batch, observer, times));
-  return Logits(*a, 0, logits);
+  ASSIGN_OR_RETURN(Activations * a, DecodeActivations(batch));
+  const ModelConfig& c = config_;
+  const int bsz = static_cast<int>(batch.size());
+  RETURN_IF_ERROR(RunDecodeOps(batch, times == nullptr && observer == nullptr, [&] {
+    RETURN_IF_ERROR(DecodeLayers(batch, *a, observer, times));
+    return MatMul(lm_head_, a->h, bsz, on_device() ? a->logits : logits);
+  }));
+  if (!on_device()) return absl::OkStatus();
+  return backend_->CopyToHost(logits, a->logits,
+                              static_cast<size_t>(bsz) * c.vocab_size * sizeof(float));
 }
 
 absl::Status LlamaModel::DecodeStepSampled(absl::Span<const DecodeInput> batch,
@@ -565,35 +574,93 @@ absl::Status LlamaModel::DecodeStepSampled(absl::Span<const DecodeInput> batch,
                                                    " rows of sampling parameters"));
   }
   std::lock_guard<std::mutex> lock(decode_mu_);
-  ASSIGN_OR_RETURN(Activations * a, DecodeLayers(batch, nullptr, times));
+  ASSIGN_OR_RETURN(Activations * a, DecodeActivations(batch));
   const ModelConfig& c = config_;
   const int bsz = static_cast<int>(batch.size());
-  RETURN_IF_ERROR(MatMul(lm_head_, a->h, bsz, a->logits));
-  kernels::SampleParams sp;
-  sp.logits = a->logits;
-  sp.batch = bsz;
-  sp.vocab = c.vocab_size;
-  sp.rows = rows.data();
-  sp.out = a->sampled;
-  RETURN_IF_ERROR(backend_->Sample(sp));
+  RETURN_IF_ERROR(RunDecodeOps(batch, times == nullptr, [&] {
+    RETURN_IF_ERROR(DecodeLayers(batch, *a, nullptr, times));
+    RETURN_IF_ERROR(MatMul(lm_head_, a->h, bsz, a->logits));
+    kernels::SampleParams sp;
+    sp.logits = a->logits;
+    sp.batch = bsz;
+    sp.vocab = c.vocab_size;
+    sp.rows = rows.data();
+    sp.out = a->sampled;
+    return backend_->Sample(sp);
+  }));
   // The step's one copy to the host: each sequence's token and its log-probability.
   return backend_->CopyToHost(out, a->sampled, sizeof(kernels::SampledToken) * bsz);
 }
 
-// The layers of a decode step, leaving each sequence's last hidden state in the returned
-// activations' x and its final norm in h. Called with decode_mu_ held.
-absl::StatusOr<LlamaModel::Activations*> LlamaModel::DecodeLayers(
-    absl::Span<const DecodeInput> batch, DecodeObserver* observer, DecodeTimes* times) {
+void LlamaModel::SetDecodeGraphs(bool on) {
+  std::lock_guard<std::mutex> lock(decode_mu_);
+  options_.decode_graphs = on;
+}
+
+bool LlamaModel::decode_graphs() const {
+  std::lock_guard<std::mutex> lock(decode_mu_);
+  return options_.decode_graphs && backend_->SupportsGraphs() && !graph_failed_;
+}
+
+// A decode step's ops (`ops`, up to the step's copy to the host) as one graph where they can
+// be (`graph`, the step's own condition, and a dense batch on a backend that records graphs),
+// else as they are called. A graph that fails does so before any of its work ran: the caches'
+// lengths are put back and the step runs again op by op. Where that succeeds the graph was at
+// fault, and this model's steps stay op by op from then on (said once on stderr). Called with
+// decode_mu_ held.
+absl::Status LlamaModel::RunDecodeOps(absl::Span<const DecodeInput> batch, bool graph,
+                                      const std::function<absl::Status()>& ops) {
+  graph = graph && on_device() && options_.decode_graphs && !graph_failed_ &&
+          backend_->SupportsGraphs();
+  // Sparse selectors keep state of their own between steps, which a failed graph would leave
+  // advanced: their batches run op by op.
+  for (const DecodeInput& in : batch) graph = graph && in.selector == nullptr;
+  if (!graph) return ops();
+  std::vector<int> lens;
+  for (const DecodeInput& in : batch) {
+    for (int li = 0; li < in.cache->num_layers(); ++li) lens.push_back(in.cache->layer(li).len);
+  }
+  absl::Status st = backend_->BeginGraph(static_cast<int64_t>(batch.size()));
+  if (st.ok()) {
+    st = ops();
+    if (st.ok()) {
+      st = backend_->EndGraph();
+    } else {
+      backend_->AbortGraph();
+    }
+  }
+  if (st.ok()) return st;
+  size_t i = 0;
+  for (const DecodeInput& in : batch) {
+    for (int li = 0; li < in.cache->num_layers(); ++li) in.cache->layer(li).len = lens[i++];
+  }
+  RETURN_IF_ERROR(ops());
+  graph_failed_ = true;
+  std::fprintf(stderr, "kvwire: a decode step's graph failed, so decode runs op by op: %s\n",
+               st.ToString().c_str());
+  return absl::OkStatus();
+}
+
+// The decode activations for `batch` (checked): reused while the batch fits (requests join and
+// leave between steps), regrown to the largest batch seen. Called with decode_mu_ held.
+absl::StatusOr<LlamaModel::Activations*> LlamaModel::DecodeActivations(
+    absl::Span<const DecodeInput> batch) {
   const int bsz = static_cast<int>(batch.size());
   RETURN_IF_ERROR(CheckDecodeBatch(batch));
-  // Reused while the batch fits (requests join and leave between steps); regrown to the
-  // largest batch seen.
   if (decode_activations_ == nullptr || decode_activations_->capacity < bsz) {
     decode_activations_.reset();
     ASSIGN_OR_RETURN(decode_activations_, MakeActivations(bsz, bsz, bsz, true));
   }
   Activations& a = *decode_activations_;
   a.rows = a.chunk = bsz;
+  return &a;
+}
+
+// The layers of a decode step, leaving each sequence's last hidden state in a.x and its final
+// norm in a.h. Called with decode_mu_ held.
+absl::Status LlamaModel::DecodeLayers(absl::Span<const DecodeInput> batch, Activations& a,
+                                      DecodeObserver* observer, DecodeTimes* times) {
+  const int bsz = static_cast<int>(batch.size());
   for (int b = 0; b < bsz; ++b) {
     a.positions_in[b] = batch[b].position;
     if (!on_device()) EmbedRow(batch[b].token, a.x_in + int64_t{b} * config_.hidden_size);
@@ -615,7 +682,7 @@ absl::StatusOr<LlamaModel::Activations*> LlamaModel::DecodeLayers(
     }
     RETURN_IF_ERROR(AttentionOutAndMlp(li, a));
   }
-  return &a;
+  return absl::OkStatus();
 }
 
 }  // namespace kvwire

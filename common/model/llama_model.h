@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -51,6 +52,11 @@ struct LoadOptions {
   // A decode node brings a pool of its own (KvPool::OnBackend) instead.
   size_t kv_pool_bytes = size_t{1} << 30;
   size_t kv_page_bytes = size_t{64} << 10;
+  // A device backend that records graphs (KernelBackend::SupportsGraphs: cuda; guarded, which
+  // emulates them) runs each dense decode step as one graph, its launches costing one (vLLM's
+  // and SGLang's CUDA graphs, llama.cpp's per-step update). False: op by op (vLLM's
+  // --enforce-eager).
+  bool decode_graphs = true;
 };
 
 // What a prefill observer sees after one layer's attention, in the memory of `backend` (device
@@ -172,6 +178,12 @@ class LlamaModel {
 
   static std::string SyntheticSpecHelp();
 
+  // LoadOptions::decode_graphs, changed between steps (a benchmark sets the two side by side).
+  void SetDecodeGraphs(bool on);
+  // Whether the next dense decode step of a batch would run as one graph: graphs on, the
+  // backend records them, and no step's graph has failed on this model.
+  bool decode_graphs() const;
+
   // A KV cache for this model to decode: one region of host memory on a host backend; on a
   // device, pages of the model's own KV pool (LoadOptions::kv_pool_bytes), where the kernels
   // read it. A decode node makes its caches in its own pool instead (KvCache::CreateIn).
@@ -237,8 +249,11 @@ class LlamaModel {
   absl::Status Logits(Activations& a, int first_row, float* logits);
   absl::StatusOr<std::unique_ptr<Activations>> MakeActivations(int rows, int chunk, int logit_rows,
                                                                bool sampling);
-  absl::StatusOr<Activations*> DecodeLayers(absl::Span<const DecodeInput> batch,
-                                            DecodeObserver* observer, DecodeTimes* times);
+  absl::StatusOr<Activations*> DecodeActivations(absl::Span<const DecodeInput> batch);
+  absl::Status DecodeLayers(absl::Span<const DecodeInput> batch, Activations& a,
+                            DecodeObserver* observer, DecodeTimes* times);
+  absl::Status RunDecodeOps(absl::Span<const DecodeInput> batch, bool graph,
+                            const std::function<absl::Status()>& ops);
   absl::Status UploadInputs(Activations& a);
   // Rows of the embedding for `ids` into `out` (backend memory), looked up on the device.
   absl::Status EmbedOnDevice(absl::Span<const int32_t> ids, float* out);
@@ -267,8 +282,9 @@ class LlamaModel {
   // through it and may outlive the model.
   std::shared_ptr<kernels::KernelBackend> backend_;
   std::vector<BackendPtr> placed_;  // what PlaceWeights uploaded
-  std::mutex decode_mu_;
+  mutable std::mutex decode_mu_;
   std::unique_ptr<Activations> decode_activations_;  // under decode_mu_, reused across steps
+  bool graph_failed_ = false;  // under decode_mu_: a step's graph failed, so steps run op by op
   LoadOptions options_;
   std::mutex pool_mu_;
   std::unique_ptr<KvPool> kv_pool_;  // under pool_mu_: NewCache's on a device

@@ -110,6 +110,26 @@ struct Lane {
   Staging uploads[kUploadSlots];
   int next_upload = 0;
   Staging download;  // synchronous downloads
+  // A graph being recorded (BeginGraph): the compute stream captures; op tables and uploads are
+  // copied into `arena` (pinned host memory that stays as it is until the graph has run, since
+  // the graph's copies read it then), and the buffers Grow replaces meanwhile are freed after.
+  bool capturing = false;
+  int64_t capture_key = 0;
+  absl::Status capture_error;  // what already voids the recording (a Free)
+  struct Chunk {
+    void* host = nullptr;
+    size_t bytes = 0, used = 0;
+  };
+  std::vector<Chunk> arena;
+  size_t arena_at = 0;
+  std::vector<void*> retired;
+  // The executable graph of each key, updated in place step after step; the event after the
+  // last one launched (the arena is reused once it has passed).
+  std::unordered_map<int64_t, cudaGraphExec_t> graphs;
+  cudaEvent_t graph_done = nullptr;
+  bool graph_pending = false;
+  // cuBLAS's workspace, given to it so that a captured product allocates nothing.
+  void* cublas_workspace = nullptr;
   // Asynchronous downloads: the pinned buffer each lands in, copied to `dst` by WaitCopy.
   struct Pending {
     void* dst;
@@ -120,8 +140,18 @@ struct Lane {
   std::vector<Staging> spare;  // staging of finished downloads, for the next ones
 
   ~Lane() {
+    if (capturing) {
+      cudaGraph_t g = nullptr;
+      cudaStreamEndCapture(compute, &g);
+      if (g) cudaGraphDestroy(g);
+    }
     if (compute) cudaStreamSynchronize(compute);
     if (copy) cudaStreamSynchronize(copy);
+    for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
+    if (graph_done) cudaEventDestroy(graph_done);
+    for (Chunk& c : arena) cudaFreeHost(c.host);
+    for (void* p : retired) cudaFree(p);
+    if (cublas_workspace) cudaFree(cublas_workspace);
     for (DeviceBuffer* b : {&matmul_scratch, &seqs_table, &append_table}) {
       if (b->data) cudaFree(b->data);
     }
@@ -146,11 +176,18 @@ struct Lane {
     return CudaStatus(cudaStreamSynchronize(compute), "kernel execution");
   }
 
-  // A buffer of at least `bytes`, the old one freed once the work that may use it is done.
+  // A buffer of at least `bytes`, the old one freed once the work that may use it is done
+  // (while recording, once the graph has run). It grows by half again at least: a decode step's
+  // page tables and rows grow a little every step, and each growth waits for the device.
   absl::StatusOr<void*> Grow(DeviceBuffer* b, size_t bytes, const char* what) {
     if (bytes > b->bytes) {
-      RETURN_IF_ERROR(Sync());
-      if (b->data) cudaFree(b->data);
+      bytes = std::max(bytes, b->bytes + b->bytes / 2);
+      if (capturing) {
+        if (b->data) retired.push_back(b->data);
+      } else {
+        RETURN_IF_ERROR(Sync());
+        if (b->data) cudaFree(b->data);
+      }
       b->data = nullptr;
       b->bytes = 0;
       RETURN_IF_ERROR(CudaStatus(cudaMalloc(&b->data, bytes), what));
@@ -159,16 +196,50 @@ struct Lane {
     return b->data;
   }
 
+  // `bytes` of the arena, 16-byte aligned, for the graph being recorded.
+  absl::StatusOr<void*> ArenaTake(size_t bytes) {
+    bytes = (std::max<size_t>(bytes, 1) + 15) / 16 * 16;
+    for (; arena_at < arena.size(); ++arena_at) {
+      Chunk& c = arena[arena_at];
+      if (c.used + bytes <= c.bytes) {
+        void* p = static_cast<uint8_t*>(c.host) + c.used;
+        c.used += bytes;
+        return p;
+      }
+    }
+    Chunk c;
+    c.bytes = std::max(bytes, arena.empty() ? size_t{1} << 20 : 2 * arena.back().bytes);
+    RETURN_IF_ERROR(CudaStatus(cudaMallocHost(&c.host, c.bytes), "cudaMallocHost (graph arena)"));
+    c.used = bytes;
+    arena.push_back(c);
+    arena_at = arena.size() - 1;
+    return c.host;
+  }
+  // The bytes at `host` into device memory at `dst` by a copy the graph being recorded makes.
+  absl::Status RecordUpload(void* dst, const void* host, size_t bytes, const char* what) {
+    ASSIGN_OR_RETURN(void* staged, ArenaTake(bytes));
+    std::memcpy(staged, host, bytes);
+    return CudaStatus(cudaMemcpyAsync(dst, staged, bytes, cudaMemcpyHostToDevice, compute), what);
+  }
+  void FreeRetired() {
+    for (void* p : retired) cudaFree(p);  // cudaFree waits for the device's work
+    retired.clear();
+  }
+
   // A per-op table of host structs copied to the device for a launch, queued after the
   // kernels that read the previous table.
   absl::StatusOr<void*> Table(DeviceBuffer* t, const void* host, size_t bytes, size_t* counted) {
     if (bytes == 0) return t->data;
     ASSIGN_OR_RETURN(void* data, Grow(t, bytes, "cudaMalloc (op table)"));
+    *counted += bytes;
+    if (capturing) {
+      RETURN_IF_ERROR(RecordUpload(data, host, bytes, "op table (recorded)"));
+      return data;
+    }
     Staging& slot = table_staging[next_table];
     next_table = (next_table + 1) % kTableSlots;
     RETURN_IF_ERROR(slot.Ready(bytes));
     std::memcpy(slot.host, host, bytes);
-    *counted += bytes;
     RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(data, slot.host, bytes, cudaMemcpyHostToDevice, compute), "op table"));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(slot.done, compute), "cudaEventRecord"));
@@ -230,6 +301,14 @@ class CudaBackend final : public KernelBackend {
       used_ -= it->second;
       allocations_.erase(it);
     }
+    // While this thread records, the recorded ops may use the buffer: the graph is void, and
+    // the buffer goes once the recording has ended (cudaFree would wait on work not queued).
+    if (Lane* lane = LaneIfAny(); lane != nullptr && lane->capturing) {
+      lane->capture_error.Update(absl::FailedPreconditionError(
+          "cuda backend: Free while this thread records a graph (its ops may use the buffer)"));
+      lane->retired.push_back(ptr);
+      return;
+    }
     cudaFree(ptr);
   }
   // A sticky error fails every call on the process's context, whichever backend object made it.
@@ -239,7 +318,60 @@ class CudaBackend final : public KernelBackend {
   }
   absl::Status Synchronize() override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    RETURN_IF_ERROR(RefuseWhileRecording(*lane, "Synchronize"));
     return lane->Sync();
+  }
+
+  // A step recorded by stream capture (relaxed: cudaMalloc may run while it records, for a
+  // buffer that grows) and run as one graph; see KernelBackend::BeginGraph.
+  bool SupportsGraphs() const override { return true; }
+  absl::Status BeginGraph(int64_t key) override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    if (lane->capturing) {
+      return absl::FailedPreconditionError(
+          "cuda backend: BeginGraph while this thread already records a graph");
+    }
+    // The arena is the last graph's until that has run.
+    if (lane->graph_pending) {
+      RETURN_IF_ERROR(CudaStatus(cudaEventSynchronize(lane->graph_done), "the previous graph"));
+      lane->graph_pending = false;
+    }
+    for (Lane::Chunk& c : lane->arena) c.used = 0;
+    lane->arena_at = 0;
+    RETURN_IF_ERROR(CudaStatus(cudaStreamBeginCapture(lane->compute, cudaStreamCaptureModeRelaxed),
+                               "cudaStreamBeginCapture"));
+    lane->capturing = true;
+    lane->capture_key = key;
+    const absl::Status ok;
+    lane->capture_error = ok;
+    return absl::OkStatus();
+  }
+  absl::Status EndGraph() override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    if (!lane->capturing) {
+      return absl::FailedPreconditionError("cuda backend: EndGraph without BeginGraph");
+    }
+    lane->capturing = false;
+    cudaGraph_t graph = nullptr;
+    absl::Status st = CudaStatus(cudaStreamEndCapture(lane->compute, &graph), "a recorded graph");
+    st.Update(lane->capture_error);
+    if (st.ok()) st.Update(LaunchRecorded(*lane, graph));
+    if (graph) cudaGraphDestroy(graph);
+    lane->FreeRetired();
+    return st;
+  }
+  void AbortGraph() override {
+    auto lane = MyLane();
+    if (!lane.ok() || !(*lane)->capturing) return;
+    (*lane)->capturing = false;
+    cudaGraph_t graph = nullptr;
+    cudaStreamEndCapture((*lane)->compute, &graph);
+    cudaGetLastError();  // an invalidated capture's error, reported by the op that caused it
+    if (graph) cudaGraphDestroy(graph);
+    (*lane)->FreeRetired();
+  }
+  GraphCounts graph_counts() const override {
+    return {graphs_made_.load(), graphs_updated_.load(), graphs_launched_.load()};
   }
 
   // Ops: on the calling thread's compute stream.
@@ -380,9 +512,10 @@ class CudaBackend final : public KernelBackend {
   }
   // The sums into the lane's scratch, then to the caller's host array in stream order.
   absl::Status ChecksumSpans(const ChecksumSpansParams& p) override {
+    ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    RETURN_IF_ERROR(RefuseWhileRecording(*lane, "ChecksumSpans"));
     RETURN_IF_ERROR(ValidateChecksumSpans(p));
     if (p.n == 0) return absl::OkStatus();
-    ASSIGN_OR_RETURN(Lane * lane, MyLane());
     const cuda::OpMemory mem = OpMemoryOf(*lane);
     const size_t bytes = sizeof(uint32_t) * static_cast<size_t>(p.n);
     ASSIGN_OR_RETURN(void* sums, mem.scratch(cuda::kScratchWork, bytes));
@@ -448,6 +581,7 @@ class CudaBackend final : public KernelBackend {
 
   absl::Status WaitCopy(CopyTicket ticket) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    RETURN_IF_ERROR(RefuseWhileRecording(*lane, "WaitCopy"));
     auto it = lane->pending.find(ticket);
     if (it == lane->pending.end()) {
       return absl::FailedPreconditionError(
@@ -468,6 +602,8 @@ class CudaBackend final : public KernelBackend {
   // Through the lane's pinned staging, in chunks: returns as soon as the copies are queued.
   absl::Status DoCopyToDevice(void* dst, const void* src, size_t bytes) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    if (lane->capturing)
+      return lane->RecordUpload(dst, src, bytes, "cudaMemcpy to device (recorded)");
     for (size_t off = 0; off < bytes; off += Lane::kUploadChunk) {
       const size_t n = std::min(Lane::kUploadChunk, bytes - off);
       Staging& slot = lane->uploads[lane->next_upload];
@@ -485,6 +621,7 @@ class CudaBackend final : public KernelBackend {
   // In the compute stream's order, through pinned staging; returns with `dst` filled.
   absl::Status DoCopyToHost(void* dst, const void* src, size_t bytes) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    RETURN_IF_ERROR(RefuseWhileRecording(*lane, "CopyToHost"));
     for (size_t off = 0; off < bytes; off += Lane::kUploadChunk) {
       const size_t n = std::min(Lane::kUploadChunk, bytes - off);
       RETURN_IF_ERROR(lane->download.Ready(std::min(bytes, Lane::kUploadChunk)));
@@ -502,6 +639,7 @@ class CudaBackend final : public KernelBackend {
   // On the copy stream, after the compute stream's work so far: the compute stream goes on.
   absl::StatusOr<CopyTicket> DoCopyToHostAsync(void* dst, const void* src, size_t bytes) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    RETURN_IF_ERROR(RefuseWhileRecording(*lane, "CopyToHostAsync"));
     Staging staging;
     if (!lane->spare.empty()) {
       staging = lane->spare.back();
@@ -547,9 +685,69 @@ class CudaBackend final : public KernelBackend {
     if (cublasCreate(&fresh->cublas) != CUBLAS_STATUS_SUCCESS) {
       return absl::InternalError("cublasCreate failed");
     }
+    // Bound to the compute stream once, then given its workspace (cublasSetStream would put
+    // back the default one, which a captured product may allocate).
     cublasSetStream(fresh->cublas, fresh->compute);
+    RETURN_IF_ERROR(CudaStatus(cudaMalloc(&fresh->cublas_workspace, kCublasWorkspace),
+                               "cudaMalloc (cuBLAS workspace)"));
+    if (cublasSetWorkspace(fresh->cublas, fresh->cublas_workspace, kCublasWorkspace) !=
+        CUBLAS_STATUS_SUCCESS) {
+      return absl::InternalError("cublasSetWorkspace failed");
+    }
+    RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&fresh->graph_done, cudaEventDisableTiming),
+                               "cudaEventCreate"));
     lane = std::move(fresh);
     return lane.get();
+  }
+  // The calling thread's lane, or null before its first use.
+  Lane* LaneIfAny() {
+    std::lock_guard<std::mutex> lock(lanes_mu_);
+    auto it = lanes_.find(std::this_thread::get_id());
+    return it == lanes_.end() ? nullptr : it->second.get();
+  }
+  absl::Status RefuseWhileRecording(const Lane& lane, const char* call) {
+    if (!lane.capturing) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda backend: ", call,
+                     " while this thread records a graph: its work runs at EndGraph, and "
+                     "nothing may wait for it or read its results before then"));
+  }
+  // The recorded `graph` as the key's executable graph (the kept one updated in place where
+  // only parameters changed, else made anew), launched on the compute stream.
+  absl::Status LaunchRecorded(Lane& lane, cudaGraph_t graph) {
+    // A bound on the graphs kept (a batch size each): past it, all are made again as needed.
+    constexpr size_t kMaxGraphs = 128;
+    if (lane.graphs.size() >= kMaxGraphs && lane.graphs.count(lane.capture_key) == 0) {
+      RETURN_IF_ERROR(lane.Sync());
+      for (auto& [key, exec] : lane.graphs) cudaGraphExecDestroy(exec);
+      lane.graphs.clear();
+    }
+    cudaGraphExec_t& exec = lane.graphs[lane.capture_key];
+    bool updated = false;
+    if (exec != nullptr) {
+      cudaGraphExecUpdateResultInfo info;
+      updated = cudaGraphExecUpdate(exec, graph, &info) == cudaSuccess;
+      if (!updated) {
+        cudaGetLastError();  // a changed shape: made anew below
+        cudaGraphExecDestroy(exec);
+        exec = nullptr;
+      }
+    }
+    if (exec == nullptr) {
+      if (absl::Status st =
+              CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+          !st.ok()) {
+        lane.graphs.erase(lane.capture_key);
+        return st;
+      }
+      ++graphs_made_;
+    }
+    if (updated) ++graphs_updated_;
+    RETURN_IF_ERROR(CudaStatus(cudaGraphLaunch(exec, lane.compute), "cudaGraphLaunch"));
+    ++graphs_launched_;
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane.graph_done, lane.compute), "cudaEventRecord"));
+    lane.graph_pending = true;
+    return absl::OkStatus();
   }
   absl::StatusOr<void*> TableOn(Lane& lane, DeviceBuffer* t, const void* host, size_t bytes) {
     size_t counted = 0;
@@ -564,7 +762,10 @@ class CudaBackend final : public KernelBackend {
             [this, &lane](int table, const void* host, size_t bytes) {
               return TableOn(lane, &lane.op_tables[table], host, bytes);
             },
-            lane.id};
+            lane.id,
+            lane.capturing ? std::function<absl::StatusOr<void*>(size_t)>(
+                                 [&lane](size_t bytes) { return lane.ArenaTake(bytes); })
+                           : nullptr};
   }
 
   ThreadPool pool_;
@@ -578,6 +779,8 @@ class CudaBackend final : public KernelBackend {
   std::mutex lanes_mu_;
   std::unordered_map<std::thread::id, std::unique_ptr<Lane>> lanes_;
   std::atomic<CopyTicket> next_ticket_{0};
+  std::atomic<int64_t> graphs_made_{0}, graphs_updated_{0}, graphs_launched_{0};
+  static constexpr size_t kCublasWorkspace = size_t{32} << 20;  // cuBLAS's own for Hopper
 };
 
 }  // namespace

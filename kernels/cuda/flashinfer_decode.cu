@@ -122,11 +122,15 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
 
   // Split-KV's work partition (FlashInfer's plan), on the host from the lengths: once per decode
   // step, since every layer of a step has the same lengths. The last plan made on this lane
-  // stays in its int workspace, which nothing else writes.
+  // stays in its int workspace, which nothing else writes. While the lane records a graph, the
+  // plan is FlashInfer's for CUDA graphs (a grid that stays one size as the lengths grow, so a
+  // step's graph updates in place) and goes up from host memory the graph reads when it runs.
+  const bool graph = mem.recorded_host != nullptr;
   thread_local struct {
     uint64_t lane = 0;
     uint32_t head_dim = 0;
     int group = 0;
+    bool graph = false;
     std::vector<int32_t> indptr;
     void* int_ws = nullptr;
     size_t float_bytes = 0;
@@ -134,10 +138,11 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
   } last;
   size_t float_bytes = 0, int_bytes = 0;
   flashinfer::DecodePlanInfo plan;
-  std::vector<uint8_t> int_host;
+  std::vector<uint8_t> int_pageable;
+  void* int_host = nullptr;
   cudaError_t planned = cudaSuccess;
   const bool same = last.lane == mem.lane && mem.lane != 0 && last.head_dim == D &&
-                    last.group == group && last.indptr == indptr;
+                    last.group == group && last.graph == graph && last.indptr == indptr;
   void* float_ws = nullptr;
   void* int_ws = nullptr;
   if (same) {
@@ -152,27 +157,33 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
           flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<GROUP_SIZE, D, kNoRope,
                                                                           Variant, Params>;
       planned = flashinfer::DecodePlanWorkspaceSize<D, kNoRope, Variant, Params>(
-          float_bytes, int_bytes, indptr.data(), requests, group, /*page_size=*/1,
-          /*enable_cuda_graph=*/false, stream, estimate);
+          float_bytes, int_bytes, indptr.data(), requests, group, /*page_size=*/1, graph, stream,
+          estimate);
     });
     RETURN_IF_ERROR(CudaStatus(planned, "FlashInfer DecodePlanWorkspaceSize"));
     ASSIGN_OR_RETURN(float_ws,
                      mem.scratch(kScratchFlashInferFloat, std::max<size_t>(float_bytes, 16)));
     ASSIGN_OR_RETURN(int_ws, mem.scratch(kScratchFlashInferInt, std::max<size_t>(int_bytes, 16)));
-    int_host.resize(std::max<size_t>(int_bytes, 16));
+    if (graph) {
+      ASSIGN_OR_RETURN(int_host, mem.recorded_host(std::max<size_t>(int_bytes, 16)));
+    } else {
+      int_pageable.resize(std::max<size_t>(int_bytes, 16));
+      int_host = int_pageable.data();
+    }
     DISPATCH_GQA_GROUP_SIZE(group, GROUP_SIZE, {
       auto estimate =
           flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<GROUP_SIZE, D, kNoRope,
                                                                           Variant, Params>;
-      // int_host is pageable: the copy FlashInfer queues from it is staged before it returns.
+      // Pageable int_host: the copy FlashInfer queues from it is staged before it returns.
       planned = flashinfer::DecodePlan<D, kNoRope, Variant, Params>(
-          float_ws, float_bytes, int_ws, int_host.data(), int_bytes, plan, indptr.data(), requests,
-          group, /*page_size=*/1, /*enable_cuda_graph=*/false, stream, estimate);
+          float_ws, float_bytes, int_ws, int_host, int_bytes, plan, indptr.data(), requests, group,
+          /*page_size=*/1, graph, stream, estimate);
     });
     RETURN_IF_ERROR(CudaStatus(planned, "FlashInfer DecodePlan"));
     last.lane = mem.lane;
     last.head_dim = D;
     last.group = group;
+    last.graph = graph;
     last.indptr = indptr;
     last.int_ws = int_ws;
     last.float_bytes = float_bytes;
@@ -240,7 +251,10 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
   params.o_indptr = flashinfer::GetPtrFromBaseOffset<int32_t>(int_ws, plan.o_indptr_offset);
   params.kv_chunk_size_ptr =
       flashinfer::GetPtrFromBaseOffset<int32_t>(int_ws, plan.kv_chunk_size_ptr_offset);
-  params.block_valid_mask = nullptr;
+  // A graph's plan pads the batch to a fixed grid; the mask tells the padding's blocks to idle.
+  params.block_valid_mask =
+      plan.split_kv ? flashinfer::GetPtrFromBaseOffset<bool>(int_ws, plan.block_valid_mask_offset)
+                    : nullptr;
   params.partition_kv = false;
   params.padded_batch_size = plan.padded_batch_size;
   half* tmp_v = nullptr;

@@ -18,7 +18,8 @@ namespace kvwire::kernels::cuda {
 absl::Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream);
 absl::Status LaunchRope(const RopeParams& p, cudaStream_t stream);
 absl::Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream);
-// `scratch` is a device buffer of at least MatMulScratchBytes(p) bytes.
+// `scratch` is a device buffer of at least MatMulScratchBytes(p) bytes; `cublas` is bound to
+// `stream` already (cublasSetStream would put back the workspace a graph's capture needs).
 size_t MatMulScratchBytes(const MatMulParams& p);
 absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* scratch,
                           cudaStream_t stream);
@@ -76,6 +77,10 @@ struct OpMemory {
   // The lane's number, unique in the process (never reused): what an op may key state it keeps
   // between its calls on one lane by (FlashInfer's decode plan).
   uint64_t lane = 0;
+  // While the lane records a graph (KernelBackend::BeginGraph): host memory that a copy queued
+  // now may read when the graph runs (pinned, and kept as it is until then). Null otherwise,
+  // where a copy from pageable memory is staged before it returns.
+  std::function<absl::StatusOr<void*>(size_t bytes)> recorded_host;
 };
 
 // The page tables of paged layouts (KvLayout::pages, host arrays; each layout's first

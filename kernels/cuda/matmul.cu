@@ -166,7 +166,6 @@ absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* sc
   }
   // Row-major Y = X·Wᵀ is column-major Yᵀ = W_cmᵀ · X_cm with W_cm = [k, n], X_cm = [k, m].
   const float alpha = 1.f, beta = 0.f;
-  cublasSetStream(cublas, stream);
   cublasStatus_t st;
   const char* call;
   if (p.w_dtype == DType::kBF16) {

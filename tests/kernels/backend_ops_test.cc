@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/base/status.h"
 #include "kernels/backend.h"
 #include "kernels/reference.h"
 #include "tests/kernels/ops_test_util.h"
@@ -904,6 +905,104 @@ TEST_P(BackendOpsTest, RejectsBadShapes) {
   da.n_cache_heads = 3;
   da.head_dim = 8;
   EXPECT_EQ(backend_->DecodeAttention(da).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A step recorded as a graph (BeginGraph ... EndGraph) runs only at EndGraph, with each host
+// array as it was at its call, and gives what the same ops give called one by one; recording
+// again under the same key (new inputs, the graph updated in place on cuda) gives the new
+// results. While recording, every wait and read is refused; an aborted recording runs nothing;
+// a Free while recording voids the graph. The host backends run ops as called: Unimplemented.
+TEST_P(BackendOpsTest, GraphsRunTheRecordedOpsAtEnd) {
+  KernelBackend& b = *backend_;
+  if (!b.SupportsGraphs()) {
+    const absl::Status st = b.BeginGraph(1);
+    EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+    EXPECT_EQ(b.EndGraph().code(), absl::StatusCode::kUnimplemented);
+    return;
+  }
+  const int rows = 3, dim = 64, out = 40, vocab = 11;
+  Arena a(b);
+  const std::vector<float> table = Random(int64_t{vocab} * dim, 1200);
+  const std::vector<float> weight = Random(dim, 1201, 0.5f, 1.5f);
+  const std::vector<float> w = Random(int64_t{out} * dim, 1202);
+  float* x = a.Zeros(rows * dim);
+  float* embedded = a.Zeros(rows * dim);
+  float* h = a.Zeros(rows * dim);
+  float* y = a.Zeros(rows * out);
+  const float* table_d = a.Upload(table);
+  const float* weight_d = a.Upload(weight);
+  const void* w_d = a.Upload(Encode(w, DType::kBF16));
+  // The ops of a small step: the inputs up, an embedding lookup, the residual norm, a product.
+  auto step = [&](const std::vector<float>& x_host, std::vector<int32_t> ids) -> absl::Status {
+    RETURN_IF_ERROR(b.CopyToDevice(x, x_host.data(), x_host.size() * sizeof(float)));
+    EmbedRowsParams e{table_d, DType::kF32, vocab, dim, ids.data(), rows, embedded};
+    RETURN_IF_ERROR(b.EmbedRows(e));
+    std::fill(ids.begin(), ids.end(), 0);  // the op copied them at its call
+    RmsNormParams n{embedded, weight_d, h, rows, dim};
+    n.residual = x;
+    RETURN_IF_ERROR(b.RmsNorm(n));
+    MatMulParams m;
+    m.x = h;
+    m.w = w_d;
+    m.w_dtype = DType::kBF16;
+    m.y = y;
+    m.m = rows;
+    m.n = out;
+    m.k = dim;
+    return b.MatMul(m);
+  };
+  auto eager = [&](const std::vector<float>& x_host, const std::vector<int32_t>& ids) {
+    EXPECT_TRUE(step(x_host, ids).ok());
+    return std::make_pair(a.Download(y, rows * out), a.Download(x, rows * dim));
+  };
+  const KernelBackend::GraphCounts start = b.graph_counts();
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    const std::vector<float> x_host = Random(rows * dim, 1210 + round);
+    const std::vector<int32_t> ids = {round + 1, 10 - round, 4};
+    const auto want = eager(x_host, ids);
+    ASSERT_TRUE(
+        b.CopyToDevice(y, std::vector<float>(rows * out, 0.f).data(), rows * out * sizeof(float))
+            .ok());
+    ASSERT_TRUE(b.Synchronize().ok());
+    ASSERT_TRUE(b.BeginGraph(7).ok());
+    ASSERT_TRUE(step(x_host, ids).ok());
+    std::vector<float> host(rows * out);
+    uint32_t sum = 0;
+    const ByteSpan span{reinterpret_cast<const uint8_t*>(y), 4};
+    for (const absl::Status& st : {b.Synchronize(), b.CopyToHost(host.data(), y, sizeof(float)),
+                                   b.CopyToHostAsync(host.data(), y, sizeof(float)).status(),
+                                   b.ChecksumSpans({&span, 1, &sum}), b.BeginGraph(8)}) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    }
+    ASSERT_TRUE(b.EndGraph().ok());
+    EXPECT_EQ(a.Download(y, rows * out), want.first);
+    EXPECT_EQ(a.Download(x, rows * dim), want.second);  // the residual stream, updated in place
+  }
+  const KernelBackend::GraphCounts counts = b.graph_counts();
+  EXPECT_EQ(counts.launched - start.launched, 2);
+  EXPECT_EQ(counts.made - start.made, 1);
+  EXPECT_EQ(counts.updated - start.updated, 1);
+
+  // Aborted: nothing recorded runs, and the backend goes on op by op.
+  const std::vector<float> before = a.Download(y, rows * out);
+  ASSERT_TRUE(b.BeginGraph(7).ok());
+  ASSERT_TRUE(step(Random(rows * dim, 1220), {0, 1, 2}).ok());
+  b.AbortGraph();
+  EXPECT_EQ(a.Download(y, rows * out), before);
+  EXPECT_EQ(b.EndGraph().code(), absl::StatusCode::kFailedPrecondition);  // none recording
+  // A Free while recording (the graph's ops might use the buffer) voids the graph.
+  auto spare = b.Allocate(64);
+  ASSERT_TRUE(spare.ok());
+  ASSERT_TRUE(b.BeginGraph(7).ok());
+  ASSERT_TRUE(step(Random(rows * dim, 1221), {0, 1, 2}).ok());
+  b.Free(*spare);
+  EXPECT_FALSE(b.EndGraph().ok());
+  EXPECT_EQ(a.Download(y, rows * out), before);
+  const std::vector<float> x_host = Random(rows * dim, 1222);
+  const auto again = eager(x_host, {3, 3, 3});
+  EXPECT_NE(again.first, before);
+  EXPECT_TRUE(b.Synchronize().ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackendOpsTest,

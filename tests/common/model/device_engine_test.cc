@@ -328,6 +328,85 @@ TEST_P(DeviceEngine, OnlyTheKeptRowsAndTheSampledTokensComeBack) {
   }
 }
 
+// A dense step as one graph (LoadOptions::decode_graphs, the default) gives the tokens and
+// log-probabilities of the same step op by op, batch sizes coming and going: one graph made
+// per batch size, updated in place on the steps after, and one copy to the host a step.
+TEST_P(DeviceEngine, DecodeGraphsEqualStepsOpByOp) {
+  for (const char* spec : {"synthetic:tiny,layers=3", "synthetic:tiny,layers=3,dtype=bf16"}) {
+    SCOPED_TRACE(spec);
+    auto dev = Load(spec, On(device()));
+    ASSERT_NE(dev, nullptr);
+    ASSERT_TRUE(dev->decode_graphs());
+    const ModelConfig& c = dev->config();
+    CompressionConfig snapkv;
+    snapkv.policy = *MakePolicy("snapkv");
+    snapkv.budget = 24;
+    const int batch = 3, steps = 12;
+    // Two copies of each sequence, of different lengths: one stepped as graphs, one op by op.
+    std::vector<PrefilledSequence> graphed, eager;
+    for (int b = 0; b < batch; ++b) {
+      std::vector<int32_t> prompt;
+      for (int i = 0; i < 40 + 9 * b; ++i) prompt.push_back(3 + (i * 31 + b) % (c.vocab_size - 3));
+      for (auto* set : {&graphed, &eager}) {
+        auto seq = PrefillSequence(*dev, prompt, b == 1 ? CompressionConfig{} : snapkv, steps + 1);
+        ASSERT_TRUE(seq.ok()) << seq.status();
+        set->push_back(std::move(*seq));
+      }
+    }
+    std::vector<int32_t> tokens(batch, 7);
+    std::vector<int32_t> positions = {40, 49, 58};
+    const kernels::KernelBackend::GraphCounts start = dev->backend()->graph_counts();
+    for (int s = 0; s < steps; ++s) {
+      // The third sequence leaves after four steps, and the batch of two is a graph of its own.
+      const int n = s < 4 ? batch : 2;
+      std::vector<kernels::SampleRow> rows(n);
+      for (int b = 0; b < n; ++b) {
+        rows[b].params.temperature = 0.8f;
+        rows[b].uniform = 0.1 + 0.25 * b;
+      }
+      std::vector<kernels::SampledToken> got(n), want(n);
+      for (bool graphs : {true, false}) {
+        dev->SetDecodeGraphs(graphs);
+        std::vector<DecodeInput> in;
+        for (int b = 0; b < n; ++b) {
+          in.push_back(
+              {tokens[b], positions[b] + s, (graphs ? graphed : eager)[b].cache.get(), nullptr});
+        }
+        const auto before = dev->copy_counts();
+        const absl::Status st = dev->DecodeStepSampled(in, rows, (graphs ? got : want).data());
+        ASSERT_TRUE(st.ok()) << st;
+        EXPECT_EQ((dev->copy_counts() - before).to_host_calls, 1) << "step " << s;
+      }
+      for (int b = 0; b < n; ++b) {
+        ASSERT_EQ(got[b].id, want[b].id) << "step " << s << " sequence " << b;
+        EXPECT_NEAR(got[b].logprob, want[b].logprob, 1e-4) << "step " << s << " sequence " << b;
+        tokens[b] = got[b].id;
+      }
+    }
+    const kernels::KernelBackend::GraphCounts counts = dev->backend()->graph_counts();
+    EXPECT_EQ(counts.launched - start.launched, steps);
+    if (device() == kernels::BackendKind::kGuarded) {
+      // cuda makes a graph anew where an update cannot apply; the guarded backend never does.
+      EXPECT_EQ(counts.made - start.made, 2);
+      EXPECT_EQ(counts.updated - start.updated, steps - 2);
+    } else {
+      EXPECT_GE(counts.made - start.made, 2);
+    }
+    // The logits of a step as a graph equal those op by op too.
+    dev->SetDecodeGraphs(true);
+    std::vector<float> got(c.vocab_size), want(c.vocab_size);
+    DecodeInput a{tokens[0], positions[0] + steps, graphed[0].cache.get(), nullptr};
+    absl::Status st = dev->DecodeStep({&a, 1}, got.data());
+    ASSERT_TRUE(st.ok()) << st;
+    dev->SetDecodeGraphs(false);
+    DecodeInput b{tokens[0], positions[0] + steps, eager[0].cache.get(), nullptr};
+    st = dev->DecodeStep({&b, 1}, want.data());
+    ASSERT_TRUE(st.ok()) << st;
+    for (int v = 0; v < c.vocab_size; ++v) ASSERT_NEAR(got[v], want[v], 1e-4) << v;
+    EXPECT_FALSE(dev->decode_graphs());
+  }
+}
+
 // Decode attention probabilities (a DecodeObserver, for fidelity measurements) are not returned
 // by the device path: refused, naming the backend, and the refused step appends nothing. A
 // cache decoded on the device is refused by a host model.
