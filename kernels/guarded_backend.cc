@@ -530,6 +530,9 @@ class GuardedBackend final : public KernelBackend {
     Recording r = std::move(it->second);
     recordings_.erase(it);
     RETURN_IF_ERROR(r.error);
+    if (std::exchange(fail_next_graph_, false)) {
+      return absl::InternalError("guarded backend: this graph fails, as the test asked");
+    }
     for (Op& op : r.ops) queue_.push_back(std::move(op));
     ++(keys_.insert(r.key).second ? counts_.made : counts_.updated);
     ++counts_.launched;
@@ -542,6 +545,10 @@ class GuardedBackend final : public KernelBackend {
   GraphCounts graph_counts() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return counts_;
+  }
+  void FailNextGraph() {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_next_graph_ = true;
   }
 
   // NCCL, emulated: a loopback socket, through host buffers (kernels/socket_link.h).
@@ -778,12 +785,17 @@ class GuardedBackend final : public KernelBackend {
   std::map<std::thread::id, Recording> recordings_;
   std::set<int64_t> keys_;  // graphs "made"
   GraphCounts counts_;
+  bool fail_next_graph_ = false;
 };
 
 }  // namespace
 
 KernelBackendPtr MakeGuardedBackend(int threads, size_t capacity) {
   return std::make_unique<GuardedBackend>(threads, capacity);
+}
+
+void FailNextGraphForTest(KernelBackend& backend) {
+  if (auto* guarded = dynamic_cast<GuardedBackend*>(&backend)) guarded->FailNextGraph();
 }
 
 }  // namespace kvwire::kernels

@@ -23,4 +23,8 @@ namespace kvwire::kernels {
 
 KernelBackendPtr MakeGuardedBackend(int threads, size_t capacity = 0);
 
+// For tests: the next EndGraph on `backend` (a guarded backend; others are left as they are)
+// fails having run nothing, as a graph CUDA could not instantiate would.
+void FailNextGraphForTest(KernelBackend& backend);
+
 }  // namespace kvwire::kernels

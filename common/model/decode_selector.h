@@ -66,6 +66,10 @@ class DecodeSelector {
   virtual absl::Status PlanOnBackend(const std::shared_ptr<kernels::KernelBackend>& backend,
                                      int layer, const LayerCache& cache, const float* q,
                                      BackendSelection* out);
+  // The ops of a step this selector planned never ran (a decode step's graph that failed
+  // before it ran; the model runs the step again op by op): state kept about what the
+  // backend's memory holds (how far its page summaries reach) no longer holds.
+  virtual void StepUndone() {}
 };
 
 // A selector that watches another (or, with none, dense attention): Plan and SelectHead are
@@ -85,6 +89,9 @@ class WrappingSelector : public DecodeSelector {
   void Done(int layer, const float* q, const LayerCache& cache, const int32_t* indices,
             int num_indices) override {
     if (inner_) inner_->Done(layer, q, cache, indices, num_indices);
+  }
+  void StepUndone() override {
+    if (inner_) inner_->StepUndone();
   }
 
  private:

@@ -603,18 +603,15 @@ bool LlamaModel::decode_graphs() const {
 }
 
 // A decode step's ops (`ops`, up to the step's copy to the host) as one graph where they can
-// be (`graph`, the step's own condition, and a dense batch on a backend that records graphs),
-// else as they are called. A graph that fails does so before any of its work ran: the caches'
-// lengths are put back and the step runs again op by op. Where that succeeds the graph was at
-// fault, and this model's steps stay op by op from then on (said once on stderr). Called with
-// decode_mu_ held.
+// be (`graph`, the step's own condition, on a backend that records graphs), else as they are
+// called. A graph that fails does so before any of its work ran: the caches' lengths are put
+// back, the selectors told (StepUndone), and the step runs again op by op. Where that succeeds the
+// graph was at fault, and this model's steps stay op by op from then on (said once on stderr).
+// Called with decode_mu_ held.
 absl::Status LlamaModel::RunDecodeOps(absl::Span<const DecodeInput> batch, bool graph,
                                       const std::function<absl::Status()>& ops) {
   graph = graph && on_device() && options_.decode_graphs && !graph_failed_ &&
           backend_->SupportsGraphs();
-  // Sparse selectors keep state of their own between steps, which a failed graph would leave
-  // advanced: their batches run op by op.
-  for (const DecodeInput& in : batch) graph = graph && in.selector == nullptr;
   if (!graph) return ops();
   std::vector<int> lens;
   for (const DecodeInput& in : batch) {
@@ -633,6 +630,7 @@ absl::Status LlamaModel::RunDecodeOps(absl::Span<const DecodeInput> batch, bool 
   size_t i = 0;
   for (const DecodeInput& in : batch) {
     for (int li = 0; li < in.cache->num_layers(); ++li) in.cache->layer(li).len = lens[i++];
+    if (in.selector != nullptr) in.selector->StepUndone();
   }
   RETURN_IF_ERROR(ops());
   graph_failed_ = true;

@@ -53,7 +53,7 @@ struct LoadOptions {
   size_t kv_pool_bytes = size_t{1} << 30;
   size_t kv_page_bytes = size_t{64} << 10;
   // A device backend that records graphs (KernelBackend::SupportsGraphs: cuda; guarded, which
-  // emulates them) runs each dense decode step as one graph, its launches costing one (vLLM's
+  // emulates them) runs each decode step as one graph, its launches costing one (vLLM's
   // and SGLang's CUDA graphs, llama.cpp's per-step update). False: op by op (vLLM's
   // --enforce-eager).
   bool decode_graphs = true;
@@ -180,8 +180,8 @@ class LlamaModel {
 
   // LoadOptions::decode_graphs, changed between steps (a benchmark sets the two side by side).
   void SetDecodeGraphs(bool on);
-  // Whether the next dense decode step of a batch would run as one graph: graphs on, the
-  // backend records them, and no step's graph has failed on this model.
+  // Whether the next decode step would run as one graph (unless timed: DecodeTimes): graphs
+  // on, the backend records them, and no step's graph has failed on this model.
   bool decode_graphs() const;
 
   // A KV cache for this model to decode: one region of host memory on a host backend; on a

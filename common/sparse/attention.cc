@@ -198,6 +198,10 @@ class SparseSelector final : public DecodeSelector {
 
   // The device path's state, made at its first step on a backend when the selector's memory
   // was the host's (a selector made outside a decode node's pool, in tests and tools).
+  // The summaries' updates of the undone step never ran: rebuilt from the first token on at
+  // the next plan of each layer (an update recomputes every page from `first`).
+  void StepUndone() override { std::fill(device_built_.begin(), device_built_.end(), 0); }
+
   absl::Status ReserveOn(const std::shared_ptr<kernels::KernelBackend>& backend) {
     if (device_backend_ == backend.get()) return absl::OkStatus();
     if (device_backend_ != nullptr) {

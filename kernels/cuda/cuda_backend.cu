@@ -217,6 +217,7 @@ struct Lane {
   }
   // The bytes at `host` into device memory at `dst` by a copy the graph being recorded makes.
   absl::Status RecordUpload(void* dst, const void* host, size_t bytes, const char* what) {
+    if (bytes == 0) return absl::OkStatus();  // a graph's copy nodes are never empty
     ASSIGN_OR_RETURN(void* staged, ArenaTake(bytes));
     std::memcpy(staged, host, bytes);
     return CudaStatus(cudaMemcpyAsync(dst, staged, bytes, cudaMemcpyHostToDevice, compute), what);

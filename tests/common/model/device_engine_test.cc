@@ -21,6 +21,7 @@
 #include "common/model/llama_model.h"
 #include "common/sparse/attention.h"
 #include "kernels/backend.h"
+#include "kernels/guarded_backend.h"
 #include "tests/engine_fakes.h"
 #include "tests/test_util.h"
 
@@ -328,9 +329,10 @@ TEST_P(DeviceEngine, OnlyTheKeptRowsAndTheSampledTokensComeBack) {
   }
 }
 
-// A dense step as one graph (LoadOptions::decode_graphs, the default) gives the tokens and
-// log-probabilities of the same step op by op, batch sizes coming and going: one graph made
-// per batch size, updated in place on the steps after, and one copy to the host a step.
+// A step as one graph (LoadOptions::decode_graphs, the default) gives the tokens and
+// log-probabilities of the same step op by op, batch sizes coming and going, a sparse
+// sequence (hybrid attention) among dense ones: one graph made per batch size, updated in place
+// on the steps after, and one copy to the host a step.
 TEST_P(DeviceEngine, DecodeGraphsEqualStepsOpByOp) {
   for (const char* spec : {"synthetic:tiny,layers=3", "synthetic:tiny,layers=3,dtype=bf16"}) {
     SCOPED_TRACE(spec);
@@ -341,15 +343,25 @@ TEST_P(DeviceEngine, DecodeGraphsEqualStepsOpByOp) {
     CompressionConfig snapkv;
     snapkv.policy = *MakePolicy("snapkv");
     snapkv.budget = 24;
+    DecodeAttentionConfig hybrid;
+    hybrid.mode = AttentionMode::kHybrid;
+    hybrid.token_budget = 16;
     const int batch = 3, steps = 12;
     // Two copies of each sequence, of different lengths: one stepped as graphs, one op by op.
+    // The first attends sparsely, with a selector for each copy.
     std::vector<PrefilledSequence> graphed, eager;
+    std::vector<std::unique_ptr<DecodeSelector>> selectors;
     for (int b = 0; b < batch; ++b) {
       std::vector<int32_t> prompt;
       for (int i = 0; i < 40 + 9 * b; ++i) prompt.push_back(3 + (i * 31 + b) % (c.vocab_size - 3));
       for (auto* set : {&graphed, &eager}) {
         auto seq = PrefillSequence(*dev, prompt, b == 1 ? CompressionConfig{} : snapkv, steps + 1);
         ASSERT_TRUE(seq.ok()) << seq.status();
+        if (b == 0) {
+          auto sel = MakeDecodeSelector(hybrid, c, seq->cache->shape(), HeapKvAllocator());
+          ASSERT_TRUE(sel.ok()) << sel.status();
+          selectors.push_back(std::move(*sel));
+        }
         set->push_back(std::move(*seq));
       }
     }
@@ -369,8 +381,9 @@ TEST_P(DeviceEngine, DecodeGraphsEqualStepsOpByOp) {
         dev->SetDecodeGraphs(graphs);
         std::vector<DecodeInput> in;
         for (int b = 0; b < n; ++b) {
+          DecodeSelector* selector = b == 0 ? selectors[graphs ? 0 : 1].get() : nullptr;
           in.push_back(
-              {tokens[b], positions[b] + s, (graphs ? graphed : eager)[b].cache.get(), nullptr});
+              {tokens[b], positions[b] + s, (graphs ? graphed : eager)[b].cache.get(), selector});
         }
         const auto before = dev->copy_counts();
         const absl::Status st = dev->DecodeStepSampled(in, rows, (graphs ? got : want).data());
@@ -395,16 +408,110 @@ TEST_P(DeviceEngine, DecodeGraphsEqualStepsOpByOp) {
     // The logits of a step as a graph equal those op by op too.
     dev->SetDecodeGraphs(true);
     std::vector<float> got(c.vocab_size), want(c.vocab_size);
-    DecodeInput a{tokens[0], positions[0] + steps, graphed[0].cache.get(), nullptr};
+    DecodeInput a{tokens[1], positions[1] + steps, graphed[1].cache.get(), nullptr};
     absl::Status st = dev->DecodeStep({&a, 1}, got.data());
     ASSERT_TRUE(st.ok()) << st;
     dev->SetDecodeGraphs(false);
-    DecodeInput b{tokens[0], positions[0] + steps, eager[0].cache.get(), nullptr};
+    DecodeInput b{tokens[1], positions[1] + steps, eager[1].cache.get(), nullptr};
     st = dev->DecodeStep({&b, 1}, want.data());
     ASSERT_TRUE(st.ok()) << st;
     for (int v = 0; v < c.vocab_size; ++v) ASSERT_NEAR(got[v], want[v], 1e-4) << v;
     EXPECT_FALSE(dev->decode_graphs());
   }
+}
+
+// A step whose graph fails (it ran nothing) runs again op by op, its caches' lengths put back
+// and its sparse selector told: the tokens are those of a model that never recorded a graph,
+// and the model steps op by op from then on.
+TEST_P(DeviceEngine, AFailedGraphLeavesTheStepToRunOpByOp) {
+  if (device() != kernels::BackendKind::kGuarded) {
+    GTEST_SKIP() << "the failure is injected into the guarded backend's emulation";
+  }
+  auto dev = Load("synthetic:tiny,layers=3", On(device()));
+  ASSERT_NE(dev, nullptr);
+  const ModelConfig& c = dev->config();
+  DecodeAttentionConfig hybrid;
+  hybrid.mode = AttentionMode::kHybrid;
+  hybrid.token_budget = 16;
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 60; ++i) prompt.push_back(3 + (i * 29) % (c.vocab_size - 3));
+  const int steps = 8;
+  // Each sequence twice (one stepped with graphs, one without), the first one sparse.
+  std::vector<PrefilledSequence> seqs;
+  std::vector<std::unique_ptr<DecodeSelector>> selectors;
+  for (int i = 0; i < 4; ++i) {
+    auto seq = PrefillSequence(*dev, prompt, CompressionConfig{}, steps + 1);
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    auto sel = MakeDecodeSelector(hybrid, c, seq->cache->shape(), HeapKvAllocator());
+    ASSERT_TRUE(sel.ok()) << sel.status();
+    selectors.push_back(std::move(*sel));
+    seqs.push_back(std::move(seq.value()));
+  }
+  std::vector<int32_t> tokens = {7, 9};
+  for (int s = 0; s < steps; ++s) {
+    if (s == 3) kernels::FailNextGraphForTest(*dev->backend());
+    std::vector<kernels::SampledToken> out[2];
+    for (int copy : {0, 1}) {
+      dev->SetDecodeGraphs(copy == 0);
+      std::vector<DecodeInput> in;
+      for (int b = 0; b < 2; ++b) {
+        const int i = 2 * b + copy;
+        in.push_back(
+            {tokens[b], 60 + s, seqs[i].cache.get(), b == 0 ? selectors[i].get() : nullptr});
+      }
+      out[copy].resize(2);
+      const absl::Status st =
+          dev->DecodeStepSampled(in, std::vector<kernels::SampleRow>(2), out[copy].data());
+      ASSERT_TRUE(st.ok()) << "step " << s << ": " << st;
+    }
+    for (int b = 0; b < 2; ++b) {
+      ASSERT_EQ(out[0][b].id, out[1][b].id) << "step " << s << " sequence " << b;
+      EXPECT_EQ(out[0][b].logprob, out[1][b].logprob) << "step " << s << " sequence " << b;
+      EXPECT_EQ(seqs[2 * b].cache->layer(1).len, seqs[2 * b + 1].cache->layer(1).len);
+      tokens[b] = out[0][b].id;
+    }
+    dev->SetDecodeGraphs(true);
+    EXPECT_EQ(dev->decode_graphs(), s < 3) << "step " << s;
+  }
+}
+
+// A selector told that its step never ran (StepUndone) plans its page summaries' update from
+// the first token again, where it would otherwise take them as up to date.
+TEST_P(DeviceEngine, AnUndoneStepRebuildsTheSelectorsSummaries) {
+  auto dev = Load("synthetic:tiny,layers=3", On(device()));
+  ASSERT_NE(dev, nullptr);
+  const ModelConfig& c = dev->config();
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 60; ++i) prompt.push_back(3 + (i * 29) % (c.vocab_size - 3));
+  auto seq = PrefillSequence(*dev, prompt, CompressionConfig{}, 4);
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  DecodeAttentionConfig hybrid;
+  hybrid.mode = AttentionMode::kHybrid;
+  hybrid.token_budget = 16;
+  auto sel = MakeDecodeSelector(hybrid, c, seq->cache->shape(), HeapKvAllocator());
+  ASSERT_TRUE(sel.ok()) << sel.status();
+  auto q = dev->backend()->Allocate(sizeof(float) * c.num_heads * c.head_dim);
+  ASSERT_TRUE(q.ok());
+  const LayerCache& lc = seq->cache->layer(1);
+  auto plan = [&]() {
+    int n = 0;
+    EXPECT_TRUE((*sel)->Plan(1, lc, &n).value_or(false));
+    BackendSelection out;
+    EXPECT_TRUE(
+        (*sel)->PlanOnBackend(dev->backend(), 1, lc, static_cast<const float*>(*q), &out).ok());
+    return out.updates;
+  };
+  auto first = plan();
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(first[0].first, 0);
+  EXPECT_EQ(first[0].len, lc.len);
+  EXPECT_TRUE(plan().empty());  // up to date
+  (*sel)->StepUndone();
+  auto again = plan();
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].first, 0);
+  EXPECT_EQ(again[0].len, lc.len);
+  dev->backend()->Free(*q);
 }
 
 // Decode attention probabilities (a DecodeObserver, for fidelity measurements) are not returned
