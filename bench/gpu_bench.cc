@@ -6,11 +6,14 @@
 //            step as one CUDA graph and op by op (--graphs), side by side;
 //   prefill  tokens/s for each --prefill length, and its FLOP/s (2 per weight per token,
 //            plus causal attention's 2·len²·heads·head_dim per layer) as a fraction of
-//            cuBLAS's bf16 GEMM (8192³, float32 accumulation: the engine's own call).
+//            cuBLAS's bf16 GEMM (8192³, float32 accumulation: the engine's own call); and the
+//            same prefill compressing with SnapKV at --snapkv-budget, alternated with the plain
+//            one, its time over the plain prefill's (the policy's whole cost: window scores,
+//            votes, pooling, top-k, gathers and the kept rows' copies to the host).
 //
 // Medians of --runs. Needs a CUDA build on a machine with a GPU (scripts/device_run.sh).
 // Run: gpu_bench [--model synthetic:llama-1b --batches 1,8,32 --ctx 512 --steps 32
-//                 --prefill 2048,16384 --runs 3 --graphs on,off]
+//                 --prefill 2048,16384 --runs 3 --graphs on,off --snapkv-budget 1024]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -22,6 +25,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/base/flags.h"
+#include "common/compression/compression.h"
+#include "common/compression/policy.h"
 #include "common/engine/generate.h"
 #include "common/model/kv_cache.h"
 #include "common/model/kv_pool.h"
@@ -75,6 +80,12 @@ void Fill(KvCache& cache, int len, uint64_t seed) {
   cache.set_prompt_len(len);
 }
 
+// A compressor's layers, dropped (the bench measures producing them).
+class DropLayers final : public CompressedLayerSink {
+ public:
+  absl::Status Accept(CompressedLayer) override { return absl::OkStatus(); }
+};
+
 int Fail(const absl::Status& st) {
   std::fprintf(stderr, "gpu_bench: %s\n", std::string(st.message()).c_str());
   return 1;
@@ -93,6 +104,7 @@ int main(int argc, char** argv) {
   f.Define("prefill", "2048,16384", "prefill prompt lengths (empty: none)");
   f.Define("runs", "3", "timed runs of each measurement (the median is reported)");
   f.Define("graphs", "on,off", "decode steps as CUDA graphs (on), op by op (off), or both");
+  f.Define("snapkv-budget", "1024", "tokens SnapKV keeps per head in the compressing prefill");
   if (int rc = ParseFlagsOrExit(f, "gpu_bench", "gpu_bench [flags]", argc, argv); rc >= 0) {
     return rc;
   }
@@ -109,8 +121,13 @@ int main(int argc, char** argv) {
   for (const auto* v : {&ctx_or, &steps_or, &runs_or}) {
     if (!v->ok()) return Fail(v->status());
   }
+  auto budget_or = f.GetInt("snapkv-budget", 1, 1 << 20);
+  if (!budget_or.ok()) return Fail(budget_or.status());
   const int ctx = static_cast<int>(*ctx_or), steps = static_cast<int>(*steps_or),
             runs = static_cast<int>(*runs_or);
+  CompressionConfig snapkv;
+  snapkv.policy = *MakePolicy("snapkv");
+  snapkv.budget = static_cast<int>(*budget_or);
   std::vector<bool> graph_modes;
   for (absl::string_view mode : absl::StrSplit(f.GetString("graphs"), ',')) {
     if (mode != "on" && mode != "off") {
@@ -221,7 +238,8 @@ int main(int argc, char** argv) {
 
   if (!prefills.empty()) {
     std::printf("\nprefill, median of %d runs (after one warm-up)\n", runs);
-    std::printf("%8s %10s %12s %12s %10s\n", "tokens", "ms", "tokens/s", "TFLOP/s", "of GEMM");
+    std::printf("%8s %10s %12s %12s %10s %12s %10s\n", "tokens", "ms", "tokens/s", "TFLOP/s",
+                "of GEMM", "snapkv ms", "overhead");
   }
   // The projections of every layer (embedding, LM head and norms aside).
   const double h = c.hidden_size;
@@ -233,12 +251,21 @@ int main(int argc, char** argv) {
     for (int i = 0; i < len; ++i) {
       ids[i] = static_cast<int32_t>(3 + (int64_t{i} * 7919) % (c.vocab_size - 3));
     }
-    std::vector<double> secs;
+    // Plain and compressing prefills alternated, after one warm-up of each.
+    std::vector<double> secs, compressing;
+    DropLayers drop;
     for (int r = 0; r <= runs; ++r) {
       const Clock::time_point t0 = Clock::now();
       auto res = m.Prefill(ids, nullptr);
       if (!res.ok()) return Fail(res.status());
-      if (r > 0) secs.push_back(Seconds(t0, Clock::now()));
+      const Clock::time_point t1 = Clock::now();
+      Compressor compressor(snapkv, c, m.kv_dtype(), &drop);
+      auto kept = m.Prefill(ids, &compressor);
+      if (!kept.ok()) return Fail(kept.status());
+      if (r > 0) {
+        secs.push_back(Seconds(t0, t1));
+        compressing.push_back(Seconds(t1, Clock::now()));
+      }
     }
     const double t = Median(secs);
     // Every linear layer once per token (the LM head for the last one), and causal
@@ -246,8 +273,9 @@ int main(int argc, char** argv) {
     const double flops =
         2.0 * linear_params * len + 2.0 * c.vocab_size * c.hidden_size +
         2.0 * 2.0 * len * (len + 1) / 2.0 * c.num_heads * c.head_dim * c.num_layers;
-    std::printf("%8d %10.1f %12.0f %12.1f %10.3f\n", len, t * 1e3, len / t, flops / t / 1e12,
-                flops / t / *gemm);
+    const double tc = Median(compressing);
+    std::printf("%8d %10.1f %12.0f %12.1f %10.3f %12.1f %9.1f%%\n", len, t * 1e3, len / t,
+                flops / t / 1e12, flops / t / *gemm, tc * 1e3, (tc / t - 1) * 100);
   }
   return 0;
 }

@@ -433,11 +433,8 @@ class CudaBackend final : public KernelBackend {
       RETURN_IF_ERROR(ValidatePrefillAttention(p));
       RETURN_IF_ERROR(
           cuda::LaunchFlashInferPrefill(p, OpMemoryOf(*lane), lane->compute, prefill_fa3_));
-      if (p.window == 0) return absl::OkStatus();
-      // The window's rows again on kvwire's kernel, for their scores (and f32 outputs).
-      PrefillAttentionParams window = p;
-      window.q_begin = p.len - p.window;
-      return cuda::LaunchPrefillAttention(window, lane->compute);
+      // The window's scores, which FlashInfer does not return: a product per KV head.
+      return cuda::LaunchWindowScores(p, lane->cublas, OpMemoryOf(*lane), lane->compute);
     }
 #endif
     return cuda::LaunchPrefillAttention(p, lane->compute);

@@ -83,6 +83,13 @@ struct OpMemory {
   std::function<absl::StatusOr<void*>(size_t bytes)> recorded_host;
 };
 
+// The observation window's scores alone (p.window rows' softmax over every key, into
+// p.window_scores), as one cuBLAS product per KV head and a causal softmax: for a prefill whose
+// attention ran elsewhere (FlashInfer returns no probabilities). `cublas` is bound to `stream`.
+absl::Status LaunchWindowScores(const PrefillAttentionParams& p, cublasHandle_t cublas,
+                                const OpMemory& mem, cudaStream_t stream);
+int64_t WindowScoreLaunches();  // calls so far
+
 // The page tables of paged layouts (KvLayout::pages, host arrays; each layout's first
 // TableEntries(len) entries) copied into device table `table`, and each layout pointed at its
 // copy. Layouts in one region are left as they are.

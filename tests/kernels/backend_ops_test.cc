@@ -87,6 +87,13 @@ int64_t FlashInferNormLaunchesHere() {
 #endif
 }
 // FA3's prefill calls so far.
+int64_t WindowScoreLaunchesHere() {
+#if KVWIRE_HAVE_FLASHINFER
+  return cuda::WindowScoreLaunches();
+#else
+  return 0;
+#endif
+}
 int64_t FlashInferFa3LaunchesHere() {
 #if KVWIRE_HAVE_FLASHINFER
   return cuda::FlashInferFa3PrefillLaunches();
@@ -513,9 +520,12 @@ TEST_P(BackendOpsTest, PrefillAttentionInBf16) {
             std::vector<float> s_got, s_want;
             const int64_t before = FlashInferPrefillLaunchesHere();
             const int64_t fa3_before = FlashInferFa3LaunchesHere();
+            const int64_t scores_before = WindowScoreLaunchesHere();
             const auto got = run(*backend_, &s_got);
             const bool library = FlashInferPrefillLaunchesHere() > before;
             const bool fa3 = FlashInferFa3LaunchesHere() > fa3_before;
+            // FlashInfer returns no probabilities: the window's are a cuBLAS product then.
+            EXPECT_EQ(WindowScoreLaunchesHere() > scores_before, library && window > 0);
             const auto want = run(*reference_, &s_want);
             EXPECT_EQ(library, GetParam() == BackendKind::kCuda && CudaDecodesThroughFlashInfer() &&
                                    d != 32);
