@@ -599,19 +599,21 @@ void LlamaModel::SetDecodeGraphs(bool on) {
 
 bool LlamaModel::decode_graphs() const {
   std::lock_guard<std::mutex> lock(decode_mu_);
-  return options_.decode_graphs && backend_->SupportsGraphs() && !graph_failed_;
+  return options_.decode_graphs && backend_->SupportsGraphs() &&
+         graph_failures_ < kGraphFailuresToStop;
 }
 
 // A decode step's ops (`ops`, up to the step's copy to the host) as one graph where they can
 // be (`graph`, the step's own condition, on a backend that records graphs), else as they are
 // called. A graph that fails does so before any of its work ran: the caches' lengths are put
-// back, the selectors told (StepUndone), and the step runs again op by op. Where that succeeds the
-// graph was at fault, and this model's steps stay op by op from then on (said once on stderr).
+// back, the selectors told (StepUndone), and the step runs again op by op. Where that succeeds
+// the graph was at fault (another thread's device-wide wait can void a recording, say); after
+// kGraphFailuresToStop such steps in a row the model's steps stay op by op (said on stderr).
 // Called with decode_mu_ held.
 absl::Status LlamaModel::RunDecodeOps(absl::Span<const DecodeInput> batch, bool graph,
                                       const std::function<absl::Status()>& ops) {
-  graph = graph && on_device() && options_.decode_graphs && !graph_failed_ &&
-          backend_->SupportsGraphs();
+  graph = graph && on_device() && options_.decode_graphs &&
+          graph_failures_ < kGraphFailuresToStop && backend_->SupportsGraphs();
   if (!graph) return ops();
   std::vector<int> lens;
   for (const DecodeInput& in : batch) {
@@ -626,15 +628,20 @@ absl::Status LlamaModel::RunDecodeOps(absl::Span<const DecodeInput> batch, bool 
       backend_->AbortGraph();
     }
   }
-  if (st.ok()) return st;
+  if (st.ok()) {
+    graph_failures_ = 0;
+    return st;
+  }
   size_t i = 0;
   for (const DecodeInput& in : batch) {
     for (int li = 0; li < in.cache->num_layers(); ++li) in.cache->layer(li).len = lens[i++];
     if (in.selector != nullptr) in.selector->StepUndone();
   }
   RETURN_IF_ERROR(ops());
-  graph_failed_ = true;
-  std::fprintf(stderr, "kvwire: a decode step's graph failed, so decode runs op by op: %s\n",
+  ++graph_failures_;
+  std::fprintf(stderr, "kvwire: a decode step's graph failed (%d in a row), run op by op%s: %s\n",
+               graph_failures_,
+               graph_failures_ < kGraphFailuresToStop ? "" : "; decode stays op by op",
                st.ToString().c_str());
   return absl::OkStatus();
 }

@@ -181,7 +181,8 @@ class LlamaModel {
   // LoadOptions::decode_graphs, changed between steps (a benchmark sets the two side by side).
   void SetDecodeGraphs(bool on);
   // Whether the next decode step would run as one graph (unless timed: DecodeTimes): graphs
-  // on, the backend records them, and no step's graph has failed on this model.
+  // on, the backend records them, and graphs have not failed on this model three steps in a
+  // row.
   bool decode_graphs() const;
 
   // A KV cache for this model to decode: one region of host memory on a host backend; on a
@@ -284,7 +285,10 @@ class LlamaModel {
   std::vector<BackendPtr> placed_;  // what PlaceWeights uploaded
   mutable std::mutex decode_mu_;
   std::unique_ptr<Activations> decode_activations_;  // under decode_mu_, reused across steps
-  bool graph_failed_ = false;  // under decode_mu_: a step's graph failed, so steps run op by op
+  // Under decode_mu_: the steps in a row whose graph failed; at kGraphFailuresToStop, the
+  // model's steps run op by op from then on.
+  int graph_failures_ = 0;
+  static constexpr int kGraphFailuresToStop = 3;
   LoadOptions options_;
   std::mutex pool_mu_;
   std::unique_ptr<KvPool> kv_pool_;  // under pool_mu_: NewCache's on a device

@@ -54,6 +54,52 @@ namespace {
 
 using cuda::CudaStatus;
 
+// cudaFree and cudaFreeHost wait for the whole device, and a device-wide wait while a stream
+// records a graph invalidates the recording, whichever thread waits. So every buffer this file
+// frees goes through Released(): at once while no lane in the process records, else held, and
+// freed by the next release made while none does (cudaFree then waits for the graphs that may
+// still read them). A recording lane never frees: it would wait on its own unlaunched work.
+class Releases {
+ public:
+  void Release(void* p, bool pinned) {
+    std::vector<std::pair<void*, bool>> now;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (recording_ > 0) {
+        held_.emplace_back(p, pinned);
+        return;
+      }
+      now.swap(held_);
+    }
+    now.emplace_back(p, pinned);
+    for (auto [q, host] : now) {
+      if (q == nullptr) continue;
+      if (host) {
+        cudaFreeHost(q);
+      } else {
+        cudaFree(q);
+      }
+    }
+  }
+  void BeginRecording() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++recording_;
+  }
+  void EndRecording() {
+    std::lock_guard<std::mutex> lock(mu_);
+    --recording_;
+  }
+
+ private:
+  std::mutex mu_;
+  int recording_ = 0;
+  std::vector<std::pair<void*, bool>> held_;
+};
+Releases& Released() {
+  static auto* releases = new Releases();
+  return *releases;
+}
+
 // A pinned host buffer and the event after its last copy.
 struct Staging {
   void* host = nullptr;
@@ -72,7 +118,7 @@ struct Staging {
           CudaStatus(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate"));
     }
     if (n > bytes) {
-      if (host) cudaFreeHost(host);
+      if (host) Released().Release(host, /*pinned=*/true);
       host = nullptr;
       bytes = 0;
       RETURN_IF_ERROR(CudaStatus(cudaMallocHost(&host, n), "cudaMallocHost (staging)"));
@@ -82,7 +128,7 @@ struct Staging {
   }
   void Release() {
     if (pending) cudaEventSynchronize(done);
-    if (host) cudaFreeHost(host);
+    if (host) Released().Release(host, /*pinned=*/true);
     if (done) cudaEventDestroy(done);
   }
 };
@@ -112,17 +158,19 @@ struct Lane {
   Staging download;  // synchronous downloads
   // A graph being recorded (BeginGraph): the compute stream captures; op tables and uploads are
   // copied into `arena` (pinned host memory that stays as it is until the graph has run, since
-  // the graph's copies read it then), and the buffers Grow replaces meanwhile are freed after.
+  // the graph's copies read it then), and the buffers Grow replaces meanwhile are held
+  // (Released) until no lane records.
   bool capturing = false;
   int64_t capture_key = 0;
   absl::Status capture_error;  // what already voids the recording (a Free)
+  // Counts the recordings dropped unrun (aborted, or failed before launch): OpMemory::epoch.
+  uint64_t epoch = 0;
   struct Chunk {
     void* host = nullptr;
     size_t bytes = 0, used = 0;
   };
   std::vector<Chunk> arena;
   size_t arena_at = 0;
-  std::vector<void*> retired;
   // The executable graph of each key, updated in place step after step; the event after the
   // last one launched (the arena is reused once it has passed).
   std::unordered_map<int64_t, cudaGraphExec_t> graphs;
@@ -144,23 +192,19 @@ struct Lane {
       cudaGraph_t g = nullptr;
       cudaStreamEndCapture(compute, &g);
       if (g) cudaGraphDestroy(g);
+      Released().EndRecording();
     }
     if (compute) cudaStreamSynchronize(compute);
     if (copy) cudaStreamSynchronize(copy);
     for (auto& [key, exec] : graphs) cudaGraphExecDestroy(exec);
     if (graph_done) cudaEventDestroy(graph_done);
-    for (Chunk& c : arena) cudaFreeHost(c.host);
-    for (void* p : retired) cudaFree(p);
-    if (cublas_workspace) cudaFree(cublas_workspace);
+    for (Chunk& c : arena) Released().Release(c.host, /*pinned=*/true);
+    Released().Release(cublas_workspace, /*pinned=*/false);
     for (DeviceBuffer* b : {&matmul_scratch, &seqs_table, &append_table}) {
-      if (b->data) cudaFree(b->data);
+      Released().Release(b->data, /*pinned=*/false);
     }
-    for (DeviceBuffer& b : slots) {
-      if (b.data) cudaFree(b.data);
-    }
-    for (DeviceBuffer& b : op_tables) {
-      if (b.data) cudaFree(b.data);
-    }
+    for (DeviceBuffer& b : slots) Released().Release(b.data, /*pinned=*/false);
+    for (DeviceBuffer& b : op_tables) Released().Release(b.data, /*pinned=*/false);
     for (Staging& s : table_staging) s.Release();
     for (Staging& s : uploads) s.Release();
     download.Release();
@@ -177,17 +221,14 @@ struct Lane {
   }
 
   // A buffer of at least `bytes`, the old one freed once the work that may use it is done
-  // (while recording, once the graph has run). It grows by half again at least: a decode step's
-  // page tables and rows grow a little every step, and each growth waits for the device.
+  // (while recording, once the graph has run: Released holds it). It grows by half again at
+  // least: a decode step's page tables and rows grow a little every step, and each growth waits
+  // for the device.
   absl::StatusOr<void*> Grow(DeviceBuffer* b, size_t bytes, const char* what) {
     if (bytes > b->bytes) {
       bytes = std::max(bytes, b->bytes + b->bytes / 2);
-      if (capturing) {
-        if (b->data) retired.push_back(b->data);
-      } else {
-        RETURN_IF_ERROR(Sync());
-        if (b->data) cudaFree(b->data);
-      }
+      if (!capturing) RETURN_IF_ERROR(Sync());
+      if (b->data) Released().Release(b->data, /*pinned=*/false);
       b->data = nullptr;
       b->bytes = 0;
       RETURN_IF_ERROR(CudaStatus(cudaMalloc(&b->data, bytes), what));
@@ -221,10 +262,6 @@ struct Lane {
     ASSIGN_OR_RETURN(void* staged, ArenaTake(bytes));
     std::memcpy(staged, host, bytes);
     return CudaStatus(cudaMemcpyAsync(dst, staged, bytes, cudaMemcpyHostToDevice, compute), what);
-  }
-  void FreeRetired() {
-    for (void* p : retired) cudaFree(p);  // cudaFree waits for the device's work
-    retired.clear();
   }
 
   // A per-op table of host structs copied to the device for a launch, queued after the
@@ -265,7 +302,7 @@ class CudaBackend final : public KernelBackend {
   ~CudaBackend() override {
     lanes_.clear();
     for (void* p : imported_) cudaIpcCloseMemHandle(p);
-    for (auto& [p, bytes] : allocations_) cudaFree(p);
+    for (auto& [p, bytes] : allocations_) Released().Release(p, /*pinned=*/false);
   }
 
   BackendKind kind() const override { return BackendKind::kCuda; }
@@ -292,7 +329,7 @@ class CudaBackend final : public KernelBackend {
     allocations_[p] = bytes;
     return p;
   }
-  // cudaFree waits for the device's queued work, whichever stream it is on.
+  // cudaFree waits for the device's queued work, whichever stream it is on (Released).
   void Free(void* ptr) override {
     if (ptr == nullptr) return;
     {
@@ -302,15 +339,12 @@ class CudaBackend final : public KernelBackend {
       used_ -= it->second;
       allocations_.erase(it);
     }
-    // While this thread records, the recorded ops may use the buffer: the graph is void, and
-    // the buffer goes once the recording has ended (cudaFree would wait on work not queued).
+    // While this thread records, the recorded ops may use the buffer: the graph is void.
     if (Lane* lane = LaneIfAny(); lane != nullptr && lane->capturing) {
       lane->capture_error.Update(absl::FailedPreconditionError(
           "cuda backend: Free while this thread records a graph (its ops may use the buffer)"));
-      lane->retired.push_back(ptr);
-      return;
     }
-    cudaFree(ptr);
+    Released().Release(ptr, /*pinned=*/false);
   }
   // A sticky error fails every call on the process's context, whichever backend object made it.
   absl::Status fault() const override {
@@ -341,6 +375,7 @@ class CudaBackend final : public KernelBackend {
     lane->arena_at = 0;
     RETURN_IF_ERROR(CudaStatus(cudaStreamBeginCapture(lane->compute, cudaStreamCaptureModeRelaxed),
                                "cudaStreamBeginCapture"));
+    Released().BeginRecording();
     lane->capturing = true;
     lane->capture_key = key;
     const absl::Status ok;
@@ -355,10 +390,11 @@ class CudaBackend final : public KernelBackend {
     lane->capturing = false;
     cudaGraph_t graph = nullptr;
     absl::Status st = CudaStatus(cudaStreamEndCapture(lane->compute, &graph), "a recorded graph");
+    Released().EndRecording();
     st.Update(lane->capture_error);
     if (st.ok()) st.Update(LaunchRecorded(*lane, graph));
     if (graph) cudaGraphDestroy(graph);
-    lane->FreeRetired();
+    if (!lane->graph_pending) ++lane->epoch;  // nothing it recorded will run
     return st;
   }
   void AbortGraph() override {
@@ -367,9 +403,10 @@ class CudaBackend final : public KernelBackend {
     (*lane)->capturing = false;
     cudaGraph_t graph = nullptr;
     cudaStreamEndCapture((*lane)->compute, &graph);
+    Released().EndRecording();
     cudaGetLastError();  // an invalidated capture's error, reported by the op that caused it
     if (graph) cudaGraphDestroy(graph);
-    (*lane)->FreeRetired();
+    ++(*lane)->epoch;
   }
   GraphCounts graph_counts() const override {
     return {graphs_made_.load(), graphs_updated_.load(), graphs_launched_.load()};
@@ -743,9 +780,8 @@ class CudaBackend final : public KernelBackend {
     if (updated) ++graphs_updated_;
     RETURN_IF_ERROR(CudaStatus(cudaGraphLaunch(exec, lane.compute), "cudaGraphLaunch"));
     ++graphs_launched_;
-    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(lane.graph_done, lane.compute), "cudaEventRecord"));
-    lane.graph_pending = true;
-    return absl::OkStatus();
+    lane.graph_pending = true;  // (a rerun op by op would write the same rows again)
+    return CudaStatus(cudaEventRecord(lane.graph_done, lane.compute), "cudaEventRecord");
   }
   absl::StatusOr<void*> TableOn(Lane& lane, DeviceBuffer* t, const void* host, size_t bytes) {
     size_t counted = 0;
@@ -760,7 +796,7 @@ class CudaBackend final : public KernelBackend {
             [this, &lane](int table, const void* host, size_t bytes) {
               return TableOn(lane, &lane.op_tables[table], host, bytes);
             },
-            lane.id,
+            lane.id, lane.epoch,
             lane.capturing ? std::function<absl::StatusOr<void*>(size_t)>(
                                  [&lane](size_t bytes) { return lane.ArenaTake(bytes); })
                            : nullptr};

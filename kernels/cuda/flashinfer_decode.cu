@@ -122,15 +122,17 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
 
   // Split-KV's work partition (FlashInfer's plan), on the host from the lengths: once per decode
   // step, since every layer of a step has the same lengths. The last plan made on this lane
-  // stays in its int workspace, which nothing else writes. While the lane records a graph, the
-  // plan is FlashInfer's for CUDA graphs (a grid that stays one size as the lengths grow, so a
-  // step's graph updates in place) and goes up from host memory the graph reads when it runs.
+  // stays in its int workspace, which nothing else writes, unless the copy that put it there
+  // was dropped unrun (a new epoch). While the lane records a graph, the plan goes up from host
+  // memory the graph reads when it runs. The plan is the one a step op by op makes (not
+  // FlashInfer's for CUDA graphs, whose fixed grid splits every request and merges partial
+  // outputs in f16): a step's graph is recorded anew each step, and its results stay those of
+  // the step op by op.
   const bool graph = mem.recorded_host != nullptr;
   thread_local struct {
-    uint64_t lane = 0;
+    uint64_t lane = 0, epoch = 0;
     uint32_t head_dim = 0;
     int group = 0;
-    bool graph = false;
     std::vector<int32_t> indptr;
     void* int_ws = nullptr;
     size_t float_bytes = 0;
@@ -141,8 +143,8 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
   std::vector<uint8_t> int_pageable;
   void* int_host = nullptr;
   cudaError_t planned = cudaSuccess;
-  const bool same = last.lane == mem.lane && mem.lane != 0 && last.head_dim == D &&
-                    last.group == group && last.graph == graph && last.indptr == indptr;
+  const bool same = last.lane == mem.lane && mem.lane != 0 && last.epoch == mem.epoch &&
+                    last.head_dim == D && last.group == group && last.indptr == indptr;
   void* float_ws = nullptr;
   void* int_ws = nullptr;
   if (same) {
@@ -157,8 +159,8 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
           flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<GROUP_SIZE, D, kNoRope,
                                                                           Variant, Params>;
       planned = flashinfer::DecodePlanWorkspaceSize<D, kNoRope, Variant, Params>(
-          float_bytes, int_bytes, indptr.data(), requests, group, /*page_size=*/1, graph, stream,
-          estimate);
+          float_bytes, int_bytes, indptr.data(), requests, group, /*page_size=*/1,
+          /*enable_cuda_graph=*/false, stream, estimate);
     });
     RETURN_IF_ERROR(CudaStatus(planned, "FlashInfer DecodePlanWorkspaceSize"));
     ASSIGN_OR_RETURN(float_ws,
@@ -177,13 +179,13 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
       // Pageable int_host: the copy FlashInfer queues from it is staged before it returns.
       planned = flashinfer::DecodePlan<D, kNoRope, Variant, Params>(
           float_ws, float_bytes, int_ws, int_host, int_bytes, plan, indptr.data(), requests, group,
-          /*page_size=*/1, graph, stream, estimate);
+          /*page_size=*/1, /*enable_cuda_graph=*/false, stream, estimate);
     });
     RETURN_IF_ERROR(CudaStatus(planned, "FlashInfer DecodePlan"));
     last.lane = mem.lane;
     last.head_dim = D;
+    last.epoch = mem.epoch;
     last.group = group;
-    last.graph = graph;
     last.indptr = indptr;
     last.int_ws = int_ws;
     last.float_bytes = float_bytes;
@@ -251,7 +253,7 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
   params.o_indptr = flashinfer::GetPtrFromBaseOffset<int32_t>(int_ws, plan.o_indptr_offset);
   params.kv_chunk_size_ptr =
       flashinfer::GetPtrFromBaseOffset<int32_t>(int_ws, plan.kv_chunk_size_ptr_offset);
-  // A graph's plan pads the batch to a fixed grid; the mask tells the padding's blocks to idle.
+  // Split-KV's blocks past the partitioned requests idle by it (none without CUDA-graph plans).
   params.block_valid_mask =
       plan.split_kv ? flashinfer::GetPtrFromBaseOffset<bool>(int_ws, plan.block_valid_mask_offset)
                     : nullptr;

@@ -77,6 +77,10 @@ struct OpMemory {
   // The lane's number, unique in the process (never reused): what an op may key state it keeps
   // between its calls on one lane by (FlashInfer's decode plan).
   uint64_t lane = 0;
+  // Changes whenever work the lane recorded was dropped unrun (a graph aborted, or failed before
+  // its launch): what an op keeps about what its earlier calls left in device memory holds
+  // within one epoch only.
+  uint64_t epoch = 0;
   // While the lane records a graph (KernelBackend::BeginGraph): host memory that a copy queued
   // now may read when the graph runs (pinned, and kept as it is until then). Null otherwise,
   // where a copy from pageable memory is staged before it returns.

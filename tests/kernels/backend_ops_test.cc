@@ -10,6 +10,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -920,8 +921,9 @@ TEST_P(BackendOpsTest, RejectsBadShapes) {
 // A step recorded as a graph (BeginGraph ... EndGraph) runs only at EndGraph, with each host
 // array as it was at its call, and gives what the same ops give called one by one; recording
 // again under the same key (new inputs, the graph updated in place on cuda) gives the new
-// results. While recording, every wait and read is refused; an aborted recording runs nothing;
-// a Free while recording voids the graph. The host backends run ops as called: Unimplemented.
+// results. While recording, every wait and read is refused (another thread's are not); an
+// aborted recording runs nothing; a Free while recording voids the graph. The host backends run ops
+// as called: Unimplemented.
 TEST_P(BackendOpsTest, GraphsRunTheRecordedOpsAtEnd) {
   KernelBackend& b = *backend_;
   if (!b.SupportsGraphs()) {
@@ -985,6 +987,17 @@ TEST_P(BackendOpsTest, GraphsRunTheRecordedOpsAtEnd) {
                                    b.ChecksumSpans({&span, 1, &sum}), b.BeginGraph(8)}) {
       EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
     }
+    // Another thread's work meanwhile, its buffers freed (a device-wide wait on CUDA, which
+    // must not void this thread's recording), leaves the recording as it was.
+    std::thread other([&b] {
+      auto buffer = b.Allocate(1 << 20);
+      ASSERT_TRUE(buffer.ok());
+      const std::vector<uint8_t> bytes(1 << 20, 3);
+      EXPECT_TRUE(b.CopyToDevice(*buffer, bytes.data(), bytes.size()).ok());
+      EXPECT_TRUE(b.Synchronize().ok());
+      b.Free(*buffer);
+    });
+    other.join();
     ASSERT_TRUE(b.EndGraph().ok());
     EXPECT_EQ(a.Download(y, rows * out), want.first);
     EXPECT_EQ(a.Download(x, rows * dim), want.second);  // the residual stream, updated in place
