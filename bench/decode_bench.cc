@@ -16,9 +16,12 @@
 //   quest             the full cache, Quest pages at --t
 //
 // `--batch` decodes that many sequences per step (each its own cache and selector, the same
-// rows), and `--backend cuda` runs it on a GPU (selection on the host, attention on the device;
-// KV bytes then count the whole batch). `--kv-formats fp8,int4` adds the dense modes over caches
-// kept in those formats (the wire's codes, dequantised as attention reads them).
+// rows), and `--backend cuda` runs it on a GPU (selection and attention on the device; KV bytes
+// then count the whole batch). On a device each round makes two steps per mode: one as the
+// decode engine makes it (a CUDA graph), timed whole, and one timed inside (op by op: the
+// timing waits for the device between the parts), for the attention table. `--kv-formats fp8,int4`
+// adds the dense modes over caches kept in those formats (the wire's codes, dequantised as
+// attention reads them).
 //
 // Run: build/bench/decode_bench [--ctx 16384 --kept 2048 --t 1024 --steps 24 --threads 2
 //                                --batch 1 --backend cpu --kv-formats fp8,int4]
@@ -155,14 +158,17 @@ int main(int argc, char** argv) {
     return 2;
   }
   lo.backend = *backend;
-  auto model_or =
-      LlamaModel::Load(f.GetString("model") + ",context=" + std::to_string(ctx + steps + 8), lo);
+  auto model_or = LlamaModel::Load(
+      f.GetString("model") + ",context=" + std::to_string(ctx + 2 * steps + 8), lo);
   if (!model_or.ok()) {
     std::fprintf(stderr, "%s\n", std::string(model_or.status().message()).c_str());
     return 1;
   }
   LlamaModel& m = **model_or;
   const ModelConfig& c = m.config();
+  // Steps per mode and round: the whole step as a graph, then one timed inside (see above).
+  const int passes = m.on_device() && m.decode_graphs() ? 2 : 1;
+  const int generated = passes * steps;  // tokens each cache takes
   std::printf(
       "model: %s\ncontext %d tokens, compressed cache %d, token budget t=%d, %d steps, batch %d, "
       "%s backend, %d threads\n",
@@ -188,7 +194,7 @@ int main(int argc, char** argv) {
   hybrid.mode = AttentionMode::kHybrid;
   hybrid.token_budget = t;
   add("hybrid (full cache)", ctx, hybrid);
-  auto two = ResolveRocketKV(t, ctx, steps + 1, c.head_dim, CompressionConfig{});
+  auto two = ResolveRocketKV(t, ctx, generated + 1, c.head_dim, CompressionConfig{});
   if (!two.ok()) {
     std::fprintf(stderr, "decode_bench: rocketkv: %s\n",
                  std::string(two.status().message()).c_str());
@@ -221,10 +227,10 @@ int main(int argc, char** argv) {
     const size_t page = size_t{64} << 10;
     for (const Mode& md : modes) {
       KvCacheShape shape{c.num_kv_heads, c.head_dim, m.kv_dtype(),
-                         std::vector<int>(c.num_layers, md.prompt_kept + steps + 2)};
+                         std::vector<int>(c.num_layers, md.prompt_kept + generated + 2)};
       auto sel = DecodeSelectorBytes(md.attention, c, shape);
       shape.format = md.format;
-      shape.appended = steps + 2;
+      shape.appended = generated + 2;
       bytes += batch * (KvCache::PagedPages(shape, page) * page + (sel.ok() ? *sel : 0) + page);
     }
     auto made = KvPool::OnBackend(m.backend(), bytes + (size_t{64} << 20), page);
@@ -238,11 +244,11 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < modes.size(); ++i) {
     Mode& md = modes[i];
     KvCacheShape shape{c.num_kv_heads, c.head_dim, m.kv_dtype(),
-                       std::vector<int>(c.num_layers, md.prompt_kept + steps + 2)};
+                       std::vector<int>(c.num_layers, md.prompt_kept + generated + 2)};
     // Every sequence of the batch holds the same rows (filled once on the host, copied).
     auto host = KvCache::Create(shape, HeapKvAllocator());
     shape.format = md.format;
-    shape.appended = steps + 2;
+    shape.appended = generated + 2;
     if (!host.ok()) {
       std::fprintf(stderr, "%s: %s\n", md.name.c_str(),
                    std::string(host.status().message()).c_str());
@@ -290,26 +296,37 @@ int main(int argc, char** argv) {
   std::vector<kernels::SampledToken> tokens(batch);
   for (int s = 0; s < steps; ++s) {
     for (Mode& md : modes) {
-      std::vector<DecodeInput> in;
-      for (int b = 0; b < batch; ++b) {
-        in.push_back({7, ctx + 1 + s, md.caches[b].get(), md.selectors[b].get()});
+      for (int pass = 0; pass < passes; ++pass) {
+        // The whole step from the first pass; the parts from the last (the only one on a host).
+        const bool whole = pass == 0, parts = pass == passes - 1;
+        std::vector<DecodeInput> in;
+        for (int b = 0; b < batch; ++b) {
+          in.push_back({7, ctx + 1 + s * passes + pass, md.caches[b].get(), md.selectors[b].get()});
+        }
+        DecodeTimes times;
+        const kernels::KernelBackend::CopyCounts before = m.copy_counts();
+        const auto t0 = std::chrono::steady_clock::now();
+        if (absl::Status st =
+                m.DecodeStepSampled(in, rows, tokens.data(), parts ? &times : nullptr);
+            !st.ok()) {
+          std::fprintf(stderr, "%s: %s\n", md.name.c_str(), std::string(st.message()).c_str());
+          return 1;
+        }
+        if (whole) {
+          md.ms.push_back(
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                  .count());
+          const kernels::KernelBackend::CopyCounts step = m.copy_counts() - before;
+          md.copies.to_host_bytes += step.to_host_bytes;
+          md.copies.to_host_calls += step.to_host_calls;
+          md.copies.to_device_bytes += step.to_device_bytes;
+          md.copies.to_device_calls += step.to_device_calls;
+        }
+        if (parts) {
+          md.attn_ms.push_back(1e3 * (times.selection_s + times.attention_s));
+          md.sel_ms.push_back(1e3 * times.selection_s);
+        }
       }
-      DecodeTimes times;
-      const kernels::KernelBackend::CopyCounts before = m.copy_counts();
-      const auto t0 = std::chrono::steady_clock::now();
-      if (absl::Status st = m.DecodeStepSampled(in, rows, tokens.data(), &times); !st.ok()) {
-        std::fprintf(stderr, "%s: %s\n", md.name.c_str(), std::string(st.message()).c_str());
-        return 1;
-      }
-      md.ms.push_back(
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-      md.attn_ms.push_back(1e3 * (times.selection_s + times.attention_s));
-      md.sel_ms.push_back(1e3 * times.selection_s);
-      const kernels::KernelBackend::CopyCounts step = m.copy_counts() - before;
-      md.copies.to_host_bytes += step.to_host_bytes;
-      md.copies.to_host_calls += step.to_host_calls;
-      md.copies.to_device_bytes += step.to_device_bytes;
-      md.copies.to_device_calls += step.to_device_calls;
     }
   }
   const double weights = static_cast<double>(m.WeightBytes());
@@ -317,14 +334,15 @@ int main(int argc, char** argv) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  std::printf("\nwhole step\n%-22s %9s %10s %12s %10s %9s %9s  %s\n", "mode", "kv_tokens",
-              "step_ms", "kv_MB/step", "GB/s", "x_faster", "x_less_kv", "parameters");
+  std::printf("\nwhole step%s\n%-22s %9s %10s %12s %10s %9s %9s  %s\n",
+              passes == 2 ? " (each a CUDA graph, as the decode engine steps)" : "", "mode",
+              "kv_tokens", "step_ms", "kv_MB/step", "GB/s", "x_faster", "x_less_kv", "parameters");
   double base_ms = 0, base_kv = 0, base_attn = 0;
   std::vector<double> kv_of;
   for (Mode& md : modes) {
     const double med = median(md.ms);
     const int len = md.caches[0]->layer(0).len;
-    auto p = ResolveSparseParams(md.attention, md.prompt_kept + steps + 2, c.head_dim);
+    auto p = ResolveSparseParams(md.attention, md.prompt_kept + generated + 2, c.head_dim);
     // A coded cache is read whole by dense attention: its codes, parameters and residual.
     const double kv =
         md.format == KvFormat::kAuto
