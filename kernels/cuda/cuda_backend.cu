@@ -500,7 +500,8 @@ class CudaBackend final : public KernelBackend {
                                           OpMemoryOf(*lane), lane->compute);
     }
 #endif
-    return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table), lane->compute);
+    return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table),
+                                       OpMemoryOf(*lane), lane->compute);
   }
   // Host work between ops (sparse selection on the host) on the host's cores, idle while
   // the GPU computes.

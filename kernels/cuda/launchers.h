@@ -30,9 +30,6 @@ absl::Status LaunchEmbedRows(const EmbedRowsParams& p, const int32_t* ids_device
 absl::Status LaunchAppendKv(const AppendKvParams& p, const KvAppend* seqs_device,
                             cudaStream_t stream);
 absl::Status LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_t stream);
-// `seqs_device` is p.seqs copied to device memory.
-absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p,
-                                   const DecodeSequence* seqs_device, cudaStream_t stream);
 
 // Device memory the selection ops borrow for one launch, from the backend: scratch(slot, bytes)
 // is a buffer of at least `bytes` (one per slot, reused in stream order); table(id, host, bytes)
@@ -86,6 +83,11 @@ struct OpMemory {
   // where a copy from pageable memory is staged before it returns.
   std::function<absl::StatusOr<void*>(size_t bytes)> recorded_host;
 };
+
+// `seqs_device` is p.seqs copied to device memory (p.seqs, the host's, sizes the split).
+absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p,
+                                   const DecodeSequence* seqs_device, const OpMemory& mem,
+                                   cudaStream_t stream);
 
 // The observation window's scores alone (p.window rows' softmax over every key, into
 // p.window_scores), as one cuBLAS product per KV head and a causal softmax: for a prefill whose

@@ -811,7 +811,10 @@ TEST_P(BackendOpsTest, DecodeAttentionWithoutProbabilities) {
             std::vector<float> pool = Random(2 * n_pages * page, seed++, -3.f, 3.f);
             std::vector<std::vector<int32_t>> tables(batch), idx(batch);
             std::vector<std::vector<float>> qs;
-            const int n_idx = sparse ? (len + 1) / 2 : 0;
+            // The last sequence attends a third of the rows: split-KV's chunks of a batch of
+            // uneven lengths (some of its chunks empty).
+            auto len_of = [&](int b) { return b == batch - 1 ? (len + 2) / 3 : len; };
+            auto n_idx = [&](int b) { return sparse ? (len_of(b) + 1) / 2 : 0; };
             for (int b = 0; b < batch; ++b) {
               tables[b].assign(ids.begin() + b * blocks, ids.begin() + (b + 1) * blocks);
               KvLayout layout;
@@ -829,10 +832,10 @@ TEST_P(BackendOpsTest, DecodeAttentionWithoutProbabilities) {
                   std::copy_n(k.begin() + from, d, pool.begin() + row);
                   std::copy_n(v.begin() + from, d, pool.begin() + n_pages * page + row);
                 }
-                std::vector<int32_t> perm(len);
-                for (int i = 0; i < len; ++i) perm[i] = i;
+                std::vector<int32_t> perm(len_of(b));
+                for (int i = 0; i < len_of(b); ++i) perm[i] = i;
                 std::shuffle(perm.begin(), perm.end(), rng);
-                idx[b].insert(idx[b].end(), perm.begin(), perm.begin() + n_idx);
+                idx[b].insert(idx[b].end(), perm.begin(), perm.begin() + n_idx(b));
               }
               qs.push_back(Random(heads * d, seed++, -2.f, 2.f));
             }
@@ -858,10 +861,10 @@ TEST_P(BackendOpsTest, DecodeAttentionWithoutProbabilities) {
                 s.layout.heads_per_page = cache_heads;
                 s.layout.n_heads = cache_heads;
                 s.layout.page_stride = page;
-                s.len = len;
+                s.len = len_of(b);
                 if (sparse) {
                   s.indices = a.Upload(idx[b]);
-                  s.num_indices = n_idx;
+                  s.num_indices = n_idx(b);
                 }
               }
               RunDecodeAttention(be, seqs, heads, cache_heads, d, t);
