@@ -57,6 +57,20 @@ std::unique_ptr<LlamaModel> Load(const std::string& spec, const LoadOptions& opt
 
 std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); }
 
+CompressionConfig SnapKv(int budget) {
+  CompressionConfig c;
+  c.policy = *MakePolicy("snapkv");
+  c.budget = budget;
+  return c;
+}
+
+DecodeAttentionConfig Hybrid(int token_budget) {
+  DecodeAttentionConfig a;
+  a.mode = AttentionMode::kHybrid;
+  a.token_budget = token_budget;
+  return a;
+}
+
 // The device engine generates the CPU engine's tokens, their log-probabilities within 1e-3.
 void ExpectSameGeneration(LlamaModel& cpu, LlamaModel& dev, const GenerationRequest& req) {
   auto want = Generate(cpu, req);
@@ -283,12 +297,8 @@ TEST_P(DeviceEngine, OnlyTheKeptRowsAndTheSampledTokensComeBack) {
   const ModelConfig& c = dev->config();
   std::vector<int32_t> prompt = {1};
   for (int i = 0; i < 199; ++i) prompt.push_back(5 + (i * 31) % (c.vocab_size - 5));
-  CompressionConfig snapkv;
-  snapkv.policy = *MakePolicy("snapkv");
-  snapkv.budget = 64;
-  DecodeAttentionConfig hybrid;
-  hybrid.mode = AttentionMode::kHybrid;
-  hybrid.token_budget = 32;
+  const CompressionConfig snapkv = SnapKv(64);
+  const DecodeAttentionConfig hybrid = Hybrid(32);
   const int batch = 4, steps = 5;
   std::vector<PrefilledSequence> seqs;
   std::vector<std::unique_ptr<DecodeSelector>> selectors;
@@ -340,12 +350,8 @@ TEST_P(DeviceEngine, DecodeGraphsEqualStepsOpByOp) {
     ASSERT_NE(dev, nullptr);
     ASSERT_TRUE(dev->decode_graphs());
     const ModelConfig& c = dev->config();
-    CompressionConfig snapkv;
-    snapkv.policy = *MakePolicy("snapkv");
-    snapkv.budget = 24;
-    DecodeAttentionConfig hybrid;
-    hybrid.mode = AttentionMode::kHybrid;
-    hybrid.token_budget = 16;
+    const CompressionConfig snapkv = SnapKv(24);
+    const DecodeAttentionConfig hybrid = Hybrid(16);
     const int batch = 3, steps = 12;
     // Two copies of each sequence, of different lengths: one stepped as graphs, one op by op.
     // The first attends sparsely, with a selector for each copy.
@@ -430,9 +436,7 @@ TEST_P(DeviceEngine, AFailedGraphLeavesTheStepToRunOpByOp) {
   auto dev = Load("synthetic:tiny,layers=3", On(device()));
   ASSERT_NE(dev, nullptr);
   const ModelConfig& c = dev->config();
-  DecodeAttentionConfig hybrid;
-  hybrid.mode = AttentionMode::kHybrid;
-  hybrid.token_budget = 16;
+  const DecodeAttentionConfig hybrid = Hybrid(16);
   std::vector<int32_t> prompt;
   for (int i = 0; i < 60; ++i) prompt.push_back(3 + (i * 29) % (c.vocab_size - 3));
   const int steps = 8;
@@ -485,9 +489,7 @@ TEST_P(DeviceEngine, AnUndoneStepRebuildsTheSelectorsSummaries) {
   for (int i = 0; i < 60; ++i) prompt.push_back(3 + (i * 29) % (c.vocab_size - 3));
   auto seq = PrefillSequence(*dev, prompt, CompressionConfig{}, 4);
   ASSERT_TRUE(seq.ok()) << seq.status();
-  DecodeAttentionConfig hybrid;
-  hybrid.mode = AttentionMode::kHybrid;
-  hybrid.token_budget = 16;
+  const DecodeAttentionConfig hybrid = Hybrid(16);
   auto sel = MakeDecodeSelector(hybrid, c, seq->cache->shape(), HeapKvAllocator());
   ASSERT_TRUE(sel.ok()) << sel.status();
   auto q = dev->backend()->Allocate(sizeof(float) * c.num_heads * c.head_dim);
