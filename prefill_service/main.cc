@@ -96,6 +96,10 @@ int main(int argc, char** argv) {
   }
   auto load_options = LoadOptionsFromFlags(flags);
   if (!load_options.ok()) return fail(load_options.status());
+  if (flags.IsSet("decode-graphs")) {
+    return fail(absl::InvalidArgumentError(
+        "--decode-graphs: a prefill node does not decode (the flag is the decode node's)"));
+  }
   if (absl::Status st = CheckServerAddresses(flags); !st.ok()) return fail(st);
   if (flags.GetBool("dry-run")) {
     std::printf("kvwire-prefill: flags OK (listen %s)\n", o.listen.c_str());

@@ -21,6 +21,10 @@ void DefineModelFlags(Flags& flags) {
                "with an NVIDIA GPU: weights, activations and KV caches in device memory) or "
                "guarded (the cpu kernels on memory only ops may touch: the device path without "
                "a GPU, for tests)");
+  flags.Define("decode-graphs", "on",
+               "on: a device backend (cuda; guarded, which emulates it) runs each decode step as "
+               "one CUDA graph; off: op by op (vLLM's --enforce-eager). Given with a host backend "
+               "(cpu, reference), which runs ops as called, it is refused");
 }
 
 absl::StatusOr<LoadOptions> LoadOptionsFromFlags(const Flags& flags) {
@@ -38,6 +42,18 @@ absl::StatusOr<LoadOptions> LoadOptionsFromFlags(const Flags& flags) {
         absl::StrCat("--weights: expected copy or mapped, got '", weights, "'"));
   }
   options.mapped_weights = weights == "mapped";
+  const std::string graphs = flags.GetString("decode-graphs");
+  if (graphs != "on" && graphs != "off") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--decode-graphs: expected on or off, got '", graphs, "'"));
+  }
+  if (flags.IsSet("decode-graphs") && (options.backend == kernels::BackendKind::kCpu ||
+                                       options.backend == kernels::BackendKind::kReference)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--decode-graphs applies to a device backend (cuda, guarded); the ",
+        kernels::BackendName(options.backend), " backend runs each op as it is called"));
+  }
+  options.decode_graphs = graphs == "on";
   return options;
 }
 

@@ -14,6 +14,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/base/flags.h"
 #include "common/engine/generate.h"
 #include "common/model/model_flags.h"
@@ -228,6 +229,41 @@ TEST(Engine, MappedWeightsGiveTheSameLogits) {
       EXPECT_EQ(options->mapped_weights, std::string(value) == "mapped");
     } else {
       EXPECT_NE(options.status().message().find("expected copy or mapped"), std::string::npos);
+    }
+  }
+}
+
+// --decode-graphs: on or off, for a device backend; refused naming the backend with a host one
+// (which runs ops as called), and any other value refused saying what is expected.
+TEST(Engine, DecodeGraphsFlagIsADeviceBackendsAndChecked) {
+  struct Case {
+    std::vector<std::string> args;
+    bool ok;
+    bool graphs;
+    const char* error;
+  };
+  for (const Case& c : std::vector<Case>{
+           {{}, true, true, ""},
+           {{"--backend", "guarded", "--decode-graphs", "off"}, true, false, ""},
+           {{"--backend", "guarded", "--decode-graphs", "on"}, true, true, ""},
+           {{"--backend", "guarded", "--decode-graphs", "yes"}, false, false, "expected on or off"},
+           {{"--decode-graphs", "off"}, false, false, "the cpu backend runs each op"},
+           {{"--backend", "reference", "--decode-graphs", "on"},
+            false,
+            false,
+            "the reference backend runs each op"}}) {
+    Flags flags;
+    DefineModelFlags(flags);
+    std::vector<std::string> args = {"--model", "synthetic:tiny"};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    ASSERT_TRUE(flags.Parse(args).ok());
+    auto options = LoadOptionsFromFlags(flags);
+    SCOPED_TRACE(absl::StrJoin(c.args, " "));
+    ASSERT_EQ(options.ok(), c.ok) << options.status();
+    if (c.ok) {
+      EXPECT_EQ(options->decode_graphs, c.graphs);
+    } else {
+      EXPECT_NE(options.status().message().find(c.error), std::string::npos) << options.status();
     }
   }
 }
