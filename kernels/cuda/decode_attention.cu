@@ -1,6 +1,6 @@
 /* Batched decode attention over a compressed (or sparse-selected) KV cache.
  *
- * One warp per (sequence, query head) and chunk of kSplitTokens attended tokens (split-KV, as
+ * One warp per (sequence, query head) and chunk of attended tokens (split-KV, as
  * FlashInfer's decode splits: a warp walking 32K tokens alone left the GPU idle). Lanes own
  * head dimensions lane + 32·x; for each attended token (all `len`, or the `indices` of the
  * head's cache head) the score is a warp-reduced dot product and the softmax is online, so any
@@ -16,7 +16,6 @@
  * sequence's page table. Tested against ReferenceBackend::DecodeAttention. */
 #include <algorithm>
 
-#include "absl/strings/str_cat.h"
 #include "kernels/cuda/cache_rows.cuh"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
@@ -25,7 +24,10 @@ namespace kvwire::kernels::cuda {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kSplitTokens = 256;  // attended tokens per warp when split
+constexpr int kSplitTokens = 256;  // attended tokens per warp when split, at the least
+// Warps in flight a split aims at, at the most: four times what an H100 holds (132 SMs of 64),
+// so that longer caches take longer chunks, not more scratch (items · chunks · (d + 2) floats).
+constexpr int64_t kSplitWarps = 4 * 132 * 64;
 
 // A chunk's running softmax state: its maximum and sum, and its unnormalised output [d].
 struct Partial {
@@ -109,12 +111,13 @@ __device__ void AttendHead(const DecodeSequence& seq, const Rows& rows, int h, i
   }
 }
 
-// Warp (blockIdx.x, warp) is item = (sequence, query head); blockIdx.y its chunk of tokens
-// (with `chunks` > 1: partials [item][chunk] in m, l and acc [.., d]).
+// Warp (blockIdx.x, warp) is item = (sequence, query head); blockIdx.y its chunk of
+// `chunk_tokens` tokens (with `chunks` > 1: partials [item][chunk] in m, l and acc [.., d]).
 template <typename T, int DPL>
 __global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, int batch,
                                       int n_heads, int n_cache_heads, int d, float scale,
-                                      int chunks, float* part_m, float* part_l, float* part_acc) {
+                                      int chunks, int chunk_tokens, float* part_m, float* part_l,
+                                      float* part_acc) {
   const int warp = threadIdx.x / 32;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
   if (item >= static_cast<int64_t>(batch) * n_heads) return;
@@ -125,8 +128,8 @@ __global__ void DecodeAttentionKernel(const DecodeSequence* __restrict__ seqs, i
   int t0 = 0, t1 = count;
   Partial part{};
   if (chunks > 1) {
-    t0 = min(count, static_cast<int>(blockIdx.y) * kSplitTokens);
-    t1 = min(count, t0 + kSplitTokens);
+    t0 = static_cast<int>(min(int64_t{count}, int64_t{blockIdx.y} * chunk_tokens));
+    t1 = min(count, t0 + chunk_tokens);
     const int64_t at = item * chunks + blockIdx.y;
     part = {part_m + at, part_l + at, part_acc + at * d};
   }
@@ -191,11 +194,9 @@ absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p,
     most = std::max(most, s.indices ? s.num_indices : s.len);
     probs |= s.probs != nullptr;
   }
-  const int chunks = probs ? 1 : (most + kSplitTokens - 1) / kSplitTokens;
-  if (chunks > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "DecodeAttention: ", most, " attended tokens split into more than 65535 chunks"));
-  }
+  int chunks = probs ? 1 : (most + kSplitTokens - 1) / kSplitTokens;
+  chunks = static_cast<int>(std::min<int64_t>(chunks, std::max<int64_t>(1, kSplitWarps / items)));
+  const int chunk_tokens = (most + chunks - 1) / chunks;
   float *part_m = nullptr, *part_l = nullptr, *part_acc = nullptr;
   if (chunks > 1) {
     const int64_t n = items * chunks;
@@ -209,8 +210,8 @@ absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p,
     return DispatchHeadDim(p.head_dim, [&]<int DPL>() {
       DecodeAttentionKernel<T, DPL>
           <<<dim3(blocks, std::max(chunks, 1)), 32 * kWarpsPerBlock, 0, stream>>>(
-              seqs_device, p.batch, p.n_heads, p.n_cache_heads, p.head_dim, p.scale, chunks, part_m,
-              part_l, part_acc);
+              seqs_device, p.batch, p.n_heads, p.n_cache_heads, p.head_dim, p.scale, chunks,
+              chunk_tokens, part_m, part_l, part_acc);
       RETURN_IF_ERROR(LaunchStatus("DecodeAttentionKernel"));
       if (chunks <= 1) return absl::OkStatus();
       MergeChunks<DPL><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(

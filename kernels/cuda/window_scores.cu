@@ -70,14 +70,15 @@ absl::Status LaunchWindowScores(const PrefillAttentionParams& p, cublasHandle_t 
   RETURN_IF_ERROR(LaunchStatus("GatherWindowQueries"));
   // Row-major S_g [group·w, len] = Q_g · K_gᵀ is column-major S_gᵀ = K_gᵀ(col-major) · Q_g: K_g
   // is column-major [d, len] at k + g·d with leading dimension kv_stride, Q_g [d, group·w].
+  // The 64-bit API: K spans kv_stride · len elements, past 2^31 for an 8B model at 512K tokens.
   const float alpha = p.scale, beta = 0.f;
-  const cublasStatus_t st = cublasSgemmStridedBatched(
-      cublas, CUBLAS_OP_T, CUBLAS_OP_N, p.len, group * w, d, &alpha, p.k,
-      static_cast<int>(p.kv_stride), d, qw, d, int64_t{group} * w * d, &beta, p.window_scores,
-      p.len, int64_t{group} * w * p.len, p.n_kv_heads);
+  const cublasStatus_t st = cublasSgemmStridedBatched_64(
+      cublas, CUBLAS_OP_T, CUBLAS_OP_N, p.len, int64_t{group} * w, d, &alpha, p.k, p.kv_stride, d,
+      qw, d, int64_t{group} * w * d, &beta, p.window_scores, p.len, int64_t{group} * w * p.len,
+      p.n_kv_heads);
   if (st != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(
-        absl::StrCat("cublasSgemmStridedBatched (window scores): ", cublasGetStatusString(st)));
+        absl::StrCat("cublasSgemmStridedBatched_64 (window scores): ", cublasGetStatusString(st)));
   }
   CausalSoftmaxRows<<<static_cast<int>(rows), kThreads, 0, stream>>>(p.window_scores, p.len, w);
   RETURN_IF_ERROR(LaunchStatus("CausalSoftmaxRows"));

@@ -87,7 +87,7 @@ int64_t FlashInferNormLaunchesHere() {
   return 0;
 #endif
 }
-// FA3's prefill calls so far.
+// The window's scores as a cuBLAS product (where FlashInfer ran the prefill), calls so far.
 int64_t WindowScoreLaunchesHere() {
 #if KVWIRE_HAVE_FLASHINFER
   return cuda::WindowScoreLaunches();
@@ -95,6 +95,7 @@ int64_t WindowScoreLaunchesHere() {
   return 0;
 #endif
 }
+// FA3's prefill calls so far.
 int64_t FlashInferFa3LaunchesHere() {
 #if KVWIRE_HAVE_FLASHINFER
   return cuda::FlashInferFa3PrefillLaunches();
@@ -499,8 +500,8 @@ TEST_P(BackendOpsTest, PrefillAttention) {
 }
 
 // A bf16 model's prefill attention (precision bf16): on cuda, FlashInfer's single prefill over
-// q, k and v rounded to bf16, its outputs held to bf16's rounding, and the window's rows still on
-// kvwire's kernel (their scores as exact as in f32); elsewhere f32, as the reference. From a
+// q, k and v rounded to bf16, its outputs held to bf16's rounding, and the window's scores a
+// cuBLAS product in f32 (as exact as the reference's); elsewhere f32, as the reference. From a
 // row too (a cached prefix), and with head dims FlashInfer is not built for (kvwire's kernel).
 TEST_P(BackendOpsTest, PrefillAttentionInBf16) {
   uint32_t seed = 480;

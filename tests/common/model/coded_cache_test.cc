@@ -99,12 +99,14 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
 
   // Attention of kHeads · kGroup query heads `q` over layer 0 of `cache` (all tokens, or
   // `indices` per cache head), with probabilities; the buffers in the backend's memory.
+  // The outputs, then (with_probs) the probabilities: without them a CUDA backend splits the
+  // attended tokens over warps (split-KV), with them it attends each head in one pass.
   std::vector<float> Attend(kernels::KernelBackend& backend, const KvCache& cache,
                             const std::vector<float>& q, const std::vector<int32_t>* indices,
-                            int num_indices) {
+                            int num_indices, bool with_probs = true) {
     const LayerCache& lc = cache.layer(0);
     kernels::Arena arena(backend);
-    const size_t n_probs = static_cast<size_t>(kHeads) * kGroup * lc.len;
+    const size_t n_probs = with_probs ? static_cast<size_t>(kHeads) * kGroup * lc.len : 0;
     DecodeSequence s;
     s.q = arena.Upload(q);
     float* out = arena.Zeros(q.size());
@@ -115,7 +117,7 @@ class CodedCacheTest : public ::testing::TestWithParam<std::tuple<KvFormat, DTyp
     s.layout = lc.layout;
     s.coding = lc.coding;
     s.len = lc.len;
-    s.probs = probs;
+    s.probs = with_probs ? probs : nullptr;
     if (indices) {
       s.indices = arena.Upload(*indices);
       s.num_indices = num_indices;
@@ -409,6 +411,10 @@ TEST_P(CodedCacheTest, DeviceKernelsReadAndCodeAsTheHost) {
         for (int32_t& i : idx) i = static_cast<int32_t>(rng() % on_ref->layer(0).len);
         ASSERT_TRUE(kernels::AllClose(Attend(device, *on_dev, q, &idx, n),
                                       Attend(**reference, *on_ref, q, &idx, n), kTolerance));
+        // Without probabilities, as a decode step asks (on cuda: the split over warps).
+        ASSERT_TRUE(kernels::AllClose(Attend(device, *on_dev, q, nullptr, 0, false),
+                                      Attend(**reference, *on_ref, q, nullptr, 0, false),
+                                      kTolerance));
       }
       if (step == kAppended) break;
       const int t = kKept + step;
