@@ -9,13 +9,16 @@
 //            cuBLAS's bf16 GEMM (8192³, float32 accumulation: the engine's own call); and the
 //            same prefill compressing with SnapKV at --snapkv-budget, alternated with the plain
 //            one, its time over the plain prefill's (the policy's whole cost: window scores,
-//            votes, pooling, top-k, gathers and the kept rows' copies to the host).
+//            votes, pooling, top-k, gathers and the kept rows' copies to the host); and one
+//            layer's prefill attention alone, beside PyTorch's SDPA on the same shapes
+//            (scripts/device_oracle.py, in the same device call).
 //
 // Medians of --runs. Needs a CUDA build on a machine with a GPU (scripts/device_run.sh).
 // Run: gpu_bench [--model synthetic:llama-1b --batches 1,8,32 --ctx 512 --steps 32
 //                 --prefill 2048,16384 --runs 3 --graphs on,off --snapkv-budget 1024]
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -276,6 +279,58 @@ int main(int argc, char** argv) {
     const double tc = Median(compressing);
     std::printf("%8d %10.1f %12.0f %12.1f %10.3f %12.1f %9.1f%%\n", len, t * 1e3, len / t,
                 flops / t / 1e12, flops / t / *gemm, tc * 1e3, (tc / t - 1) * 100);
+  }
+
+  // One layer's prefill attention alone (causal, GQA, in the model's precision: FlashInfer for a
+  // bf16 model), on the shapes scripts/device_oracle.py times PyTorch's SDPA on in the same
+  // device call; FLOPs counted as the oracle counts them (half of QK and PV).
+  if (!prefills.empty()) {
+    std::printf("\nprefill attention alone, one layer (%d/%d heads x %d), median of %d runs\n",
+                c.num_heads, c.num_kv_heads, c.head_dim, runs);
+    std::printf("%8s %10s %12s\n", "tokens", "ms", "TFLOP/s");
+  }
+  kernels::KernelBackend& backend = *m.backend();
+  for (int len : prefills) {
+    const int d = c.head_dim, qd = c.num_heads * d, kvd = c.num_kv_heads * d;
+    const int64_t stride = qd + 2 * kvd;
+    std::vector<float> host(static_cast<size_t>(len) * stride);
+    std::mt19937_64 rng(7 + len);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (float& x : host) x = normal(rng);
+    auto qkv = backend.Allocate(host.size() * sizeof(float));
+    auto out = backend.Allocate(static_cast<size_t>(len) * qd * sizeof(float));
+    if (!qkv.ok()) return Fail(qkv.status());
+    if (!out.ok()) return Fail(out.status());
+    if (absl::Status st = backend.CopyToDevice(*qkv, host.data(), host.size() * sizeof(float));
+        !st.ok()) {
+      return Fail(st);
+    }
+    kernels::PrefillAttentionParams ap;
+    ap.q = static_cast<const float*>(*qkv);
+    ap.k = ap.q + qd;
+    ap.v = ap.q + qd + kvd;
+    ap.out = static_cast<float*>(*out);
+    ap.q_stride = ap.kv_stride = stride;
+    ap.out_stride = qd;
+    ap.len = len;
+    ap.n_heads = c.num_heads;
+    ap.n_kv_heads = c.num_kv_heads;
+    ap.head_dim = d;
+    ap.scale = 1.f / std::sqrt(static_cast<float>(d));
+    ap.precision = m.weight_dtype() == DType::kBF16 ? DType::kBF16 : DType::kF32;
+    std::vector<double> secs;
+    for (int r = 0; r <= runs; ++r) {
+      const Clock::time_point t0 = Clock::now();
+      absl::Status st = backend.PrefillAttention(ap);
+      if (st.ok()) st = backend.Synchronize();
+      if (!st.ok()) return Fail(st);
+      if (r > 0) secs.push_back(Seconds(t0, Clock::now()));
+    }
+    const double t = Median(secs);
+    const double flops = 2.0 * 2.0 * c.num_heads * d * static_cast<double>(len) * len / 2.0;
+    std::printf("%8d %10.3f %12.1f\n", len, t * 1e3, flops / t / 1e12);
+    backend.Free(*qkv);
+    backend.Free(*out);
   }
   return 0;
 }

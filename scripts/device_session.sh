@@ -157,7 +157,7 @@ else
     --kvwire "$kvwire" --backend cuda --json "$work/oracle.json"
   grep -P '^\w+\t(pass|FAIL|skip)\t' "$work/oracle.log" |
     awk -F'\t' '{printf "oracle.%s\t%s\t0\t%s\n", $1, $2, $3}' >>"$summary"
-  bench_detail() { tail_detail "$1" "$2" 16; }
+  bench_detail() { tail_detail "$1" "$2" 22; }
   phase gpu_bench 120 bench_detail "$(find_bin gpu_bench)" --runs 3
   decode_args=(--backend cuda --batch 8 --ctx 32768 --kept 2048 --t 1024 --steps 8
                --threads 16 --kv-formats fp8,int8,int4)
