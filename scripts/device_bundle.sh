@@ -38,8 +38,12 @@ fi
 
 # The GPU machine's CPU is not this one: AVX2 code paths (KVWIRE_NATIVE=OFF), not -march=native.
 # -lineinfo: compute-sanitizer and ncu name the source line of a fault or a hot spot.
+# Shared libraries: the kernels' device code (FlashInfer's FA2 and FA3 instantiations above all)
+# is then in the bundle once, in libkvwire_kernels.so, not in each of its 15 binaries (linked
+# statically they packed to 115 MiB, past what the device tool carries).
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVWIRE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="$arch" -DKVWIRE_NATIVE=OFF -DKVWIRE_OPENAI_FRONT=OFF \
+  -DBUILD_SHARED_LIBS=ON -DCMAKE_POSITION_INDEPENDENT_CODE=ON \
   -DCMAKE_CUDA_FLAGS="-lineinfo" "$@" >/dev/null
 tests=(kernels_test model_test engine_test sparse_test compression_test decode_service_test
        prefill_service_test tools_test)
