@@ -305,19 +305,8 @@ int main(int argc, char** argv) {
         !st.ok()) {
       return Fail(st);
     }
-    kernels::PrefillAttentionParams ap;
-    ap.q = static_cast<const float*>(*qkv);
-    ap.k = ap.q + qd;
-    ap.v = ap.q + qd + kvd;
-    ap.out = static_cast<float*>(*out);
-    ap.q_stride = ap.kv_stride = stride;
-    ap.out_stride = qd;
-    ap.len = len;
-    ap.n_heads = c.num_heads;
-    ap.n_kv_heads = c.num_kv_heads;
-    ap.head_dim = d;
-    ap.scale = 1.f / std::sqrt(static_cast<float>(d));
-    ap.precision = m.weight_dtype() == DType::kBF16 ? DType::kBF16 : DType::kF32;
+    const kernels::PrefillAttentionParams ap =
+        m.PrefillAttentionOver(static_cast<const float*>(*qkv), static_cast<float*>(*out), len);
     std::vector<double> secs;
     for (int r = 0; r <= runs; ++r) {
       const Clock::time_point t0 = Clock::now();

@@ -390,6 +390,27 @@ absl::Status LlamaModel::EmbedOnDevice(absl::Span<const int32_t> ids, float* out
   return backend_->EmbedRows(p);
 }
 
+kernels::PrefillAttentionParams LlamaModel::PrefillAttentionOver(const float* qkv, float* out,
+                                                                 int len) const {
+  const ModelConfig& c = config_;
+  const int d = c.head_dim, qd = c.num_heads * d, kvd = c.num_kv_heads * d;
+  kernels::PrefillAttentionParams ap;
+  ap.q = qkv;
+  ap.k = qkv + qd;
+  ap.v = qkv + qd + kvd;
+  ap.out = out;
+  ap.q_stride = ap.kv_stride = qd + 2 * kvd;
+  ap.out_stride = qd;
+  ap.len = len;
+  ap.n_heads = c.num_heads;
+  ap.n_kv_heads = c.num_kv_heads;
+  ap.head_dim = d;
+  ap.scale = 1.f / std::sqrt(static_cast<float>(d));
+  // A bf16 model's attention may run in bf16 (FlashInfer on a GPU); an f32 model's stays exact.
+  ap.precision = weight_dtype_ == DType::kBF16 ? DType::kBF16 : DType::kF32;
+  return ap;
+}
+
 absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
                                                   PrefillObserver* observer, bool all_logits,
                                                   const PrefillPrefix* prefix) {
@@ -468,21 +489,8 @@ absl::StatusOr<PrefillResult> LlamaModel::Prefill(absl::Span<const int32_t> ids,
            reinterpret_cast<uint8_t*>(const_cast<float*>(prefix->blocks[b][li])),
            /*unpack=*/true}));
     }
-    PrefillAttentionParams ap;
-    ap.q = a.qkv;
-    ap.k = a.qkv + qd;
-    ap.v = a.qkv + qd + kvd;
-    ap.out = a.attn;
-    ap.q_stride = ap.kv_stride = stride;
-    ap.out_stride = qd;
-    ap.len = len;
+    PrefillAttentionParams ap = PrefillAttentionOver(a.qkv, a.attn, len);
     ap.q_begin = cached;
-    ap.n_heads = c.num_heads;
-    ap.n_kv_heads = c.num_kv_heads;
-    ap.head_dim = d;
-    ap.scale = 1.f / std::sqrt(static_cast<float>(d));
-    // A bf16 model's attention may run in bf16 (FlashInfer on a GPU); an f32 model's stays exact.
-    ap.precision = weight_dtype_ == DType::kBF16 ? DType::kBF16 : DType::kF32;
     ap.window = window > 0 && observer->NeedsScores(li, len) ? window : 0;
     ap.window_scores = ap.window > 0 ? scores : nullptr;
     RETURN_IF_ERROR(backend_->PrefillAttention(ap));

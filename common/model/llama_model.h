@@ -178,6 +178,11 @@ class LlamaModel {
 
   static std::string SyntheticSpecHelp();
 
+  // One layer's causal prefill attention as Prefill runs it, over `len` rows of a q|k|v buffer
+  // (row stride (num_heads + 2·num_kv_heads)·head_dim floats, after RoPE) into `out` [len,
+  // num_heads·head_dim]: every row, no window. What a benchmark times alone.
+  kernels::PrefillAttentionParams PrefillAttentionOver(const float* qkv, float* out, int len) const;
+
   // LoadOptions::decode_graphs, changed between steps (a benchmark sets the two side by side).
   void SetDecodeGraphs(bool on);
   // Whether the next decode step would run as one graph (unless timed: DecodeTimes): graphs
