@@ -90,6 +90,9 @@ struct KvCoding {
   KVWIRE_HOST_DEVICE int ResidBegin(int len) const {
     return len <= kept ? len : kept + (len - kept) / kKeyGroupTokens * kKeyGroupTokens;
   }
+  // Rows [0, PagedRows(len)) of a head are in its layout's rows (and pages): a coded cache
+  // holds only whole groups there, so a page table sized for `len` would run past its end.
+  KVWIRE_HOST_DEVICE int PagedRows(int len) const { return coded() ? ResidBegin(len) : len; }
 };
 
 // ------------------------------------------------------------------ prefill scoring

@@ -240,6 +240,10 @@ KVWIRE_HOST_DEVICE inline AffineParams AffineFor(KvFormat f, float lo, float hi)
   // model's positional heads (docs/algorithms.md §10.3). A constant channel, too, codes its
   // distance from its rounded centre or minimum: an offset that the tokens decode appends
   // would not share shifts their scores against the prompt's.
+  // -0 made +0: which zero fmin and fmax return for (-0, +0) differs between the host's libm
+  // and the GPU's, and the device's codes must be the host's byte for byte.
+  lo += 0.0f;
+  hi += 0.0f;
   AffineParams p;
   if (f == KvFormat::kFP8) {
     p.a = FloatToF16((hi + lo) / 2);

@@ -439,10 +439,10 @@ class CudaBackend final : public KernelBackend {
     std::vector<int> lens;
     for (KvAppend& s : seqs) {
       layouts.push_back(&s.layout);
-      lens.push_back(s.t + 1);
+      lens.push_back(s.coding.PagedRows(s.t + 1));
       if (s.coding.coded()) {
         layouts.push_back(&s.coding.v_layout);
-        lens.push_back(s.t + 1);
+        lens.push_back(s.coding.PagedRows(s.t + 1));
       }
     }
     RETURN_IF_ERROR(
@@ -484,10 +484,10 @@ class CudaBackend final : public KernelBackend {
     std::vector<int> lens;
     for (DecodeSequence& s : seqs) {
       layouts.push_back(&s.layout);
-      lens.push_back(s.len);
+      lens.push_back(s.coding.PagedRows(s.len));
       if (s.coding.coded()) {
         layouts.push_back(&s.coding.v_layout);
-        lens.push_back(s.len);
+        lens.push_back(s.coding.PagedRows(s.len));
       }
     }
     RETURN_IF_ERROR(

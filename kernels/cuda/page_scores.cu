@@ -222,7 +222,7 @@ absl::Status LaunchPageScores(const PageScoresParams& p, const OpMemory& mem, cu
   for (DeviceSegment& seg : segs) {
     if (seg.s.kind != PageScoreKind::kExact) continue;
     layouts.push_back(&seg.s.kv);
-    lens.push_back(seg.s.len);
+    lens.push_back(seg.s.coding.PagedRows(seg.s.len));
   }
   RETURN_IF_ERROR(UploadPageTables(layouts, lens, mem, kTablePageScorePages));
   ASSIGN_OR_RETURN(void* table,

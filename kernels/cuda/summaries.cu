@@ -64,7 +64,7 @@ absl::Status LaunchUpdateSummaries(const UpdateSummariesParams& p, const OpMemor
   std::vector<int> lens;
   for (HeadItem& item : items) {
     layouts.push_back(&item.s.kv);
-    lens.push_back(item.s.len);
+    lens.push_back(item.s.coding.PagedRows(item.s.len));
   }
   RETURN_IF_ERROR(UploadPageTables(layouts, lens, mem, kTableSummaryPages));
   ASSIGN_OR_RETURN(void* table,

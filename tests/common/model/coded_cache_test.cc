@@ -24,7 +24,9 @@ using kernels::DecodeAttentionParams;
 using kernels::DecodeSequence;
 using kernels::KvAppend;
 
-constexpr int kHeads = 2, kGroup = 2, kKept = 300, kAppended = 260;
+// Appended: two groups coded and 122 tokens in the residual, so that a length runs well past
+// the rows in pages (a page table sized for the length would be read past its end).
+constexpr int kHeads = 2, kGroup = 2, kKept = 300, kAppended = 378;
 // The CPU kernel sums q·a + (q∘b)·codes where the reference sums q·(a + b·codes).
 constexpr kernels::Tolerance kTolerance{1e-5f, 1e-3f};
 
@@ -220,7 +222,7 @@ TEST_P(CodedCacheTest, DecodeReadsAndAppendsAsTheSpecification) {
     }
   }
   pc.len = kKept;
-  // Decode appends kAppended tokens: two groups fill and are coded, 4 stay in the residual.
+  // Decode appends kAppended tokens: two groups fill and are coded, 122 stay in the residual.
   std::vector<std::vector<uint8_t>> resid_k(kHeads), resid_v(kHeads);
   for (int step = 0; step <= kAppended; ++step) {
     SCOPED_TRACE(absl::StrCat("after ", step, " appended"));
@@ -389,7 +391,8 @@ TEST_P(CodedCacheTest, DeviceKernelsReadAndCodeAsTheHost) {
     SCOPED_TRACE(kernels::BackendName(kind));
     auto made = kernels::MakeBackend(kind, 2);
     ASSERT_TRUE(made.ok()) << made.status();
-    auto pool = KvPool::OnBackend(std::move(*made), size_t{64} << 20, size_t{16} << 10);
+    // Small pages (42 to 341 tokens of code rows): the length runs pages past the rows in pages.
+    auto pool = KvPool::OnBackend(std::move(*made), size_t{64} << 20, size_t{4} << 10);
     ASSERT_TRUE(pool.ok()) << pool.status();
     kernels::KernelBackend& device = *(*pool)->backend();
     std::mt19937 rng(17);
