@@ -98,6 +98,19 @@ __global__ void WidenOut(const DecodeSequence* __restrict__ seqs, int per_seq,
   }
 }
 
+// The last decode plan a thread made, whatever its head dim: every Run<D> plans into the lane's
+// one int workspace, so a plan kept per head dim could name another's contents.
+struct LastPlan {
+  uint64_t lane = 0, epoch = 0;
+  uint32_t head_dim = 0;
+  int group = 0;
+  std::vector<int32_t> indptr;
+  void* int_ws = nullptr;
+  size_t float_bytes = 0;
+  flashinfer::DecodePlanInfo plan;
+};
+thread_local LastPlan last_plan;
+
 template <uint32_t D>
 absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_device,
                  const OpMemory& mem, cudaStream_t stream) {
@@ -129,15 +142,7 @@ absl::Status Run(const DecodeAttentionParams& p, const DecodeSequence* seqs_devi
   // outputs in f16): a step's graph is recorded anew each step, and its results stay those of
   // the step op by op.
   const bool graph = mem.recorded_host != nullptr;
-  thread_local struct {
-    uint64_t lane = 0, epoch = 0;
-    uint32_t head_dim = 0;
-    int group = 0;
-    std::vector<int32_t> indptr;
-    void* int_ws = nullptr;
-    size_t float_bytes = 0;
-    flashinfer::DecodePlanInfo plan;
-  } last;
+  LastPlan& last = last_plan;
   size_t float_bytes = 0, int_bytes = 0;
   flashinfer::DecodePlanInfo plan;
   std::vector<uint8_t> int_pageable;

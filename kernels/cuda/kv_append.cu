@@ -3,6 +3,7 @@
  * every cache head. One block per (sequence, cache head, K or V), a thread per
  * element; a coded cache's token goes into its residual, coded a group at a time. Tested against
  * the host backends' loops (kernels/host_memory.h). */
+#include <unordered_map>
 #include <vector>
 
 #include "common/base/kv_format.h"
@@ -98,18 +99,33 @@ __global__ void AppendKvKernel(const KvAppend* __restrict__ seqs, int n_kv_heads
 
 absl::Status UploadPageTables(const std::vector<KvLayout*>& layouts, const std::vector<int>& lens,
                               const OpMemory& mem, int table) {
-  std::vector<int32_t> flat;
-  std::vector<int64_t> at(layouts.size(), -1);
+  // One copy of each table, as long as its longest use: the heads of a cache (a summary or
+  // exact-score item each) share their cache's table, which copied per head would go up
+  // n_heads times over (hundreds of MB a step at 32K tokens and batch 32).
+  std::unordered_map<const int32_t*, int64_t> entries, at;
+  std::vector<const int32_t*> order;
   for (size_t i = 0; i < layouts.size(); ++i) {
     const KvLayout& l = *layouts[i];
     if (l.pages == nullptr) continue;
-    at[i] = static_cast<int64_t>(flat.size());
-    flat.insert(flat.end(), l.pages, l.pages + l.TableEntries(lens[i]));
+    auto [it, added] = entries.try_emplace(l.pages, 0);
+    if (added) order.push_back(l.pages);
+    it->second = std::max(it->second, l.TableEntries(lens[i]));
   }
-  if (flat.empty()) return absl::OkStatus();
+  if (order.empty()) return absl::OkStatus();
+  std::vector<int32_t> flat;
+  for (const int32_t* pages : order) {
+    at[pages] = static_cast<int64_t>(flat.size());
+    flat.insert(flat.end(), pages, pages + entries[pages]);
+  }
   ASSIGN_OR_RETURN(void* device, mem.table(table, flat.data(), flat.size() * sizeof(int32_t)));
+  std::vector<const int32_t*> copies(layouts.size(), nullptr);  // before any layout changes
   for (size_t i = 0; i < layouts.size(); ++i) {
-    if (at[i] >= 0) layouts[i]->pages = static_cast<const int32_t*>(device) + at[i];
+    if (layouts[i]->pages != nullptr) {
+      copies[i] = static_cast<const int32_t*>(device) + at.find(layouts[i]->pages)->second;
+    }
+  }
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    if (copies[i] != nullptr) layouts[i]->pages = copies[i];
   }
   return absl::OkStatus();
 }

@@ -97,8 +97,9 @@ absl::Status LaunchWindowScores(const PrefillAttentionParams& p, cublasHandle_t 
 int64_t WindowScoreLaunches();  // calls so far
 
 // The page tables of paged layouts (KvLayout::pages, host arrays; each layout's first
-// TableEntries(len) entries) copied into device table `table`, and each layout pointed at its
-// copy. Layouts in one region are left as they are.
+// TableEntries(len) entries) copied into device table `table`, once per table however many
+// layouts share it, and each layout pointed at its copy. Layouts in one region are left as
+// they are.
 absl::Status UploadPageTables(const std::vector<KvLayout*>& layouts, const std::vector<int>& lens,
                               const OpMemory& mem, int table);
 

@@ -34,8 +34,9 @@ __global__ void UpdateSummariesKernel(const HeadItem* items) {
       const int end = min(s.len, (page + 1) * l.page);
       for (int t = page * l.page; t < end; ++t) {
         const float v = rows.At(item.head, t).key(d);
-        lo = fminf(lo, v);
-        hi = fmaxf(hi, v);
+        // As the reference's std::min and std::max: fminf and fmaxf may pick either zero.
+        lo = v < lo ? v : lo;
+        hi = hi < v ? v : hi;
       }
       block[l.Offset(false, d, page)] = FromF32<T>(lo);
       if (l.sets() == 2) block[l.Offset(true, d, page)] = FromF32<T>(hi);
