@@ -61,16 +61,15 @@ using cuda::CudaStatus;
 // still read them). A recording lane never frees: it would wait on its own unlaunched work.
 class Releases {
  public:
+  // The frees run under the lock, so that a recording cannot begin while one is under way.
   void Release(void* p, bool pinned) {
-    std::vector<std::pair<void*, bool>> now;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (recording_ > 0) {
-        held_.emplace_back(p, pinned);
-        return;
-      }
-      now.swap(held_);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (recording_ > 0) {
+      held_.emplace_back(p, pinned);
+      return;
     }
+    std::vector<std::pair<void*, bool>> now;
+    now.swap(held_);
     now.emplace_back(p, pinned);
     for (auto [q, host] : now) {
       if (q == nullptr) continue;
@@ -373,9 +372,15 @@ class CudaBackend final : public KernelBackend {
     }
     for (Lane::Chunk& c : lane->arena) c.used = 0;
     lane->arena_at = 0;
-    RETURN_IF_ERROR(CudaStatus(cudaStreamBeginCapture(lane->compute, cudaStreamCaptureModeRelaxed),
-                               "cudaStreamBeginCapture"));
+    // Counted as recording first: a free on another thread either ended before or is held.
     Released().BeginRecording();
+    if (absl::Status st =
+            CudaStatus(cudaStreamBeginCapture(lane->compute, cudaStreamCaptureModeRelaxed),
+                       "cudaStreamBeginCapture");
+        !st.ok()) {
+      Released().EndRecording();
+      return st;
+    }
     lane->capturing = true;
     lane->capture_key = key;
     const absl::Status ok;
@@ -826,8 +831,12 @@ bool CudaDevicePresent() {
 }
 
 absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads, size_t memory_limit) {
-  if (!CudaDevicePresent()) {
-    return absl::UnavailableError("this build has CUDA but no GPU is visible (cudaGetDeviceCount)");
+  int count = 0;
+  if (const cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess || count == 0) {
+    // An old driver under this runtime, or no GPU: say which.
+    return absl::UnavailableError(
+        absl::StrCat("this build has CUDA but no GPU is visible (cudaGetDeviceCount: ",
+                     err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), ")"));
   }
   const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
   const std::string choice = env == nullptr || *env == '\0' ? "" : env;

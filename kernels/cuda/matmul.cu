@@ -165,6 +165,8 @@ absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* sc
     return absl::InternalError("MatMul: no scratch buffer");
   }
   // Row-major Y = X·Wᵀ is column-major Yᵀ = W_cmᵀ · X_cm with W_cm = [k, n], X_cm = [k, m].
+  // Through cuBLAS's 64-bit API: a 16K-token prefill's logits over a 128K vocabulary are 2^31
+  // elements.
   const float alpha = 1.f, beta = 0.f;
   cublasStatus_t st;
   const char* call;
@@ -173,10 +175,10 @@ absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* sc
     RoundToBf16Kernel<<<GridFor(static_cast<int64_t>(p.m) * p.k), 256, 0, stream>>>(p.x, xs, xb,
                                                                                     p.m, p.k);
     RETURN_IF_ERROR(LaunchStatus("RoundToBf16Kernel"));
-    call = "cublasGemmEx (bf16 x bf16 -> f32)";
-    st = cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, p.n, p.m, p.k, &alpha, p.w, CUDA_R_16BF,
-                      p.k, xb, CUDA_R_16BF, p.k, &beta, p.y, CUDA_R_32F, static_cast<int>(ys),
-                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    call = "cublasGemmEx_64 (bf16 x bf16 -> f32)";
+    st = cublasGemmEx_64(cublas, CUBLAS_OP_T, CUBLAS_OP_N, p.n, p.m, p.k, &alpha, p.w, CUDA_R_16BF,
+                         p.k, xb, CUDA_R_16BF, p.k, &beta, p.y, CUDA_R_32F, ys, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT);
   } else {
     const float* wf = static_cast<const float*>(p.w);
     if (p.w_dtype == DType::kF16) {
@@ -186,11 +188,12 @@ absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* sc
       RETURN_IF_ERROR(LaunchStatus("WidenKernel"));
       wf = static_cast<const float*>(scratch);
     }
-    call = "cublasSgemm";
-    st = cublasSgemm(cublas, CUBLAS_OP_T, CUBLAS_OP_N, p.n, p.m, p.k, &alpha, wf, p.k, p.x,
-                     static_cast<int>(xs), &beta, p.y, static_cast<int>(ys));
+    call = "cublasSgemm_64";
+    st = cublasSgemm_64(cublas, CUBLAS_OP_T, CUBLAS_OP_N, p.n, p.m, p.k, &alpha, wf, p.k, p.x, xs,
+                        &beta, p.y, ys);
   }
   if (st != CUBLAS_STATUS_SUCCESS) {
+    (void)cudaGetLastError();  // a launch error cuBLAS left is this call's, not the next kernel's
     return absl::InternalError(absl::StrCat(call, " failed: ", cublasGetStatusString(st)));
   }
   if (p.bias) {
