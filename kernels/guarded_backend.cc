@@ -60,6 +60,12 @@ void OwnPages(KvLayout* l, int len, std::vector<std::vector<int32_t>>* store) {
   store->emplace_back(l->pages, l->pages + l->TableEntries(len));
   l->pages = store->back().data();
 }
+// A cache's tables at `len` tokens: its keys' (or rows') and a coded cache's values', each
+// for the rows in its pages.
+void OwnPages(KvLayout* kv, KvCoding* coding, int len, std::vector<std::vector<int32_t>>* store) {
+  OwnPages(kv, coding->PagedRows(len), store);
+  OwnPages(&coding->v_layout, coding->PagedRows(len), store);
+}
 
 int64_t Floats(int64_t n) { return n * static_cast<int64_t>(sizeof(float)); }
 
@@ -242,8 +248,7 @@ class GuardedBackend final : public KernelBackend {
     std::vector<DecodeSequence> seqs(p.seqs, p.seqs + p.batch);
     auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
     for (DecodeSequence& seq : seqs) {
-      OwnPages(&seq.layout, seq.coding.PagedRows(seq.len), pages.get());
-      OwnPages(&seq.coding.v_layout, seq.coding.PagedRows(seq.len), pages.get());
+      OwnPages(&seq.layout, &seq.coding, seq.len, pages.get());
     }
     return Queue("DecodeAttention", ext, [this, p, seqs, pages]() mutable {
       DecodeAttentionParams q = p;
@@ -276,8 +281,7 @@ class GuardedBackend final : public KernelBackend {
     std::vector<KvAppend> seqs(p.seqs, p.seqs + p.batch);
     auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
     for (KvAppend& seq : seqs) {
-      OwnPages(&seq.layout, seq.coding.PagedRows(seq.t + 1), pages.get());
-      OwnPages(&seq.coding.v_layout, seq.coding.PagedRows(seq.t + 1), pages.get());
+      OwnPages(&seq.layout, &seq.coding, seq.t + 1, pages.get());
     }
     return Queue("AppendKv", ext, [this, p, seqs, pages]() mutable {
       AppendKvParams q = p;
@@ -353,8 +357,7 @@ class GuardedBackend final : public KernelBackend {
     std::vector<SummaryUpdateSegment> segs(p.segs, p.segs + p.count);
     auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
     for (SummaryUpdateSegment& seg : segs) {
-      OwnPages(&seg.kv, seg.coding.PagedRows(seg.len), pages.get());
-      OwnPages(&seg.coding.v_layout, seg.coding.PagedRows(seg.len), pages.get());
+      OwnPages(&seg.kv, &seg.coding, seg.len, pages.get());
     }
     return Queue("UpdateSummaries", ext, [this, p, segs, pages]() mutable {
       UpdateSummariesParams q = p;
@@ -380,8 +383,7 @@ class GuardedBackend final : public KernelBackend {
     auto pages = std::make_shared<std::vector<std::vector<int32_t>>>();
     for (PageScoreSegment& seg : segs) {
       if (seg.kind == PageScoreKind::kExact) {
-        OwnPages(&seg.kv, seg.coding.PagedRows(seg.len), pages.get());
-        OwnPages(&seg.coding.v_layout, seg.coding.PagedRows(seg.len), pages.get());
+        OwnPages(&seg.kv, &seg.coding, seg.len, pages.get());
       }
     }
     return Queue("PageScores", ext, [this, p, segs, pages]() mutable {

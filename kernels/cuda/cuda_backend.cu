@@ -99,6 +99,18 @@ Releases& Released() {
   return *releases;
 }
 
+// A cache's page tables for UploadPageTables, at `len` tokens: its keys' (or rows') and a coded
+// cache's values', each for the rows in its pages.
+void AddPageTables(KvLayout* kv, KvCoding* coding, int len, std::vector<KvLayout*>* layouts,
+                   std::vector<int>* lens) {
+  layouts->push_back(kv);
+  lens->push_back(coding->PagedRows(len));
+  if (coding->coded()) {
+    layouts->push_back(&coding->v_layout);
+    lens->push_back(coding->PagedRows(len));
+  }
+}
+
 // A pinned host buffer and the event after its last copy.
 struct Staging {
   void* host = nullptr;
@@ -442,14 +454,7 @@ class CudaBackend final : public KernelBackend {
     std::vector<KvAppend> seqs(p.seqs, p.seqs + p.batch);
     std::vector<KvLayout*> layouts;
     std::vector<int> lens;
-    for (KvAppend& s : seqs) {
-      layouts.push_back(&s.layout);
-      lens.push_back(s.coding.PagedRows(s.t + 1));
-      if (s.coding.coded()) {
-        layouts.push_back(&s.coding.v_layout);
-        lens.push_back(s.coding.PagedRows(s.t + 1));
-      }
-    }
+    for (KvAppend& s : seqs) AddPageTables(&s.layout, &s.coding, s.t + 1, &layouts, &lens);
     RETURN_IF_ERROR(
         cuda::UploadPageTables(layouts, lens, OpMemoryOf(*lane), cuda::kTableAppendPages));
     ASSIGN_OR_RETURN(void* table,
@@ -487,14 +492,7 @@ class CudaBackend final : public KernelBackend {
     std::vector<DecodeSequence> seqs(p.seqs, p.seqs + p.batch);
     std::vector<KvLayout*> layouts;
     std::vector<int> lens;
-    for (DecodeSequence& s : seqs) {
-      layouts.push_back(&s.layout);
-      lens.push_back(s.coding.PagedRows(s.len));
-      if (s.coding.coded()) {
-        layouts.push_back(&s.coding.v_layout);
-        lens.push_back(s.coding.PagedRows(s.len));
-      }
-    }
+    for (DecodeSequence& s : seqs) AddPageTables(&s.layout, &s.coding, s.len, &layouts, &lens);
     RETURN_IF_ERROR(
         cuda::UploadPageTables(layouts, lens, OpMemoryOf(*lane), cuda::kTableDecodePages));
     ASSIGN_OR_RETURN(void* table, TableOn(*lane, &lane->seqs_table, seqs.data(),
