@@ -12,6 +12,7 @@
 namespace kvwire::kernels {
 namespace {
 
+using cuda::CublasStatus;
 using cuda::CudaStatus;
 
 __global__ void FillRandomBf16(__nv_bfloat16* p, int64_t n, uint64_t seed) {
@@ -109,10 +110,7 @@ absl::StatusOr<double> CudaBf16GemmFlops(int m, int n, int k) {
     const cublasStatus_t st = cublasGemmEx(s.cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, b,
                                            CUDA_R_16BF, k, a, CUDA_R_16BF, k, &beta, c, CUDA_R_32F,
                                            n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    if (st != CUBLAS_STATUS_SUCCESS) {
-      return absl::InternalError(absl::StrCat("cublasGemmEx: ", cublasGetStatusString(st)));
-    }
-    return absl::OkStatus();
+    return CublasStatus(st, "cublasGemmEx");
   }));
   return 2.0 * m * n * k / (ms * 1e-3);
 }

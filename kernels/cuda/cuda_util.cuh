@@ -2,6 +2,7 @@
 // reductions.
 #pragma once
 
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -50,6 +51,14 @@ inline absl::Status CudaStatus(cudaError_t err, const char* what) {
   absl::Status st = absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
   if (StickyCudaError(err)) RecordStickyError(st);
   return st;
+}
+
+// A cuBLAS call's status; on failure the launch error it may have left is cleared with it, as
+// CudaStatus clears its own, so that the next kernel's check does not take it for its own.
+inline absl::Status CublasStatus(cublasStatus_t st, const char* what) {
+  if (st == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  cudaGetLastError();
+  return absl::InternalError(absl::StrCat(what, " failed: ", cublasGetStatusString(st)));
 }
 
 // Checks the launch itself; errors inside the kernel surface at the next synchronisation.

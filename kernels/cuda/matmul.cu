@@ -192,10 +192,7 @@ absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* sc
     st = cublasSgemm_64(cublas, CUBLAS_OP_T, CUBLAS_OP_N, p.n, p.m, p.k, &alpha, wf, p.k, p.x, xs,
                         &beta, p.y, ys);
   }
-  if (st != CUBLAS_STATUS_SUCCESS) {
-    (void)cudaGetLastError();  // a launch error cuBLAS left is this call's, not the next kernel's
-    return absl::InternalError(absl::StrCat(call, " failed: ", cublasGetStatusString(st)));
-  }
+  RETURN_IF_ERROR(CublasStatus(st, call));
   if (p.bias) {
     AddBiasKernel<<<GridFor(static_cast<int64_t>(p.m) * p.n), 256, 0, stream>>>(p.y, ys, p.bias,
                                                                                 p.m, p.n);

@@ -76,10 +76,7 @@ absl::Status LaunchWindowScores(const PrefillAttentionParams& p, cublasHandle_t 
       cublas, CUBLAS_OP_T, CUBLAS_OP_N, p.len, int64_t{group} * w, d, &alpha, p.k, p.kv_stride, d,
       qw, d, int64_t{group} * w * d, &beta, p.window_scores, p.len, int64_t{group} * w * p.len,
       p.n_kv_heads);
-  if (st != CUBLAS_STATUS_SUCCESS) {
-    return absl::InternalError(
-        absl::StrCat("cublasSgemmStridedBatched_64 (window scores): ", cublasGetStatusString(st)));
-  }
+  RETURN_IF_ERROR(CublasStatus(st, "cublasSgemmStridedBatched_64 (window scores)"));
   CausalSoftmaxRows<<<static_cast<int>(rows), kThreads, 0, stream>>>(p.window_scores, p.len, w);
   RETURN_IF_ERROR(LaunchStatus("CausalSoftmaxRows"));
   launches.fetch_add(1, std::memory_order_relaxed);
