@@ -607,7 +607,11 @@ void LlamaModel::SetDecodeGraphs(bool on) {
 
 bool LlamaModel::decode_graphs() const {
   std::lock_guard<std::mutex> lock(decode_mu_);
-  return options_.decode_graphs && backend_->SupportsGraphs() &&
+  return GraphsOn();
+}
+
+bool LlamaModel::GraphsOn() const {
+  return on_device() && options_.decode_graphs && backend_->SupportsGraphs() &&
          graph_failures_ < kGraphFailuresToStop;
 }
 
@@ -620,9 +624,7 @@ bool LlamaModel::decode_graphs() const {
 // Called with decode_mu_ held.
 absl::Status LlamaModel::RunDecodeOps(absl::Span<const DecodeInput> batch, bool graph,
                                       const std::function<absl::Status()>& ops) {
-  graph = graph && on_device() && options_.decode_graphs &&
-          graph_failures_ < kGraphFailuresToStop && backend_->SupportsGraphs();
-  if (!graph) return ops();
+  if (!graph || !GraphsOn()) return ops();
   std::vector<int> lens;
   for (const DecodeInput& in : batch) {
     for (int li = 0; li < in.cache->num_layers(); ++li) lens.push_back(in.cache->layer(li).len);

@@ -260,6 +260,8 @@ class LlamaModel {
                             DecodeObserver* observer, DecodeTimes* times);
   absl::Status RunDecodeOps(absl::Span<const DecodeInput> batch, bool graph,
                             const std::function<absl::Status()>& ops);
+  // decode_graphs(), with decode_mu_ held.
+  bool GraphsOn() const;
   absl::Status UploadInputs(Activations& a);
   // Rows of the embedding for `ids` into `out` (backend memory), looked up on the device.
   absl::Status EmbedOnDevice(absl::Span<const int32_t> ids, float* out);
