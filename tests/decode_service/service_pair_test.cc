@@ -166,21 +166,27 @@ class ServicePairTest : public ::testing::Test {
     }
     return target;
   }
-  // A prompt (a 40-token document) whose leading 16 tokens a router over the prefill nodes maps
-  // to `node`, found among 100.
-  std::vector<int32_t> DocumentRoutedTo(const PrefillNode* node) const {
+  // Prompts (a 1, then a `length`-token document) whose leading 16 tokens a router over the
+  // prefill nodes maps to `node`: the first `count` of 400 candidates, which `salt` varies.
+  std::vector<std::vector<int32_t>> DocumentsRoutedTo(const PrefillNode* node, int count,
+                                                      int length = 40, int salt = 0) const {
+    std::vector<std::vector<int32_t>> out;
     auto router = PrefillRouter::Create(PrefillTarget(), 16, [](const std::string& a) {
       return grpc::CreateChannel(a, grpc::InsecureChannelCredentials());
     });
     EXPECT_TRUE(router.ok()) << router.status();
     const std::string address = "ipv4:127.0.0.1:" + std::to_string(node->port());
-    for (int doc = 0; router.ok() && doc < 100; ++doc) {
+    for (int doc = 0; router.ok() && doc < 400 && static_cast<int>(out.size()) < count; ++doc) {
       std::vector<int32_t> ids = {1};
-      for (int t = 0; t < 40; ++t) ids.push_back(3 + (doc * 131 + t * 7) % 400);
-      if ((*router)->Route((*router)->Key(ids), 0).node == address) return ids;
+      for (int t = 0; t < length; ++t) ids.push_back(3 + (doc * 131 + t * 7 + salt) % 400);
+      if ((*router)->Route((*router)->Key(ids), 0).node == address) out.push_back(std::move(ids));
     }
-    ADD_FAILURE() << "no document of 100 maps to " << address;
-    return {};
+    EXPECT_EQ(static_cast<int>(out.size()), count) << "documents of 400 that map to " << address;
+    return out;
+  }
+  std::vector<int32_t> DocumentRoutedTo(const PrefillNode* node) const {
+    auto docs = DocumentsRoutedTo(node, 1);
+    return docs.empty() ? std::vector<int32_t>{} : docs[0];
   }
 
   // The pool is empty again (waits a little: pages return when the engine notices).
@@ -561,8 +567,14 @@ TEST_F(ServicePairTest, APrefixCachedOnThePrefillNodeGivesTheSameTokens) {
 // preferred node: the retry takes the next node on the ring.
 TEST_F(ServicePairTest, AffinityRoutingSendsADocumentsQuestionsToOneNode) {
   prefix_cache_bytes_ = size_t{16} << 20;
-  AddPrefill("p0");
-  AddPrefill("p1");
+  PrefillNode* p0 = AddPrefill("p0");
+  PrefillNode* p1 = AddPrefill("p1");
+  // The ring hangs on the nodes' addresses, whose ports differ from run to run: the documents
+  // are chosen three on one node's arc and four on the other's, so that the run cannot depend on
+  // how the ports split seven fixed documents (all on one node about one run in fifty).
+  std::vector<std::vector<int32_t>> documents = DocumentsRoutedTo(p0, 3, 90, 16);
+  for (auto& d : DocumentsRoutedTo(p1, 4, 90, 16)) documents.push_back(std::move(d));
+  ASSERT_EQ(documents.size(), 7u);
   auto run = [&](int affinity_tokens, std::map<int, std::set<std::string>>* nodes) {
     decode_.reset();
     DecodeServerOptions o;
@@ -572,8 +584,11 @@ TEST_F(ServicePairTest, AffinityRoutingSendsADocumentsQuestionsToOneNode) {
     int hits = 0;
     for (int question = 0; question < 4; ++question) {
       for (int doc = 0; doc < 7; ++doc) {
-        std::vector<int32_t> ids = {1};
-        for (int t = 0; t < 90; ++t) ids.push_back(3 + (doc * 131 + t * 7 + affinity_tokens) % 400);
+        // Round robin's documents differ from affinity's: none is cached from the first run.
+        std::vector<int32_t> ids = documents[doc];
+        if (affinity_tokens == 0) {
+          for (size_t t = 1; t < ids.size(); ++t) ids[t] = 3 + (ids[t] - 3 + 1) % 400;
+        }
         for (int t = 0; t < 5; ++t) ids.push_back(3 + (question * 11 + t) % 400);
         const Result r = Call(*stub_, Request(ids, 2));
         EXPECT_TRUE(r.status.ok()) << r.status.error_message();
@@ -586,30 +601,24 @@ TEST_F(ServicePairTest, AffinityRoutingSendsADocumentsQuestionsToOneNode) {
   std::map<int, std::set<std::string>> by_affinity, by_round_robin;
   const int affinity_hits = run(16, &by_affinity);
   const int round_robin_hits = run(0, &by_round_robin);
-  std::set<std::string> used;
   for (const auto& [doc, nodes] : by_affinity) {
-    EXPECT_EQ(nodes.size(), 1u) << "document " << doc;
-    used.insert(nodes.begin(), nodes.end());
+    ASSERT_EQ(nodes.size(), 1u) << "document " << doc;
+    EXPECT_EQ(*nodes.begin(), doc < 3 ? "p0" : "p1") << "document " << doc;
   }
-  EXPECT_EQ(used.size(), 2u);       // 7 documents over 2 nodes: both get some
   EXPECT_EQ(affinity_hits, 3 * 7);  // every question after a document's first
   EXPECT_LT(round_robin_hits, affinity_hits);
   // The node a document maps to goes away: its questions are answered by the other.
-  const std::string gone = *by_affinity[0].begin();
-  for (auto& p : prefills_) {
-    if (p->engine->options().node_name == gone) p->Shutdown();
-  }
+  p0->Shutdown();
   decode_.reset();
   DecodeServerOptions o;
   o.prefill_affinity_tokens = 16;
   o.engine.local_prefill_below = 0;
   StartDecode(o);
-  std::vector<int32_t> ids = {1};
-  for (int t = 0; t < 90; ++t) ids.push_back(3 + (t * 7 + 16) % 400);
+  std::vector<int32_t> ids = documents[0];
   ids.push_back(9);
   const Result r = Call(*stub_, Request(ids, 2));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
-  EXPECT_NE(r.final.stats().prefill_node(), gone);
+  EXPECT_EQ(r.final.stats().prefill_node(), "p1");
 }
 
 // The node a document maps to is full (its worker busy, its queue at --max-queue): the
