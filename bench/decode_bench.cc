@@ -123,6 +123,8 @@ absl::Status FillCoded(KvCache& cache, const KvCache& host, const CodedBlocks& b
 
 int main(int argc, char** argv) {
   using namespace kvwire;
+  // Line by line into a log file too: a run cut off by a timeout keeps the lines it printed.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   Flags f;
   f.Define("model", "synthetic:attn-8kv", "model (synthetic spec or folder)");
   f.Define("ctx", "16384", "prompt tokens in the cache");

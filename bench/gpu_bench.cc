@@ -99,6 +99,8 @@ int Fail(const absl::Status& st) {
 
 int main(int argc, char** argv) {
   using namespace kvwire;
+  // Line by line into a log file too: a run cut off by a timeout keeps the lines it printed.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   Flags f;
   f.Define("model", "synthetic:llama-1b", "model (synthetic spec or folder)");
   f.Define("batches", "1,8,32", "decode batch sizes");

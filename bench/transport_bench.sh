@@ -90,9 +90,14 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
-wait_port() {  # port log
+wait_port() {  # port log pid: a node that exits (its device refused, say) fails at once
   for _ in $(seq 1 1200); do
     if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then return 0; fi
+    if ! kill -0 "$3" 2>/dev/null; then
+      echo "transport_bench: the node for port $1 exited before it listened; the end of $2:" >&2
+      tail -n 5 "$2" >&2
+      exit 1
+    fi
     sleep 0.1
   done
   echo "transport_bench: nothing listens on port $1 after 120 s; see $2" >&2
@@ -102,6 +107,7 @@ wait_port() {  # port log
   --backend "$BACKEND" --listen "127.0.0.1:$BASE" --metrics-listen "" --node-name prefill \
   --kv-transport "$TRANSPORTS" --max-deadline-s 3600 >"$DIR/prefill.log" 2>&1 &
 PIDS+=($!)
+prefill_pid=$!
 port=$BASE
 for t in "${transports[@]}"; do
   port=$((port + 1))
@@ -111,26 +117,34 @@ for t in "${transports[@]}"; do
     --prefill-attempt-timeout-ms 3600000 >"$DIR/decode-$t.log" 2>&1 &
   PIDS+=($!)
 done
-wait_port "$BASE" "$DIR/prefill.log"
+wait_port "$BASE" "$DIR/prefill.log" "$prefill_pid"
 port=$BASE
-for t in "${transports[@]}"; do
+for i in "${!transports[@]}"; do
   port=$((port + 1))
-  wait_port "$port" "$DIR/decode-$t.log"
+  wait_port "$port" "$DIR/decode-${transports[$i]}.log" "${PIDS[$((i + 1))]}"
 done
 
 echo "model $MODEL ($DTYPE) on $BACKEND, transports $TRANSPORTS, prompts of $LENGTHS tokens," \
   "settings $SETTINGS, $ROUNDS rounds; logs in $DIR"
 raw="$DIR/raw.tsv"
 : >"$raw"
+failed=0
 IFS=',' read -ra lengths <<<"$LENGTHS"
 for len in "${lengths[@]}"; do
   for round in $(seq 1 "$ROUNDS"); do
     port=$BASE
     for t in "${transports[@]}"; do
       port=$((port + 1))
-      "$BENCH" --target "127.0.0.1:$port" --ttft-prompt "$len" --vocab "$VOCAB" --requests 1 \
+      # A failed request is reported and the run goes on: the other transports' rows still
+      # make the table. Each row is printed as it comes, for a run cut off by a timeout.
+      if ! "$BENCH" --target "127.0.0.1:$port" --ttft-prompt "$len" --vocab "$VOCAB" --requests 1 \
         --ttft-max-tokens "$TOKENS" --settings "$SETTINGS" | awk -v t="$t" -v r="$round" \
-        '$2 ~ /^[0-9]+$/ {print t "\t" r "\t" $1 "\t" $2 "\t" $5 "\t" $6 "\t" $7 "\t" $10}' >>"$raw"
+        '$2 ~ /^[0-9]+$/ {print t "\t" r "\t" $1 "\t" $2 "\t" $5 "\t" $6 "\t" $7 "\t" $10}' \
+        >"$DIR/request.tsv"; then
+        echo "transport_bench: $t, $len tokens, round $round: serving_bench failed (see above)" >&2
+        failed=1
+      fi
+      tee -a "$raw" <"$DIR/request.tsv"
     done
   done
 done
@@ -157,3 +171,4 @@ for (length, setting, t), v in sorted(by.items()):
 # Transports that disagree on a request's tokens fail the run.
 sys.exit(1 if any(len(v) > 1 for v in ids.values()) else 0)
 PY
+exit "$failed"

@@ -104,9 +104,10 @@ def oracle(args, out, rows):
     cmd = [args.kvwire, "timing", "--backend", args.backend, "--model", model_dir,
            "--prompt-ids", "1", "--decode", str(steps - 1)]  # the prefill samples the first
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        # Well inside the phase's own limit: a hang here must not take the rows above with it.
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=40)
     except subprocess.TimeoutExpired:
-        rows.append(("kvwire_vs_torch", "FAIL", "kvwire timing did not finish in 60 s"))
+        rows.append(("kvwire_vs_torch", "FAIL", "kvwire timing did not finish in 40 s"))
         return
     if p.returncode != 0:
         last = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "(no message)"
@@ -120,6 +121,14 @@ def oracle(args, out, rows):
                  (" equal torch's" if same is None else f", first difference at step {same}")))
 
 
+class Rows(list):
+    """Rows printed as they are added, so that a phase cut off by its timeout keeps them."""
+
+    def append(self, row):
+        super().append(row)
+        print("\t".join(row), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shared", required=True, help="the folder with models/ and data/")
@@ -128,11 +137,11 @@ def main():
     ap.add_argument("--json", required=True)
     ap.add_argument("--skip-baselines", action="store_true")
     args = ap.parse_args()
-    rows, out = [], {}
+    rows, out = Rows(), {}
     try:
         import torch
         if not torch.cuda.is_available():
-            print("torch\tskip\tno CUDA device visible to PyTorch")
+            print("torch\tskip\tno CUDA device visible to PyTorch", flush=True)
             return 0
         out["device"] = torch.cuda.get_device_name()
         out["torch"] = torch.__version__
@@ -144,10 +153,8 @@ def main():
             step(args, out, rows) if step is oracle else step(out, rows)
         except Exception as e:  # one failed check must not hide the others
             rows.append((step.__name__, "FAIL", f"{type(e).__name__}: {e}"[:300]))
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-    for r in rows:
-        print("\t".join(r))
+        with open(args.json, "w") as f:  # after each step, for the same reason
+            json.dump(out, f, indent=1)
     return 1 if any(r[1] == "FAIL" for r in rows) else 0
 
 

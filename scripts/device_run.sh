@@ -24,15 +24,20 @@ if [[ ! -f "$dir/manifest" ]]; then
   tar -C "$dir" -xzf "$bundle"
 fi
 
+has_cublas() { compgen -G "$1/libcublasLt.so.13*" >/dev/null && compgen -G "$1/libcublas.so.13*" >/dev/null; }
 cublas=""
+# The toolkit's, then PyTorch's nvidia-cublas wheel, then a search of the disk (bounded: every
+# second here is device time).
 for d in /usr/local/cuda/lib64 /usr/local/cuda/lib \
-         $(find / -xdev \( -path /proc -o -path /sys -o -path "$dir" \) -prune -o \
-             -name 'libcublasLt.so.13*' -printf '%h\n' 2>/dev/null | sort -u); do
-  if compgen -G "$d/libcublasLt.so.13*" >/dev/null && compgen -G "$d/libcublas.so.13*" >/dev/null; then
-    cublas="$d"
-    break
-  fi
+         "$(python3 -c 'import nvidia.cublas as c; print(list(c.__path__)[0] + "/lib")' 2>/dev/null)"; do
+  if [[ -n "$d" ]] && has_cublas "$d"; then cublas="$d"; break; fi
 done
+if [[ -z "$cublas" ]]; then
+  for d in $(timeout 60 find / -xdev \( -path /proc -o -path /sys -o -path "$dir" \) -prune -o \
+               -name 'libcublasLt.so.13*' -printf '%h\n' 2>/dev/null | sort -u); do
+    if has_cublas "$d"; then cublas="$d"; break; fi
+  done
+fi
 if [[ -z "$cublas" ]]; then
   echo "device_run: no libcublas.so.13 / libcublasLt.so.13 on this machine (CUDA 13's cuBLAS)" >&2
   exit 1
