@@ -145,7 +145,7 @@ class GuardedBackend final : public KernelBackend {
           "and run only at EndGraph)");
     }
     // A failure of the queued work is reported at the next synchronisation.
-    if (absl::Status st = FlushLocked(); !st.ok() && deferred_.ok()) deferred_ = st;
+    if (absl::Status st = FlushAllLocked(); !st.ok() && deferred_.ok()) deferred_ = st;
     auto it = regions_.find(ptr);
     if (it == regions_.end() || it->second.imported) return;
     used_ -= it->second.size;
@@ -166,7 +166,7 @@ class GuardedBackend final : public KernelBackend {
     // nothing more: its queued work is dropped and every synchronisation fails with the fault.
     if (absl::Status f = fault(); !f.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.clear();
+      queues_.clear();
       return f;
     }
     std::lock_guard<std::mutex> lock(mu_);
@@ -443,7 +443,7 @@ class GuardedBackend final : public KernelBackend {
   // resolves it. The exporter itself cannot import it, as CUDA refuses a process its own handle.
   absl::StatusOr<std::string> ExportMemory(void* base, size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(FlushLocked());
+    RETURN_IF_ERROR(FlushAllLocked());
     auto it = regions_.find(base);
     if (it == regions_.end() || it->second.imported || bytes > it->second.size) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -535,7 +535,7 @@ class GuardedBackend final : public KernelBackend {
     if (std::exchange(fail_next_graph_, false)) {
       return absl::InternalError("guarded backend: this graph fails, as the test asked");
     }
-    for (Op& op : r.ops) queue_.push_back(std::move(op));
+    for (Op& op : r.ops) queues_[std::this_thread::get_id()].push_back(std::move(op));
     ++(keys_.insert(r.key).second ? counts_.made : counts_.updated);
     ++counts_.launched;
     return absl::OkStatus();
@@ -562,7 +562,7 @@ class GuardedBackend final : public KernelBackend {
   }
   void CloseImported(void* ptr) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status st = FlushLocked(); !st.ok() && deferred_.ok()) deferred_ = st;
+    if (absl::Status st = FlushAllLocked(); !st.ok() && deferred_.ok()) deferred_ = st;
     auto it = regions_.find(ptr);
     if (it == regions_.end() || !it->second.imported) return;
     munmap(it->second.base, it->second.mapped);
@@ -745,20 +745,38 @@ class GuardedBackend final : public KernelBackend {
     if (Recording* r = RecordingHere(); r != nullptr) {
       r->ops.push_back({op_name, std::forward<F>(run)});
     } else {
-      queue_.push_back({op_name, std::forward<F>(run)});
+      queues_[std::this_thread::get_id()].push_back({op_name, std::forward<F>(run)});
     }
     return absl::OkStatus();
   }
 
-  // Opens every buffer, runs the queue in order, closes them again. The first failure is
-  // returned and the rest of the queue dropped, as a faulted stream's work would be.
+  // Opens every buffer, runs the calling thread's queue in order (its stream's work: what
+  // cudaStreamSynchronize waits for), closes them again. The first failure is returned and the
+  // rest of the queue dropped, as a faulted stream's work would be.
   absl::Status FlushLocked() {
-    if (queue_.empty()) return absl::OkStatus();
+    auto it = queues_.find(std::this_thread::get_id());
+    if (it == queues_.end()) return absl::OkStatus();
+    std::deque<Op> queue = std::move(it->second);
+    queues_.erase(it);
+    return RunLocked(queue);
+  }
+  // Every thread's queue, one after another: what a device-wide wait (cudaFree) waits for.
+  absl::Status FlushAllLocked() {
+    absl::Status st;
+    while (!queues_.empty()) {
+      std::deque<Op> queue = std::move(queues_.begin()->second);
+      queues_.erase(queues_.begin());
+      st.Update(RunLocked(queue));
+    }
+    return st;
+  }
+  absl::Status RunLocked(std::deque<Op>& queue) {
+    if (queue.empty()) return absl::OkStatus();
     RETURN_IF_ERROR(Protect(PROT_READ | PROT_WRITE));
     absl::Status st;
-    while (!queue_.empty()) {
-      Op op = std::move(queue_.front());
-      queue_.pop_front();
+    while (!queue.empty()) {
+      Op op = std::move(queue.front());
+      queue.pop_front();
       if (!st.ok()) continue;
       st = op.run();
       if (!st.ok()) st = Annotate(st, absl::StrCat("guarded backend, queued ", op.name));
@@ -782,7 +800,10 @@ class GuardedBackend final : public KernelBackend {
   mutable std::mutex mu_;
   std::map<void*, Region> regions_;  // by the buffer's start
   size_t used_ = 0;
-  std::deque<Op> queue_;
+  // Each thread's queued work, as each thread's lane has a stream of its own on CUDA: one
+  // thread's synchronisation runs its own work only, so work another thread reads must be
+  // waited for by the thread that queued it.
+  std::map<std::thread::id, std::deque<Op>> queues_;
   absl::Status deferred_;  // a failure found by Free, for the next synchronisation
   std::map<std::thread::id, Recording> recordings_;
   std::set<int64_t> keys_;  // graphs "made"

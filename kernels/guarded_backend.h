@@ -5,7 +5,10 @@
 //     runs: code that reads or writes backend memory directly, instead of through
 //     CopyToDevice / CopyToHost, dies with SIGSEGV at the offending access.
 //   - Ops and copies are queued, as on a stream, and run at the next synchronisation point
-//     (Synchronize, CopyToHost, Free): a missing synchronisation shows as stale data.
+//     (Synchronize, CopyToHost, Free): a missing synchronisation shows as stale data. Each
+//     thread has a queue of its own, as each thread's lane has its own stream on CUDA: a
+//     thread's synchronisation runs its own work only (Free, as cudaFree, everyone's), so work
+//     one thread queued and another reads is stale unless the first waited for it.
 //   - Every buffer ends at a page that is never readable, and every op checks that each range
 //     it reads or writes lies within one of its buffers: a host pointer or an overrun is an
 //     InvalidArgument naming the parameter.

@@ -153,6 +153,10 @@ class PlacingStreamSink : public KvStreamSink {
     return AfterChunk();
   }
   absl::Status OnTrailer(const WireTrailer& trailer) override {
+    // Rows written into the decode node's device pages (cuda_ipc) have landed before the trailer
+    // tells it to read them: a device orders nothing between this node's stream and its.
+    if (cache_ != nullptr && !cache_->host_rows())
+      RETURN_IF_ERROR(cache_->backend()->Synchronize());
     RETURN_IF_ERROR(stream_->OnTrailer(trailer));
     AfterTrailer();
     return absl::OkStatus();

@@ -117,15 +117,15 @@ class DecodeEngine::Receiver final : public KvReceiver {
       s.transfer_span.SetAttribute("kv.kept_tokens",
                                    h.kept_per_layer.empty() ? 0 : h.kept_per_layer.back());
     }
-    return StreamFault(s.assembler->OnHeader(h), s.local);
+    return StreamFault(Settled(s.assembler->OnHeader(h)), s.local);
   }
   absl::Status OnChunk(WireChunk chunk) override {
-    return StreamFault(seq_->assembler->OnChunk(chunk), seq_->local);
+    return StreamFault(Settled(seq_->assembler->OnChunk(chunk)), seq_->local);
   }
   absl::Status OnTrailer(const WireTrailer& t) override {
     Seq& s = *seq_;
-    RETURN_IF_ERROR(
-        StreamFault(s.assembler->OnTrailer(t, engine_->model_->config().vocab_size), s.local));
+    RETURN_IF_ERROR(StreamFault(
+        Settled(s.assembler->OnTrailer(t, engine_->model_->config().vocab_size)), s.local));
     s.trailer = t;
     s.trailer_at = engine_->clock_.Now();
     // The first token goes to the client now, not at the next decode step. Its random
@@ -151,6 +151,16 @@ class DecodeEngine::Receiver final : public KvReceiver {
   }
 
  private:
+  // `st`, once the copies this call queued into a device cache have landed. A transport calls
+  // the entries on its own threads (gRPC's, a chunk on any of them), each queuing on its own
+  // stream, and the decode loop reads the cache on another: a device orders nothing between
+  // streams, so each entry waits for its own work before it returns.
+  absl::Status Settled(absl::Status st) {
+    KvCache* cache = seq_ ? seq_->cache.get() : nullptr;
+    if (cache != nullptr && !cache->host_rows()) st.Update(cache->backend()->Synchronize());
+    return st;
+  }
+
   DecodeEngine* engine_;
   std::shared_ptr<Seq> seq_;
 };

@@ -623,6 +623,9 @@ TEST_P(BackendOpsTest, LinkMovesBytesBetweenBackends) {
   uint8_t* dst1 = b.Filled<uint8_t>(first.size(), 0);
   uint8_t* dst2 = b.Filled<uint8_t>(second.size(), 0);
   const auto timeout = std::chrono::milliseconds(5000);
+  // The uploads land before another thread reads them (each thread's work is its own stream's).
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  ASSERT_TRUE((*peer)->Synchronize().ok());
   // The sender on its own thread, as a prefill node's stream is; the socket's buffers take a
   // small message before its receive is posted, as NCCL's do.
   std::thread sender([&] {
