@@ -226,6 +226,33 @@ struct Lane {
     if (copy) cudaStreamDestroy(copy);
   }
 
+  // cuBLAS on this lane with its workspace, made at the lane's first product (a thread that
+  // only copies, as gRPC's writing a received cache, never needs its 32 MiB) or before a
+  // recording begins (BeginGraph), never while one records.
+  static constexpr size_t kCublasWorkspace = size_t{32} << 20;  // cuBLAS's own for Hopper
+  absl::StatusOr<cublasHandle_t> Cublas() {
+    if (cublas != nullptr) return cublas;
+    void* workspace = nullptr;
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMalloc(&workspace, kCublasWorkspace), "cudaMalloc (cuBLAS workspace)"));
+    cublasHandle_t handle = nullptr;
+    if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
+      Released().Release(workspace, /*pinned=*/false);
+      return absl::InternalError("cublasCreate failed");
+    }
+    // Bound to the compute stream once, then given its workspace (cublasSetStream would put
+    // back the default one, which a captured product may allocate).
+    if (cublasSetStream(handle, compute) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetWorkspace(handle, workspace, kCublasWorkspace) != CUBLAS_STATUS_SUCCESS) {
+      cublasDestroy(handle);
+      Released().Release(workspace, /*pinned=*/false);
+      return absl::InternalError("cublasSetStream or cublasSetWorkspace failed");
+    }
+    cublas = handle;
+    cublas_workspace = workspace;
+    return cublas;
+  }
+
   absl::Status Sync() {
     RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(copy), "kernel execution (copy stream)"));
     return CudaStatus(cudaStreamSynchronize(compute), "kernel execution");
@@ -384,6 +411,7 @@ class CudaBackend final : public KernelBackend {
     }
     for (Lane::Chunk& c : lane->arena) c.used = 0;
     lane->arena_at = 0;
+    RETURN_IF_ERROR(lane->Cublas().status());  // the products it records find it made
     // Counted as recording first: a free on another thread either ended before or is held.
     Released().BeginRecording();
     if (absl::Status st =
@@ -437,7 +465,8 @@ class CudaBackend final : public KernelBackend {
     if (const size_t bytes = cuda::MatMulScratchBytes(p); bytes > 0) {
       ASSIGN_OR_RETURN(scratch, lane->Grow(&lane->matmul_scratch, bytes, "cudaMalloc scratch"));
     }
-    return cuda::LaunchMatMul(p, lane->cublas, scratch, lane->compute);
+    ASSIGN_OR_RETURN(cublasHandle_t cublas, lane->Cublas());
+    return cuda::LaunchMatMul(p, cublas, scratch, lane->compute);
   }
   absl::Status EmbedRows(const EmbedRowsParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
@@ -481,7 +510,8 @@ class CudaBackend final : public KernelBackend {
       RETURN_IF_ERROR(
           cuda::LaunchFlashInferPrefill(p, OpMemoryOf(*lane), lane->compute, prefill_fa3_));
       // The window's scores, which FlashInfer does not return: a product per KV head.
-      return cuda::LaunchWindowScores(p, lane->cublas, OpMemoryOf(*lane), lane->compute);
+      ASSIGN_OR_RETURN(cublasHandle_t cublas, lane->Cublas());
+      return cuda::LaunchWindowScores(p, cublas, OpMemoryOf(*lane), lane->compute);
     }
 #endif
     return cuda::LaunchPrefillAttention(p, lane->compute);
@@ -721,18 +751,6 @@ class CudaBackend final : public KernelBackend {
                                "cudaStreamCreate"));
     RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&fresh->copy, cudaStreamNonBlocking),
                                "cudaStreamCreate"));
-    if (cublasCreate(&fresh->cublas) != CUBLAS_STATUS_SUCCESS) {
-      return absl::InternalError("cublasCreate failed");
-    }
-    // Bound to the compute stream once, then given its workspace (cublasSetStream would put
-    // back the default one, which a captured product may allocate).
-    cublasSetStream(fresh->cublas, fresh->compute);
-    RETURN_IF_ERROR(CudaStatus(cudaMalloc(&fresh->cublas_workspace, kCublasWorkspace),
-                               "cudaMalloc (cuBLAS workspace)"));
-    if (cublasSetWorkspace(fresh->cublas, fresh->cublas_workspace, kCublasWorkspace) !=
-        CUBLAS_STATUS_SUCCESS) {
-      return absl::InternalError("cublasSetWorkspace failed");
-    }
     RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&fresh->graph_done, cudaEventDisableTiming),
                                "cudaEventCreate"));
     lane = std::move(fresh);
@@ -818,7 +836,6 @@ class CudaBackend final : public KernelBackend {
   std::unordered_map<std::thread::id, std::unique_ptr<Lane>> lanes_;
   std::atomic<CopyTicket> next_ticket_{0};
   std::atomic<int64_t> graphs_made_{0}, graphs_updated_{0}, graphs_launched_{0};
-  static constexpr size_t kCublasWorkspace = size_t{32} << 20;  // cuBLAS's own for Hopper
 };
 
 }  // namespace
