@@ -144,8 +144,7 @@ class GuardedBackend final : public KernelBackend {
           "guarded backend: Free while this thread records a graph (its ops may use the buffer, "
           "and run only at EndGraph)");
     }
-    // A failure of the queued work is reported at the next synchronisation.
-    if (absl::Status st = FlushAllLocked(); !st.ok() && deferred_.ok()) deferred_ = st;
+    FlushAllLocked();
     auto it = regions_.find(ptr);
     if (it == regions_.end() || it->second.imported) return;
     used_ -= it->second.size;
@@ -171,7 +170,10 @@ class GuardedBackend final : public KernelBackend {
     }
     std::lock_guard<std::mutex> lock(mu_);
     absl::Status st = FlushLocked();
-    if (st.ok() && !deferred_.ok()) st = std::exchange(deferred_, absl::OkStatus());
+    if (auto it = deferred_.find(std::this_thread::get_id()); it != deferred_.end()) {
+      st.Update(it->second);
+      deferred_.erase(it);
+    }
     return st;
   }
   // Host work (sparse selection on the host) on the CPU backend's threads, at once: it reads
@@ -443,7 +445,7 @@ class GuardedBackend final : public KernelBackend {
   // resolves it. The exporter itself cannot import it, as CUDA refuses a process its own handle.
   absl::StatusOr<std::string> ExportMemory(void* base, size_t bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(FlushAllLocked());
+    FlushAllLocked();
     auto it = regions_.find(base);
     if (it == regions_.end() || it->second.imported || bytes > it->second.size) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -562,7 +564,7 @@ class GuardedBackend final : public KernelBackend {
   }
   void CloseImported(void* ptr) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status st = FlushAllLocked(); !st.ok() && deferred_.ok()) deferred_ = st;
+    FlushAllLocked();
     auto it = regions_.find(ptr);
     if (it == regions_.end() || !it->second.imported) return;
     munmap(it->second.base, it->second.mapped);
@@ -760,15 +762,15 @@ class GuardedBackend final : public KernelBackend {
     queues_.erase(it);
     return RunLocked(queue);
   }
-  // Every thread's queue, one after another: what a device-wide wait (cudaFree) waits for.
-  absl::Status FlushAllLocked() {
-    absl::Status st;
+  // Every thread's queue, one after another: what a device-wide wait (cudaFree) waits for. A
+  // failure is the queuing thread's, reported at its next synchronisation.
+  void FlushAllLocked() {
     while (!queues_.empty()) {
+      const std::thread::id owner = queues_.begin()->first;
       std::deque<Op> queue = std::move(queues_.begin()->second);
       queues_.erase(queues_.begin());
-      st.Update(RunLocked(queue));
+      if (absl::Status st = RunLocked(queue); !st.ok()) deferred_.emplace(owner, st);
     }
-    return st;
   }
   absl::Status RunLocked(std::deque<Op>& queue) {
     if (queue.empty()) return absl::OkStatus();
@@ -804,7 +806,9 @@ class GuardedBackend final : public KernelBackend {
   // thread's synchronisation runs its own work only, so work another thread reads must be
   // waited for by the thread that queued it.
   std::map<std::thread::id, std::deque<Op>> queues_;
-  absl::Status deferred_;  // a failure found by Free, for the next synchronisation
+  // A thread's failed work that another thread's device-wide wait ran (Free), for the first
+  // thread's next synchronisation.
+  std::map<std::thread::id, absl::Status> deferred_;
   std::map<std::thread::id, Recording> recordings_;
   std::set<int64_t> keys_;  // graphs "made"
   GraphCounts counts_;

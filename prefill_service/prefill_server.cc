@@ -144,9 +144,17 @@ class PlacingStreamSink : public KvStreamSink {
       return absl::DeadlineExceededError(
           "the request's deadline passed: its decode cache is no longer this node's to write");
     }
-    RETURN_IF_ERROR(assembler_->OnChunk(chunk));
-    ASSIGN_OR_RETURN(WireChunk placed,
-                     PlacedChunk(chunk, *cache_, kept_[chunk.layer], PositionsTravel()));
+    // A chunk that fails part-way may leave rows queued for the decode node's pages: they land
+    // now, inside the lease, not at this thread's next wait.
+    absl::Status assembled = assembler_->OnChunk(chunk);
+    absl::StatusOr<WireChunk> placing =
+        assembled.ok() ? PlacedChunk(chunk, *cache_, kept_[chunk.layer], PositionsTravel())
+                       : absl::StatusOr<WireChunk>(assembled);
+    if (!placing.ok()) {
+      if (!cache_->host_rows()) (void)cache_->backend()->Synchronize();
+      return placing.status();
+    }
+    WireChunk placed = *std::move(placing);
     placed_bytes_ += placed.placed_bytes - static_cast<int64_t>(placed.positions.size());
     RETURN_IF_ERROR(BeforeChunk(*cache_, kept_[chunk.layer], &placed));
     RETURN_IF_ERROR(stream_->OnChunk(std::move(placed)));

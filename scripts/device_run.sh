@@ -26,10 +26,13 @@ fi
 
 has_cublas() { compgen -G "$1/libcublasLt.so.13*" >/dev/null && compgen -G "$1/libcublas.so.13*" >/dev/null; }
 cublas=""
-# The toolkit's, then PyTorch's nvidia-cublas wheel, then a search of the disk (bounded: every
-# second here is device time).
-for d in /usr/local/cuda/lib64 /usr/local/cuda/lib \
-         "$(python3 -c 'import nvidia.cublas as c; print(list(c.__path__)[0] + "/lib")' 2>/dev/null)"; do
+# The toolkit's, then PyTorch's wheels' (CUDA 13's put every library in nvidia/cu13/lib, CUDA
+# 12's in nvidia/cublas/lib), then a search of the disk (bounded: every second here is device
+# time).
+wheels="$(python3 -c 'import nvidia, os
+for p in nvidia.__path__:
+    print(os.path.join(p, "cu13", "lib")); print(os.path.join(p, "cublas", "lib"))' 2>/dev/null)"
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib $wheels; do
   if [[ -n "$d" ]] && has_cublas "$d"; then cublas="$d"; break; fi
 done
 if [[ -z "$cublas" ]]; then

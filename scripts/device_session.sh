@@ -142,7 +142,7 @@ phase ops 90 gtest_detail "$kernels_test" --gtest_filter="$ops_filter" \
 ops_rc=$?
 # The failed cases again, or all of them where the binary died before naming one (a crash);
 # not after a timeout, which the slower rerun would only repeat.
-if ((ops_rc != 0 && ops_rc != 124 && ops_rc != 137)) && [[ "$backend" == cuda ]]; then
+if ((ops_rc != 0 && ops_rc != 124 && ops_rc != 137)) && [[ "$backend" == cuda && -s "$work/ops.log" ]]; then
   failed=$(failed_cases "$work/ops.log" | tr '\n' ':')
   failed="${failed%:}"
   phase ops_blocking 60 gtest_detail env CUDA_LAUNCH_BLOCKING=1 "$kernels_test" \

@@ -117,15 +117,16 @@ class DecodeEngine::Receiver final : public KvReceiver {
       s.transfer_span.SetAttribute("kv.kept_tokens",
                                    h.kept_per_layer.empty() ? 0 : h.kept_per_layer.back());
     }
-    return StreamFault(Settled(s.assembler->OnHeader(h)), s.local);
+    return Settled(StreamFault(s.assembler->OnHeader(h), s.local), /*last=*/false);
   }
   absl::Status OnChunk(WireChunk chunk) override {
-    return StreamFault(Settled(seq_->assembler->OnChunk(chunk)), seq_->local);
+    return Settled(StreamFault(seq_->assembler->OnChunk(chunk), seq_->local), /*last=*/false);
   }
   absl::Status OnTrailer(const WireTrailer& t) override {
     Seq& s = *seq_;
-    RETURN_IF_ERROR(StreamFault(
-        Settled(s.assembler->OnTrailer(t, engine_->model_->config().vocab_size)), s.local));
+    RETURN_IF_ERROR(Settled(
+        StreamFault(s.assembler->OnTrailer(t, engine_->model_->config().vocab_size), s.local),
+        /*last=*/true));
     s.trailer = t;
     s.trailer_at = engine_->clock_.Now();
     // The first token goes to the client now, not at the next decode step. Its random
@@ -139,6 +140,8 @@ class DecodeEngine::Receiver final : public KvReceiver {
     return StreamFault(seq_->assembler->CheckNext(chunk), seq_->local);
   }
   void OnDone(const absl::Status& status, int64_t transport_bytes) override {
+    // A local prefill that failed before its trailer left its copies queued (see Settled).
+    if (!status.ok() && seq_->local) (void)Settled(absl::OkStatus(), /*last=*/true);
     std::shared_ptr<Seq> s = std::move(seq_);
     s->wire_bytes += transport_bytes;
     // The transfer: first KV byte to the end of the stream, with what it carried.
@@ -154,10 +157,17 @@ class DecodeEngine::Receiver final : public KvReceiver {
   // `st`, once the copies this call queued into a device cache have landed. A transport calls
   // the entries on its own threads (gRPC's, a chunk on any of them), each queuing on its own
   // stream, and the decode loop reads the cache on another: a device orders nothing between
-  // streams, so each entry waits for its own work before it returns.
-  absl::Status Settled(absl::Status st) {
+  // streams, so each entry waits for its own work before it returns. A local prefill calls
+  // every entry, and OnDone, on its one thread, inside its forward: it waits once, at the
+  // `last` (a wait per chunk would also wait for the layer computing meanwhile). A failed wait
+  // is this node's device, not the prefill's: no other prefill node would do better.
+  absl::Status Settled(absl::Status st, bool last) {
     KvCache* cache = seq_ ? seq_->cache.get() : nullptr;
-    if (cache != nullptr && !cache->host_rows()) st.Update(cache->backend()->Synchronize());
+    if (cache == nullptr || cache->host_rows() || (seq_->local && !last)) return st;
+    if (absl::Status sync = cache->backend()->Synchronize(); !sync.ok()) {
+      st.Update(absl::FailedPreconditionError(
+          absl::StrCat("this decode node's device, writing the received cache: ", sync.message())));
+    }
     return st;
   }
 

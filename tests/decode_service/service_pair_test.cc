@@ -745,6 +745,34 @@ TEST_P(ServicePairOnDevice, TokensEqualTheCpuEngine) {
                                  GetParam() == kernels::BackendKind::kCuda ? 1e-3 : 1e-4);
 }
 
+// A prompt prefilled on the decode node itself (its local prefill, on its own worker thread)
+// into the device pool: the same tokens as the CPU engine's.
+TEST_P(ServicePairOnDevice, LocalPrefillEqualsTheCpuEngine) {
+  AddPrefill();
+  DecodeServerOptions o;
+  o.engine.local_prefill_below = 1000;
+  StartDecode(o);
+  for (int budget : {0, 64}) {
+    SCOPED_TRACE(budget);
+    v1::GenerateRequest req = Request(LongPrompt(300), 16);
+    req.mutable_compression()->set_policy(budget ? "snapkv" : "full");
+    if (budget) req.mutable_compression()->set_budget(budget);
+    const Result r = Call(*stub_, req);
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.final.stats().prefill_node(), "local");
+    GenerationRequest local;
+    local.prompt_ids = LongPrompt(300);
+    local.max_tokens = 16;
+    local.sampling.temperature = 0;
+    local.compression.policy = *MakePolicy(budget ? "snapkv" : "full");
+    local.compression.budget = budget;
+    local.stop_ids = decode_model_->config().eos_token_ids;
+    auto want = Generate(*cpu_model_, local);
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(r.ids, want->ids);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, ServicePairOnDevice,
                          ::testing::Values(kernels::BackendKind::kGuarded,
                                            kernels::BackendKind::kCuda),

@@ -1171,6 +1171,35 @@ TEST(GuardedBackend, CopiesAndOpsRunAtTheNextSynchronisation) {
   EXPECT_EQ(back, (std::vector<float>{1, 2, 3, 4}));
 }
 
+// Each thread's work is its own queue, as each thread's stream on CUDA: another thread's
+// synchronisation does not run it (what it reads is stale until the first thread waits), and a
+// free, as cudaFree waits for the whole device, runs everyone's.
+TEST(GuardedBackend, EachThreadsWorkRunsAtItsOwnSynchronisation) {
+  auto b = MakeBackend(BackendKind::kGuarded, 1);
+  ASSERT_TRUE(b.ok()) << b.status();
+  Arena a(**b);
+  float* x = a.Zeros(4);
+  float* y = a.Zeros(4);
+  ASSERT_TRUE((*b)->Synchronize().ok());
+  const std::vector<float> ones(4, 1.f), twos(4, 2.f), zeros(4, 0.f);
+  auto read_elsewhere = [&](const float* p) {
+    std::vector<float> back(4, -1.f);
+    std::thread([&] {
+      EXPECT_TRUE((*b)->CopyToHost(back.data(), p, 4 * sizeof(float)).ok());
+    }).join();
+    return back;
+  };
+  ASSERT_TRUE((*b)->CopyToDevice(x, ones.data(), 4 * sizeof(float)).ok());
+  EXPECT_EQ(read_elsewhere(x), zeros);  // queued on this thread, not run by the other's wait
+  ASSERT_TRUE((*b)->Synchronize().ok());
+  EXPECT_EQ(read_elsewhere(x), ones);
+  ASSERT_TRUE((*b)->CopyToDevice(y, twos.data(), 4 * sizeof(float)).ok());
+  auto z = (*b)->Allocate(64);
+  ASSERT_TRUE(z.ok()) << z.status();
+  std::thread([&] { (*b)->Free(*z); }).join();  // a device-wide wait: this thread's copy ran
+  EXPECT_EQ(read_elsewhere(y), twos);
+}
+
 // A device fault that leaves it unusable (MarkFaulted; CUDA's sticky errors on a GPU): the
 // first fault stays, queued work is dropped, and every synchronisation and copy back fails with
 // it from then on.
