@@ -144,14 +144,11 @@ class PlacingStreamSink : public KvStreamSink {
       return absl::DeadlineExceededError(
           "the request's deadline passed: its decode cache is no longer this node's to write");
     }
-    // A chunk that fails part-way may leave rows queued for the decode node's pages: they land
-    // now, inside the lease, not at this thread's next wait.
-    absl::Status assembled = assembler_->OnChunk(chunk);
-    absl::StatusOr<WireChunk> placing =
-        assembled.ok() ? PlacedChunk(chunk, *cache_, kept_[chunk.layer], PositionsTravel())
-                       : absl::StatusOr<WireChunk>(assembled);
+    absl::StatusOr<WireChunk> placing = Place(chunk);
     if (!placing.ok()) {
-      if (!cache_->host_rows()) (void)cache_->backend()->Synchronize();
+      // A chunk that failed part-way may leave rows queued for the decode node's pages: they
+      // land now, inside the lease, not at this thread's next wait.
+      (void)Landed();
       return placing.status();
     }
     WireChunk placed = *std::move(placing);
@@ -161,10 +158,8 @@ class PlacingStreamSink : public KvStreamSink {
     return AfterChunk();
   }
   absl::Status OnTrailer(const WireTrailer& trailer) override {
-    // Rows written into the decode node's device pages (cuda_ipc) have landed before the trailer
-    // tells it to read them: a device orders nothing between this node's stream and its.
-    if (cache_ != nullptr && !cache_->host_rows())
-      RETURN_IF_ERROR(cache_->backend()->Synchronize());
+    // The rows have landed before the trailer tells the decode node to read them.
+    RETURN_IF_ERROR(Landed());
     RETURN_IF_ERROR(stream_->OnTrailer(trailer));
     AfterTrailer();
     return absl::OkStatus();
@@ -195,6 +190,18 @@ class PlacingStreamSink : public KvStreamSink {
   std::shared_ptr<void> mapping_;  // declared before cache_, so it outlives it
 
  private:
+  // The chunk's rows written into the cache, and the chunk as the decode node gets it.
+  absl::StatusOr<WireChunk> Place(const WireChunk& chunk) {
+    RETURN_IF_ERROR(assembler_->OnChunk(chunk));
+    return PlacedChunk(chunk, *cache_, kept_[chunk.layer], PositionsTravel());
+  }
+  // Once the rows this thread queued for a cache in device pages (cuda_ipc's) have landed: a
+  // device orders nothing between this node's stream and the decode node's.
+  absl::Status Landed() {
+    if (cache_ == nullptr || cache_->host_rows()) return absl::OkStatus();
+    return cache_->backend()->Synchronize();
+  }
+
   const Clock::TimePoint deadline_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<KvAssembler> assembler_;
