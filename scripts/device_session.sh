@@ -19,7 +19,8 @@
 #   cuda_ipc   two processes on the GPU: a prefill node writing into a decode node's pool pages
 #              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared), at 2K
 #              and 16K tokens: TTFT through the pair beside the prefill forward alone
-#   memcheck   compute-sanitizer memcheck over the op tests
+#   memcheck   compute-sanitizer memcheck over the op tests and the coded caches' kernels;
+#              racecheck over coded_decode.cu's shared memory
 #
 # Logs, gtest JSON and bench output go to $OUT/logs.tar.gz, the summary to $OUT/summary.tsv
 # (phase, status, seconds, detail), printed last. The device tool brings back at most 8 files.
@@ -35,7 +36,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
   dry=1
   build="${2:-$root/build}"
 elif [[ $# -gt 0 ]]; then
-  sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 fi
 out="${OUT:-$(mktemp -d)}"
@@ -149,8 +150,9 @@ if ((ops_rc != 0 && ops_rc != 124 && ops_rc != 137)) && [[ "$backend" == cuda &&
     --gtest_filter="${failed:-$ops_filter}"
 fi
 # Coded caches (fp8, int8, int4): the device kernels against the reference, and the groups the
-# device codes byte for byte the host's (on guarded, and on cuda where a GPU is present).
-coded_filter="Formats/CodedCacheTest.DeviceKernelsReadAndCodeAsTheHost/*"
+# device codes byte for byte the host's (on guarded, and on cuda where a GPU is present); a
+# batch mixing the formats through coded_decode.cu at the models' head dims and groups.
+coded_filter="Formats/CodedCacheTest.DeviceKernelsReadAndCodeAsTheHost/*:CodedDecodeBatch.*"
 phase coded 60 gtest_detail "$model_test" --gtest_filter="$coded_filter" \
   --gtest_output="json:$work/coded.json"
 phase engine 90 gtest_detail "$model_test" --gtest_filter="Backends/DeviceEngine.*/$backend" \
@@ -223,7 +225,11 @@ elif command -v compute-sanitizer >/dev/null; then
   phase memcheck 150 memcheck_detail compute-sanitizer --tool memcheck --error-exitcode 1 \
     "$kernels_test" --gtest_filter="$ops_filter" --gtest_brief=1
   phase memcheck_coded 90 memcheck_detail compute-sanitizer --tool memcheck --error-exitcode 1 \
-    "$model_test" --gtest_filter="${coded_filter%\*}*_bf16_d64" --gtest_brief=1
+    "$model_test" --gtest_filter="Formats/CodedCacheTest.DeviceKernelsReadAndCodeAsTheHost/*_bf16_d64:CodedDecodeBatch.*" \
+    --gtest_brief=1
+  # coded_decode.cu's blocks share their folded queries, weights and sums through shared memory.
+  phase racecheck_coded 60 memcheck_detail compute-sanitizer --tool racecheck --error-exitcode 1 \
+    "$model_test" --gtest_filter="CodedDecodeBatch.*" --gtest_brief=1
 else
   printf 'memcheck\tskip\t0\tcompute-sanitizer not found\n' >>"$summary"
 fi

@@ -23,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kernels/cuda/coded_decode.h"
 #include "kernels/cuda/cuda_util.cuh"
 #if KVWIRE_HAVE_FLASHINFER
 #include "kernels/cuda/flashinfer_decode.h"
@@ -325,18 +326,21 @@ struct Lane {
 };
 
 // Which kernels attention runs on where both can ($KVWIRE_CUDA_ATTENTION): FlashInfer's (batch
-// decode; single prefill for a bf16 model), or kvwire's own (decode_attention.cu, also the one
-// for coded caches and probabilities; prefill_attention.cu), so that a benchmark can set the
-// two side by side on one device.
+// decode; single prefill for a bf16 model) and coded_decode.cu's (dense decode over coded
+// caches), or only kvwire's plain ones ("native": decode_attention.cu, also the one for sparse
+// selections and probabilities; prefill_attention.cu), so that a benchmark can set the two
+// side by side on one device.
 enum class AttentionKernel { kFlashInfer, kNative };
 
 class CudaBackend final : public KernelBackend {
  public:
-  CudaBackend(int threads, size_t memory_limit, AttentionKernel attention_kernel, bool prefill_fa3)
+  CudaBackend(int threads, size_t memory_limit, AttentionKernel attention_kernel, bool prefill_fa3,
+              bool coded_decode)
       : pool_(threads),
         limit_(memory_limit),
         attention_kernel_(attention_kernel),
-        prefill_fa3_(prefill_fa3) {}
+        prefill_fa3_(prefill_fa3),
+        coded_decode_(coded_decode) {}
   ~CudaBackend() override {
     lanes_.clear();
     for (void* p : imported_) cudaIpcCloseMemHandle(p);
@@ -533,6 +537,10 @@ class CudaBackend final : public KernelBackend {
                                           OpMemoryOf(*lane), lane->compute);
     }
 #endif
+    if (coded_decode_ && cuda::CodedDecodeServes(p)) {
+      return cuda::LaunchCodedDecode(p, static_cast<const DecodeSequence*>(table),
+                                     OpMemoryOf(*lane), lane->compute);
+    }
     return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table),
                                        OpMemoryOf(*lane), lane->compute);
   }
@@ -827,7 +835,8 @@ class CudaBackend final : public KernelBackend {
   ThreadPool pool_;
   const size_t limit_;  // 0: none
   const AttentionKernel attention_kernel_;
-  const bool prefill_fa3_;  // FlashInfer's prefill through FA3 (an sm_90 device), else FA2
+  const bool prefill_fa3_;   // FlashInfer's prefill through FA3 (an sm_90 device), else FA2
+  const bool coded_decode_;  // dense decode over coded caches through coded_decode.cu
   std::mutex memory_mu_;
   std::unordered_map<void*, size_t> allocations_;
   std::set<void*> imported_;  // other processes' memory mapped here (ImportMemory)
@@ -875,7 +884,10 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads, size_t memory_limi
 #else
   const bool fa3 = false;
 #endif
-  return KernelBackendPtr(std::make_unique<CudaBackend>(threads, memory_limit, kernel, fa3));
+  // kvwire's plain kernels only ("native"), or the coded caches' own decode kernel as well.
+  const bool coded_decode = choice != "native";
+  return KernelBackendPtr(
+      std::make_unique<CudaBackend>(threads, memory_limit, kernel, fa3, coded_decode));
 }
 
 }  // namespace kvwire::kernels

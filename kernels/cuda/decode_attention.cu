@@ -214,10 +214,21 @@ absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p,
               chunk_tokens, part_m, part_l, part_acc);
       RETURN_IF_ERROR(LaunchStatus("DecodeAttentionKernel"));
       if (chunks <= 1) return absl::OkStatus();
-      MergeChunks<DPL><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
-          seqs_device, p.batch, p.n_heads, p.head_dim, chunks, part_m, part_l, part_acc);
-      return LaunchStatus("MergeChunks");
+      return LaunchMergeDecodeChunks(p, seqs_device, chunks, part_m, part_l, part_acc, stream);
     });
+  });
+}
+
+absl::Status LaunchMergeDecodeChunks(const DecodeAttentionParams& p,
+                                     const DecodeSequence* seqs_device, int chunks,
+                                     const float* part_m, const float* part_l,
+                                     const float* part_acc, cudaStream_t stream) {
+  const int64_t items = static_cast<int64_t>(p.batch) * p.n_heads;
+  const int blocks = static_cast<int>((items + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  return DispatchHeadDim(p.head_dim, [&]<int DPL>() {
+    MergeChunks<DPL><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+        seqs_device, p.batch, p.n_heads, p.head_dim, chunks, part_m, part_l, part_acc);
+    return LaunchStatus("MergeChunks");
   });
 }
 

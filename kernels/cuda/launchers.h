@@ -84,6 +84,15 @@ struct OpMemory {
   std::function<absl::StatusOr<void*>(size_t bytes)> recorded_host;
 };
 
+// Merges a decode's split-KV partials into each sequence's out: for item (sequence b, query
+// head h) = b · n_heads + h and chunk k, part_m and part_l at item · chunks + k and part_acc at
+// (item · chunks + k) · head_dim, unnormalised (decode_attention.cu and coded_decode.cu write
+// them). A chunk with part_l 0 adds nothing.
+absl::Status LaunchMergeDecodeChunks(const DecodeAttentionParams& p,
+                                     const DecodeSequence* seqs_device, int chunks,
+                                     const float* part_m, const float* part_l,
+                                     const float* part_acc, cudaStream_t stream);
+
 // `seqs_device` is p.seqs copied to device memory (p.seqs, the host's, sizes the split).
 absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p,
                                    const DecodeSequence* seqs_device, const OpMemory& mem,

@@ -6,7 +6,11 @@
 // reference.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -16,6 +20,9 @@
 #include "kernels/backend.h"
 #include "kernels/coded_rows.h"
 #include "tests/kernels/ops_test_util.h"
+#if KVWIRE_HAS_CUDA
+#include "kernels/cuda/coded_decode.h"
+#endif
 
 namespace kvwire {
 namespace {
@@ -29,6 +36,12 @@ using kernels::KvAppend;
 constexpr int kHeads = 2, kGroup = 2, kKept = 300, kAppended = 378;
 // The CPU kernel sums q·a + (q∘b)·codes where the reference sums q·(a + b·codes).
 constexpr kernels::Tolerance kTolerance{1e-5f, 1e-3f};
+
+// $KVWIRE_CUDA_ATTENTION=native keeps every decode on kvwire's plain kernel.
+bool CudaAttentionIsNative() {
+  const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
+  return env != nullptr && std::string(env) == "native";
+}
 
 std::vector<float> RandomRows(int n, int d, std::mt19937& rng, float scale = 1.f) {
   std::normal_distribution<float> dist(0.f, scale);
@@ -435,6 +448,154 @@ TEST_P(CodedCacheTest, DeviceKernelsReadAndCodeAsTheHost) {
       }
     }
     EXPECT_EQ(CodedBytes(device, on_dev->layer(0)), CodedBytes(**reference, on_ref->layer(0)));
+  }
+}
+
+// A coded cache of `heads` heads keeping `kept` random tokens of `d` values in `dtype`, with room
+// for `appended` more: in host memory, or in the pages of `pool`. The same seed, the same codes.
+std::unique_ptr<KvCache> RandomCodedCache(KvFormat f, DType dtype, int d, int heads, int kept,
+                                          int appended, uint32_t seed, KvPool* pool) {
+  KvCacheShape shape;
+  shape.n_heads = heads;
+  shape.head_dim = d;
+  shape.dtype = dtype;
+  shape.capacity = {kept + appended};
+  shape.format = f;
+  shape.appended = appended;
+  auto cache =
+      pool ? KvCache::CreatePaged(shape, *pool) : KvCache::Create(shape, HeapKvAllocator());
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  if (!cache.ok()) return nullptr;
+  LayerCache& lc = (*cache)->layer(0);
+  lc.coding.kept = kept;
+  std::mt19937 rng(seed);
+  const size_t row = d * DTypeSize(dtype);
+  for (int h = 0; h < heads; ++h) {
+    std::vector<uint8_t> k(kept * row), v(kept * row);
+    const std::vector<float> kf = RandomRows(kept, d, rng), vf = RandomRows(kept, d, rng, 0.5f);
+    FromFloat(dtype, kf.data(), k.data(), kf.size());
+    FromFloat(dtype, vf.data(), v.data(), vf.size());
+    std::vector<uint8_t> kb(KvKeyBlockBytes(f, dtype, d, kept, 0, kept));
+    std::vector<uint8_t> vb(KvValueBlockBytes(f, dtype, d, kept, 0, kept));
+    EncodeKvKeys(f, dtype, d, kept, 0, kept, k.data(), kb.data());
+    EncodeKvValues(f, dtype, d, kept, 0, kept, v.data(), vb.data());
+    EXPECT_TRUE((*cache)->WriteCodedBlock(0, h, 0, kept, kb.data(), vb.data()).ok());
+    for (int t = 0; t < kept; ++t) lc.positions[h * lc.capacity + t] = t;
+  }
+  lc.len = kept;
+  return std::move(*cache);
+}
+
+// A batch mixing every coded format in one call, as a decode node whose requests chose different
+// formats steps them together: long caches (split over many chunks of key groups), appended
+// groups coded on the backend and a residual, the head dims and query-head groups the models
+// use. On cuda the dense call without probabilities goes through coded_decode.cu (checked);
+// on guarded it runs the CPU kernel. Both against the reference over the same codes.
+TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
+  std::vector<kernels::BackendKind> kinds = {kernels::BackendKind::kGuarded};
+  if (kernels::CudaAvailable()) kinds.push_back(kernels::BackendKind::kCuda);
+  auto reference = kernels::MakeBackend(kernels::BackendKind::kReference);
+  ASSERT_TRUE(reference.ok());
+  struct Case {
+    int d, group;
+    DType dtype;
+  };
+  const Case cases[] = {
+      {128, 4, DType::kBF16}, {64, 8, DType::kF32}, {256, 1, DType::kF16}, {128, 2, DType::kF32}};
+  struct Seq {
+    KvFormat format;
+    int kept, appended;
+  };
+  // 1500 kept: 11 groups of 128 and the recent 16; 150 appended: a group coded, 22 in the residual.
+  const Seq batch[] = {{KvFormat::kInt4, 1500, 150},
+                       {KvFormat::kFP8, 290, 0},
+                       {KvFormat::kInt8, 40, 3},
+                       {KvFormat::kInt4, 7, 0}};
+  constexpr int kCacheHeads = 2;
+  for (kernels::BackendKind kind : kinds) {
+    for (const Case& cs : cases) {
+      SCOPED_TRACE(absl::StrCat(kernels::BackendName(kind), " d ", cs.d, " group ", cs.group, " ",
+                                DTypeName(cs.dtype)));
+      auto made = kernels::MakeBackend(kind, 2);
+      ASSERT_TRUE(made.ok()) << made.status();
+      auto pool = KvPool::OnBackend(std::move(*made), size_t{64} << 20, size_t{64} << 10);
+      ASSERT_TRUE(pool.ok()) << pool.status();
+      kernels::KernelBackend& device = *(*pool)->backend();
+      kernels::Arena dev_arena(device), ref_arena(**reference);
+      std::mt19937 rng(23);
+      const int n_heads = kCacheHeads * cs.group;
+      std::vector<std::unique_ptr<KvCache>> on_ref, on_dev;
+      std::vector<DecodeSequence> ref_seqs, dev_seqs;
+      std::vector<float*> dev_out, ref_out;
+      for (size_t b = 0; b < std::size(batch); ++b) {
+        const Seq& sq = batch[b];
+        on_ref.push_back(RandomCodedCache(sq.format, cs.dtype, cs.d, kCacheHeads, sq.kept,
+                                          sq.appended, 100 + b, nullptr));
+        on_dev.push_back(RandomCodedCache(sq.format, cs.dtype, cs.d, kCacheHeads, sq.kept,
+                                          sq.appended, 100 + b, pool->get()));
+        ASSERT_TRUE(on_ref.back() && on_dev.back());
+        for (int step = 0; step < sq.appended; ++step) {
+          const std::vector<float> k = RandomRows(kCacheHeads, cs.d, rng),
+                                   v = RandomRows(kCacheHeads, cs.d, rng, 0.5f);
+          for (auto [backend, cache] : {std::pair{reference->get(), on_ref.back().get()},
+                                        std::pair{&device, on_dev.back().get()}}) {
+            LayerCache& lc = cache->layer(0);
+            kernels::Arena arena(*backend);
+            KvAppend a{arena.Upload(k), arena.Upload(v), lc.k,          lc.v,
+                       lc.layout,       lc.coding,       sq.kept + step};
+            const absl::Status st =
+                backend->AppendKv({&a, 1, kCacheHeads, kCacheHeads, cs.d, cs.dtype});
+            ASSERT_TRUE(st.ok()) << st;
+            ASSERT_TRUE(backend->Synchronize().ok());
+            lc.len = sq.kept + step + 1;
+          }
+        }
+        const std::vector<float> q = RandomRows(n_heads, cs.d, rng, 0.3f);
+        for (auto [arena, cache, seqs, outs] :
+             {std::tuple{&ref_arena, on_ref.back().get(), &ref_seqs, &ref_out},
+              std::tuple{&dev_arena, on_dev.back().get(), &dev_seqs, &dev_out}}) {
+          const LayerCache& lc = cache->layer(0);
+          DecodeSequence s;
+          s.q = arena->Upload(q);
+          s.out = arena->Zeros(q.size());
+          s.k = lc.k;
+          s.v = lc.v;
+          s.layout = lc.layout;
+          s.coding = lc.coding;
+          s.len = lc.len;
+          seqs->push_back(s);
+          outs->push_back(s.out);
+        }
+      }
+      auto params = [&](const std::vector<DecodeSequence>& seqs) {
+        DecodeAttentionParams p;
+        p.seqs = seqs.data();
+        p.batch = static_cast<int>(seqs.size());
+        p.n_heads = n_heads;
+        p.n_cache_heads = kCacheHeads;
+        p.head_dim = cs.d;
+        p.kv_dtype = cs.dtype;
+        p.scale = 1.f / std::sqrt(static_cast<float>(cs.d));
+        return p;
+      };
+#if KVWIRE_HAS_CUDA
+      const int64_t before = kernels::cuda::CodedDecodeLaunches();
+#endif
+      ASSERT_TRUE((*reference)->DecodeAttention(params(ref_seqs)).ok());
+      const absl::Status st = device.DecodeAttention(params(dev_seqs));
+      ASSERT_TRUE(st.ok()) << st;
+#if KVWIRE_HAS_CUDA
+      if (kind == kernels::BackendKind::kCuda && !CudaAttentionIsNative()) {
+        EXPECT_GT(kernels::cuda::CodedDecodeLaunches(), before) << "coded_decode.cu did not run";
+      }
+#endif
+      for (size_t b = 0; b < std::size(batch); ++b) {
+        SCOPED_TRACE(absl::StrCat("sequence ", b, " (", KvFormatName(batch[b].format), ")"));
+        const size_t n = static_cast<size_t>(n_heads) * cs.d;
+        EXPECT_TRUE(kernels::AllClose(dev_arena.Download(dev_out[b], n),
+                                      ref_arena.Download(ref_out[b], n), kTolerance));
+      }
+    }
   }
 }
 
