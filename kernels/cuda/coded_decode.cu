@@ -20,9 +20,11 @@ constexpr int64_t kSplitBlocks = 8 * 132;
 
 std::atomic<int64_t> launches{0};
 
-bool Aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-bool AlignedStrides(const KvLayout& l) {
-  return l.page_stride % 16 == 0 && l.head_stride % 16 == 0;
+// Key rows are read in 16-byte loads; value rows in 4-byte (fp8) or 2-byte loads (int8 rows
+// are d + 2 bytes; int4's, two bytes of codes at a time).
+bool Aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+bool AlignedStrides(const KvLayout& l, int bytes) {
+  return l.page_stride % bytes == 0 && l.head_stride % bytes == 0;
 }
 
 }  // namespace
@@ -35,8 +37,9 @@ bool CodedDecodeServes(const DecodeAttentionParams& p) {
   for (int b = 0; b < p.batch; ++b) {
     const DecodeSequence& s = p.seqs[b];
     if (!s.coding.coded() || s.indices != nullptr || s.probs != nullptr || s.len <= 0) return false;
-    if (!Aligned(s.k) || !Aligned(s.v) || !AlignedStrides(s.layout) ||
-        !AlignedStrides(s.coding.v_layout)) {
+    const int v_align = s.coding.format == KvFormat::kFP8 ? 4 : 2;
+    if (!Aligned(s.k, 16) || !AlignedStrides(s.layout, 16) || !Aligned(s.v, v_align) ||
+        !AlignedStrides(s.coding.v_layout, v_align)) {
       return false;
     }
   }

@@ -74,7 +74,8 @@ __device__ __forceinline__ float KeyCode(uint32_t word, int j) {
 }
 
 // Channels [ch, ch + 4) of a value row, before its scale (int4: codes before step and min).
-// ch is a multiple of 4 and rows start on even bytes (CodedDecodeServes), so the loads align.
+// ch is a multiple of 4 and rows start on 4-byte (fp8) or 2-byte boundaries (CodedDecodeServes),
+// so the loads align.
 template <KvFormat F>
 __device__ __forceinline__ void ValueCodes(const uint8_t* row, int ch, float* x) {
   if constexpr (F == KvFormat::kInt4) {
@@ -96,12 +97,15 @@ __device__ __forceinline__ void ValueCodes(const uint8_t* row, int ch, float* x)
 }
 
 template <int G>
+struct Fold {
+  float q[G][kMaxDim];   // the cache head's query heads
+  float qb[G][kMaxDim];  // q ∘ b of the key group being read
+};
+
+template <int G>
 struct alignas(16) SharedState {
   union {
-    struct {
-      float q[G][kMaxDim];   // the cache head's query heads
-      float qb[G][kMaxDim];  // q ∘ b of the key group being read
-    } fold;
+    Fold<G> fold;
     // At the end: each row of threads' value sums, [row][G][d] (rows · d = 4 · kThreads).
     float acc[2 * G * kMaxDim];
   };

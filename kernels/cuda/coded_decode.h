@@ -19,7 +19,8 @@ namespace kvwire::kernels::cuda {
 
 // Whether this kernel serves `p` (host-side checks only; p.seqs is the host array): every
 // sequence coded, attending all its tokens, no probabilities; head_dim 64, 128 or 256; 1, 2, 4
-// or 8 query heads per cache head; code rows on 16-byte boundaries.
+// or 8 query heads per cache head; key code rows on 16-byte boundaries, value rows on 4 (fp8)
+// or 2.
 bool CodedDecodeServes(const DecodeAttentionParams& p);
 
 // Runs `p`; `seqs_device` is p.seqs on the device with its page tables uploaded.

@@ -523,7 +523,21 @@ class CudaBackend final : public KernelBackend {
   absl::Status DecodeAttention(const DecodeAttentionParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateDecodeAttention(p));
-    std::vector<DecodeSequence> seqs(p.seqs, p.seqs + p.batch);
+    // Each sequence to the kernel that serves it (a decode batch mixes requests that chose
+    // different KV formats, selections and probabilities): FlashInfer's, coded_decode.cu's, or
+    // the plain kernel for the rest. The sequences go up as one table, each kernel's a run of it.
+    const std::vector<DecodeRoute> routes = DecodeRoutes(p);
+    std::vector<DecodeSequence> host;
+    host.reserve(p.batch);
+    std::vector<int> runs = {0, 0, 0};  // FlashInfer's, coded, plain
+    for (int route = 0; route < 3; ++route) {
+      for (int b = 0; b < p.batch; ++b) {
+        if (static_cast<int>(routes[b]) != route) continue;
+        host.push_back(p.seqs[b]);
+        ++runs[route];
+      }
+    }
+    std::vector<DecodeSequence> seqs = host;
     std::vector<KvLayout*> layouts;
     std::vector<int> lens;
     for (DecodeSequence& s : seqs) AddPageTables(&s.layout, &s.coding, s.len, &layouts, &lens);
@@ -531,18 +545,66 @@ class CudaBackend final : public KernelBackend {
         cuda::UploadPageTables(layouts, lens, OpMemoryOf(*lane), cuda::kTableDecodePages));
     ASSIGN_OR_RETURN(void* table, TableOn(*lane, &lane->seqs_table, seqs.data(),
                                           sizeof(DecodeSequence) * p.batch));
+    int first = 0;
+    for (int route = 0; route < 3; ++route) {
+      if (runs[route] == 0) continue;
+      DecodeAttentionParams part = p;
+      part.seqs = host.data() + first;
+      part.batch = runs[route];
+      const DecodeSequence* device = static_cast<const DecodeSequence*>(table) + first;
+      first += runs[route];
+      switch (static_cast<DecodeRoute>(route)) {
+        case DecodeRoute::kFlashInfer:
 #if KVWIRE_HAVE_FLASHINFER
-    if (attention_kernel_ == AttentionKernel::kFlashInfer && cuda::FlashInferDecodeServes(p)) {
-      return cuda::LaunchFlashInferDecode(p, static_cast<const DecodeSequence*>(table),
-                                          OpMemoryOf(*lane), lane->compute);
+          RETURN_IF_ERROR(
+              cuda::LaunchFlashInferDecode(part, device, OpMemoryOf(*lane), lane->compute));
+#endif
+          break;
+        case DecodeRoute::kCoded:
+          RETURN_IF_ERROR(cuda::LaunchCodedDecode(part, device, OpMemoryOf(*lane), lane->compute));
+          break;
+        case DecodeRoute::kPlain:
+          RETURN_IF_ERROR(
+              cuda::LaunchDecodeAttention(part, device, OpMemoryOf(*lane), lane->compute));
+          break;
+      }
+    }
+    return absl::OkStatus();
+  }
+  enum class DecodeRoute { kFlashInfer = 0, kCoded = 1, kPlain = 2 };
+  // The kernel a sequence of `p` goes to, alone.
+  DecodeRoute DecodeRouteOf(const DecodeAttentionParams& p, const DecodeSequence& s) const {
+    DecodeAttentionParams one = p;
+    one.seqs = &s;
+    one.batch = 1;
+#if KVWIRE_HAVE_FLASHINFER
+    if (attention_kernel_ == AttentionKernel::kFlashInfer && cuda::FlashInferDecodeServes(one)) {
+      return DecodeRoute::kFlashInfer;
     }
 #endif
-    if (coded_decode_ && cuda::CodedDecodeServes(p)) {
-      return cuda::LaunchCodedDecode(p, static_cast<const DecodeSequence*>(table),
-                                     OpMemoryOf(*lane), lane->compute);
+    if (coded_decode_ && cuda::CodedDecodeServes(one)) return DecodeRoute::kCoded;
+    return DecodeRoute::kPlain;
+  }
+  // Each sequence's kernel. FlashInfer takes one K and one V base for its whole call: where
+  // the sequences it would serve do not share them, they go to the plain kernel.
+  std::vector<DecodeRoute> DecodeRoutes(const DecodeAttentionParams& p) const {
+    std::vector<DecodeRoute> routes(p.batch);
+    std::vector<DecodeSequence> library;
+    for (int b = 0; b < p.batch; ++b) {
+      routes[b] = DecodeRouteOf(p, p.seqs[b]);
+      if (routes[b] == DecodeRoute::kFlashInfer) library.push_back(p.seqs[b]);
     }
-    return cuda::LaunchDecodeAttention(p, static_cast<const DecodeSequence*>(table),
-                                       OpMemoryOf(*lane), lane->compute);
+#if KVWIRE_HAVE_FLASHINFER
+    DecodeAttentionParams together = p;
+    together.seqs = library.data();
+    together.batch = static_cast<int>(library.size());
+    if (!library.empty() && !cuda::FlashInferDecodeServes(together)) {
+      for (DecodeRoute& r : routes) {
+        if (r == DecodeRoute::kFlashInfer) r = DecodeRoute::kPlain;  // (never coded)
+      }
+    }
+#endif
+    return routes;
   }
   // Host work between ops (sparse selection on the host) on the host's cores, idle while
   // the GPU computes.

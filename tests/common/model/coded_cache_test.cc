@@ -23,6 +23,9 @@
 #if KVWIRE_HAS_CUDA
 #include "kernels/cuda/coded_decode.h"
 #endif
+#if KVWIRE_HAVE_FLASHINFER
+#include "kernels/cuda/flashinfer_decode.h"
+#endif
 
 namespace kvwire {
 namespace {
@@ -451,10 +454,11 @@ TEST_P(CodedCacheTest, DeviceKernelsReadAndCodeAsTheHost) {
   }
 }
 
-// A coded cache of `heads` heads keeping `kept` random tokens of `d` values in `dtype`, with room
-// for `appended` more: in host memory, or in the pages of `pool`. The same seed, the same codes.
-std::unique_ptr<KvCache> RandomCodedCache(KvFormat f, DType dtype, int d, int heads, int kept,
-                                          int appended, uint32_t seed, KvPool* pool) {
+// A cache of `heads` heads keeping `kept` random tokens of `d` values in `dtype`, coded in `f` (or
+// in the dtype: kAuto), with room for `appended` more: in host memory, or in the pages of `pool`.
+// The same seed, the same rows and codes.
+std::unique_ptr<KvCache> RandomCache(KvFormat f, DType dtype, int d, int heads, int kept,
+                                     int appended, uint32_t seed, KvPool* pool) {
   KvCacheShape shape;
   shape.n_heads = heads;
   shape.head_dim = d;
@@ -467,7 +471,7 @@ std::unique_ptr<KvCache> RandomCodedCache(KvFormat f, DType dtype, int d, int he
   EXPECT_TRUE(cache.ok()) << cache.status();
   if (!cache.ok()) return nullptr;
   LayerCache& lc = (*cache)->layer(0);
-  lc.coding.kept = kept;
+  if (KvCoded(f)) lc.coding.kept = kept;
   std::mt19937 rng(seed);
   const size_t row = d * DTypeSize(dtype);
   for (int h = 0; h < heads; ++h) {
@@ -475,22 +479,37 @@ std::unique_ptr<KvCache> RandomCodedCache(KvFormat f, DType dtype, int d, int he
     const std::vector<float> kf = RandomRows(kept, d, rng), vf = RandomRows(kept, d, rng, 0.5f);
     FromFloat(dtype, kf.data(), k.data(), kf.size());
     FromFloat(dtype, vf.data(), v.data(), vf.size());
+    for (int t = 0; t < kept; ++t) lc.positions[h * lc.capacity + t] = t;
+    if (!KvCoded(f)) {
+      EXPECT_TRUE((*cache)->WriteRows(0, h, 0, kept, k.data(), v.data()).ok());
+      continue;
+    }
     std::vector<uint8_t> kb(KvKeyBlockBytes(f, dtype, d, kept, 0, kept));
     std::vector<uint8_t> vb(KvValueBlockBytes(f, dtype, d, kept, 0, kept));
     EncodeKvKeys(f, dtype, d, kept, 0, kept, k.data(), kb.data());
     EncodeKvValues(f, dtype, d, kept, 0, kept, v.data(), vb.data());
     EXPECT_TRUE((*cache)->WriteCodedBlock(0, h, 0, kept, kb.data(), vb.data()).ok());
-    for (int t = 0; t < kept; ++t) lc.positions[h * lc.capacity + t] = t;
   }
   lc.len = kept;
   return std::move(*cache);
 }
 
+// FlashInfer's batch decode calls so far (0 in a build without it).
+#if KVWIRE_HAVE_FLASHINFER
+constexpr bool kFlashInferBuilt = true;
+int64_t FlashInferDecodeLaunchesHere() { return kernels::cuda::FlashInferDecodeLaunches(); }
+#else
+constexpr bool kFlashInferBuilt = false;
+int64_t FlashInferDecodeLaunchesHere() { return 0; }
+#endif
+
 // A batch mixing every coded format in one call, as a decode node whose requests chose different
 // formats steps them together: long caches (split over many chunks of key groups), appended
 // groups coded on the backend and a residual, the head dims and query-head groups the models
-// use. On cuda the dense call without probabilities goes through coded_decode.cu (checked);
-// on guarded it runs the CPU kernel. Both against the reference over the same codes.
+// use; beside them a cache in the dtype and a coded one attended through a sparse selection.
+// On cuda the call is split by kernel: the dense coded sequences through coded_decode.cu, the
+// cache in the dtype through FlashInfer where it serves it (bf16), the rest through the plain
+// kernel (each route checked); on guarded it runs the CPU kernels. All against the reference.
 TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
   std::vector<kernels::BackendKind> kinds = {kernels::BackendKind::kGuarded};
   if (kernels::CudaAvailable()) kinds.push_back(kernels::BackendKind::kCuda);
@@ -505,12 +524,13 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
   struct Seq {
     KvFormat format;
     int kept, appended;
+    bool sparse = false;  // 60 chosen tokens per cache head
   };
-  // 1500 kept: 11 groups of 128 and the recent 16; 150 appended: a group coded, 22 in the residual.
-  const Seq batch[] = {{KvFormat::kInt4, 1500, 150},
-                       {KvFormat::kFP8, 290, 0},
-                       {KvFormat::kInt8, 40, 3},
-                       {KvFormat::kInt4, 7, 0}};
+  // 1500 kept: 11 groups of 128, one of 76 and the recent 16; 150 appended: a group coded and 22
+  // in the residual.
+  const Seq batch[] = {{KvFormat::kInt4, 1500, 150},    {KvFormat::kFP8, 290, 0},
+                       {KvFormat::kAuto, 500, 5},       {KvFormat::kInt8, 40, 3},
+                       {KvFormat::kInt8, 300, 0, true}, {KvFormat::kInt4, 7, 0}};
   constexpr int kCacheHeads = 2;
   for (kernels::BackendKind kind : kinds) {
     for (const Case& cs : cases) {
@@ -529,10 +549,10 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
       std::vector<float*> dev_out, ref_out;
       for (size_t b = 0; b < std::size(batch); ++b) {
         const Seq& sq = batch[b];
-        on_ref.push_back(RandomCodedCache(sq.format, cs.dtype, cs.d, kCacheHeads, sq.kept,
-                                          sq.appended, 100 + b, nullptr));
-        on_dev.push_back(RandomCodedCache(sq.format, cs.dtype, cs.d, kCacheHeads, sq.kept,
-                                          sq.appended, 100 + b, pool->get()));
+        on_ref.push_back(RandomCache(sq.format, cs.dtype, cs.d, kCacheHeads, sq.kept, sq.appended,
+                                     100 + b, nullptr));
+        on_dev.push_back(RandomCache(sq.format, cs.dtype, cs.d, kCacheHeads, sq.kept, sq.appended,
+                                     100 + b, pool->get()));
         ASSERT_TRUE(on_ref.back() && on_dev.back());
         for (int step = 0; step < sq.appended; ++step) {
           const std::vector<float> k = RandomRows(kCacheHeads, cs.d, rng),
@@ -551,6 +571,12 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
           }
         }
         const std::vector<float> q = RandomRows(n_heads, cs.d, rng, 0.3f);
+        std::vector<int32_t> chosen;
+        if (sq.sparse) {
+          for (int i = 0; i < kCacheHeads * 60; ++i) {
+            chosen.push_back(static_cast<int32_t>(rng() % on_ref.back()->layer(0).len));
+          }
+        }
         for (auto [arena, cache, seqs, outs] :
              {std::tuple{&ref_arena, on_ref.back().get(), &ref_seqs, &ref_out},
               std::tuple{&dev_arena, on_dev.back().get(), &dev_seqs, &dev_out}}) {
@@ -563,6 +589,10 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
           s.layout = lc.layout;
           s.coding = lc.coding;
           s.len = lc.len;
+          if (sq.sparse) {
+            s.indices = arena->Upload(chosen);
+            s.num_indices = 60;
+          }
           seqs->push_back(s);
           outs->push_back(s.out);
         }
@@ -579,21 +609,31 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
         return p;
       };
 #if KVWIRE_HAS_CUDA
-      const int64_t before = kernels::cuda::CodedDecodeLaunches();
+      const int64_t coded_before = kernels::cuda::CodedDecodeLaunches();
 #endif
+      const int64_t library_before = FlashInferDecodeLaunchesHere();
       ASSERT_TRUE((*reference)->DecodeAttention(params(ref_seqs)).ok());
       const absl::Status st = device.DecodeAttention(params(dev_seqs));
       ASSERT_TRUE(st.ok()) << st;
+      const bool library = FlashInferDecodeLaunchesHere() > library_before;
+      const bool on_cuda = kind == kernels::BackendKind::kCuda && !CudaAttentionIsNative();
 #if KVWIRE_HAS_CUDA
-      if (kind == kernels::BackendKind::kCuda && !CudaAttentionIsNative()) {
-        EXPECT_GT(kernels::cuda::CodedDecodeLaunches(), before) << "coded_decode.cu did not run";
+      if (on_cuda) {
+        EXPECT_GT(kernels::cuda::CodedDecodeLaunches(), coded_before)
+            << "coded_decode.cu did not run";
       }
 #endif
+      // FlashInfer reads paged bf16 caches of head_dim 64 or 128.
+      EXPECT_EQ(library, on_cuda && kFlashInferBuilt && cs.dtype == DType::kBF16 && cs.d <= 128);
       for (size_t b = 0; b < std::size(batch); ++b) {
         SCOPED_TRACE(absl::StrCat("sequence ", b, " (", KvFormatName(batch[b].format), ")"));
         const size_t n = static_cast<size_t>(n_heads) * cs.d;
+        // FlashInfer's outputs are f16: half a unit in their 11th bit.
+        const kernels::Tolerance tolerance = library && batch[b].format == KvFormat::kAuto
+                                                 ? kernels::Tolerance{1e-3f, 1e-3f}
+                                                 : kTolerance;
         EXPECT_TRUE(kernels::AllClose(dev_arena.Download(dev_out[b], n),
-                                      ref_arena.Download(ref_out[b], n), kTolerance));
+                                      ref_arena.Download(ref_out[b], n), tolerance));
       }
     }
   }
