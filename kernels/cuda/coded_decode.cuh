@@ -327,8 +327,9 @@ __device__ void AttendCoded(SharedState<G>& sh, const DecodeSequence& seq, int b
       const float m = WarpSum(mins[g][cg]);
       if (lane == 0) sh.red_min[warp][g][cg] = m;
     }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) sh.acc[(my_row * G + g) * d + ch + k] = acc[g][k];
+    // One 16-byte store a thread (four 4-byte ones, a thread's 4 floats apart, would conflict).
+    *reinterpret_cast<float4*>(&sh.acc[(my_row * G + g) * d + ch]) =
+        make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
   }
   __syncthreads();
   const int64_t head0 = int64_t{b} * n_heads + int64_t{c} * G;  // item of query head c·G
