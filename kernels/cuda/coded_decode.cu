@@ -11,12 +11,7 @@ namespace kvwire::kernels::cuda {
 namespace {
 
 using coded_decode::CodedDecodeKernel;
-using coded_decode::CodedUnits;
 using coded_decode::kThreads;
-
-// Blocks a split aims at: eight per SM of an H100 (132 SMs), so that a batch of few sequences
-// still fills the GPU and a large one is not cut finer than it needs.
-constexpr int64_t kSplitBlocks = 8 * 132;
 
 std::atomic<int64_t> launches{0};
 
@@ -54,17 +49,8 @@ absl::Status LaunchCodedDecode(const DecodeAttentionParams& p, const DecodeSeque
   }
   const int64_t items = int64_t{p.batch} * p.n_cache_heads;
   if (items > INT_MAX) return absl::InvalidArgumentError("coded decode: too many sequences");
-  int most = 1;
-  for (int b = 0; b < p.batch; ++b) {
-    int coded = 0, resid_begin = 0;
-    most = std::max(most, CodedUnits(p.seqs[b].coding, p.seqs[b].len, &coded, &resid_begin));
-  }
-  // Chunks of whole units: enough blocks to fill the GPU, no more than the units, and within
-  // the grid's 65535 in y.
-  int64_t want = std::max<int64_t>(1, (kSplitBlocks + items - 1) / items);
-  want = std::min<int64_t>({want, most, 65535});
-  const int per = static_cast<int>((most + want - 1) / want);
-  const int chunks = (most + per - 1) / per;
+  const coded_decode::Split split = coded_decode::SplitFor(p);
+  const int per = split.per, chunks = split.chunks;
   float *part_m = nullptr, *part_l = nullptr, *part_acc = nullptr;
   if (chunks > 1) {
     const int64_t n = int64_t{p.batch} * p.n_heads * chunks;

@@ -21,6 +21,7 @@
  * DeviceEngine.CodedCachesEqualTheCpuEngine on cuda. */
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/base/kv_format.h"
@@ -44,6 +45,29 @@ __host__ __device__ inline int CodedUnits(const KvCoding& coding, int len, int* 
   *resid_begin = coding.ResidBegin(len);
   *coded = *resid_begin > 0 ? KvGroups{coding.kept}.Of(*resid_begin - 1) + 1 : 0;
   return *coded + (len > *resid_begin ? 1 : 0);
+}
+
+// How a call is cut: `per` units of each cache head to a block, `chunks` blocks in y. Enough
+// blocks to fill the GPU (eight per SM of an H100's 132), so that a batch of few sequences
+// still does and a large one is not cut finer than it needs; no more chunks than units, and
+// within the grid's 65535 in y.
+struct Split {
+  int per = 1, chunks = 1;
+};
+inline constexpr int64_t kSplitBlocks = 8 * 132;
+__host__ inline Split SplitFor(const DecodeAttentionParams& p) {
+  const int64_t items = int64_t{p.batch} * p.n_cache_heads;
+  int most = 1;
+  for (int b = 0; b < p.batch; ++b) {
+    int coded = 0, resid_begin = 0;
+    most = std::max(most, CodedUnits(p.seqs[b].coding, p.seqs[b].len, &coded, &resid_begin));
+  }
+  int64_t want = std::max<int64_t>(1, (kSplitBlocks + items - 1) / items);
+  want = std::min<int64_t>({want, most, 65535});
+  Split split;
+  split.per = static_cast<int>((most + want - 1) / want);
+  split.chunks = (most + split.per - 1) / split.per;
+  return split;
 }
 
 // An unsigned integer below 2^23 as a float, exactly: its bits under 2^23's exponent, less 2^23.

@@ -1,0 +1,70 @@
+// Stands in for kernels/cuda/cuda_util.cuh where a kernel's .cuh is compiled as host code to run
+// on emulated blocks (emulated_block.h): the include path puts this folder first. CUDA's
+// qualifiers and the intrinsics the emulated kernels use, on the host.
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/base/dtype.h"
+#include "emulated_block.h"
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__ static  // blocks run one at a time: a function's static is its block's
+#define threadIdx (::kvwire::emulated::ThreadIdx())
+#define blockIdx (::kvwire::emulated::BlockIdx())
+#define __syncthreads() (::kvwire::emulated::SyncThreads())
+
+using dim3 = kvwire::emulated::Dim3;
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+struct __half {
+  uint16_t bits;
+};
+
+inline float __shfl_xor_sync(unsigned, float v, int offset) {
+  return kvwire::emulated::ShuffleXor(v, offset);
+}
+inline float __uint_as_float(uint32_t u) { return std::bit_cast<float>(u); }
+inline uint32_t __float_as_uint(float f) { return std::bit_cast<uint32_t>(f); }
+inline float __expf(float x) { return std::exp(x); }
+template <typename A, typename B>
+inline auto min(A a, B b) {
+  static_assert(std::is_same_v<A, B>);
+  return a < b ? a : b;
+}
+
+namespace kvwire::kernels::cuda {
+template <typename T>
+inline float ToF32(T v);
+template <>
+inline float ToF32<float>(float v) {
+  return v;
+}
+template <>
+inline float ToF32<__nv_bfloat16>(__nv_bfloat16 v) {
+  return Bf16ToFloat(v.bits);
+}
+template <>
+inline float ToF32<__half>(__half v) {
+  return F16ToFloat(v.bits);
+}
+inline float WarpSum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+}  // namespace kvwire::kernels::cuda
