@@ -19,6 +19,7 @@
 #include "common/model/kv_pool.h"
 #include "kernels/backend.h"
 #include "kernels/coded_rows.h"
+#include "tests/common/model/random_cache.h"
 #include "tests/kernels/ops_test_util.h"
 #if KVWIRE_HAS_CUDA
 #include "kernels/cuda/coded_decode.h"
@@ -44,15 +45,6 @@ constexpr kernels::Tolerance kTolerance{1e-5f, 1e-3f};
 bool CudaAttentionIsNative() {
   const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
   return env != nullptr && std::string(env) == "native";
-}
-
-std::vector<float> RandomRows(int n, int d, std::mt19937& rng, float scale = 1.f) {
-  std::normal_distribution<float> dist(0.f, scale);
-  std::vector<float> x(static_cast<size_t>(n) * d);
-  for (size_t i = 0; i < x.size(); ++i) {
-    x[i] = dist(rng) + (i % d == 3 ? 8.f : 0.f);  // one large channel, as RoPE'd keys have
-  }
-  return x;
 }
 
 // The float32 rows a block of `rows` (in `dtype`) decodes to.
@@ -452,46 +444,6 @@ TEST_P(CodedCacheTest, DeviceKernelsReadAndCodeAsTheHost) {
     }
     EXPECT_EQ(CodedBytes(device, on_dev->layer(0)), CodedBytes(**reference, on_ref->layer(0)));
   }
-}
-
-// A cache of `heads` heads keeping `kept` random tokens of `d` values in `dtype`, coded in `f` (or
-// in the dtype: kAuto), with room for `appended` more: in host memory, or in the pages of `pool`.
-// The same seed, the same rows and codes.
-std::unique_ptr<KvCache> RandomCache(KvFormat f, DType dtype, int d, int heads, int kept,
-                                     int appended, uint32_t seed, KvPool* pool) {
-  KvCacheShape shape;
-  shape.n_heads = heads;
-  shape.head_dim = d;
-  shape.dtype = dtype;
-  shape.capacity = {kept + appended};
-  shape.format = f;
-  shape.appended = appended;
-  auto cache =
-      pool ? KvCache::CreatePaged(shape, *pool) : KvCache::Create(shape, HeapKvAllocator());
-  EXPECT_TRUE(cache.ok()) << cache.status();
-  if (!cache.ok()) return nullptr;
-  LayerCache& lc = (*cache)->layer(0);
-  if (KvCoded(f)) lc.coding.kept = kept;
-  std::mt19937 rng(seed);
-  const size_t row = d * DTypeSize(dtype);
-  for (int h = 0; h < heads; ++h) {
-    std::vector<uint8_t> k(kept * row), v(kept * row);
-    const std::vector<float> kf = RandomRows(kept, d, rng), vf = RandomRows(kept, d, rng, 0.5f);
-    FromFloat(dtype, kf.data(), k.data(), kf.size());
-    FromFloat(dtype, vf.data(), v.data(), vf.size());
-    for (int t = 0; t < kept; ++t) lc.positions[h * lc.capacity + t] = t;
-    if (!KvCoded(f)) {
-      EXPECT_TRUE((*cache)->WriteRows(0, h, 0, kept, k.data(), v.data()).ok());
-      continue;
-    }
-    std::vector<uint8_t> kb(KvKeyBlockBytes(f, dtype, d, kept, 0, kept));
-    std::vector<uint8_t> vb(KvValueBlockBytes(f, dtype, d, kept, 0, kept));
-    EncodeKvKeys(f, dtype, d, kept, 0, kept, k.data(), kb.data());
-    EncodeKvValues(f, dtype, d, kept, 0, kept, v.data(), vb.data());
-    EXPECT_TRUE((*cache)->WriteCodedBlock(0, h, 0, kept, kb.data(), vb.data()).ok());
-  }
-  lc.len = kept;
-  return std::move(*cache);
 }
 
 // FlashInfer's batch decode calls so far (0 in a build without it).

@@ -20,6 +20,7 @@
 #include "emulated_block.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/coded_decode.cuh"  // over the stand-in cuda_util.cuh
+#include "tests/common/model/random_cache.h"
 #include "tests/kernels/ops_test_util.h"
 
 namespace kvwire {
@@ -28,52 +29,6 @@ namespace {
 namespace cd = kernels::cuda::coded_decode;
 using kernels::DecodeAttentionParams;
 using kernels::DecodeSequence;
-
-// Rows of one large channel (as RoPE'd keys have) whose size doubles and halves every 97 tokens,
-// so that key groups' parameters and fp8 value groups' scales differ from group to group.
-std::vector<float> RandomRows(int n, int d, std::mt19937& rng, float scale = 1.f) {
-  std::normal_distribution<float> dist(0.f, scale);
-  std::vector<float> x(static_cast<size_t>(n) * d);
-  for (size_t i = 0; i < x.size(); ++i) {
-    const float size = i / d / 97 % 2 == 0 ? 1.f : 2.f;
-    x[i] = (dist(rng) + (i % d == 3 ? 8.f : 0.f)) * size;
-  }
-  return x;
-}
-
-// A coded cache of `heads` heads keeping `kept` random tokens, room for `appended` more: in
-// host memory, or in the pages of `pool`.
-std::unique_ptr<KvCache> RandomCodedCache(KvFormat f, DType dtype, int d, int heads, int kept,
-                                          int appended, std::mt19937& rng, KvPool* pool) {
-  KvCacheShape shape;
-  shape.n_heads = heads;
-  shape.head_dim = d;
-  shape.dtype = dtype;
-  shape.capacity = {kept + appended};
-  shape.format = f;
-  shape.appended = appended;
-  auto cache =
-      pool ? KvCache::CreatePaged(shape, *pool) : KvCache::Create(shape, HeapKvAllocator());
-  EXPECT_TRUE(cache.ok()) << cache.status();
-  if (!cache.ok()) return nullptr;
-  LayerCache& lc = (*cache)->layer(0);
-  lc.coding.kept = kept;
-  const size_t row = d * DTypeSize(dtype);
-  for (int h = 0; h < heads; ++h) {
-    std::vector<uint8_t> k(kept * row), v(kept * row);
-    const std::vector<float> kf = RandomRows(kept, d, rng), vf = RandomRows(kept, d, rng, 0.5f);
-    FromFloat(dtype, kf.data(), k.data(), kf.size());
-    FromFloat(dtype, vf.data(), v.data(), vf.size());
-    std::vector<uint8_t> kb(KvKeyBlockBytes(f, dtype, d, kept, 0, kept));
-    std::vector<uint8_t> vb(KvValueBlockBytes(f, dtype, d, kept, 0, kept));
-    EncodeKvKeys(f, dtype, d, kept, 0, kept, k.data(), kb.data());
-    EncodeKvValues(f, dtype, d, kept, 0, kept, v.data(), vb.data());
-    EXPECT_TRUE((*cache)->WriteCodedBlock(0, h, 0, kept, kb.data(), vb.data()).ok());
-    for (int t = 0; t < kept; ++t) lc.positions[h * lc.capacity + t] = t;
-  }
-  lc.len = kept;
-  return std::move(*cache);
-}
 
 template <typename T, int G>
 bool RunGrid(const DecodeAttentionParams& p, cd::Split split, emulated::Order order, float* part_m,
@@ -203,8 +158,8 @@ TEST(CodedDecodeEmulated, EqualsTheReference) {
     std::vector<std::vector<float>> qs;
     std::vector<DecodeSequence> seqs;
     for (const Seq& sq : cs.batch) {
-      caches.push_back(RandomCodedCache(sq.format, cs.dtype, cs.d, kCacheHeads, sq.kept,
-                                        sq.appended, rng, pool.get()));
+      caches.push_back(RandomCache(sq.format, cs.dtype, cs.d, kCacheHeads, sq.kept, sq.appended,
+                                   rng(), pool.get(), /*size_every=*/97));
       ASSERT_NE(caches.back(), nullptr);
       LayerCache& lc = caches.back()->layer(0);
       for (int step = 0; step < sq.appended; ++step) {  // coded a group at a time
