@@ -1,6 +1,5 @@
-/* Dense decode attention over coded caches: which calls the kernel (coded_decode.cuh) serves,
- * how a call is split into blocks, and its launch. */
-#include <algorithm>
+/* Dense decode attention over coded caches: which calls the kernel (coded_decode.cuh, with the
+ * split of a call into blocks) serves, and its launch. */
 #include <atomic>
 #include <climits>
 

@@ -17,6 +17,7 @@
 #include "common/base/status.h"
 #include "kernels/backend.h"
 #include "kernels/reference.h"
+#include "tests/kernels/cuda_kernels_util.h"
 #include "tests/kernels/ops_test_util.h"
 #include "tests/test_util.h"
 #if KVWIRE_HAVE_FLASHINFER
@@ -63,16 +64,6 @@ PagedRows ToPages(const std::vector<float>& region, int heads, int capacity, int
   return p;
 }
 
-// Calls that went through FlashInfer's batch decode so far (0 in a build without it), and
-// whether the CUDA backend sends the calls it serves there (not where
-// $KVWIRE_CUDA_ATTENTION=native keeps them on kvwire's kernel).
-int64_t FlashInferDecodeLaunchesHere() {
-#if KVWIRE_HAVE_FLASHINFER
-  return cuda::FlashInferDecodeLaunches();
-#else
-  return 0;
-#endif
-}
 int64_t FlashInferPrefillLaunchesHere() {
 #if KVWIRE_HAVE_FLASHINFER
   return cuda::FlashInferPrefillLaunches();
@@ -103,18 +94,8 @@ int64_t FlashInferFa3LaunchesHere() {
   return 0;
 #endif
 }
-bool FlashInferNormBuilt() {
-#if KVWIRE_HAVE_FLASHINFER
-  return true;
-#else
-  return false;
-#endif
-}
-// $KVWIRE_CUDA_ATTENTION, or "" where it is unset.
-std::string CudaAttentionChoice() {
-  const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
-  return env == nullptr ? "" : env;
-}
+// Whether the CUDA backend sends the decode calls FlashInfer serves there (not where
+// $KVWIRE_CUDA_ATTENTION=native keeps them on kvwire's kernel).
 bool CudaDecodesThroughFlashInfer() {
 #if KVWIRE_HAVE_FLASHINFER
   return CudaAttentionChoice() != "native";
@@ -333,7 +314,7 @@ TEST_P(BackendOpsTest, RmsNormWithResidual) {
         EXPECT_TRUE(AllClose(got, want, {1e-5f, 1e-4f}));
         EXPECT_TRUE(AllClose(got_res, want_res, {0.f, 0.f}));  // one f32 add each: exact
         if (GetParam() == BackendKind::kCuda) {
-          EXPECT_EQ(library, FlashInferNormBuilt() && in_place && dim % 4 == 0);
+          EXPECT_EQ(library, FlashInferBuilt() && in_place && dim % 4 == 0);
         }
       }
     }

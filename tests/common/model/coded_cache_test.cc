@@ -20,12 +20,10 @@
 #include "kernels/backend.h"
 #include "kernels/coded_rows.h"
 #include "tests/common/model/random_cache.h"
+#include "tests/kernels/cuda_kernels_util.h"
 #include "tests/kernels/ops_test_util.h"
 #if KVWIRE_HAS_CUDA
 #include "kernels/cuda/coded_decode.h"
-#endif
-#if KVWIRE_HAVE_FLASHINFER
-#include "kernels/cuda/flashinfer_decode.h"
 #endif
 
 namespace kvwire {
@@ -40,12 +38,6 @@ using kernels::KvAppend;
 constexpr int kHeads = 2, kGroup = 2, kKept = 300, kAppended = 378;
 // The CPU kernel sums q·a + (q∘b)·codes where the reference sums q·(a + b·codes).
 constexpr kernels::Tolerance kTolerance{1e-5f, 1e-3f};
-
-// $KVWIRE_CUDA_ATTENTION=native keeps every decode on kvwire's plain kernel.
-bool CudaAttentionIsNative() {
-  const char* env = std::getenv("KVWIRE_CUDA_ATTENTION");
-  return env != nullptr && std::string(env) == "native";
-}
 
 // The float32 rows a block of `rows` (in `dtype`) decodes to.
 std::vector<float> Decoded(KvFormat f, DType dtype, int d, const std::vector<uint8_t>& rows,
@@ -446,15 +438,6 @@ TEST_P(CodedCacheTest, DeviceKernelsReadAndCodeAsTheHost) {
   }
 }
 
-// FlashInfer's batch decode calls so far (0 in a build without it).
-#if KVWIRE_HAVE_FLASHINFER
-constexpr bool kFlashInferBuilt = true;
-int64_t FlashInferDecodeLaunchesHere() { return kernels::cuda::FlashInferDecodeLaunches(); }
-#else
-constexpr bool kFlashInferBuilt = false;
-int64_t FlashInferDecodeLaunchesHere() { return 0; }
-#endif
-
 // A batch mixing every coded format in one call, as a decode node whose requests chose different
 // formats steps them together: long caches (split over many chunks of key groups), appended
 // groups coded on the backend and a residual, the head dims and query-head groups the models
@@ -563,12 +546,13 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
 #if KVWIRE_HAS_CUDA
       const int64_t coded_before = kernels::cuda::CodedDecodeLaunches();
 #endif
-      const int64_t library_before = FlashInferDecodeLaunchesHere();
+      const int64_t library_before = kernels::FlashInferDecodeLaunchesHere();
       ASSERT_TRUE((*reference)->DecodeAttention(params(ref_seqs)).ok());
       const absl::Status st = device.DecodeAttention(params(dev_seqs));
       ASSERT_TRUE(st.ok()) << st;
-      const bool library = FlashInferDecodeLaunchesHere() > library_before;
-      const bool on_cuda = kind == kernels::BackendKind::kCuda && !CudaAttentionIsNative();
+      const bool library = kernels::FlashInferDecodeLaunchesHere() > library_before;
+      const bool on_cuda =
+          kind == kernels::BackendKind::kCuda && kernels::CudaAttentionChoice() != "native";
 #if KVWIRE_HAS_CUDA
       if (on_cuda) {
         EXPECT_GT(kernels::cuda::CodedDecodeLaunches(), coded_before)
@@ -576,7 +560,8 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
       }
 #endif
       // FlashInfer reads paged bf16 caches of head_dim 64 or 128.
-      EXPECT_EQ(library, on_cuda && kFlashInferBuilt && cs.dtype == DType::kBF16 && cs.d <= 128);
+      EXPECT_EQ(library,
+                on_cuda && kernels::FlashInferBuilt() && cs.dtype == DType::kBF16 && cs.d <= 128);
       for (size_t b = 0; b < std::size(batch); ++b) {
         SCOPED_TRACE(absl::StrCat("sequence ", b, " (", KvFormatName(batch[b].format), ")"));
         const size_t n = static_cast<size_t>(n_heads) * cs.d;
