@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/base/dtype.h"
 #include "common/base/status.h"
+#include "kernels/cuda/dispatch.cuh"  // after CUDA's element types (cuda_bf16.h, cuda_fp16.h)
 
 namespace kvwire::kernels::cuda {
 
@@ -100,32 +101,6 @@ __device__ __forceinline__ __half FromF32<__half>(float v) {
 __device__ __forceinline__ float WarpSum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
-}
-
-// Calls f.template operator()<T>() with the CUDA element type of `dtype`.
-template <typename F>
-absl::Status DispatchDType(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kF32:
-      return f.template operator()<float>();
-    case DType::kBF16:
-      return f.template operator()<__nv_bfloat16>();
-    case DType::kF16:
-      return f.template operator()<__half>();
-  }
-  return absl::InvalidArgumentError("unsupported dtype");
-}
-
-// Maps head_dim to the number of dims each lane of a warp owns (a compile-time constant),
-// FlashInfer style: the default case says what is unsupported.
-template <typename F>
-absl::Status DispatchHeadDim(int head_dim, F&& f) {
-  if (head_dim <= 32) return f.template operator()<1>();
-  if (head_dim <= 64) return f.template operator()<2>();
-  if (head_dim <= 128) return f.template operator()<4>();
-  if (head_dim <= 256) return f.template operator()<8>();
-  return absl::InvalidArgumentError(
-      absl::StrCat("CUDA attention supports head_dim up to 256, got ", head_dim));
 }
 
 }  // namespace kvwire::kernels::cuda

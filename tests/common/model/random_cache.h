@@ -1,5 +1,5 @@
-// Random rows and coded caches for the tests of coded caches and their kernels
-// (coded_cache_test.cc, tests/kernels/emulated).
+// Random rows and caches for the tests of coded caches and the decode kernels
+// (coded_cache_test.cc, tests/kernels/emulated), and a cache's bytes to compare two by.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,6 +11,8 @@
 #include "common/base/kv_format.h"
 #include "common/model/kv_cache.h"
 #include "common/model/kv_pool.h"
+#include "kernels/backend.h"
+#include "kernels/coded_rows.h"
 
 namespace kvwire {
 
@@ -68,6 +70,62 @@ inline std::unique_ptr<KvCache> RandomCache(KvFormat f, DType dtype, int d, int 
   }
   lc.len = kept;
   return std::move(*cache);
+}
+
+// Everything layer 0 of a cache holds for its len tokens, read through `backend`: each head's
+// rows (in the dtype), or its code rows of keys and values, its groups' parameters and (fp8)
+// scales, and its residual's rows (coded).
+inline std::vector<uint8_t> LayerBytes(kernels::KernelBackend& backend, const LayerCache& lc) {
+  std::vector<uint8_t> out;
+  auto read = [&](const void* p, size_t n) {
+    const size_t at = out.size();
+    out.resize(at + n);
+    EXPECT_TRUE(backend.CopyToHost(out.data() + at, p, n).ok());
+  };
+  const kernels::KvCoding& c = lc.coding;
+  const int d = lc.head_dim;
+  const size_t row = lc.row_bytes();
+  if (!c.coded()) {
+    for (int h = 0; h < lc.n_heads; ++h) {
+      for (int t = 0; t < lc.len; ++t) {
+        const int64_t at = lc.layout.Row(h, t, d) * static_cast<int64_t>(DTypeSize(lc.dtype));
+        read(lc.k + at, row);
+        read(lc.v + at, row);
+      }
+    }
+    return out;
+  }
+  const int coded = c.ResidBegin(lc.len);
+  const int kc = CodedKeyRowBytes(c.format, d), vc = CodedValueRowBytes(c.format, d);
+  const int groups = coded > 0 ? KvGroups{c.kept}.Of(coded - 1) + 1 : 0;
+  for (int h = 0; h < lc.n_heads; ++h) {
+    for (int t = 0; t < coded; ++t) {
+      read(lc.k + lc.layout.Row(h, t, kc), kc);
+      read(lc.v + c.v_layout.Row(h, t, vc), vc);
+    }
+    read(c.k_params + kernels::KeyParamsAt(c, d, h, 0), groups * KvKeyGroupBytes(c.format, d));
+    if (c.format == KvFormat::kFP8) read(c.v_scales + int64_t{h} * c.max_groups, groups);
+    read(static_cast<uint8_t*>(c.k_resid) + kernels::ResidAt(c, lc.dtype, d, h, 0),
+         (lc.len - coded) * row);
+    read(static_cast<uint8_t*>(c.v_resid) + kernels::ResidAt(c, lc.dtype, d, h, 0),
+         (lc.len - coded) * row);
+  }
+  return out;
+}
+
+// Whether two caches' bytes (LayerBytes) are the same; if not, where they first differ.
+inline ::testing::AssertionResult SameBytes(const std::vector<uint8_t>& got,
+                                            const std::vector<uint8_t>& want) {
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure() << got.size() << " bytes, expected " << want.size();
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i]) {
+      return ::testing::AssertionFailure() << "byte " << i << " of " << got.size() << " is "
+                                           << int{got[i]} << ", expected " << int{want[i]};
+    }
+  }
+  return ::testing::AssertionSuccess();
 }
 
 }  // namespace kvwire

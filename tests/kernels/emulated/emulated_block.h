@@ -51,6 +51,7 @@ inline Block* current_block = nullptr;
 
 inline Dim3 ThreadIdx() { return Dim3{static_cast<unsigned>(current_block->current), 0, 0}; }
 inline Dim3 BlockIdx() { return current_block->index; }
+inline Dim3 BlockDim() { return Dim3{static_cast<unsigned>(current_block->threads.size()), 1, 1}; }
 
 inline void Yield() {
   Block& b = *current_block;
@@ -88,6 +89,9 @@ inline void SyncWarp(int warp) {
   while (b.warp_generation[warp] == generation) Yield();
   b.threads[b.current].waiting = 0;
 }
+
+// __syncwarp() of the running thread's warp.
+inline void SyncOwnWarp() { SyncWarp(current_block->current / 32); }
 
 inline float ShuffleXor(float v, int offset) {
   Block& b = *current_block;
@@ -185,6 +189,19 @@ inline bool RunBlock(int threads, Dim3 index, Order order, uint32_t seed,
   }
   current_block = nullptr;
   return ok;
+}
+
+// Runs body() as every block of `grid` (x fastest), `threads` threads each, all under `order`
+// (a seed of their own each); false on a deadlock.
+inline bool RunGrid(Dim3 grid, int threads, Order order, const std::function<void()>& body) {
+  for (unsigned z = 0; z < std::max(grid.z, 1u); ++z) {
+    for (unsigned y = 0; y < std::max(grid.y, 1u); ++y) {
+      for (unsigned x = 0; x < grid.x; ++x) {
+        if (!RunBlock(threads, {x, y, z}, order, x * 131 + y * 7 + z, body)) return false;
+      }
+    }
+  }
+  return true;
 }
 
 }  // namespace kvwire::emulated

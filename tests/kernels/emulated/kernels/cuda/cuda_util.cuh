@@ -19,7 +19,9 @@
 #define __shared__ static  // blocks run one at a time: a function's static is its block's
 #define threadIdx (::kvwire::emulated::ThreadIdx())
 #define blockIdx (::kvwire::emulated::BlockIdx())
+#define blockDim (::kvwire::emulated::BlockDim())
 #define __syncthreads() (::kvwire::emulated::SyncThreads())
+#define __syncwarp() (::kvwire::emulated::SyncOwnWarp())
 
 using dim3 = kvwire::emulated::Dim3;
 struct alignas(16) uint4 {
@@ -63,8 +65,24 @@ template <>
 inline float ToF32<__half>(__half v) {
   return F16ToFloat(v.bits);
 }
+template <typename T>
+inline T FromF32(float v);
+template <>
+inline float FromF32<float>(float v) {
+  return v;
+}
+template <>
+inline __nv_bfloat16 FromF32<__nv_bfloat16>(float v) {
+  return {FloatToBf16(v)};
+}
+template <>
+inline __half FromF32<__half>(float v) {
+  return {FloatToF16(v)};
+}
 inline float WarpSum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 }  // namespace kvwire::kernels::cuda
+
+#include "kernels/cuda/dispatch.cuh"  // the real one, after the element types above
