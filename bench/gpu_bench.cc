@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -170,6 +171,34 @@ int main(int argc, char** argv) {
       "ceilings: device-to-device copy %.0f GB/s (read + written); bf16 GEMM 8192^3 "
       "%.0f TFLOP/s\n\n",
       *copy / 1e9, *gemm / 1e12);
+
+  // A decode step's projections alone, at this model's shapes in bf16: kvwire's GEMV (what
+  // MatMul runs for up to 16 rows) beside cuBLAS, as bytes of W read per second against the
+  // copy. Which is faster at each batch is what sets MatMul's switch between them.
+  std::printf("decode projections (bf16 W), GB/s of W read (of copy): kvwire GEMV | cuBLAS\n");
+  const std::pair<const char*, std::pair<int, int>> projections[] = {
+      {"q|k|v", {(c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size}},
+      {"o", {c.hidden_size, c.num_heads * c.head_dim}},
+      {"gate|up", {2 * c.intermediate_size, c.hidden_size}},
+      {"down", {c.hidden_size, c.intermediate_size}},
+      {"lm head", {c.vocab_size, c.hidden_size}}};
+  std::printf("%-8s %7s %8s", "W", "n", "k");
+  for (int bsz : *batches) {
+    if (bsz <= 16) std::printf("   batch %-2d GEMV | cuBLAS   ", bsz);
+  }
+  std::printf("\n");
+  for (const auto& [what, shape] : projections) {
+    std::printf("%-8s %7d %8d", what, shape.first, shape.second);
+    for (int bsz : *batches) {
+      if (bsz > 16) continue;
+      const auto r = kernels::CudaDecodeMatMulRates(bsz, shape.first, shape.second);
+      if (!r.ok()) return Fail(r.status());
+      std::printf("   %5.0f (%.2f) | %5.0f (%.2f)", r->gemv / 1e9, r->gemv / *copy, r->cublas / 1e9,
+                  r->cublas / *copy);
+    }
+    std::printf("\n");
+  }
+  std::printf("\n");
 
   std::printf("decode, %d-token caches, %d steps, median of %d runs\n", ctx, steps, runs);
   std::printf("%6s %7s %10s %10s %12s %14s %10s\n", "batch", "graphs", "ms/step", "tokens/s",

@@ -21,5 +21,12 @@ bool CudaDevicePresent();
 absl::StatusOr<std::string> CudaDeviceName();
 absl::StatusOr<double> CudaCopyBandwidth(size_t bytes);
 absl::StatusOr<double> CudaBf16GemmFlops(int m, int n, int k);
+// MatMul of m ≤ 16 rows of x against bf16 W [n, k], as a decode step's projections: bytes of W
+// read per second through kvwire's GEMV and through cuBLAS (x rounded to bf16, then
+// cublasGemmEx), each the median of timed calls, side by side.
+struct DecodeMatMulRates {
+  double gemv = 0, cublas = 0;
+};
+absl::StatusOr<DecodeMatMulRates> CudaDecodeMatMulRates(int m, int n, int k);
 
 }  // namespace kvwire::kernels

@@ -14,5 +14,8 @@ bool CudaDevicePresent() { return false; }
 absl::StatusOr<std::string> CudaDeviceName() { return MakeCudaBackend().status(); }
 absl::StatusOr<double> CudaCopyBandwidth(size_t) { return MakeCudaBackend().status(); }
 absl::StatusOr<double> CudaBf16GemmFlops(int, int, int) { return MakeCudaBackend().status(); }
+absl::StatusOr<DecodeMatMulRates> CudaDecodeMatMulRates(int, int, int) {
+  return MakeCudaBackend().status();
+}
 
 }  // namespace kvwire::kernels

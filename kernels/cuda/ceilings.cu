@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_util.cuh"
+#include "kernels/cuda/launchers.h"
 #include "kernels/cuda_backend.h"
 
 namespace kvwire::kernels {
@@ -113,6 +114,43 @@ absl::StatusOr<double> CudaBf16GemmFlops(int m, int n, int k) {
     return CublasStatus(st, "cublasGemmEx");
   }));
   return 2.0 * m * n * k / (ms * 1e-3);
+}
+
+absl::StatusOr<DecodeMatMulRates> CudaDecodeMatMulRates(int m, int n, int k) {
+  if (m < 1 || m > 16 || n < 1 || k < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "decode MatMul rates need 1 <= m <= 16 and n, k >= 1, got m=", m, " n=", n, " k=", k));
+  }
+  Scope s;
+  RETURN_IF_ERROR(s.Events());
+  if (cublasCreate(&s.cublas) != CUBLAS_STATUS_SUCCESS) {
+    return absl::InternalError("cublasCreate failed");
+  }
+  ASSIGN_OR_RETURN(void* w, s.Alloc(size_t{2} * n * k));
+  ASSIGN_OR_RETURN(void* xb, s.Alloc(size_t{2} * m * k));
+  ASSIGN_OR_RETURN(void* x, s.Alloc(size_t{4} * m * k));
+  ASSIGN_OR_RETURN(void* y, s.Alloc(size_t{4} * m * n));
+  FillRandomBf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(w), int64_t{n} * k, 3);
+  RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "FillRandomBf16"));
+  MatMulParams p;
+  p.x = static_cast<const float*>(x);
+  p.w = w;
+  p.w_dtype = DType::kBF16;
+  p.y = static_cast<float*>(y);
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  // x's values do not change the time; zeros will do. xb is cuBLAS's x rounded to bf16.
+  RETURN_IF_ERROR(CudaStatus(cudaMemset(x, 0, size_t{4} * m * k), "cudaMemset"));
+  DecodeMatMulRates rates;
+  for (const auto kernel : {cuda::MatMulKernel::kGemv, cuda::MatMulKernel::kCublas}) {
+    ASSIGN_OR_RETURN(const double ms, s.MedianMs(3, 20, [&] {
+      return cuda::LaunchMatMul(p, s.cublas, xb, /*stream=*/nullptr, kernel);
+    }));
+    const double rate = 2.0 * n * k / (ms * 1e-3);
+    (kernel == cuda::MatMulKernel::kGemv ? rates.gemv : rates.cublas) = rate;
+  }
+  return rates;
 }
 
 }  // namespace kvwire::kernels

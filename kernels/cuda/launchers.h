@@ -20,9 +20,12 @@ absl::Status LaunchRope(const RopeParams& p, cudaStream_t stream);
 absl::Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream);
 // `scratch` is a device buffer of at least MatMulScratchBytes(p) bytes; `cublas` is bound to
 // `stream` already (cublasSetStream would put back the workspace a graph's capture needs).
-size_t MatMulScratchBytes(const MatMulParams& p);
+// MatMulKernel::kAuto: kvwire's GEMV for decode-sized m, cuBLAS otherwise; the others force
+// one (the GEMV for m ≤ 16 only), for the benchmark that sets them side by side.
+enum class MatMulKernel { kAuto, kGemv, kCublas };
+size_t MatMulScratchBytes(const MatMulParams& p, MatMulKernel kernel = MatMulKernel::kAuto);
 absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* scratch,
-                          cudaStream_t stream);
+                          cudaStream_t stream, MatMulKernel kernel = MatMulKernel::kAuto);
 // `ids_device` is p.ids copied to device memory (p validated).
 absl::Status LaunchEmbedRows(const EmbedRowsParams& p, const int32_t* ids_device,
                              cudaStream_t stream);

@@ -3,11 +3,7 @@
  * With bf16 W, x is rounded to bf16 first (backend.h): each product is then exact in
  * float32, as on tensor cores.
  *
- * Decode-sized m (≤ kGemvMaxRows): a GEMV where each warp owns one row of W and reads it
- * once, 16 bytes per lane per load (4 loads in flight), against the m activation rows, and
- * a warp reduction finishes each dot product. Decode is bound by reading W, so the loads
- * are what matters. Rows whose length or address does not allow 16-byte loads take the
- * same kernel one element per lane.
+ * Decode-sized m (≤ kGemvMaxRows): a GEMV (matmul.cuh), each warp one row of W.
  *
  * Prefill-sized m: cuBLAS. bf16 W: x rounded to bf16 into scratch, then cublasGemmEx with
  * bf16 inputs and float32 accumulation and output (the tensor cores). f32 W: cublasSgemm
@@ -15,76 +11,12 @@
  * cublasSgemm, since the reference multiplies unrounded x by f16 W. */
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
+#include "kernels/cuda/matmul.cuh"
 
 namespace kvwire::kernels::cuda {
 namespace {
 
-constexpr int kGemvMaxRows = 16;
-constexpr int kWarpsPerBlock = 8;
-constexpr int kUnroll = 4;
-
-// x as the product sees it: rounded to bf16 against bf16 weights.
-template <typename T>
-__device__ __forceinline__ float RoundX(float x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(__float2bfloat16_rn(x));
-  } else {
-    return x;
-  }
-}
-
-// One warp per row j of W. kVec: W rows and x rows allow 16-byte loads (aligned, k a
-// multiple of the vector), each lane taking V = 16 / sizeof(T) consecutive elements a step.
-template <typename T, int M, bool kVec>
-__global__ void GemvKernel(const float* __restrict__ x, int64_t xs, const T* __restrict__ w,
-                           const float* __restrict__ bias, float* __restrict__ y, int64_t ys, int m,
-                           int n, int k) {
-  constexpr int V = kVec ? 16 / sizeof(T) : 1;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (j >= n) return;
-  const T* wr = w + j * k;
-  float acc[M];
-#pragma unroll
-  for (int r = 0; r < M; ++r) acc[r] = 0.f;
-  auto step = [&](const T* wv, int i) {
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float we = ToF32(wv[e]);
-#pragma unroll
-      for (int r = 0; r < M; ++r) {
-        if (r < m) acc[r] += RoundX<T>(x[r * xs + i + e]) * we;
-      }
-    }
-  };
-  constexpr int kStep = 32 * V;
-  int i = lane * V;
-  if constexpr (kVec) {
-    // kUnroll independent 16-byte loads in flight per lane before the arithmetic.
-    for (; i + (kUnroll - 1) * kStep < k; i += kUnroll * kStep) {
-      uint4 raw[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        raw[u] = __ldg(reinterpret_cast<const uint4*>(wr + i + u * kStep));
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) step(reinterpret_cast<const T*>(&raw[u]), i + u * kStep);
-    }
-    for (; i < k; i += kStep) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(wr + i));
-      step(reinterpret_cast<const T*>(&raw), i);
-    }
-  } else {
-    for (; i < k; i += kStep) step(wr + i, i);
-  }
-#pragma unroll
-  for (int r = 0; r < M; ++r) {
-    if (r < m) {
-      const float s = WarpSum(acc[r]);
-      if (lane == 0) y[r * ys + j] = s + (bias ? bias[j] : 0.f);
-    }
-  }
-}
+using gemv::kGemvMaxRows;
 
 template <typename T>
 __global__ void WidenKernel(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
@@ -112,19 +44,15 @@ __global__ void AddBiasKernel(float* y, int64_t ys, const float* __restrict__ bi
   }
 }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 template <typename T, int M>
 absl::Status LaunchGemv(const MatMulParams& p, int64_t xs, int64_t ys, cudaStream_t stream) {
-  const int blocks = (p.n + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  constexpr int V = 16 / sizeof(T);
-  const bool vec = Aligned16(p.w) && p.k % V == 0;
-  if (vec) {
-    GemvKernel<T, M, true><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
-        p.x, xs, static_cast<const T*>(p.w), p.bias, p.y, ys, p.m, p.n, p.k);
+  const gemv::Gemv g = gemv::GemvFor(p, xs, sizeof(T));
+  if (g.vec) {
+    gemv::GemvKernel<T, M, true><<<g.blocks, 32 * gemv::kWarpsPerBlock, 0, stream>>>(
+        p.x, xs, g.x_vec, static_cast<const T*>(p.w), p.bias, p.y, ys, p.m, p.n, p.k);
   } else {
-    GemvKernel<T, M, false><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
-        p.x, xs, static_cast<const T*>(p.w), p.bias, p.y, ys, p.m, p.n, p.k);
+    gemv::GemvKernel<T, M, false><<<g.blocks, 32 * gemv::kWarpsPerBlock, 0, stream>>>(
+        p.x, xs, false, static_cast<const T*>(p.w), p.bias, p.y, ys, p.m, p.n, p.k);
   }
   return LaunchStatus("GemvKernel");
 }
@@ -133,10 +61,15 @@ int GridFor(int64_t total) {
   return static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535));
 }
 
+// Whether a call runs on the GEMV.
+bool Gemv(const MatMulParams& p, MatMulKernel kernel) {
+  return kernel == MatMulKernel::kGemv || (kernel == MatMulKernel::kAuto && p.m <= kGemvMaxRows);
+}
+
 }  // namespace
 
-size_t MatMulScratchBytes(const MatMulParams& p) {
-  if (p.m <= kGemvMaxRows) return 0;
+size_t MatMulScratchBytes(const MatMulParams& p, MatMulKernel kernel) {
+  if (Gemv(p, kernel)) return 0;
   switch (p.w_dtype) {
     case DType::kBF16:
       return static_cast<size_t>(p.m) * p.k * sizeof(__nv_bfloat16);
@@ -149,19 +82,19 @@ size_t MatMulScratchBytes(const MatMulParams& p) {
 }
 
 absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* scratch,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, MatMulKernel kernel) {
   const int64_t xs = p.x_stride ? p.x_stride : p.k;
   const int64_t ys = p.y_stride ? p.y_stride : p.n;
-  if (p.m <= kGemvMaxRows) {
+  if (Gemv(p, kernel)) {
+    if (p.m > kGemvMaxRows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MatMul: the GEMV takes up to ", kGemvMaxRows, " rows, got ", p.m));
+    }
     return DispatchDType(p.w_dtype, [&]<typename T>() {
-      if (p.m == 1) return LaunchGemv<T, 1>(p, xs, ys, stream);
-      if (p.m <= 2) return LaunchGemv<T, 2>(p, xs, ys, stream);
-      if (p.m <= 4) return LaunchGemv<T, 4>(p, xs, ys, stream);
-      if (p.m <= 8) return LaunchGemv<T, 8>(p, xs, ys, stream);
-      return LaunchGemv<T, kGemvMaxRows>(p, xs, ys, stream);
+      return gemv::DispatchRows(p.m, [&]<int M>() { return LaunchGemv<T, M>(p, xs, ys, stream); });
     });
   }
-  if (MatMulScratchBytes(p) > 0 && scratch == nullptr) {
+  if (MatMulScratchBytes(p, kernel) > 0 && scratch == nullptr) {
     return absl::InternalError("MatMul: no scratch buffer");
   }
   // Row-major Y = X·Wᵀ is column-major Yᵀ = W_cmᵀ · X_cm with W_cm = [k, n], X_cm = [k, m].

@@ -9,6 +9,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <random>
@@ -48,6 +49,7 @@ struct Block {
   std::function<void()> body;
 };
 inline Block* current_block = nullptr;
+inline int64_t misaligned = 0;  // vector loads from addresses not a multiple of their size
 
 inline Dim3 ThreadIdx() { return Dim3{static_cast<unsigned>(current_block->current), 0, 0}; }
 inline Dim3 BlockIdx() { return current_block->index; }

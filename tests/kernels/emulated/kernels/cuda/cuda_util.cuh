@@ -41,6 +41,15 @@ struct __half {
 inline float __shfl_xor_sync(unsigned, float v, int offset) {
   return kvwire::emulated::ShuffleXor(v, offset);
 }
+// A load through the read-only path: counted in emulated::misaligned where its address is not
+// a multiple of its size (a vector load that would fault on a GPU).
+template <typename T>
+inline T __ldg(const T* p) {
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0) ++kvwire::emulated::misaligned;
+  return *p;
+}
+inline float __bfloat162float(__nv_bfloat16 v) { return kvwire::Bf16ToFloat(v.bits); }
+inline __nv_bfloat16 __float2bfloat16_rn(float v) { return {kvwire::FloatToBf16(v)}; }
 inline float __uint_as_float(uint32_t u) { return std::bit_cast<float>(u); }
 inline uint32_t __float_as_uint(float f) { return std::bit_cast<uint32_t>(f); }
 inline float __expf(float x) { return std::exp(x); }
