@@ -10,8 +10,9 @@
 #   oracle     PyTorch on the same device (scripts/device_oracle.py): ceilings, SDPA, and
 #              transformers' stories260K greedy ids against kvwire's on cuda
 #   gpu_bench  decode at batch 1/8/32 (each step a CUDA graph, and op by op) and prefill at
-#              2K/16K against the measured ceilings, on the 1B shape; gpu_bench_8b, the last
-#              phase, on the 8B shape
+#              2K/16K against the measured ceilings, on the 1B shape, after its projections
+#              alone through kvwire's GEMV beside cuBLAS; gpu_bench_8b, the last phase, on the
+#              8B shape
 #   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
 #              (decode attention through FlashInfer where it serves the cache)
 #   decode_native  the same on kvwire's own kernels (KVWIRE_CUDA_ATTENTION=native)
@@ -36,7 +37,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
   dry=1
   build="${2:-$root/build}"
 elif [[ $# -gt 0 ]]; then
-  sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 fi
 out="${OUT:-$(mktemp -d)}"

@@ -3,9 +3,10 @@
  * With bf16 W, x is rounded to bf16 first (backend.h): each product is then exact in
  * float32, as on tensor cores.
  *
- * Decode-sized m (≤ kGemvMaxRows): a GEMV (matmul.cuh), each warp one row of W.
+ * Decode-sized m (≤ kGemvMaxRows; against bf16 W, one row): a GEMV (matmul.cuh), each warp one
+ * row of W.
  *
- * Prefill-sized m: cuBLAS. bf16 W: x rounded to bf16 into scratch, then cublasGemmEx with
+ * Otherwise cuBLAS. bf16 W: x rounded to bf16 into scratch, then cublasGemmEx with
  * bf16 inputs and float32 accumulation and output (the tensor cores). f32 W: cublasSgemm
  * (no TF32: the product is float32's). f16 W: widened to float32 in scratch, then
  * cublasSgemm, since the reference multiplies unrounded x by f16 W. */
@@ -61,9 +62,13 @@ int GridFor(int64_t total) {
   return static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535));
 }
 
-// Whether a call runs on the GEMV.
+// Whether a call runs on the GEMV. Against bf16 W only for one row of x: the GEMV rounds each x
+// element to bf16 once per row of W it meets (an F2F beside every FFMA in its SASS), which at 8
+// rows caps it near a third of the memory's rate, where cuBLAS rounds x once (a pass over m·k)
+// and multiplies on the tensor cores. gpu_bench sets the two side by side per batch.
 bool Gemv(const MatMulParams& p, MatMulKernel kernel) {
-  return kernel == MatMulKernel::kGemv || (kernel == MatMulKernel::kAuto && p.m <= kGemvMaxRows);
+  if (kernel != MatMulKernel::kAuto) return kernel == MatMulKernel::kGemv;
+  return p.m <= (p.w_dtype == DType::kBF16 ? 1 : kGemvMaxRows);
 }
 
 }  // namespace
