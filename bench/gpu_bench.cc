@@ -172,25 +172,23 @@ int main(int argc, char** argv) {
       "%.0f TFLOP/s\n\n",
       *copy / 1e9, *gemm / 1e12);
 
-  // A decode step's projections alone, at this model's shapes in bf16: kvwire's GEMV (what
-  // MatMul runs for up to 16 rows) beside cuBLAS, as bytes of W read per second against the
-  // copy. Which is faster at each batch is what sets MatMul's switch between them.
-  std::printf("decode projections (bf16 W), GB/s of W read (of copy): kvwire GEMV | cuBLAS\n");
+  // A decode step's projections alone, at this model's shapes in bf16: kvwire's GEMV beside
+  // cuBLAS at each batch a GEMV serves, as bytes of W read per second against the copy. Which
+  // is faster at each batch is what sets MatMul's switch between them (kernels/cuda/matmul.cu).
+  constexpr int kGemvBatches[] = {1, 2, 4, 8, 16};
+  std::printf("decode projections (bf16 W), GB/s of W read (of copy), kvwire GEMV | cuBLAS\n");
   const std::pair<const char*, std::pair<int, int>> projections[] = {
       {"q|k|v", {(c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size}},
       {"o", {c.hidden_size, c.num_heads * c.head_dim}},
       {"gate|up", {2 * c.intermediate_size, c.hidden_size}},
       {"down", {c.hidden_size, c.intermediate_size}},
       {"lm head", {c.vocab_size, c.hidden_size}}};
-  std::printf("%-8s %7s %8s", "W", "n", "k");
-  for (int bsz : *batches) {
-    if (bsz <= 16) std::printf("   batch %-2d GEMV | cuBLAS   ", bsz);
-  }
+  std::printf("%-8s %7s %6s", "W", "n", "k");
+  for (int bsz : kGemvBatches) std::printf("   %-27s", absl::StrCat("batch ", bsz).c_str());
   std::printf("\n");
   for (const auto& [what, shape] : projections) {
-    std::printf("%-8s %7d %8d", what, shape.first, shape.second);
-    for (int bsz : *batches) {
-      if (bsz > 16) continue;
+    std::printf("%-8s %7d %6d", what, shape.first, shape.second);
+    for (int bsz : kGemvBatches) {
       const auto r = kernels::CudaDecodeMatMulRates(bsz, shape.first, shape.second);
       if (!r.ok()) return Fail(r.status());
       std::printf("   %5.0f (%.2f) | %5.0f (%.2f)", r->gemv / 1e9, r->gemv / *copy, r->cublas / 1e9,

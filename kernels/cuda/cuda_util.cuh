@@ -98,6 +98,13 @@ __device__ __forceinline__ __half FromF32<__half>(float v) {
   return __float2half_rn(v);
 }
 
+// The block's dynamic shared memory (the launch's third parameter) as T.
+template <typename T>
+__device__ __forceinline__ T* DynamicShared() {
+  extern __shared__ __align__(16) unsigned char dynamic_shared[];
+  return reinterpret_cast<T*>(dynamic_shared);
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;

@@ -26,7 +26,8 @@
 namespace kvwire::kernels::cuda::plain_decode {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kSplitTokens = 256;  // attended tokens per warp when split, at the least
+// A split makes a chunk per this many attended tokens (so each holds more than half of it).
+constexpr int kSplitTokens = 256;
 // Warps in flight a split aims at, at the most: four times what an H100 holds (132 SMs of 64),
 // so that longer caches take longer chunks, not more scratch (items · chunks · (d + 2) floats).
 constexpr int64_t kSplitWarps = 4 * 132 * 64;

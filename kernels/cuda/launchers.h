@@ -18,8 +18,8 @@ namespace kvwire::kernels::cuda {
 absl::Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream);
 absl::Status LaunchRope(const RopeParams& p, cudaStream_t stream);
 absl::Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream);
-// `scratch` is a device buffer of at least MatMulScratchBytes(p) bytes; `cublas` is bound to
-// `stream` already (cublasSetStream would put back the workspace a graph's capture needs).
+// `scratch` is a device buffer of at least MatMulScratchBytes(p, kernel) bytes; `cublas` is bound
+// to `stream` already (cublasSetStream would put back the workspace a graph's capture needs).
 // MatMulKernel::kAuto: kvwire's GEMV for decode-sized m (m ≤ 16; against bf16 W, m = 1), cuBLAS
 // otherwise; the others force one (the GEMV for m ≤ 16 only), for the benchmark that sets them
 // side by side.

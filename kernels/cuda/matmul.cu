@@ -17,7 +17,7 @@
 namespace kvwire::kernels::cuda {
 namespace {
 
-using gemv::kGemvMaxRows;
+using decode_gemv::kGemvMaxRows;
 
 template <typename T>
 __global__ void WidenKernel(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
@@ -47,12 +47,12 @@ __global__ void AddBiasKernel(float* y, int64_t ys, const float* __restrict__ bi
 
 template <typename T, int M>
 absl::Status LaunchGemv(const MatMulParams& p, int64_t xs, int64_t ys, cudaStream_t stream) {
-  const gemv::Gemv g = gemv::GemvFor(p, xs, sizeof(T));
+  const decode_gemv::Gemv g = decode_gemv::GemvFor(p, xs, sizeof(T));
   if (g.vec) {
-    gemv::GemvKernel<T, M, true><<<g.blocks, 32 * gemv::kWarpsPerBlock, 0, stream>>>(
+    decode_gemv::GemvKernel<T, M, true><<<g.blocks, 32 * decode_gemv::kWarpsPerBlock, 0, stream>>>(
         p.x, xs, g.x_vec, static_cast<const T*>(p.w), p.bias, p.y, ys, p.m, p.n, p.k);
   } else {
-    gemv::GemvKernel<T, M, false><<<g.blocks, 32 * gemv::kWarpsPerBlock, 0, stream>>>(
+    decode_gemv::GemvKernel<T, M, false><<<g.blocks, 32 * decode_gemv::kWarpsPerBlock, 0, stream>>>(
         p.x, xs, false, static_cast<const T*>(p.w), p.bias, p.y, ys, p.m, p.n, p.k);
   }
   return LaunchStatus("GemvKernel");
@@ -96,7 +96,8 @@ absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* sc
           absl::StrCat("MatMul: the GEMV takes up to ", kGemvMaxRows, " rows, got ", p.m));
     }
     return DispatchDType(p.w_dtype, [&]<typename T>() {
-      return gemv::DispatchRows(p.m, [&]<int M>() { return LaunchGemv<T, M>(p, xs, ys, stream); });
+      return decode_gemv::DispatchRows(
+          p.m, [&]<int M>() { return LaunchGemv<T, M>(p, xs, ys, stream); });
     });
   }
   if (MatMulScratchBytes(p, kernel) > 0 && scratch == nullptr) {

@@ -14,7 +14,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_util.cuh"
 
-namespace kvwire::kernels::cuda::gemv {
+namespace kvwire::kernels::cuda::decode_gemv {
 
 constexpr int kGemvMaxRows = 16;
 constexpr int kWarpsPerBlock = 8;
@@ -124,4 +124,4 @@ absl::Status DispatchRows(int m, F&& f) {
   return f.template operator()<kGemvMaxRows>();
 }
 
-}  // namespace kvwire::kernels::cuda::gemv
+}  // namespace kvwire::kernels::cuda::decode_gemv

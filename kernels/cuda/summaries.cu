@@ -1,78 +1,38 @@
-/* UpdateSummaries (kernels/selection.h): RocketKV's page min/max summaries brought up to date
- * after tokens were appended. A block per (segment, cache head), a thread per (page, dimension)
- * of the pages holding new tokens: min and max over the page's slots, stored in the cache dtype
- * (exact: they are values of it; a coded cache's keys are dequantised, and their extremes
- * rounded to it). */
+/* Launches UpdateSummaries' kernel (summaries.cuh says what it computes), over a table of the
+ * (segment, cache head) items with new tokens and their caches' page tables. */
 #include <vector>
 
-#include "kernels/cuda/cache_rows.cuh"
 #include "kernels/cuda/cuda_util.cuh"
 #include "kernels/cuda/launchers.h"
+#include "kernels/cuda/summaries.cuh"
 #include "kernels/validate.h"
 
 namespace kvwire::kernels::cuda {
-namespace {
-
-struct HeadItem {
-  SummaryUpdateSegment s;
-  int head = 0;
-};
-
-template <typename T>
-__global__ void UpdateSummariesKernel(const HeadItem* items) {
-  const HeadItem& item = items[blockIdx.x];
-  const SummaryUpdateSegment& s = item.s;
-  const SummaryLayout& l = s.layout;
-  const int first_page = s.first / l.page;
-  const int64_t work = static_cast<int64_t>(l.pages(s.len) - first_page) * l.head_dim;
-  T* block = static_cast<T*>(s.summaries) + item.head * l.head_elems();
-  WithRows<T>(s.k, nullptr, s.kv, s.coding, l.head_dim, s.len, [&](const auto& rows) {
-    for (int64_t w = threadIdx.x; w < work; w += blockDim.x) {
-      const int page = first_page + static_cast<int>(w / l.head_dim);
-      const int d = static_cast<int>(w % l.head_dim);
-      float lo = INFINITY, hi = -INFINITY;
-      const int end = min(s.len, (page + 1) * l.page);
-      for (int t = page * l.page; t < end; ++t) {
-        const float v = rows.At(item.head, t).key(d);
-        // As the reference's std::min and std::max: fminf and fmaxf may pick either zero.
-        lo = v < lo ? v : lo;
-        hi = hi < v ? v : hi;
-      }
-      block[l.Offset(false, d, page)] = FromF32<T>(lo);
-      if (l.sets() == 2) block[l.Offset(true, d, page)] = FromF32<T>(hi);
-    }
-  });
-}
-
-}  // namespace
 
 absl::Status LaunchUpdateSummaries(const UpdateSummariesParams& p, const OpMemory& mem,
                                    cudaStream_t stream) {
   RETURN_IF_ERROR(ValidateUpdateSummaries(p));
-  std::vector<HeadItem> items;
-  DType dtype = DType::kF32;
-  for (int i = 0; i < p.count; ++i) {
-    const SummaryUpdateSegment& s = p.segs[i];
-    if (!items.empty() && s.layout.dtype != dtype) {
+  for (int i = 1; i < p.count; ++i) {
+    if (p.segs[i].layout.dtype != p.segs[0].layout.dtype) {
       return absl::InvalidArgumentError("UpdateSummaries: segments of different dtypes");
     }
-    dtype = s.layout.dtype;
-    if (s.first == s.len) continue;
-    for (int c = 0; c < s.n_heads; ++c) items.push_back({s, c});
   }
+  std::vector<summary_update::HeadItem> items = summary_update::ItemsFor(p);
   if (items.empty()) return absl::OkStatus();
+  const DType dtype = items.front().s.layout.dtype;
   std::vector<KvLayout*> layouts;
   std::vector<int> lens;
-  for (HeadItem& item : items) {
+  for (summary_update::HeadItem& item : items) {
     layouts.push_back(&item.s.kv);
     lens.push_back(item.s.coding.PagedRows(item.s.len));
   }
   RETURN_IF_ERROR(UploadPageTables(layouts, lens, mem, kTableSummaryPages));
-  ASSIGN_OR_RETURN(void* table,
-                   mem.table(kTableSummaries, items.data(), sizeof(HeadItem) * items.size()));
+  ASSIGN_OR_RETURN(void* table, mem.table(kTableSummaries, items.data(),
+                                          sizeof(summary_update::HeadItem) * items.size()));
   return DispatchDType(dtype, [&]<typename T>() {
-    UpdateSummariesKernel<T>
-        <<<static_cast<int>(items.size()), 128, 0, stream>>>(static_cast<const HeadItem*>(table));
+    summary_update::UpdateSummariesKernel<T>
+        <<<static_cast<int>(items.size()), summary_update::kThreads, 0, stream>>>(
+            static_cast<const summary_update::HeadItem*>(table));
     return LaunchStatus("UpdateSummariesKernel");
   });
 }

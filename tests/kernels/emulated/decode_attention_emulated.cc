@@ -107,5 +107,43 @@ TEST(DecodeAttentionEmulated, EqualsTheReference) {
   }
 }
 
+// The launcher's split at the sizes no emulated batch reaches: chunks of more than half of
+// kSplitTokens covering the longest head's tokens, no more warps in flight than kSplitWarps allows
+// (the scratch's bound), and one pass where probabilities are asked for.
+TEST(DecodeAttentionEmulated, TheSplitCoversEveryTokenWithinItsBound) {
+  struct Shape {
+    int batch, heads, len;
+    bool probs;
+  };
+  for (const Shape& sh :
+       {Shape{1, 32, 32768, false}, Shape{64, 32, 32768, false}, Shape{8, 32, 300, false},
+        Shape{8, 32, 256, false}, Shape{256, 64, 131072, false}, Shape{4, 8, 5000, true}}) {
+    SCOPED_TRACE(absl::StrCat("batch ", sh.batch, " heads ", sh.heads, " len ", sh.len));
+    std::vector<kernels::DecodeSequence> seqs(sh.batch);
+    std::vector<float> probs(1);
+    for (int b = 0; b < sh.batch; ++b) {
+      seqs[b].len = b == 0 ? sh.len : sh.len / 3 + 1;
+      if (sh.probs && b == 1) seqs[b].probs = probs.data();
+    }
+    DecodeAttentionParams p;
+    p.batch = sh.batch;
+    p.n_heads = sh.heads;
+    p.seqs = seqs.data();
+    const pd::Split split = pd::SplitFor(p);
+    const int64_t items = int64_t{sh.batch} * sh.heads;
+    EXPECT_GE(split.chunks, 1);
+    EXPECT_GE(int64_t{split.chunks} * split.chunk_tokens, sh.len);
+    EXPECT_LT(int64_t{split.chunks - 1} * split.chunk_tokens, sh.len);  // no chunk wholly empty
+    if (sh.probs) {
+      EXPECT_EQ(split.chunks, 1);
+    } else {
+      EXPECT_LE(split.chunks, std::max<int64_t>(1, pd::kSplitWarps / items));
+      if (split.chunks > 1) {
+        EXPECT_GT(split.chunk_tokens, pd::kSplitTokens / 2);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvwire

@@ -10,9 +10,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 namespace kvwire::emulated {
@@ -44,7 +46,8 @@ struct Block {
   long generation = 0;
   int warp_arrived[32] = {};
   long warp_generation[32] = {};
-  float exchange[32][32];
+  uint64_t exchange[32][32];           // a shuffle's values, up to 8 bytes each
+  std::vector<unsigned char> dynamic;  // the launch's dynamic shared memory
   bool progress = false;
   std::function<void()> body;
 };
@@ -95,14 +98,23 @@ inline void SyncWarp(int warp) {
 // __syncwarp() of the running thread's warp.
 inline void SyncOwnWarp() { SyncWarp(current_block->current / 32); }
 
-inline float ShuffleXor(float v, int offset) {
+template <typename T>
+inline T ShuffleXor(T v, int offset) {
+  static_assert(sizeof(T) <= sizeof(uint64_t) && std::is_trivially_copyable_v<T>);
   Block& b = *current_block;
   const int warp = b.current / 32, lane = b.current % 32;
-  b.exchange[warp][lane] = v;
+  std::memcpy(&b.exchange[warp][lane], &v, sizeof(T));
   SyncWarp(warp);
-  const float r = b.exchange[warp][lane ^ offset];
+  T r;
+  std::memcpy(&r, &b.exchange[warp][lane ^ offset], sizeof(T));
   SyncWarp(warp);
   return r;
+}
+
+// The block's dynamic shared memory, as T (RunBlock's shared_bytes, 16-byte aligned).
+template <typename T>
+inline T* DynamicShared() {
+  return reinterpret_cast<T*>(current_block->dynamic.data());
 }
 
 inline void Entry() {
@@ -113,10 +125,11 @@ inline void Entry() {
   swapcontext(&b.threads[b.current].context, &b.scheduler);
 }
 
-// Runs body() as `threads` threads of block `index` (a whole number of warps, at most 1024).
-// False if the threads deadlocked (some wait at a barrier the others never reach).
+// Runs body() as `threads` threads of block `index` (a whole number of warps, at most 1024),
+// with `shared_bytes` of dynamic shared memory (filled with NaN's bytes, as memory no thread
+// wrote). False if the threads deadlocked (some wait at a barrier the others never reach).
 inline bool RunBlock(int threads, Dim3 index, Order order, uint32_t seed,
-                     std::function<void()> body) {
+                     std::function<void()> body, size_t shared_bytes = 0) {
   constexpr size_t kStack = 256 * 1024;
   static std::vector<std::unique_ptr<char[]>> stacks;
   while (static_cast<int>(stacks.size()) < threads) stacks.emplace_back(new char[kStack]);
@@ -124,6 +137,7 @@ inline bool RunBlock(int threads, Dim3 index, Order order, uint32_t seed,
   b.threads.resize(threads);
   b.index = index;
   b.body = std::move(body);
+  b.dynamic.assign(shared_bytes, 0xFF);  // 0xFFFFFFFF: a NaN as float
   current_block = &b;
   for (int i = 0; i < threads; ++i) {
     Block::Thread& t = b.threads[i];
@@ -195,11 +209,14 @@ inline bool RunBlock(int threads, Dim3 index, Order order, uint32_t seed,
 
 // Runs body() as every block of `grid` (x fastest), `threads` threads each, all under `order`
 // (a seed of their own each); false on a deadlock.
-inline bool RunGrid(Dim3 grid, int threads, Order order, const std::function<void()>& body) {
+inline bool RunGrid(Dim3 grid, int threads, Order order, const std::function<void()>& body,
+                    size_t shared_bytes = 0) {
   for (unsigned z = 0; z < std::max(grid.z, 1u); ++z) {
     for (unsigned y = 0; y < std::max(grid.y, 1u); ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
-        if (!RunBlock(threads, {x, y, z}, order, x * 131 + y * 7 + z, body)) return false;
+        if (!RunBlock(threads, {x, y, z}, order, x * 131 + y * 7 + z, body, shared_bytes)) {
+          return false;
+        }
       }
     }
   }

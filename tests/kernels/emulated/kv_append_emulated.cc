@@ -57,6 +57,7 @@ TEST(KvAppendEmulated, StoresAndCodesAsTheReference) {
   const Case cases[] = {
       {64, 2, 2, DType::kBF16, 4 << 10, {kI4, kF8, kI8, kAuto}, 40},
       {128, 1, 4, DType::kF32, 0, {kF8, kI4, kAuto}, 130},
+      {64, 2, 4, DType::kF16, 8 << 10, {kI8, kAuto, kI4}, 70},
       {20, 2, 2, DType::kF16, 0, {kI8, kI4, kF8, kAuto}, 7},
       {256, 2, 2, DType::kBF16, 8 << 10, {kI4, kF8}, 16},
       {300, 1, 1, DType::kF32, 0, {kAuto}, 3},

@@ -6,6 +6,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "common/base/dtype.h"
@@ -16,7 +17,9 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(x)
-#define __shared__ static  // blocks run one at a time: a function's static is its block's
+// Blocks run one at a time, so a function's static is its block's shared array (not refilled
+// between blocks: a read before any write would see the last block's values, not garbage).
+#define __shared__ static
 #define threadIdx (::kvwire::emulated::ThreadIdx())
 #define blockIdx (::kvwire::emulated::BlockIdx())
 #define blockDim (::kvwire::emulated::BlockDim())
@@ -38,7 +41,8 @@ struct __half {
   uint16_t bits;
 };
 
-inline float __shfl_xor_sync(unsigned, float v, int offset) {
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int offset) {
   return kvwire::emulated::ShuffleXor(v, offset);
 }
 // A load through the read-only path: counted in emulated::misaligned where its address is not
@@ -46,7 +50,9 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
 template <typename T>
 inline T __ldg(const T* p) {
   if (reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0) ++kvwire::emulated::misaligned;
-  return *p;
+  T v;
+  std::memcpy(&v, p, sizeof(T));  // not *p: the host may not read a 16-byte type off alignment
+  return v;
 }
 inline float __bfloat162float(__nv_bfloat16 v) { return kvwire::Bf16ToFloat(v.bits); }
 inline __nv_bfloat16 __float2bfloat16_rn(float v) { return {kvwire::FloatToBf16(v)}; }
@@ -87,6 +93,10 @@ inline __nv_bfloat16 FromF32<__nv_bfloat16>(float v) {
 template <>
 inline __half FromF32<__half>(float v) {
   return {FloatToF16(v)};
+}
+template <typename T>
+inline T* DynamicShared() {
+  return kvwire::emulated::DynamicShared<T>();
 }
 inline float WarpSum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
