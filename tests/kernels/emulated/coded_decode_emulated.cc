@@ -34,18 +34,14 @@ absl::Status Emulate(const DecodeAttentionParams& p, int per, emulated::Order or
     split.per = per;
     split.chunks = (units + per - 1) / per;
   }
-  const int64_t n = int64_t{p.batch} * p.n_heads * split.chunks;
-  std::vector<float> scratch(split.chunks > 1 ? n * (2 + p.head_dim) : 0, std::nanf(""));
-  float* part_m = split.chunks > 1 ? scratch.data() : nullptr;
-  float* part_l = part_m ? part_m + n : nullptr;
-  float* part_acc = part_l ? part_l + n : nullptr;
+  emulated::Partials part(p, split.chunks);
   const emulated::Dim3 grid{static_cast<unsigned>(p.batch * p.n_cache_heads),
                             static_cast<unsigned>(split.chunks), 1};
   const int group = p.n_heads / p.n_cache_heads;
   auto run = [&]<typename T, int G>() {
     return emulated::RunGrid(grid, cd::kThreads, order, [&] {
       cd::CodedDecodeKernel<T, G>(p.seqs, p.n_cache_heads, p.head_dim, p.scale, split.chunks,
-                                  split.per, part_m, part_l, part_acc);
+                                  split.per, part.m, part.l, part.acc);
     });
   };
   const absl::Status ran = kernels::cuda::DispatchDType(p.kv_dtype, [&]<typename T>() {
@@ -56,7 +52,7 @@ absl::Status Emulate(const DecodeAttentionParams& p, int per, emulated::Order or
     return ok ? absl::OkStatus() : absl::InternalError("the block's threads deadlocked");
   });
   if (!ran.ok() || split.chunks <= 1) return ran;
-  return emulated::MergeOnBlocks(p, split.chunks, part_m, part_l, part_acc, order);
+  return emulated::MergeOnBlocks(p, split.chunks, part.m, part.l, part.acc, order);
 }
 
 TEST(CodedDecodeEmulated, EqualsTheReference) {

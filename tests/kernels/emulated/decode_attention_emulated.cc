@@ -37,11 +37,8 @@ absl::Status Emulate(const DecodeAttentionParams& p, int chunk_tokens, emulated:
       split.chunks = (most + chunk_tokens - 1) / chunk_tokens;
     }
   }
-  const int64_t items = int64_t{p.batch} * p.n_heads, n = items * split.chunks;
-  std::vector<float> scratch(split.chunks > 1 ? n * (2 + p.head_dim) : 0, std::nanf(""));
-  float* part_m = split.chunks > 1 ? scratch.data() : nullptr;
-  float* part_l = part_m ? part_m + n : nullptr;
-  float* part_acc = part_l ? part_l + n : nullptr;
+  const int64_t items = int64_t{p.batch} * p.n_heads;
+  emulated::Partials part(p, split.chunks);
   const emulated::Dim3 grid{
       static_cast<unsigned>((items + pd::kWarpsPerBlock - 1) / pd::kWarpsPerBlock),
       static_cast<unsigned>(split.chunks), 1};
@@ -51,15 +48,15 @@ absl::Status Emulate(const DecodeAttentionParams& p, int chunk_tokens, emulated:
                                [&] {
                                  pd::DecodeAttentionKernel<T, DPL>(
                                      p.seqs, p.batch, p.n_heads, p.n_cache_heads, p.head_dim,
-                                     p.scale, split.chunks, split.chunk_tokens, part_m, part_l,
-                                     part_acc);
+                                     p.scale, split.chunks, split.chunk_tokens, part.m, part.l,
+                                     part.acc);
                                })
                  ? absl::OkStatus()
                  : absl::InternalError("the block's threads deadlocked");
     });
   });
   if (!ran.ok() || split.chunks <= 1) return ran;
-  return emulated::MergeOnBlocks(p, split.chunks, part_m, part_l, part_acc, order);
+  return emulated::MergeOnBlocks(p, split.chunks, part.m, part.l, part.acc, order);
 }
 
 TEST(DecodeAttentionEmulated, EqualsTheReference) {

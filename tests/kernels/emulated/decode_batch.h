@@ -148,6 +148,22 @@ class DecodeBatch {
   std::vector<std::vector<float>> want_, want_probs_;
 };
 
+// A split's partials (LaunchMergeDecodeChunks' layout): for each of the batch's items (sequence,
+// query head) and chunks its maximum, sum and unnormalised output, NaN until written; none
+// (null) for one chunk.
+struct Partials {
+  Partials(const kernels::DecodeAttentionParams& p, int chunks) {
+    if (chunks <= 1) return;
+    const int64_t n = int64_t{p.batch} * p.n_heads * chunks;
+    buffer.assign(n * (2 + p.head_dim), std::nanf(""));
+    m = buffer.data();
+    l = m + n;
+    acc = l + n;
+  }
+  std::vector<float> buffer;
+  float *m = nullptr, *l = nullptr, *acc = nullptr;
+};
+
 // decode_attention.cuh's MergeChunks over `chunks` partials of each item, on emulated blocks
 // as LaunchMergeDecodeChunks launches it.
 inline absl::Status MergeOnBlocks(const kernels::DecodeAttentionParams& p, int chunks,
