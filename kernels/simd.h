@@ -148,9 +148,11 @@ inline void Axpy(float alpha, const void* x, DType t, float* y, int n) {
 // inputs below -87 flush to 0, as softmax wants for scores far under the maximum.
 inline __m256 Exp8(__m256 x) {
   const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
-  x = _mm256_min_ps(x, hi);
+  // The clamps take x second: min and max return their second operand where either is NaN,
+  // so a NaN stays NaN (as std::exp's) rather than becoming exp(88).
+  x = _mm256_min_ps(hi, x);
   const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
+  x = _mm256_max_ps(lo, x);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -177,9 +179,9 @@ inline __m256 Exp8(__m256 x) {
 constexpr __mmask16 kAll16 = 0xFFFF;
 inline __m512 Exp16(__m512 x) {
   const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
-  x = _mm512_maskz_min_ps(kAll16, x, hi);
+  x = _mm512_maskz_min_ps(kAll16, hi, x);  // x second, as in Exp8
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_maskz_max_ps(kAll16, x, lo);
+  x = _mm512_maskz_max_ps(kAll16, lo, x);
   const __m512 n =
       _mm512_maskz_roundscale_ps(kAll16, _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
