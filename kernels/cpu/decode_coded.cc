@@ -424,10 +424,7 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
     for (int x = x0; x < x1; ++x) {
       const int tok = idx ? idx[x] : x;
       if (tok >= resid) continue;
-      if (x + kAhead < count) {
-        const int next = idx ? idx[x + kAhead] : x + kAhead;
-        if (next < resid) Prefetch(vrow(next), vc);
-      }
+      if (x0 == 0) Prefetch(vrow(tok), vc);  // later tiles' rows: asked for a tile ahead, below
       const uint8_t* r = vrow(tok);
       for (int cg = 0; cg < channel_groups; ++cg) {
         float row_scale = 1.f, row_min = 0.f;
@@ -461,6 +458,10 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
       }
       for (int x = x0; x < x1; ++x) {
         const int tok = idx ? idx[x] : x;
+        if (i0 == 0 && x + kTile < count) {
+          const int next = idx ? idx[x + kTile] : x + kTile;
+          if (next < resid) Prefetch(vrow(next), vc);
+        }
         if (tok >= resid) continue;
         const uint8_t* r = vrow(tok);
         typename V::T cv[kVecs];
