@@ -142,10 +142,10 @@ constexpr float kFP8Unit = 0x1p-8f;
 
 // 2N codes from `row` at channel i (a multiple of 2N), as two vectors of N floats: E4M3 values
 // (fp8, as kFP8Unit says), the integers (int8 keys' unsigned codes, int4's nibbles in channel
-// order), or int8 values' signed codes, N = 8 (AVX2) or 16 (AVX-512). fp8 leaves NaN codes to
-// `seen` (a byte at 0xFF: the kernel gives way to the scalar one, so that they decode as the
-// reference's NaN, not in the conversion's every step). The kernel below is written once over
-// these two widths.
+// order), or int8 values' signed codes, N = 8 (AVX2) or 16 (AVX-512). fp8 does not decode NaN
+// codes (low seven bits set) but marks them in `seen`, a byte of it 0xFF: the kernel then gives
+// the head to the scalar one, whose E4M3 decoding gives the reference's NaN, rather than every
+// vector paying for the check. The kernel below is written once over these two widths.
 struct Vec8 {
   using T = __m256;
   using Seen = __m128i;
@@ -305,10 +305,6 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
   row.resize(d);
   float qa[G] = {};
   int current = -1;
-  // Rows in blocks of B = N / G, whose G · B dot products (lane g · B + r: row r, head g) are
-  // summed in one SumEach, rather than a horizontal sum each: for a head of 64 channels the sums
-  // were as many operations as the multiply-adds. A block is rows of the current key group, all
-  // coded; any other row (a group's first, the residual's) is taken alone.
   // A row's address: in one region (a host cache) by arithmetic here, not a call per row.
   const bool k_region = seq.layout.pages == nullptr, v_region = coding.v_layout.pages == nullptr;
   const uint8_t* k_head = k + (k_region ? seq.layout.Row(c, 0, kc) : 0);
@@ -319,6 +315,10 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
   auto vrow = [&](int t) {
     return v_region ? v_head + int64_t{t} * vc : v + coding.v_layout.Row(c, t, vc);
   };
+  // Rows in blocks of B = N / G, whose G · B dot products (lane g · B + r: row r, head g) are
+  // summed in one SumEach, rather than a horizontal sum each: for a head of 64 channels the sums
+  // were as many operations as the multiply-adds. A block is rows of the current key group, all
+  // coded; any other row (a group's first, the residual's) is taken alone.
   constexpr int B = V::N / G;
   typename V::Seen seen = V::NoneSeen();
   alignas(64) float lane_qa[V::N];
