@@ -140,9 +140,30 @@ inline void Prefetch(const uint8_t* row, int bytes) {
 // folds into the query and the values' scales (a power of two: the products are unchanged).
 constexpr float kFP8Unit = 0x1p-8f;
 
+// int4's 2N codes from channel i come as the even channels' nibbles, then the odd ones' (each
+// byte's low and high nibble: widening a byte is then one instruction and splitting it two,
+// where channel order took four more): the kernel orders the query's channels so, and puts the
+// outputs' back.
+template <int N>
+void Int4Order(float* x, int d) {
+  float t[2 * N];
+  for (int i = 0; i < d; i += 2 * N) {
+    for (int j = 0; j < N; ++j) t[j] = x[i + 2 * j], t[N + j] = x[i + 2 * j + 1];
+    std::memcpy(x + i, t, sizeof(t));
+  }
+}
+template <int N>
+void ChannelOrder(float* x, int d) {
+  float t[2 * N];
+  for (int i = 0; i < d; i += 2 * N) {
+    for (int j = 0; j < N; ++j) t[2 * j] = x[i + j], t[2 * j + 1] = x[i + N + j];
+    std::memcpy(x + i, t, sizeof(t));
+  }
+}
+
 // 2N codes from `row` at channel i (a multiple of 2N), as two vectors of N floats: E4M3 values
-// (fp8, as kFP8Unit says), the integers (int8 keys' unsigned codes, int4's nibbles in channel
-// order), or int8 values' signed codes, N = 8 (AVX2) or 16 (AVX-512). fp8 does not decode NaN
+// (fp8, as kFP8Unit says), the integers (int8 keys' unsigned codes, int4's nibbles in
+// Int4Order), or int8 values' signed codes, N = 8 (AVX2) or 16 (AVX-512). fp8 does not decode NaN
 // codes (low seven bits set) but marks them in `seen`, a byte of it 0xFF: the kernel then gives
 // the head to the scalar one, whose E4M3 decoding gives the reference's NaN, rather than every
 // vector paying for the check. The kernel below is written once over these two widths.
@@ -164,13 +185,11 @@ struct Vec8 {
   }
   template <KvFormat F, bool kSigned = false>
   static void Codes2(const uint8_t* row, int i, T* lo, T* hi, Seen* seen) {
-    if constexpr (F == KvFormat::kInt4) {
-      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i / 2));
-      const __m128i l = _mm_and_si128(b, _mm_set1_epi8(0x0f));
-      const __m128i h = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f));
-      const __m128i codes = _mm_unpacklo_epi8(l, h);
-      *lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
-      *hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+    if constexpr (F == KvFormat::kInt4) {  // lo: the even channels, hi: the odd (Int4Order)
+      const __m256i x =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i / 2)));
+      *lo = _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(0x0f)));
+      *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
     } else {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
       if constexpr (F == KvFormat::kInt8) {
@@ -233,12 +252,11 @@ struct Vec16 {
   static bool SawNaN(Seen seen) { return _mm256_cmpeq_epi8_mask(seen, _mm256_set1_epi8(-1)) != 0; }
   template <KvFormat F, bool kSigned = false>
   static void Codes2(const uint8_t* row, int i, T* lo, T* hi, Seen* seen) {
-    if constexpr (F == KvFormat::kInt4) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
-      const __m128i l = _mm_and_si128(b, _mm_set1_epi8(0x0f));
-      const __m128i h = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f));
-      *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(l, h)));
-      *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(l, h)));
+    if constexpr (F == KvFormat::kInt4) {  // as Vec8's
+      const __m512i x =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2)));
+      *lo = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(0x0f)));
+      *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
     } else if constexpr (F == KvFormat::kInt8) {
       const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
       const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16));
@@ -300,7 +318,7 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
   const auto* v = static_cast<const uint8_t*>(seq.v);
   const float* q = seq.q + int64_t{c} * G * d;
   float* out = seq.out + int64_t{c} * G * d;
-  thread_local std::vector<float> qb, row, weight, minimum;
+  thread_local std::vector<float> qb, row, weight, minimum, row_scale, row_min;
   qb.resize(static_cast<size_t>(G) * d);
   row.resize(d);
   float qa[G] = {};
@@ -340,6 +358,9 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
       }
     }
     for (int g = 0; g < G; ++g) qa[g] = V::Sum(dot[g]);
+    if constexpr (F == KvFormat::kInt4) {
+      for (int g = 0; g < G; ++g) Int4Order<V::N>(qb.data() + g * d, d);
+    }
     for (int j = 0; j < V::N; ++j) lane_qa[j] = qa[j / B];
     current = gi;
   };
@@ -416,37 +437,58 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
   constexpr int kTile = 64;
   constexpr int kVecs = G <= 4 ? 4 : 2, kBlock = kVecs * V::N;
   weight.resize(static_cast<size_t>(G) * kTile * channel_groups);
+  row_scale.resize(static_cast<size_t>(kTile) * channel_groups);
+  row_min.resize(static_cast<size_t>(kTile) * channel_groups);
   minimum.assign(static_cast<size_t>(G) * channel_groups, 0.f);
   int value_group = -1;
   float group_scale = 1.f;
   for (int x0 = 0; x0 < count; x0 += kTile) {
     const int x1 = std::min(count, x0 + kTile);
+    // Each row's scale (and int4's minimum) per channel group, then the weights a vector at a
+    // time. The residual's rows weigh nothing here (they are added in the dtype below).
+    const int n = x1 - x0;
     for (int x = x0; x < x1; ++x) {
       const int tok = idx ? idx[x] : x;
-      if (tok >= resid) continue;
+      if (tok >= resid) {
+        for (int cg = 0; cg < channel_groups; ++cg) row_scale[cg * kTile + x - x0] = 0.f;
+        if constexpr (F == KvFormat::kInt4) {
+          for (int cg = 0; cg < channel_groups; ++cg) row_min[cg * kTile + x - x0] = 0.f;
+        }
+        continue;
+      }
       if (x0 == 0) Prefetch(vrow(tok), vc);  // later tiles' rows: asked for a tile ahead, below
       const uint8_t* r = vrow(tok);
-      for (int cg = 0; cg < channel_groups; ++cg) {
-        float row_scale = 1.f, row_min = 0.f;
-        if constexpr (F == KvFormat::kInt8) {
-          uint16_t b;
-          std::memcpy(&b, r + d, 2);
-          row_scale = Bf16ToFloat(b);
-        } else if constexpr (F == KvFormat::kInt4) {
-          row_scale = F16At(r + d / 2 + 4 * cg);
-          row_min = F16At(r + d / 2 + 4 * cg + 2);
-        } else {
-          const int gi = groups.Of(tok);
-          if (gi != value_group) {
-            group_scale = E8M0ToFloat(coding.v_scales[int64_t{c} * coding.max_groups + gi]);
-            value_group = gi;
-          }
-          row_scale = group_scale * (1.f / kFP8Unit);
+      if constexpr (F == KvFormat::kInt8) {
+        uint16_t b;
+        std::memcpy(&b, r + d, 2);
+        row_scale[x - x0] = Bf16ToFloat(b);
+      } else if constexpr (F == KvFormat::kInt4) {
+        for (int cg = 0; cg < channel_groups; ++cg) {
+          row_scale[cg * kTile + x - x0] = F16At(r + d / 2 + 4 * cg);
+          row_min[cg * kTile + x - x0] = F16At(r + d / 2 + 4 * cg + 2);
         }
-        for (int g = 0; g < G; ++g) {
-          const float w = s[int64_t{g} * count + x];
-          weight[(static_cast<size_t>(g) * channel_groups + cg) * kTile + (x - x0)] = w * row_scale;
-          if constexpr (F == KvFormat::kInt4) minimum[g * channel_groups + cg] += w * row_min;
+      } else {
+        const int gi = groups.Of(tok);
+        if (gi != value_group) {
+          group_scale = E8M0ToFloat(coding.v_scales[int64_t{c} * coding.max_groups + gi]);
+          value_group = gi;
+        }
+        row_scale[x - x0] = group_scale * (1.f / kFP8Unit);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const float* sg = s + int64_t{g} * count + x0;
+      for (int cg = 0; cg < channel_groups; ++cg) {
+        float* wg = weight.data() + (static_cast<size_t>(g) * channel_groups + cg) * kTile;
+        const float* rs = row_scale.data() + cg * kTile;
+        int j = 0;
+        for (; j + V::N <= n; j += V::N) V::Store(wg + j, V::Mul(V::Load(sg + j), V::Load(rs + j)));
+        for (; j < n; ++j) wg[j] = sg[j] * rs[j];
+        if constexpr (F == KvFormat::kInt4) {
+          const float* rm = row_min.data() + cg * kTile;
+          float m = 0.f;
+          for (j = 0; j < n; ++j) m += sg[j] * rm[j];
+          minimum[g * channel_groups + cg] += m;
         }
       }
     }
@@ -477,6 +519,9 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
         for (int u = 0; u < kVecs; ++u) V::Store(out + g * d + i0 + V::N * u, acc[g][u]);
       }
     }
+  }
+  if constexpr (F == KvFormat::kInt4) {
+    for (int g = 0; g < G; ++g) ChannelOrder<V::N>(out + g * d, d);
   }
   for (int g = 0; g < G; ++g) {  // int4's minimums, each over its channel group
     for (int cg = 0; cg < channel_groups; ++cg) {
