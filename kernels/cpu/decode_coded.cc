@@ -303,7 +303,8 @@ struct Vec16 {
 // each key row's codes widened once for the G dot products; values in blocks of kBlock channels
 // whose G outputs stay in registers while a tile of tokens is added (as the dtype kernel does),
 // a row's scale folded into its weight, and int4's per-row minimum summed apart. False where
-// it met an fp8 NaN code (see Vec8): the scalar kernel then does the head again.
+// it met an fp8 NaN code (see Vec8) or value scale of 2^120 or more: the scalar kernel then does
+// the head again.
 template <int G, KvFormat F, typename V>
 bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, float scale,
                         float* s) {
@@ -318,9 +319,8 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
   const auto* v = static_cast<const uint8_t*>(seq.v);
   const float* q = seq.q + int64_t{c} * G * d;
   float* out = seq.out + int64_t{c} * G * d;
-  thread_local std::vector<float> qb, row, weight, minimum, row_scale, row_min;
+  thread_local std::vector<float> qb, weight, minimum, row_scale, row_min;
   qb.resize(static_cast<size_t>(G) * d);
-  row.resize(d);
   float qa[G] = {};
   int current = -1;
   // A row's address: in one region (a host cache) by arithmetic here, not a call per row.
@@ -442,6 +442,7 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
   minimum.assign(static_cast<size_t>(G) * channel_groups, 0.f);
   int value_group = -1;
   float group_scale = 1.f;
+  bool huge_scale = false;
   for (int x0 = 0; x0 < count; x0 += kTile) {
     const int x1 = std::min(count, x0 + kTile);
     // Each row's scale (and int4's minimum) per channel group, then the weights a vector at a
@@ -470,7 +471,11 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
       } else {
         const int gi = groups.Of(tok);
         if (gi != value_group) {
-          group_scale = E8M0ToFloat(coding.v_scales[int64_t{c} * coding.max_groups + gi]);
+          const uint8_t e = coding.v_scales[int64_t{c} * coding.max_groups + gi];
+          // Scales of 2^120 and up (infinite or huge values) would overflow by kFP8Unit's 2^8:
+          // the scalar kernel takes such a head, as it does NaN codes.
+          if (e > 127 + 119) huge_scale = true;
+          group_scale = E8M0ToFloat(e);
           value_group = gi;
         }
         row_scale[x - x0] = group_scale * (1.f / kFP8Unit);
@@ -538,7 +543,7 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
         static_cast<const uint8_t*>(coding.v_resid) + ResidAt(coding, dtype, d, c, tok - resid);
     for (int g = 0; g < G; ++g) simd::Axpy(s[int64_t{g} * count + x], r, dtype, out + g * d, d);
   }
-  return !V::SawNaN(seen);
+  return !V::SawNaN(seen) && !huge_scale;
 }
 
 template <int G, typename V>
@@ -584,7 +589,7 @@ bool DecodeHeadCodedIn(const DecodeSequence& seq, int c, int group, int d, DType
 // of 1, 2, 4 or 8, and no NaN code met.
 bool DecodeHeadCodedFast(const DecodeSequence& seq, int c, int group, int d, DType dtype,
                          float scale, float* s) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
   if (Fits<Vec16>(group, d)) return DecodeHeadCodedIn<Vec16>(seq, c, group, d, dtype, scale, s);
 #endif
 #if KVWIRE_AVX2 && defined(__F16C__)

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -302,8 +303,8 @@ TEST_P(CodedCacheTest, DecodeReadsAndAppendsAsTheSpecification) {
   EXPECT_EQ(on_ref->layer(0).coding.ResidBegin(kKept + kAppended), kKept + 256);
 }
 
-// An fp8 code whose low seven bits are set is NaN (E4M3 has no infinity). The encoders never
-// write one, but a cache holding one decodes it as the reference does: a NaN key makes its
+// An fp8 code whose low seven bits are set is NaN (E4M3 has no infinity; the coders write it
+// for a NaN input). A cache holding one decodes it as the reference does: a NaN key makes its
 // query heads' scores NaN, a NaN value the channel it is in. (The CPU kernel leaves NaN codes
 // out of its conversion and does such a head again in its scalar loop.)
 TEST_P(CodedCacheTest, Fp8NaNCodesAttendAsTheReference) {
@@ -337,6 +338,38 @@ TEST_P(CodedCacheTest, Fp8NaNCodesAttendAsTheReference) {
   const std::vector<float> got_sparse = Attend(**cpu, *cache, q, &idx, 4);
   EXPECT_EQ(nans(got_sparse), nans(want_sparse));
   EXPECT_TRUE(kernels::AllClose(got_sparse, want_sparse, kTolerance));
+}
+
+// fp8 value scales reach 2^127 (the coders' E8M0Up gives 254 for an infinite value): the CPU
+// kernel, which widens codes to a 2^8 part of their value and puts the 2^8 back into the scale,
+// must not overflow there. Group 0 of cache head 1 (its first 128 tokens) scaled by 2^120, its
+// codes all 1.0 (0x38): values of 2^120, finite.
+TEST_P(CodedCacheTest, Fp8HugeValueScalesAttendAsTheReference) {
+  if (format() != KvFormat::kFP8) GTEST_SKIP() << "only fp8 has group value scales";
+  auto reference = kernels::MakeBackend(kernels::BackendKind::kReference);
+  auto cpu = kernels::MakeBackend(kernels::BackendKind::kCpu, 2);
+  ASSERT_TRUE(reference.ok() && cpu.ok());
+  std::mt19937 rng(6);
+  std::vector<uint8_t> keys, values;
+  RandomHeads(rng, &keys, &values);
+  std::unique_ptr<KvCache> cache = CodedCache(keys, values, 290);
+  LayerCache& lc = cache->layer(0);
+  ASSERT_EQ(KvGroups{kKept}.Of(127), 0);
+  ASSERT_EQ(KvGroups{kKept}.Of(128), 1);
+  lc.coding.v_scales[1 * lc.coding.max_groups + 0] = 127 + 120;
+  const int64_t vc = static_cast<int64_t>(KvValueRowBytes(format(), dtype(), dim()));
+  for (int t = 0; t < 128; ++t) {
+    std::memset(static_cast<uint8_t*>(lc.v) + lc.coding.v_layout.Row(1, t, vc), 0x38, dim());
+  }
+  const std::vector<float> q = RandomRows(kHeads * kGroup, dim(), rng, 0.3f);
+  const std::vector<float> want = Attend(**reference, *cache, q, nullptr, 0);
+  float largest = 0.f;
+  for (float x : want) {
+    ASSERT_TRUE(std::isfinite(x));
+    largest = std::max(largest, std::fabs(x));
+  }
+  EXPECT_GT(largest, 1e35f);
+  EXPECT_TRUE(kernels::AllClose(Attend(**cpu, *cache, q, nullptr, 0), want, kTolerance));
 }
 
 // Its bytes: the codes and their parameters, and a residual of at most a group in the dtype.
