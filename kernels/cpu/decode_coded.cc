@@ -372,26 +372,29 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
     }
     return true;
   };
+  // Row x's G dot products added to acc[0], acc[stride], ..., acc[(G - 1) · stride]; the row
+  // kAhead on asked for.
+  auto add_row = [&](int x, typename V::T* acc, int stride) {
+    if (x + kAhead < count) {
+      const int next = idx ? idx[x + kAhead] : x + kAhead;
+      if (next < resid) Prefetch(krow(next), kc);
+    }
+    const uint8_t* codes = krow(idx ? idx[x] : x);
+    for (int i = 0; i < d; i += 2 * V::N) {
+      typename V::T lo, hi;
+      V::template Codes2<F>(codes, i, &lo, &hi, &seen);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = qb.data() + g * d + i;
+        acc[g * stride] = V::Fmadd(V::Load(qg), lo, acc[g * stride]);
+        acc[g * stride] = V::Fmadd(V::Load(qg + V::N), hi, acc[g * stride]);
+      }
+    }
+  };
   for (int x = 0; x < count;) {
     if (current >= 0 && block_of_group(x)) {
       typename V::T acc[V::N];
       for (int j = 0; j < V::N; ++j) acc[j] = V::Zero();
-      for (int r = 0; r < B; ++r) {
-        if (x + r + kAhead < count) {
-          const int next = idx ? idx[x + r + kAhead] : x + r + kAhead;
-          if (next < resid) Prefetch(krow(next), kc);
-        }
-        const uint8_t* codes = krow(idx ? idx[x + r] : x + r);
-        for (int i = 0; i < d; i += 2 * V::N) {
-          typename V::T lo, hi;
-          V::template Codes2<F>(codes, i, &lo, &hi, &seen);
-          for (int g = 0; g < G; ++g) {
-            const float* qg = qb.data() + g * d + i;
-            acc[g * B + r] = V::Fmadd(V::Load(qg), lo, acc[g * B + r]);
-            acc[g * B + r] = V::Fmadd(V::Load(qg + V::N), hi, acc[g * B + r]);
-          }
-        }
-      }
+      for (int r = 0; r < B; ++r) add_row(x + r, acc + r, B);
       alignas(64) float sums[V::N];
       V::Store(sums, V::Mul(V::Add(V::SumEach(acc), V::Load(lane_qa)), vscale));
       for (int g = 0; g < G; ++g) std::memcpy(s + int64_t{g} * count + x, sums + g * B, B * 4);
@@ -409,21 +412,9 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
     }
     const int gi = groups.Of(tok);
     if (gi != current) fold(gi);
-    if (x + kAhead < count) {
-      const int next = idx ? idx[x + kAhead] : x + kAhead;
-      if (next < resid) Prefetch(krow(next), kc);
-    }
-    const uint8_t* codes = krow(tok);
     typename V::T acc[G];
     for (int g = 0; g < G; ++g) acc[g] = V::Zero();
-    for (int i = 0; i < d; i += 2 * V::N) {
-      typename V::T lo, hi;
-      V::template Codes2<F>(codes, i, &lo, &hi, &seen);
-      for (int g = 0; g < G; ++g) {
-        const float* qg = qb.data() + g * d + i;
-        acc[g] = V::Fmadd(V::Load(qg + V::N), hi, V::Fmadd(V::Load(qg), lo, acc[g]));
-      }
-    }
+    add_row(x, acc, 1);
     for (int g = 0; g < G; ++g) s[int64_t{g} * count + x] = (V::Sum(acc[g]) + qa[g]) * scale;
     ++x;
   }
