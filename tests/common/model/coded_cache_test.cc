@@ -507,13 +507,20 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
   struct Seq {
     KvFormat format;
     int kept, appended;
-    bool sparse = false;  // 60 chosen tokens per cache head
+    int chosen = 0;       // tokens chosen per cache head (sparse attention), 0: all
+    bool sorted = false;  // chosen in order, as the selections give them: the CPU kernel then
+                          // takes runs of a key group's rows in blocks
   };
   // 1500 kept: 11 groups of 128, one of 76 and the recent 16; 150 appended: a group coded and 22
   // in the residual.
-  const Seq batch[] = {{KvFormat::kInt4, 1500, 150},    {KvFormat::kFP8, 290, 0},
-                       {KvFormat::kAuto, 500, 5},       {KvFormat::kInt8, 40, 3},
-                       {KvFormat::kInt8, 300, 0, true}, {KvFormat::kInt4, 7, 0}};
+  const Seq batch[] = {{KvFormat::kInt4, 1500, 150},
+                       {KvFormat::kFP8, 290, 0},
+                       {KvFormat::kAuto, 500, 5},
+                       {KvFormat::kInt8, 40, 3},
+                       {KvFormat::kInt8, 300, 0, 60},
+                       {KvFormat::kInt4, 7, 0},
+                       {KvFormat::kInt4, 1500, 150, 500, true},
+                       {KvFormat::kFP8, 1000, 20, 400, true}};
   constexpr int kCacheHeads = 2;
   for (kernels::BackendKind kind : kinds) {
     for (const Case& cs : cases) {
@@ -555,9 +562,12 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
         }
         const std::vector<float> q = RandomRows(n_heads, cs.d, rng, 0.3f);
         std::vector<int32_t> chosen;
-        if (sq.sparse) {
-          for (int i = 0; i < kCacheHeads * 60; ++i) {
-            chosen.push_back(static_cast<int32_t>(rng() % on_ref.back()->layer(0).len));
+        for (int i = 0; i < kCacheHeads * sq.chosen; ++i) {
+          chosen.push_back(static_cast<int32_t>(rng() % on_ref.back()->layer(0).len));
+        }
+        if (sq.sorted) {
+          for (int c = 0; c < kCacheHeads; ++c) {
+            std::sort(chosen.begin() + c * sq.chosen, chosen.begin() + (c + 1) * sq.chosen);
           }
         }
         for (auto [arena, cache, seqs, outs] :
@@ -572,9 +582,9 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
           s.layout = lc.layout;
           s.coding = lc.coding;
           s.len = lc.len;
-          if (sq.sparse) {
+          if (sq.chosen > 0) {
             s.indices = arena->Upload(chosen);
-            s.num_indices = 60;
+            s.num_indices = sq.chosen;
           }
           seqs->push_back(s);
           outs->push_back(s.out);
