@@ -127,7 +127,6 @@ absl::StatusOr<DecodeMatMulRates> CudaDecodeMatMulRates(int m, int n, int k) {
     return absl::InternalError("cublasCreate failed");
   }
   ASSIGN_OR_RETURN(void* w, s.Alloc(size_t{2} * n * k));
-  ASSIGN_OR_RETURN(void* xb, s.Alloc(size_t{2} * m * k));
   ASSIGN_OR_RETURN(void* x, s.Alloc(size_t{4} * m * k));
   ASSIGN_OR_RETURN(void* y, s.Alloc(size_t{4} * m * n));
   FillRandomBf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(w), int64_t{n} * k, 3);
@@ -140,8 +139,11 @@ absl::StatusOr<DecodeMatMulRates> CudaDecodeMatMulRates(int m, int n, int k) {
   p.m = m;
   p.n = n;
   p.k = k;
-  // x's values do not change the time; zeros will do. xb is cuBLAS's x rounded to bf16.
+  // x's values do not change the time; zeros will do. xb is where each kernel rounds x to bf16.
   RETURN_IF_ERROR(CudaStatus(cudaMemset(x, 0, size_t{4} * m * k), "cudaMemset"));
+  ASSIGN_OR_RETURN(void* xb,
+                   s.Alloc(std::max(cuda::MatMulScratchBytes(p, cuda::MatMulKernel::kGemv),
+                                    cuda::MatMulScratchBytes(p, cuda::MatMulKernel::kCublas))));
   DecodeMatMulRates rates;
   for (const auto kernel : {cuda::MatMulKernel::kGemv, cuda::MatMulKernel::kCublas}) {
     ASSIGN_OR_RETURN(const double ms, s.MedianMs(3, 20, [&] {

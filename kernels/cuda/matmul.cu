@@ -3,8 +3,8 @@
  * With bf16 W, x is rounded to bf16 first (backend.h): each product is then exact in
  * float32, as on tensor cores.
  *
- * Decode-sized m (≤ kGemvMaxRows; against bf16 W, one row): a GEMV (matmul.cuh), each warp one
- * row of W.
+ * Decode-sized m (≤ kGemvMaxRows; against bf16 W, one row unless asked for more): a GEMV
+ * (matmul.cuh), each warp one row of W.
  *
  * Otherwise cuBLAS. bf16 W: x rounded to bf16 into scratch, then cublasGemmEx with
  * bf16 inputs and float32 accumulation and output (the tensor cores). f32 W: cublasSgemm
@@ -45,27 +45,47 @@ __global__ void AddBiasKernel(float* y, int64_t ys, const float* __restrict__ bi
   }
 }
 
-template <typename T, int M>
-absl::Status LaunchGemv(const MatMulParams& p, int64_t xs, int64_t ys, cudaStream_t stream) {
-  const decode_gemv::Gemv g = decode_gemv::GemvFor(p, xs, sizeof(T));
+template <typename T, int M, bool kRoundX>
+absl::Status LaunchGemvKernel(const MatMulParams& p, const float* x, int64_t xs, int64_t ys,
+                              cudaStream_t stream) {
+  const decode_gemv::Gemv g = decode_gemv::GemvFor(p, x, xs, sizeof(T));
+  constexpr int kThreads = 32 * decode_gemv::kWarpsPerBlock;
+  const T* w = static_cast<const T*>(p.w);
   if (g.vec) {
-    decode_gemv::GemvKernel<T, M, true><<<g.blocks, 32 * decode_gemv::kWarpsPerBlock, 0, stream>>>(
-        p.x, xs, g.x_vec, static_cast<const T*>(p.w), p.bias, p.y, ys, p.m, p.n, p.k);
+    decode_gemv::GemvKernel<T, M, true, kRoundX>
+        <<<g.blocks, kThreads, 0, stream>>>(x, xs, g.x_vec, w, p.bias, p.y, ys, p.m, p.n, p.k);
   } else {
-    decode_gemv::GemvKernel<T, M, false><<<g.blocks, 32 * decode_gemv::kWarpsPerBlock, 0, stream>>>(
-        p.x, xs, false, static_cast<const T*>(p.w), p.bias, p.y, ys, p.m, p.n, p.k);
+    decode_gemv::GemvKernel<T, M, false, kRoundX>
+        <<<g.blocks, kThreads, 0, stream>>>(x, xs, false, w, p.bias, p.y, ys, p.m, p.n, p.k);
   }
   return LaunchStatus("GemvKernel");
+}
+
+template <typename T, int M>
+absl::Status LaunchGemv(const MatMulParams& p, int64_t xs, int64_t ys, void* scratch,
+                        cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && M > 1) {
+    if (decode_gemv::GemvRoundsFirst(p)) {
+      auto* rounded = static_cast<float*>(scratch);
+      const int64_t total = static_cast<int64_t>(p.m) * p.k;
+      decode_gemv::RoundRowsKernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+          p.x, xs, rounded, p.m, p.k);
+      RETURN_IF_ERROR(LaunchStatus("RoundRowsKernel"));
+      return LaunchGemvKernel<T, M, false>(p, rounded, p.k, ys, stream);
+    }
+  }
+  return LaunchGemvKernel<T, M, true>(p, p.x, xs, ys, stream);
 }
 
 int GridFor(int64_t total) {
   return static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535));
 }
 
-// Whether a call runs on the GEMV. Against bf16 W only for one row of x: the GEMV rounds each x
-// element to bf16 once per row of W it meets (an F2F beside every FFMA in its SASS), which at 8
-// rows caps it near a third of the memory's rate, where cuBLAS rounds x once (a pass over m·k)
-// and multiplies on the tensor cores. gpu_bench sets the two side by side per batch.
+// Whether a call runs on the GEMV. Against bf16 W only for one row of x unless asked: for more it
+// reads x rounded beforehand (RoundRowsKernel, as cuBLAS's path does; it once rounded each
+// element per row of W, an F2F beside every FFMA, near a third of the memory's rate at 8 rows),
+// which has not yet run on a GPU beside cuBLAS's tensor cores. gpu_bench sets the two side by
+// side per batch: what this switch is to be set by.
 bool Gemv(const MatMulParams& p, MatMulKernel kernel) {
   if (kernel != MatMulKernel::kAuto) return kernel == MatMulKernel::kGemv;
   return p.m <= (p.w_dtype == DType::kBF16 ? 1 : kGemvMaxRows);
@@ -74,7 +94,7 @@ bool Gemv(const MatMulParams& p, MatMulKernel kernel) {
 }  // namespace
 
 size_t MatMulScratchBytes(const MatMulParams& p, MatMulKernel kernel) {
-  if (Gemv(p, kernel)) return 0;
+  if (Gemv(p, kernel)) return decode_gemv::GemvScratchBytes(p);
   switch (p.w_dtype) {
     case DType::kBF16:
       return static_cast<size_t>(p.m) * p.k * sizeof(__nv_bfloat16);
@@ -90,18 +110,18 @@ absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* sc
                           cudaStream_t stream, MatMulKernel kernel) {
   const int64_t xs = p.x_stride ? p.x_stride : p.k;
   const int64_t ys = p.y_stride ? p.y_stride : p.n;
-  if (Gemv(p, kernel)) {
-    if (p.m > kGemvMaxRows) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("MatMul: the GEMV takes up to ", kGemvMaxRows, " rows, got ", p.m));
-    }
-    return DispatchDType(p.w_dtype, [&]<typename T>() {
-      return decode_gemv::DispatchRows(
-          p.m, [&]<int M>() { return LaunchGemv<T, M>(p, xs, ys, stream); });
-    });
+  if (Gemv(p, kernel) && p.m > kGemvMaxRows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MatMul: the GEMV takes up to ", kGemvMaxRows, " rows, got ", p.m));
   }
   if (MatMulScratchBytes(p, kernel) > 0 && scratch == nullptr) {
     return absl::InternalError("MatMul: no scratch buffer");
+  }
+  if (Gemv(p, kernel)) {
+    return DispatchDType(p.w_dtype, [&]<typename T>() {
+      return decode_gemv::DispatchRows(
+          p.m, [&]<int M>() { return LaunchGemv<T, M>(p, xs, ys, scratch, stream); });
+    });
   }
   // Row-major Y = X·Wᵀ is column-major Yᵀ = W_cmᵀ · X_cm with W_cm = [k, n], X_cm = [k, m].
   // Through cuBLAS's 64-bit API: a 16K-token prefill's logits over a 128K vocabulary are 2^31
