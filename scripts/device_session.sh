@@ -4,15 +4,17 @@
 #
 #   env        nvidia-smi -q, the bundle's manifest, every bundled library resolves
 #   ops        every backend op test on cuda (gtest JSON); failures rerun with
-#              CUDA_LAUNCH_BLOCKING=1 so the error names the launch that faulted
+#              CUDA_LAUNCH_BLOCKING=1 so the error names the launch that faulted; ops_gemv,
+#              the MatMul tests with bf16 products of up to 16 rows on kvwire's GEMV
 #   engine     the engine on cuda against the reference and the CPU engine (DeviceEngine.*)
 #   pair       both nodes on cuda through gRPC (ServicePairOnDevice.*)
 #   oracle     PyTorch on the same device (scripts/device_oracle.py): ceilings, SDPA, and
 #              transformers' stories260K greedy ids against kvwire's on cuda
 #   gpu_bench  decode at batch 1/8/32 (each step a CUDA graph, and op by op) and prefill at
 #              2K/16K against the measured ceilings, on the 1B shape, after its projections
-#              alone through kvwire's GEMV beside cuBLAS; gpu_bench_8b, the last phase, on the
-#              8B shape
+#              alone through kvwire's GEMV beside cuBLAS; gpu_bench_gemv, decode at batch
+#              2/8/16 with bf16 products on the GEMV (KVWIRE_CUDA_BF16_GEMV_ROWS=16);
+#              gpu_bench_8b, the last phase, on the 8B shape
 #   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
 #              (decode attention through FlashInfer where it serves the cache)
 #   decode_native  the same on kvwire's own kernels (KVWIRE_CUDA_ATTENTION=native)
@@ -150,6 +152,10 @@ if ((ops_rc != 0 && ops_rc != 124 && ops_rc != 137)) && [[ "$backend" == cuda &&
   phase ops_blocking 60 gtest_detail env CUDA_LAUNCH_BLOCKING=1 "$kernels_test" \
     --gtest_filter="${failed:-$ops_filter}"
 fi
+# The decode GEMV against bf16 W for 2 to 16 rows of x, which the switch otherwise leaves to
+# cuBLAS: the MatMul op tests with the backend sending those products to it.
+phase ops_gemv 30 gtest_detail env KVWIRE_CUDA_BF16_GEMV_ROWS=16 "$kernels_test" \
+  --gtest_filter="Backends/BackendOpsTest.MatMul/$backend:Backends/BackendOpsTest.Bf16WeightsMultiplyXRoundedToBf16/$backend:BackendFactory.CudaRefusesABf16GemvRowCountOutOfRange"
 # Coded caches (fp8, int8, int4): the device kernels against the reference, and the groups the
 # device codes byte for byte the host's (on guarded, and on cuda where a GPU is present); a
 # batch mixing the formats through coded_decode.cu at the models' head dims and groups.
@@ -174,6 +180,10 @@ else
     awk -F'\t' '{printf "oracle.%s\t%s\t0\t%s\n", $1, $2, $3}' >>"$summary"
   bench_detail() { tail_detail "$1" "$2" 22; }
   phase gpu_bench 120 bench_detail "$(find_bin gpu_bench)" --runs 3
+  # Decode steps with bf16 products of up to 16 rows on kvwire's GEMV rather than cuBLAS (what
+  # the projection table above compares product by product), for the switch.
+  phase gpu_bench_gemv 60 bench_detail env KVWIRE_CUDA_BF16_GEMV_ROWS=16 "$(find_bin gpu_bench)" \
+    --batches 2,8,16 --prefill "" --graphs on --runs 3
   decode_args=(--backend cuda --batch 8 --ctx 32768 --kept 2048 --t 1024 --steps 8
                --threads 16 --kv-formats fp8,int8,int4)
 fi

@@ -23,6 +23,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda/coded_decode.h"
 #include "kernels/cuda/cuda_util.cuh"
 #if KVWIRE_HAVE_FLASHINFER
@@ -335,12 +337,13 @@ enum class AttentionKernel { kFlashInfer, kNative };
 class CudaBackend final : public KernelBackend {
  public:
   CudaBackend(int threads, size_t memory_limit, AttentionKernel attention_kernel, bool prefill_fa3,
-              bool coded_decode)
+              bool coded_decode, int bf16_gemv_rows)
       : pool_(threads),
         limit_(memory_limit),
         attention_kernel_(attention_kernel),
         prefill_fa3_(prefill_fa3),
-        coded_decode_(coded_decode) {}
+        coded_decode_(coded_decode),
+        bf16_gemv_rows_(bf16_gemv_rows) {}
   ~CudaBackend() override {
     lanes_.clear();
     for (void* p : imported_) cudaIpcCloseMemHandle(p);
@@ -465,12 +468,15 @@ class CudaBackend final : public KernelBackend {
   absl::Status MatMul(const MatMulParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
     RETURN_IF_ERROR(ValidateMatMul(p));  // before sizing scratch from p
+    const cuda::MatMulKernel kernel = p.w_dtype == DType::kBF16 && p.m <= bf16_gemv_rows_
+                                          ? cuda::MatMulKernel::kGemv
+                                          : cuda::MatMulKernel::kAuto;
     void* scratch = nullptr;
-    if (const size_t bytes = cuda::MatMulScratchBytes(p); bytes > 0) {
+    if (const size_t bytes = cuda::MatMulScratchBytes(p, kernel); bytes > 0) {
       ASSIGN_OR_RETURN(scratch, lane->Grow(&lane->matmul_scratch, bytes, "cudaMalloc scratch"));
     }
     ASSIGN_OR_RETURN(cublasHandle_t cublas, lane->Cublas());
-    return cuda::LaunchMatMul(p, cublas, scratch, lane->compute);
+    return cuda::LaunchMatMul(p, cublas, scratch, lane->compute, kernel);
   }
   absl::Status EmbedRows(const EmbedRowsParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
@@ -897,8 +903,9 @@ class CudaBackend final : public KernelBackend {
   ThreadPool pool_;
   const size_t limit_;  // 0: none
   const AttentionKernel attention_kernel_;
-  const bool prefill_fa3_;   // FlashInfer's prefill through FA3 (an sm_90 device), else FA2
-  const bool coded_decode_;  // dense decode over coded caches through coded_decode.cu
+  const bool prefill_fa3_;    // FlashInfer's prefill through FA3 (an sm_90 device), else FA2
+  const bool coded_decode_;   // dense decode over coded caches through coded_decode.cu
+  const int bf16_gemv_rows_;  // bf16 products of up to this many rows on kvwire's GEMV, 0: auto
   std::mutex memory_mu_;
   std::unordered_map<void*, size_t> allocations_;
   std::set<void*> imported_;  // other processes' memory mapped here (ImportMemory)
@@ -948,8 +955,21 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads, size_t memory_limi
 #endif
   // kvwire's plain kernels only ("native"), or the coded caches' own decode kernel as well.
   const bool coded_decode = choice != "native";
-  return KernelBackendPtr(
-      std::make_unique<CudaBackend>(threads, memory_limit, kernel, fa3, coded_decode));
+  // Decode-sized bf16 products on kvwire's GEMV up to this many rows of x (1 to 16), where the
+  // switch gives two rows and more to cuBLAS: for gpu_bench to set the two side by side in whole
+  // decode steps, as its projection table does product by product.
+  int bf16_gemv_rows = 0;
+  if (const char* rows = std::getenv("KVWIRE_CUDA_BF16_GEMV_ROWS"); rows && *rows) {
+    const std::string text = rows;
+    if (!absl::SimpleAtoi(text, &bf16_gemv_rows) || bf16_gemv_rows < 1 ||
+        bf16_gemv_rows > cuda::kGemvMaxRows) {
+      return absl::InvalidArgumentError(absl::StrCat("KVWIRE_CUDA_BF16_GEMV_ROWS is '", text,
+                                                     "'; expected a number of rows from 1 to ",
+                                                     cuda::kGemvMaxRows));
+    }
+  }
+  return KernelBackendPtr(std::make_unique<CudaBackend>(threads, memory_limit, kernel, fa3,
+                                                        coded_decode, bf16_gemv_rows));
 }
 
 }  // namespace kvwire::kernels

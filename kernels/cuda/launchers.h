@@ -24,6 +24,7 @@ absl::Status LaunchSwiGlu(const SwiGluParams& p, cudaStream_t stream);
 // otherwise; the others force one (the GEMV for m ≤ 16 only), for the benchmark that sets them
 // side by side.
 enum class MatMulKernel { kAuto, kGemv, kCublas };
+inline constexpr int kGemvMaxRows = 16;  // the most rows of x the GEMV takes (matmul.cuh's)
 size_t MatMulScratchBytes(const MatMulParams& p, MatMulKernel kernel = MatMulKernel::kAuto);
 absl::Status LaunchMatMul(const MatMulParams& p, cublasHandle_t cublas, void* scratch,
                           cudaStream_t stream, MatMulKernel kernel = MatMulKernel::kAuto);

@@ -17,7 +17,7 @@
 namespace kvwire::kernels::cuda {
 namespace {
 
-using decode_gemv::kGemvMaxRows;
+static_assert(decode_gemv::kGemvMaxRows == cuda::kGemvMaxRows);
 
 template <typename T>
 __global__ void WidenKernel(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {

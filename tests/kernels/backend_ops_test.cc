@@ -1242,6 +1242,31 @@ TEST(BackendFactory, CudaWithoutGpuSaysWhy) {
   EXPECT_FALSE(b.status().message().empty());
 }
 
+// KVWIRE_CUDA_BF16_GEMV_ROWS (the most rows of x whose bf16 products go to kvwire's GEMV rather
+// than cuBLAS) is a number of rows from 1 to 16, else the backend is refused, saying so.
+TEST(BackendFactory, CudaRefusesABf16GemvRowCountOutOfRange) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no GPU: the CUDA backend is not made";
+  const char* before = std::getenv("KVWIRE_CUDA_BF16_GEMV_ROWS");
+  const std::string saved = before ? before : "";
+  for (const char* bad : {"0", "17", "-1", "8 rows", "x"}) {
+    SCOPED_TRACE(bad);
+    setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", bad, 1);
+    auto b = MakeBackend(BackendKind::kCuda);
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(b.status().message().find("KVWIRE_CUDA_BF16_GEMV_ROWS"), std::string::npos)
+        << b.status();
+  }
+  setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", "16", 1);
+  auto b = MakeBackend(BackendKind::kCuda);
+  EXPECT_TRUE(b.ok()) << b.status();
+  if (saved.empty()) {
+    unsetenv("KVWIRE_CUDA_BF16_GEMV_ROWS");
+  } else {
+    setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", saved.c_str(), 1);
+  }
+}
+
 TEST(BackendFactory, ParsesNames) {
   EXPECT_EQ(*ParseBackendKind("cpu"), BackendKind::kCpu);
   EXPECT_EQ(*ParseBackendKind("reference"), BackendKind::kReference);
