@@ -111,6 +111,8 @@ int main(int argc, char** argv) {
   f.Define("runs", "3", "timed runs of each measurement (the median is reported)");
   f.Define("graphs", "on,off", "decode steps as CUDA graphs (on), op by op (off), or both");
   f.Define("snapkv-budget", "1024", "tokens SnapKV keeps per head in the compressing prefill");
+  f.Define("projections", "on",
+           "the decode projections alone through kvwire's GEMV and cuBLAS first (on|off)");
   if (int rc = ParseFlagsOrExit(f, "gpu_bench", "gpu_bench [flags]", argc, argv); rc >= 0) {
     return rc;
   }
@@ -134,6 +136,11 @@ int main(int argc, char** argv) {
   CompressionConfig snapkv;
   snapkv.policy = *MakePolicy("snapkv");
   snapkv.budget = static_cast<int>(*budget_or);
+  const std::string projections_flag = f.GetString("projections");
+  if (projections_flag != "on" && projections_flag != "off") {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--projections: '", projections_flag, "' is neither on nor off")));
+  }
   std::vector<bool> graph_modes;
   for (absl::string_view mode : absl::StrSplit(f.GetString("graphs"), ',')) {
     if (mode != "on" && mode != "off") {
@@ -175,28 +182,30 @@ int main(int argc, char** argv) {
   // A decode step's projections alone, at this model's shapes in bf16: kvwire's GEMV beside
   // cuBLAS at each batch a GEMV serves, as bytes of W read per second against the copy. Which
   // is faster at each batch is what sets MatMul's switch between them (kernels/cuda/matmul.cu).
-  constexpr int kGemvBatches[] = {1, 2, 4, 8, 16};
-  std::printf("decode projections (bf16 W), GB/s of W read (of copy), kvwire GEMV | cuBLAS\n");
-  const std::pair<const char*, std::pair<int, int>> projections[] = {
-      {"q|k|v", {(c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size}},
-      {"o", {c.hidden_size, c.num_heads * c.head_dim}},
-      {"gate|up", {2 * c.intermediate_size, c.hidden_size}},
-      {"down", {c.hidden_size, c.intermediate_size}},
-      {"lm head", {c.vocab_size, c.hidden_size}}};
-  std::printf("%-8s %7s %6s", "W", "n", "k");
-  for (int bsz : kGemvBatches) std::printf("   %-27s", absl::StrCat("batch ", bsz).c_str());
-  std::printf("\n");
-  for (const auto& [what, shape] : projections) {
-    std::printf("%-8s %7d %6d", what, shape.first, shape.second);
-    for (int bsz : kGemvBatches) {
-      const auto r = kernels::CudaDecodeMatMulRates(bsz, shape.first, shape.second);
-      if (!r.ok()) return Fail(r.status());
-      std::printf("   %5.0f (%.2f) | %5.0f (%.2f)", r->gemv / 1e9, r->gemv / *copy, r->cublas / 1e9,
-                  r->cublas / *copy);
+  if (projections_flag == "on") {
+    constexpr int kGemvBatches[] = {1, 2, 4, 8, 16};
+    std::printf("decode projections (bf16 W), GB/s of W read (of copy), kvwire GEMV | cuBLAS\n");
+    const std::pair<const char*, std::pair<int, int>> projections[] = {
+        {"q|k|v", {(c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size}},
+        {"o", {c.hidden_size, c.num_heads * c.head_dim}},
+        {"gate|up", {2 * c.intermediate_size, c.hidden_size}},
+        {"down", {c.hidden_size, c.intermediate_size}},
+        {"lm head", {c.vocab_size, c.hidden_size}}};
+    std::printf("%-8s %7s %6s", "W", "n", "k");
+    for (int bsz : kGemvBatches) std::printf("   %-27s", absl::StrCat("batch ", bsz).c_str());
+    std::printf("\n");
+    for (const auto& [what, shape] : projections) {
+      std::printf("%-8s %7d %6d", what, shape.first, shape.second);
+      for (int bsz : kGemvBatches) {
+        const auto r = kernels::CudaDecodeMatMulRates(bsz, shape.first, shape.second);
+        if (!r.ok()) return Fail(r.status());
+        std::printf("   %5.0f (%.2f) | %5.0f (%.2f)", r->gemv / 1e9, r->gemv / *copy,
+                    r->cublas / 1e9, r->cublas / *copy);
+      }
+      std::printf("\n");
     }
     std::printf("\n");
   }
-  std::printf("\n");
 
   std::printf("decode, %d-token caches, %d steps, median of %d runs\n", ctx, steps, runs);
   std::printf("%6s %7s %10s %10s %12s %14s %10s\n", "batch", "graphs", "ms/step", "tokens/s",

@@ -22,8 +22,9 @@
 #   cuda_ipc   two processes on the GPU: a prefill node writing into a decode node's pool pages
 #              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared), at 2K
 #              and 16K tokens: TTFT through the pair beside the prefill forward alone
-#   memcheck   compute-sanitizer memcheck over the op tests and the coded caches' kernels;
-#              racecheck over coded_decode.cu's shared memory
+#   memcheck   compute-sanitizer memcheck over the op tests (the MatMul ones again with bf16
+#              products on the GEMV) and the coded caches' kernels; racecheck over
+#              coded_decode.cu's shared memory
 #
 # Logs, gtest JSON and bench output go to $OUT/logs.tar.gz, the summary to $OUT/summary.tsv
 # (phase, status, seconds, detail), printed last. The device tool brings back at most 8 files.
@@ -39,7 +40,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
   dry=1
   build="${2:-$root/build}"
 elif [[ $# -gt 0 ]]; then
-  sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 fi
 out="${OUT:-$(mktemp -d)}"
@@ -154,8 +155,14 @@ if ((ops_rc != 0 && ops_rc != 124 && ops_rc != 137)) && [[ "$backend" == cuda &&
 fi
 # The decode GEMV against bf16 W for 2 to 16 rows of x, which the switch otherwise leaves to
 # cuBLAS: the MatMul op tests with the backend sending those products to it.
+gemv_filter="Backends/BackendOpsTest.MatMul/$backend:Backends/BackendOpsTest.Bf16WeightsMultiplyXRoundedToBf16/$backend"
 phase ops_gemv 30 gtest_detail env KVWIRE_CUDA_BF16_GEMV_ROWS=16 "$kernels_test" \
-  --gtest_filter="Backends/BackendOpsTest.MatMul/$backend:Backends/BackendOpsTest.Bf16WeightsMultiplyXRoundedToBf16/$backend:BackendFactory.CudaRefusesABf16GemvRowCountOutOfRange"
+  --gtest_filter="$gemv_filter:BackendFactory.CudaRefusesABf16GemvRowCountOutOfRange"
+gemv_rc=$?
+if ((gemv_rc != 0 && gemv_rc != 124 && gemv_rc != 137)) && [[ "$backend" == cuda ]]; then
+  phase ops_gemv_blocking 30 gtest_detail env KVWIRE_CUDA_BF16_GEMV_ROWS=16 \
+    CUDA_LAUNCH_BLOCKING=1 "$kernels_test" --gtest_filter="$gemv_filter"
+fi
 # Coded caches (fp8, int8, int4): the device kernels against the reference, and the groups the
 # device codes byte for byte the host's (on guarded, and on cuda where a GPU is present); a
 # batch mixing the formats through coded_decode.cu at the models' head dims and groups.
@@ -183,7 +190,7 @@ else
   # Decode steps with bf16 products of up to 16 rows on kvwire's GEMV rather than cuBLAS (what
   # the projection table above compares product by product), for the switch.
   phase gpu_bench_gemv 60 bench_detail env KVWIRE_CUDA_BF16_GEMV_ROWS=16 "$(find_bin gpu_bench)" \
-    --batches 2,8,16 --prefill "" --graphs on --runs 3
+    --batches 2,8,16 --prefill "" --graphs on --runs 3 --projections off
   decode_args=(--backend cuda --batch 8 --ctx 32768 --kept 2048 --t 1024 --steps 8
                --threads 16 --kv-formats fp8,int8,int4)
 fi
@@ -235,6 +242,8 @@ elif command -v compute-sanitizer >/dev/null; then
   memcheck_detail() { grep -E 'ERROR SUMMARY|Program hit' "$1" | sort | uniq -c | head -3; echo "(exit $2)"; }
   phase memcheck 150 memcheck_detail compute-sanitizer --tool memcheck --error-exitcode 1 \
     "$kernels_test" --gtest_filter="$ops_filter" --gtest_brief=1
+  phase memcheck_gemv 60 memcheck_detail env KVWIRE_CUDA_BF16_GEMV_ROWS=16 compute-sanitizer \
+    --tool memcheck --error-exitcode 1 "$kernels_test" --gtest_filter="$gemv_filter" --gtest_brief=1
   phase memcheck_coded 90 memcheck_detail compute-sanitizer --tool memcheck --error-exitcode 1 \
     "$model_test" --gtest_filter="Formats/CodedCacheTest.DeviceKernelsReadAndCodeAsTheHost/*_bf16_d64:CodedDecodeBatch.*" \
     --gtest_brief=1

@@ -955,17 +955,18 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads, size_t memory_limi
 #endif
   // kvwire's plain kernels only ("native"), or the coded caches' own decode kernel as well.
   const bool coded_decode = choice != "native";
-  // Decode-sized bf16 products on kvwire's GEMV up to this many rows of x (1 to 16), where the
-  // switch gives two rows and more to cuBLAS: for gpu_bench to set the two side by side in whole
-  // decode steps, as its projection table does product by product.
+  // Decode-sized bf16 products on kvwire's GEMV up to this many rows of x (1 to 16; 0, or
+  // unset, the switch's own choice, which gives two rows and more to cuBLAS): for gpu_bench to
+  // set the two side by side in whole decode steps, as its projection table does product by
+  // product.
   int bf16_gemv_rows = 0;
   if (const char* rows = std::getenv("KVWIRE_CUDA_BF16_GEMV_ROWS"); rows && *rows) {
     const std::string text = rows;
-    if (!absl::SimpleAtoi(text, &bf16_gemv_rows) || bf16_gemv_rows < 1 ||
+    if (!absl::SimpleAtoi(text, &bf16_gemv_rows) || bf16_gemv_rows < 0 ||
         bf16_gemv_rows > cuda::kGemvMaxRows) {
-      return absl::InvalidArgumentError(absl::StrCat("KVWIRE_CUDA_BF16_GEMV_ROWS is '", text,
-                                                     "'; expected a number of rows from 1 to ",
-                                                     cuda::kGemvMaxRows));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "KVWIRE_CUDA_BF16_GEMV_ROWS is '", text,
+          "'; expected a number of rows from 0 (the switch's own choice) to ", cuda::kGemvMaxRows));
     }
   }
   return KernelBackendPtr(std::make_unique<CudaBackend>(threads, memory_limit, kernel, fa3,

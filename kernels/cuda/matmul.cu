@@ -46,17 +46,16 @@ __global__ void AddBiasKernel(float* y, int64_t ys, const float* __restrict__ bi
 }
 
 template <typename T, int M, bool kRoundX>
-absl::Status LaunchGemvKernel(const MatMulParams& p, const float* x, int64_t xs, int64_t ys,
+absl::Status LaunchGemvKernel(const MatMulParams& p, const decode_gemv::GemvPlan& g, int64_t ys,
                               cudaStream_t stream) {
-  const decode_gemv::Gemv g = decode_gemv::GemvFor(p, x, xs, sizeof(T));
   constexpr int kThreads = 32 * decode_gemv::kWarpsPerBlock;
   const T* w = static_cast<const T*>(p.w);
   if (g.vec) {
     decode_gemv::GemvKernel<T, M, true, kRoundX>
-        <<<g.blocks, kThreads, 0, stream>>>(x, xs, g.x_vec, w, p.bias, p.y, ys, p.m, p.n, p.k);
+        <<<g.blocks, kThreads, 0, stream>>>(g.x, g.xs, g.x_vec, w, p.bias, p.y, ys, p.m, p.n, p.k);
   } else {
     decode_gemv::GemvKernel<T, M, false, kRoundX>
-        <<<g.blocks, kThreads, 0, stream>>>(x, xs, false, w, p.bias, p.y, ys, p.m, p.n, p.k);
+        <<<g.blocks, kThreads, 0, stream>>>(g.x, g.xs, false, w, p.bias, p.y, ys, p.m, p.n, p.k);
   }
   return LaunchStatus("GemvKernel");
 }
@@ -64,17 +63,19 @@ absl::Status LaunchGemvKernel(const MatMulParams& p, const float* x, int64_t xs,
 template <typename T, int M>
 absl::Status LaunchGemv(const MatMulParams& p, int64_t xs, int64_t ys, void* scratch,
                         cudaStream_t stream) {
+  const decode_gemv::GemvPlan g = decode_gemv::PlanGemv<M>(p, xs, scratch, sizeof(T));
+  if (!g.round_first) return LaunchGemvKernel<T, M, true>(p, g, ys, stream);
+  // Rounding first is for bf16 W and two rows or more, which DispatchRows gives an M > 1.
   if constexpr (std::is_same_v<T, __nv_bfloat16> && M > 1) {
-    if (decode_gemv::GemvRoundsFirst(p)) {
-      auto* rounded = static_cast<float*>(scratch);
-      const int64_t total = static_cast<int64_t>(p.m) * p.k;
-      decode_gemv::RoundRowsKernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
-          p.x, xs, rounded, p.m, p.k);
-      RETURN_IF_ERROR(LaunchStatus("RoundRowsKernel"));
-      return LaunchGemvKernel<T, M, false>(p, rounded, p.k, ys, stream);
-    }
+    const int64_t total = static_cast<int64_t>(p.m) * p.k;
+    decode_gemv::RoundRowsKernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+        p.x, xs, static_cast<float*>(scratch), p.m, p.k);
+    RETURN_IF_ERROR(LaunchStatus("RoundRowsKernel"));
+    return LaunchGemvKernel<T, M, false>(p, g, ys, stream);
+  } else {
+    return absl::InternalError(absl::StrCat("MatMul: the GEMV for ", M, " rows of x against ",
+                                            DTypeName(p.w_dtype), " W does not round x first"));
   }
-  return LaunchGemvKernel<T, M, true>(p, p.x, xs, ys, stream);
 }
 
 int GridFor(int64_t total) {

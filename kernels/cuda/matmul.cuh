@@ -41,72 +41,119 @@ __global__ void RoundRowsKernel(const float* __restrict__ x, int64_t xs, float* 
   dst[t] = __bfloat162float(__float2bfloat16_rn(x[(t / k) * xs + t % k]));
 }
 
-// One warp per row j of W. kVec: W rows allow 16-byte loads (aligned, k a multiple of the
-// vector), each lane taking V = 16 / sizeof(T) consecutive elements a step; with `x_vec` (x's
-// rows 16-byte aligned too) the V elements of each x row come in 16-byte loads as well, where
-// one 4-byte load each made a batch of 8 rows issue 64 loads per load of W. kRoundX: round x
-// as the product sees it here (false: RoundRowsKernel has).
+// Rows of W a warp owns: each element of x it loads (and, rounding in the loop, rounds) serves R
+// rows of W, where with one row each the rows of x came from L1 once per row of W (at 8 rows of
+// x, 16 16-byte loads of x per 16-byte load of W: L1's rate bounded the product, not memory's).
+__host__ __device__ constexpr int GemvRowsPerWarp(int m_rows) {
+  return m_rows == 1 ? 1 : (m_rows == 2 ? 2 : 4);
+}
+
+// Warps own R = GemvRowsPerWarp(M) rows of W each, from j0. kVec: W rows allow 16-byte loads
+// (aligned, k a multiple of the vector), each lane taking V = 16 / sizeof(T) consecutive elements
+// a step; with `x_vec` (x's rows 16-byte aligned too) the V elements of each x row come in
+// 16-byte loads as well, where one 4-byte load each made a batch of 8 rows issue 64 loads per
+// load of W. kRoundX: round x as the product sees it here (false: RoundRowsKernel has).
 template <typename T, int M, bool kVec, bool kRoundX = true>
 __global__ void GemvKernel(const float* __restrict__ x, int64_t xs, bool x_vec,
                            const T* __restrict__ w, const float* __restrict__ bias,
                            float* __restrict__ y, int64_t ys, int m, int n, int k) {
   constexpr int V = kVec ? 16 / sizeof(T) : 1;
+  constexpr int R = GemvRowsPerWarp(M);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  if (j >= n) return;
-  const T* wr = w + j * k;
-  float acc[M];
+  const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * R;
+  if (j0 >= n) return;
+  const int rows = n - j0 < R ? static_cast<int>(n - j0) : R;  // the last warp's may be fewer
+  float acc[R][M];
 #pragma unroll
-  for (int r = 0; r < M; ++r) acc[r] = 0.f;
-  auto step = [&](const T* wv, int i) {
-    float we[V];
+  for (int q = 0; q < R; ++q) {
 #pragma unroll
-    for (int e = 0; e < V; ++e) we[e] = ToF32(wv[e]);
+    for (int r = 0; r < M; ++r) acc[q][r] = 0.f;
+  }
+  // The V elements at i of each of the R rows of W (0 past the last row) against x's rows.
+  auto step = [&](const float(&we)[R][V], int i) {
 #pragma unroll
     for (int r = 0; r < M; ++r) {
       if (r >= m) continue;
       const float* xr = x + r * xs + i;
+      alignas(16) float xv[V];
+      bool loaded = false;
       if constexpr (kVec) {
         if (x_vec) {
-          alignas(16) float xv[V];
 #pragma unroll
           for (int u = 0; u < V; u += 4) {
             *reinterpret_cast<float4*>(xv + u) = __ldg(reinterpret_cast<const float4*>(xr + u));
           }
-#pragma unroll
-          for (int e = 0; e < V; ++e) acc[r] += (kRoundX ? RoundX<T>(xv[e]) : xv[e]) * we[e];
-          continue;
+          loaded = true;
         }
       }
+      if (!loaded) {
 #pragma unroll
-      for (int e = 0; e < V; ++e) acc[r] += (kRoundX ? RoundX<T>(xr[e]) : xr[e]) * we[e];
+        for (int e = 0; e < V; ++e) xv[e] = xr[e];
+      }
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float xe = kRoundX ? RoundX<T>(xv[e]) : xv[e];
+#pragma unroll
+        for (int q = 0; q < R; ++q) acc[q][r] += xe * we[q][e];
+      }
     }
   };
   constexpr int kStep = 32 * V;
   int i = lane * V;
   if constexpr (kVec) {
-    // kUnroll independent 16-byte loads in flight per lane before the arithmetic.
+    auto widen = [&](const uint4(&raw)[R], float(&we)[R][V]) {
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) we[q][e] = ToF32(reinterpret_cast<const T*>(&raw[q])[e]);
+      }
+    };
+    // kUnroll independent 16-byte loads per row of W in flight per lane before the arithmetic.
     for (; i + (kUnroll - 1) * kStep < k; i += kUnroll * kStep) {
-      uint4 raw[kUnroll];
+      uint4 raw[kUnroll][R];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        raw[u] = __ldg(reinterpret_cast<const uint4*>(wr + i + u * kStep));
+#pragma unroll
+        for (int q = 0; q < R; ++q) {
+          raw[u][q] = q < rows
+                          ? __ldg(reinterpret_cast<const uint4*>(w + (j0 + q) * k + i + u * kStep))
+                          : uint4{0, 0, 0, 0};
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) step(reinterpret_cast<const T*>(&raw[u]), i + u * kStep);
+      for (int u = 0; u < kUnroll; ++u) {
+        float we[R][V];
+        widen(raw[u], we);
+        step(we, i + u * kStep);
+      }
     }
     for (; i < k; i += kStep) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(wr + i));
-      step(reinterpret_cast<const T*>(&raw), i);
+      uint4 raw[R];
+#pragma unroll
+      for (int q = 0; q < R; ++q) {
+        raw[q] = q < rows ? __ldg(reinterpret_cast<const uint4*>(w + (j0 + q) * k + i))
+                          : uint4{0, 0, 0, 0};
+      }
+      float we[R][V];
+      widen(raw, we);
+      step(we, i);
     }
   } else {
-    for (; i < k; i += kStep) step(wr + i, i);
+    for (; i < k; i += kStep) {
+      float we[R][V];
+#pragma unroll
+      for (int q = 0; q < R; ++q) we[q][0] = q < rows ? ToF32(w[(j0 + q) * k + i]) : 0.f;
+      step(we, i);
+    }
   }
 #pragma unroll
-  for (int r = 0; r < M; ++r) {
-    if (r < m) {
-      const float s = WarpSum(acc[r]);
-      if (lane == 0) y[r * ys + j] = s + (bias ? bias[j] : 0.f);
+  for (int q = 0; q < R; ++q) {
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      if (q < rows && r < m) {
+        const float s = WarpSum(acc[q][r]);
+        if (lane == 0) y[r * ys + j0 + q] = s + (bias ? bias[j0 + q] : 0.f);
+      }
     }
   }
 }
@@ -119,19 +166,29 @@ __host__ inline size_t GemvScratchBytes(const MatMulParams& p) {
   return GemvRoundsFirst(p) ? sizeof(float) * p.m * p.k : 0;
 }
 
-// How LaunchMatMul runs a decode-sized product: which kernel, and its loads of x (at x, rows xs
-// apart: p.x, or the rounded rows).
-struct Gemv {
+// How LaunchMatMul runs a decode-sized product on the GEMV built for M rows of x: whether x is
+// rounded first (into `scratch`), the x the kernel then reads (p.x, or the rounded rows packed)
+// and its row stride, its loads, and its grid. The emulation (tests/kernels/emulated) runs the
+// same plan.
+struct GemvPlan {
+  bool round_first = false;
+  const float* x = nullptr;
+  int64_t xs = 0;
   bool vec = false, x_vec = false;
   int blocks = 0;
 };
-__host__ inline Gemv GemvFor(const MatMulParams& p, const float* x, int64_t xs, int elem_bytes) {
+template <int M>
+__host__ inline GemvPlan PlanGemv(const MatMulParams& p, int64_t xs, void* scratch,
+                                  int elem_bytes) {
   auto aligned16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  const int v = 16 / elem_bytes;
-  Gemv g;
-  g.vec = aligned16(p.w) && p.k % v == 0;
-  g.x_vec = g.vec && aligned16(x) && xs % 4 == 0;
-  g.blocks = (p.n + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  GemvPlan g;
+  g.round_first = GemvRoundsFirst(p);
+  g.x = g.round_first ? static_cast<const float*>(scratch) : p.x;
+  g.xs = g.round_first ? p.k : xs;
+  g.vec = aligned16(p.w) && p.k % (16 / elem_bytes) == 0;
+  g.x_vec = g.vec && aligned16(g.x) && g.xs % 4 == 0;
+  const int64_t rows_per_block = int64_t{kWarpsPerBlock} * GemvRowsPerWarp(M);
+  g.blocks = static_cast<int>((p.n + rows_per_block - 1) / rows_per_block);
   return g;
 }
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -1243,12 +1244,23 @@ TEST(BackendFactory, CudaWithoutGpuSaysWhy) {
 }
 
 // KVWIRE_CUDA_BF16_GEMV_ROWS (the most rows of x whose bf16 products go to kvwire's GEMV rather
-// than cuBLAS) is a number of rows from 1 to 16, else the backend is refused, saying so.
+// than cuBLAS) is a number of rows from 0 (the switch's own choice) to 16, else the backend is
+// refused, saying so.
 TEST(BackendFactory, CudaRefusesABf16GemvRowCountOutOfRange) {
   if (!CudaAvailable()) GTEST_SKIP() << "no GPU: the CUDA backend is not made";
-  const char* before = std::getenv("KVWIRE_CUDA_BF16_GEMV_ROWS");
-  const std::string saved = before ? before : "";
-  for (const char* bad : {"0", "17", "-1", "8 rows", "x"}) {
+  // The variable as it was, put back however the test ends (later tests make backends too).
+  struct Restore {
+    std::optional<std::string> value;
+    ~Restore() {
+      if (value) {
+        setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", value->c_str(), 1);
+      } else {
+        unsetenv("KVWIRE_CUDA_BF16_GEMV_ROWS");
+      }
+    }
+  } restore;
+  if (const char* before = std::getenv("KVWIRE_CUDA_BF16_GEMV_ROWS")) restore.value = before;
+  for (const char* bad : {"17", "-1", "8 rows", "x"}) {
     SCOPED_TRACE(bad);
     setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", bad, 1);
     auto b = MakeBackend(BackendKind::kCuda);
@@ -1257,13 +1269,10 @@ TEST(BackendFactory, CudaRefusesABf16GemvRowCountOutOfRange) {
     EXPECT_NE(b.status().message().find("KVWIRE_CUDA_BF16_GEMV_ROWS"), std::string::npos)
         << b.status();
   }
-  setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", "16", 1);
-  auto b = MakeBackend(BackendKind::kCuda);
-  EXPECT_TRUE(b.ok()) << b.status();
-  if (saved.empty()) {
-    unsetenv("KVWIRE_CUDA_BF16_GEMV_ROWS");
-  } else {
-    setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", saved.c_str(), 1);
+  for (const char* good : {"0", "16"}) {
+    setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", good, 1);
+    auto b = MakeBackend(BackendKind::kCuda);
+    EXPECT_TRUE(b.ok()) << good << ": " << b.status();
   }
 }
 

@@ -1,10 +1,10 @@
-// kernels/cuda/matmul.cuh (MatMul's decode-sized GEMV: a warp per row of W, 16-byte loads of W
-// and, where x's rows are aligned, of x; against bf16 W of more than one row, x's rows rounded
-// first by RoundRowsKernel) run where no GPU is, on emulated blocks, against the reference's
-// MatMul: each dtype, each kernel built for a number of rows (1, 2, 4, 8, 16) and
-// fewer rows than it is built for, W and x rows that allow 16-byte loads and ones that do not
-// (a row length off the vector, a stride off 16 bytes, W one element past an aligned address),
-// the loop's unrolled steps and its remainder, bias, strided y. No vector load may be misaligned.
+// kernels/cuda/matmul.cuh (MatMul's decode-sized GEMV: a warp per 1, 2 or 4 rows of W, 16-byte
+// loads of W and, where x's rows are aligned, of x; against bf16 W of more than one row, x's rows
+// rounded first by RoundRowsKernel) run where no GPU is, on emulated blocks, against the
+// reference's MatMul: each dtype, each kernel built for a number of rows (1, 2, 4, 8, 16) and fewer
+// rows than it is built for, W and x rows that allow 16-byte loads and ones that do not (a row
+// length off the vector, a stride off 16 bytes, W one element past an aligned address), the loop's
+// unrolled steps and its remainder, bias, strided y. No vector load may be misaligned.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,42 +24,39 @@ namespace {
 namespace gv = kernels::cuda::decode_gemv;
 using kernels::MatMulParams;
 
-// As matmul.cu's LaunchGemv: bf16 W and more than one row of x, the rows rounded first (into
-// `scratch`, 16-byte aligned as a device allocation is).
+// As matmul.cu's LaunchGemv, from the same plan (PlanGemv): bf16 W and more than one row of x,
+// the rows rounded first (into `scratch`, 16-byte aligned as a device allocation is).
 absl::Status Emulate(const MatMulParams& p, emulated::Order order) {
   const int64_t xs = p.x_stride ? p.x_stride : p.k, ys = p.y_stride ? p.y_stride : p.n;
   std::vector<float4> scratch(gv::GemvScratchBytes(p) / sizeof(float4) + 1);
-  auto* rounded = reinterpret_cast<float*>(scratch.data());
   return kernels::cuda::DispatchDType(p.w_dtype, [&]<typename T>() {
     return gv::DispatchRows(p.m, [&]<int M>() {
-      constexpr bool kMayRound = std::is_same_v<T, __nv_bfloat16> && M > 1;
-      const bool round_first = kMayRound && gv::GemvRoundsFirst(p);
-      if (round_first) {
-        const int64_t total = static_cast<int64_t>(p.m) * p.k;
-        if (!emulated::RunGrid({static_cast<unsigned>((total + 255) / 256), 1, 1}, 256, order,
-                               [&] { gv::RoundRowsKernel(p.x, xs, rounded, p.m, p.k); })) {
-          return absl::InternalError("the rounding block's threads deadlocked");
-        }
-      }
-      const float* x = round_first ? rounded : p.x;
-      const int64_t x_stride = round_first ? p.k : xs;
-      const gv::Gemv g = gv::GemvFor(p, x, x_stride, sizeof(T));
+      const gv::GemvPlan g = gv::PlanGemv<M>(p, xs, scratch.data(), sizeof(T));
       const T* w = static_cast<const T*>(p.w);
       auto run = [&]<bool kRoundX>() {
         return emulated::RunGrid({static_cast<unsigned>(g.blocks), 1, 1}, 32 * gv::kWarpsPerBlock,
                                  order, [&] {
                                    if (g.vec) {
                                      gv::GemvKernel<T, M, true, kRoundX>(
-                                         x, x_stride, g.x_vec, w, p.bias, p.y, ys, p.m, p.n, p.k);
+                                         g.x, g.xs, g.x_vec, w, p.bias, p.y, ys, p.m, p.n, p.k);
                                    } else {
                                      gv::GemvKernel<T, M, false, kRoundX>(
-                                         x, x_stride, false, w, p.bias, p.y, ys, p.m, p.n, p.k);
+                                         g.x, g.xs, false, w, p.bias, p.y, ys, p.m, p.n, p.k);
                                    }
                                  });
       };
-      const bool ran =
-          round_first ? run.template operator()<false>() : run.template operator()<true>();
-      return ran ? absl::OkStatus() : absl::InternalError("the block's threads deadlocked");
+      if (!g.round_first) {
+        return run.template operator()<true>() ? absl::OkStatus()
+                                               : absl::InternalError("the threads deadlocked");
+      }
+      const int64_t total = static_cast<int64_t>(p.m) * p.k;
+      auto* rounded = reinterpret_cast<float*>(scratch.data());
+      if (!emulated::RunGrid({static_cast<unsigned>((total + 255) / 256), 1, 1}, 256, order,
+                             [&] { gv::RoundRowsKernel(p.x, xs, rounded, p.m, p.k); })) {
+        return absl::InternalError("the rounding block's threads deadlocked");
+      }
+      return run.template operator()<false>() ? absl::OkStatus()
+                                              : absl::InternalError("the threads deadlocked");
     });
   });
 }
