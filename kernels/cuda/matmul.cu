@@ -4,7 +4,7 @@
  * float32, as on tensor cores.
  *
  * Decode-sized m (≤ kGemvMaxRows; against bf16 W, one row unless asked for more): a GEMV
- * (matmul.cuh), each warp one row of W.
+ * (matmul.cuh), each warp 1, 2 or 4 rows of W.
  *
  * Otherwise cuBLAS. bf16 W: x rounded to bf16 into scratch, then cublasGemmEx with
  * bf16 inputs and float32 accumulation and output (the tensor cores). f32 W: cublasSgemm
@@ -48,14 +48,13 @@ __global__ void AddBiasKernel(float* y, int64_t ys, const float* __restrict__ bi
 template <typename T, int M, bool kRoundX>
 absl::Status LaunchGemvKernel(const MatMulParams& p, const decode_gemv::GemvPlan& g, int64_t ys,
                               cudaStream_t stream) {
-  constexpr int kThreads = 32 * decode_gemv::kWarpsPerBlock;
   const T* w = static_cast<const T*>(p.w);
   if (g.vec) {
     decode_gemv::GemvKernel<T, M, true, kRoundX>
-        <<<g.blocks, kThreads, 0, stream>>>(g.x, g.xs, g.x_vec, w, p.bias, p.y, ys, p.m, p.n, p.k);
+        <<<g.blocks, g.threads, 0, stream>>>(g.x, g.xs, g.x_vec, w, p.bias, p.y, ys, p.m, p.n, p.k);
   } else {
     decode_gemv::GemvKernel<T, M, false, kRoundX>
-        <<<g.blocks, kThreads, 0, stream>>>(g.x, g.xs, false, w, p.bias, p.y, ys, p.m, p.n, p.k);
+        <<<g.blocks, g.threads, 0, stream>>>(g.x, g.xs, false, w, p.bias, p.y, ys, p.m, p.n, p.k);
   }
   return LaunchStatus("GemvKernel");
 }

@@ -1,9 +1,9 @@
 /* MatMul's decode-sized kernel (matmul.cu launches it, and says when): y[m, n] = x[m, k] · Wᵀ
- * (+ bias) for m ≤ kGemvMaxRows, a GEMV where each warp owns one row of W and reads it once,
- * 16 bytes per lane per load (4 loads in flight), against the m activation rows, and a warp
- * reduction finishes each dot product. Decode is bound by reading W, so the loads are what
- * matters. Rows whose length or address does not allow 16-byte loads take the same kernel one
- * element per lane. With bf16 W, x is rounded to bf16 first (backend.h): each product is then
+ * (+ bias) for m ≤ kGemvMaxRows, a GEMV where each warp owns 1, 2 or 4 rows of W and reads
+ * them once, 16 bytes per lane per load (4 loads a row in flight), against the m activation
+ * rows, and a warp reduction finishes each dot product. Decode is bound by reading W, so the loads
+ * are what matters. Rows whose length or address does not allow 16-byte loads take the same kernel
+ * one element per lane. With bf16 W, x is rounded to bf16 first (backend.h): each product is then
  * exact in float32; one row of x is rounded in the loop, more by RoundRowsKernel beforehand.
  * Tested against the reference by BackendOpsTest.MatMul on cuda and, where no GPU is, in
  * tests/kernels/emulated. */
@@ -18,7 +18,7 @@
 namespace kvwire::kernels::cuda::decode_gemv {
 
 constexpr int kGemvMaxRows = 16;
-constexpr int kWarpsPerBlock = 8;
+constexpr int kRowsPerBlock = 8;  // rows of W a block owns: 8 warps of one row, 2 of four
 constexpr int kUnroll = 4;
 
 // x as the product sees it: rounded to bf16 against bf16 weights.
@@ -43,7 +43,8 @@ __global__ void RoundRowsKernel(const float* __restrict__ x, int64_t xs, float* 
 
 // Rows of W a warp owns: each element of x it loads (and, rounding in the loop, rounds) serves R
 // rows of W, where with one row each the rows of x came from L1 once per row of W (at 8 rows of
-// x, 16 16-byte loads of x per 16-byte load of W: L1's rate bounded the product, not memory's).
+// x, 16 16-byte loads of x per 16-byte load of W). A block owns kRowsPerBlock rows whatever R
+// (kRowsPerBlock / R warps), so that a product of few rows still spreads over every SM.
 __host__ __device__ constexpr int GemvRowsPerWarp(int m_rows) {
   return m_rows == 1 ? 1 : (m_rows == 2 ? 2 : 4);
 }
@@ -60,7 +61,7 @@ __global__ void GemvKernel(const float* __restrict__ x, int64_t xs, bool x_vec,
   constexpr int V = kVec ? 16 / sizeof(T) : 1;
   constexpr int R = GemvRowsPerWarp(M);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * R;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + int64_t{warp} * R;
   if (j0 >= n) return;
   const int rows = n - j0 < R ? static_cast<int>(n - j0) : R;  // the last warp's may be fewer
   float acc[R][M];
@@ -175,7 +176,7 @@ struct GemvPlan {
   const float* x = nullptr;
   int64_t xs = 0;
   bool vec = false, x_vec = false;
-  int blocks = 0;
+  int blocks = 0, threads = 0;
 };
 template <int M>
 __host__ inline GemvPlan PlanGemv(const MatMulParams& p, int64_t xs, void* scratch,
@@ -187,8 +188,8 @@ __host__ inline GemvPlan PlanGemv(const MatMulParams& p, int64_t xs, void* scrat
   g.xs = g.round_first ? p.k : xs;
   g.vec = aligned16(p.w) && p.k % (16 / elem_bytes) == 0;
   g.x_vec = g.vec && aligned16(g.x) && g.xs % 4 == 0;
-  const int64_t rows_per_block = int64_t{kWarpsPerBlock} * GemvRowsPerWarp(M);
-  g.blocks = static_cast<int>((p.n + rows_per_block - 1) / rows_per_block);
+  g.blocks = static_cast<int>((int64_t{p.n} + kRowsPerBlock - 1) / kRowsPerBlock);
+  g.threads = 32 * kRowsPerBlock / GemvRowsPerWarp(M);
   return g;
 }
 

@@ -34,16 +34,15 @@ absl::Status Emulate(const MatMulParams& p, emulated::Order order) {
       const gv::GemvPlan g = gv::PlanGemv<M>(p, xs, scratch.data(), sizeof(T));
       const T* w = static_cast<const T*>(p.w);
       auto run = [&]<bool kRoundX>() {
-        return emulated::RunGrid({static_cast<unsigned>(g.blocks), 1, 1}, 32 * gv::kWarpsPerBlock,
-                                 order, [&] {
-                                   if (g.vec) {
-                                     gv::GemvKernel<T, M, true, kRoundX>(
-                                         g.x, g.xs, g.x_vec, w, p.bias, p.y, ys, p.m, p.n, p.k);
-                                   } else {
-                                     gv::GemvKernel<T, M, false, kRoundX>(
-                                         g.x, g.xs, false, w, p.bias, p.y, ys, p.m, p.n, p.k);
-                                   }
-                                 });
+        return emulated::RunGrid({static_cast<unsigned>(g.blocks), 1, 1}, g.threads, order, [&] {
+          if (g.vec) {
+            gv::GemvKernel<T, M, true, kRoundX>(g.x, g.xs, g.x_vec, w, p.bias, p.y, ys, p.m, p.n,
+                                                p.k);
+          } else {
+            gv::GemvKernel<T, M, false, kRoundX>(g.x, g.xs, false, w, p.bias, p.y, ys, p.m, p.n,
+                                                 p.k);
+          }
+        });
       };
       if (!g.round_first) {
         return run.template operator()<true>() ? absl::OkStatus()
@@ -72,11 +71,19 @@ TEST(GemvEmulated, EqualsTheReference) {
   const Case cases[] = {
       {1, 37, 2112, 0, 0, false, false},  // bf16/f16: 8 steps unrolled by 4, then 0; f32: 16+...
       {1, 9, 2080, 4, 3, false, true},    // a remainder after the unrolled steps
-      {2, 20, 520, 0, 0, false, true},   {3, 17, 1024, 1, 0, false, false},  // x off 16 bytes
-      {4, 8, 768, 0, 2, true, true},     // W off 16 bytes: one element a lane
-      {5, 12, 130, 0, 0, false, false},  // k off the vector (bf16, f16 and f32)
-      {8, 33, 1056, 4, 1, false, true},  {11, 16, 512, 0, 0, false, true},
-      {16, 9, 4096, 8, 0, false, false}, {16, 5, 60, 0, 0, false, true},
+      {2, 20, 520, 0, 0, false, true},
+      {3, 17, 1024, 1, 0, false, false},  // x off 16 bytes
+      {4, 8, 768, 0, 2, true, true},      // W off 16 bytes: one element a lane
+      {5, 12, 130, 0, 0, false, false},   // k off the vector (bf16, f16 and f32)
+      {8, 33, 1056, 4, 1, false, true},
+      {11, 16, 512, 0, 0, false, true},
+      // A warp's 2 or 4 rows of W cut short by n (1 of 2; 2 and 3 of 4), off the vector, strided.
+      {2, 21, 1040, 1, 3, false, true},
+      {2, 19, 130, 0, 2, true, true},
+      {4, 30, 768, 0, 1, false, true},
+      {8, 35, 520, 0, 0, false, true},
+      {16, 9, 4096, 8, 0, false, false},
+      {16, 5, 60, 0, 0, false, true},
   };
   auto reference = kernels::MakeBackend(kernels::BackendKind::kReference);
   ASSERT_TRUE(reference.ok());
