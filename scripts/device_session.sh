@@ -142,27 +142,31 @@ pair_test="$(find_bin decode_service_test)"
 kvwire="$(find_bin kvwire)"
 ops_filter="Backends/BackendOpsTest.*/$backend"
 
+# rerun_blocking NAME RC LIMIT FILTER CMD...: after gtest phase NAME failed with RC, its failed
+# cases again with CUDA_LAUNCH_BLOCKING=1, so the error names the launch that faulted (all of
+# FILTER where the binary died before naming one, a crash); not after a timeout, which the
+# slower rerun would only repeat.
+rerun_blocking() {
+  local name=$1 rc=$2 limit=$3 filter=$4
+  shift 4
+  ((rc != 0 && rc != 124 && rc != 137)) && [[ "$backend" == cuda && -s "$work/$name.log" ]] ||
+    return 0
+  local failed
+  failed=$(failed_cases "$work/$name.log" | tr '\n' ':')
+  failed="${failed%:}"
+  phase "${name}_blocking" "$limit" gtest_detail env CUDA_LAUNCH_BLOCKING=1 "$@" \
+    --gtest_filter="${failed:-$filter}"
+}
+
 phase ops 90 gtest_detail "$kernels_test" --gtest_filter="$ops_filter" \
   --gtest_output="json:$work/ops.json"
-ops_rc=$?
-# The failed cases again, or all of them where the binary died before naming one (a crash);
-# not after a timeout, which the slower rerun would only repeat.
-if ((ops_rc != 0 && ops_rc != 124 && ops_rc != 137)) && [[ "$backend" == cuda && -s "$work/ops.log" ]]; then
-  failed=$(failed_cases "$work/ops.log" | tr '\n' ':')
-  failed="${failed%:}"
-  phase ops_blocking 60 gtest_detail env CUDA_LAUNCH_BLOCKING=1 "$kernels_test" \
-    --gtest_filter="${failed:-$ops_filter}"
-fi
+rerun_blocking ops $? 60 "$ops_filter" "$kernels_test"
 # The decode GEMV against bf16 W for 2 to 16 rows of x, which the switch otherwise leaves to
 # cuBLAS: the MatMul op tests with the backend sending those products to it.
 gemv_filter="Backends/BackendOpsTest.MatMul/$backend:Backends/BackendOpsTest.Bf16WeightsMultiplyXRoundedToBf16/$backend"
 phase ops_gemv 30 gtest_detail env KVWIRE_CUDA_BF16_GEMV_ROWS=16 "$kernels_test" \
   --gtest_filter="$gemv_filter:BackendFactory.CudaRefusesABf16GemvRowCountOutOfRange"
-gemv_rc=$?
-if ((gemv_rc != 0 && gemv_rc != 124 && gemv_rc != 137)) && [[ "$backend" == cuda ]]; then
-  phase ops_gemv_blocking 30 gtest_detail env KVWIRE_CUDA_BF16_GEMV_ROWS=16 \
-    CUDA_LAUNCH_BLOCKING=1 "$kernels_test" --gtest_filter="$gemv_filter"
-fi
+rerun_blocking ops_gemv $? 30 "$gemv_filter" env KVWIRE_CUDA_BF16_GEMV_ROWS=16 "$kernels_test"
 # Coded caches (fp8, int8, int4): the device kernels against the reference, and the groups the
 # device codes byte for byte the host's (on guarded, and on cuda where a GPU is present); a
 # batch mixing the formats through coded_decode.cu at the models' head dims and groups.
