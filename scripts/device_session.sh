@@ -5,7 +5,8 @@
 #   env        nvidia-smi -q, the bundle's manifest, every bundled library resolves
 #   ops        every backend op test on cuda (gtest JSON); failures rerun with
 #              CUDA_LAUNCH_BLOCKING=1 so the error names the launch that faulted; ops_gemv,
-#              the MatMul tests with bf16 products of up to 16 rows on kvwire's GEMV
+#              the MatMul tests with bf16 products of up to 16 rows on kvwire's GEMV;
+#              ops_topk_cub, the TopK tests with every call on CUB's sort (KVWIRE_CUDA_TOPK=cub)
 #   engine     the engine on cuda against the reference and the CPU engine (DeviceEngine.*)
 #   pair       both nodes on cuda through gRPC (ServicePairOnDevice.*)
 #   oracle     PyTorch on the same device (scripts/device_oracle.py): ceilings, SDPA, and
@@ -16,8 +17,9 @@
 #              2/8/16 with bf16 products on the GEMV (KVWIRE_CUDA_BF16_GEMV_ROWS=16);
 #              gpu_bench_8b, the last phase, on the 8B shape
 #   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
-#              (decode attention through FlashInfer where it serves the cache)
-#   decode_native  the same on kvwire's own kernels (KVWIRE_CUDA_ATTENTION=native)
+#              (decode attention and the page ranking through FlashInfer where they serve)
+#   decode_native  the same on kvwire's own kernels (KVWIRE_CUDA_ATTENTION=native,
+#              KVWIRE_CUDA_TOPK=cub)
 #   copies     kvwire timing's copy ledger: a compressing prefill, a sparse decode step
 #   cuda_ipc   two processes on the GPU: a prefill node writing into a decode node's pool pages
 #              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared), at 2K
@@ -40,7 +42,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
   dry=1
   build="${2:-$root/build}"
 elif [[ $# -gt 0 ]]; then
-  sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 fi
 out="${OUT:-$(mktemp -d)}"
@@ -167,6 +169,12 @@ gemv_filter="Backends/BackendOpsTest.MatMul/$backend:Backends/BackendOpsTest.Bf1
 phase ops_gemv 30 gtest_detail env KVWIRE_CUDA_BF16_GEMV_ROWS=16 "$kernels_test" \
   --gtest_filter="$gemv_filter:BackendFactory.CudaRefusesABf16GemvRowCountOutOfRange"
 rerun_blocking ops_gemv $? 30 "$gemv_filter" env KVWIRE_CUDA_BF16_GEMV_ROWS=16 "$kernels_test"
+# TopK with every call on CUB's segmented sort, which FlashInfer's top-k otherwise takes the
+# decode step's page rankings from (the ops phase runs those), and the variable's refusal.
+topk_filter="Backends/BackendOpsTest.TopK*/$backend:Backends/BackendOpsTest.HbwSelect/$backend"
+phase ops_topk_cub 30 gtest_detail env KVWIRE_CUDA_TOPK=cub "$kernels_test" \
+  --gtest_filter="$topk_filter:BackendFactory.CudaRefusesAnUnknownTopKKernel"
+rerun_blocking ops_topk_cub $? 30 "$topk_filter" env KVWIRE_CUDA_TOPK=cub "$kernels_test"
 # Coded caches (fp8, int8, int4): the device kernels against the reference, and the groups the
 # device codes byte for byte the host's (on guarded, and on cuda where a GPU is present); a
 # batch mixing the formats through coded_decode.cu at the models' head dims and groups.
@@ -200,8 +208,9 @@ else
 fi
 decode_detail() { tail_detail "$1" "$2" 14; }
 phase decode 150 decode_detail "$(find_bin decode_bench)" "${decode_args[@]}"
-# The same with kvwire's own attention kernels in place of FlashInfer's, side by side.
-phase decode_native 120 decode_detail env KVWIRE_CUDA_ATTENTION=native \
+# The same with kvwire's own attention kernels and CUB's ranking in place of FlashInfer's,
+# side by side (decode_bench's selection column is the ranking's part).
+phase decode_native 120 decode_detail env KVWIRE_CUDA_ATTENTION=native KVWIRE_CUDA_TOPK=cub \
   "$(find_bin decode_bench)" "${decode_args[@]}"
 
 # What crosses between host and device in a compressing prefill and a sparse decode step

@@ -30,6 +30,7 @@
 #if KVWIRE_HAVE_FLASHINFER
 #include "kernels/cuda/flashinfer_decode.h"
 #include "kernels/cuda/flashinfer_prefill.h"
+#include "kernels/cuda/flashinfer_topk.h"
 #endif
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/nccl_link.h"
@@ -337,13 +338,14 @@ enum class AttentionKernel { kFlashInfer, kNative };
 class CudaBackend final : public KernelBackend {
  public:
   CudaBackend(int threads, size_t memory_limit, AttentionKernel attention_kernel, bool prefill_fa3,
-              bool coded_decode, int bf16_gemv_rows)
+              bool coded_decode, int bf16_gemv_rows, bool flashinfer_topk)
       : pool_(threads),
         limit_(memory_limit),
         attention_kernel_(attention_kernel),
         prefill_fa3_(prefill_fa3),
         coded_decode_(coded_decode),
-        bf16_gemv_rows_(bf16_gemv_rows) {}
+        bf16_gemv_rows_(bf16_gemv_rows),
+        flashinfer_topk_(flashinfer_topk) {}
   ~CudaBackend() override {
     lanes_.clear();
     for (void* p : imported_) cudaIpcCloseMemHandle(p);
@@ -633,7 +635,7 @@ class CudaBackend final : public KernelBackend {
   }
   absl::Status TopK(const TopKParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
-    return cuda::LaunchTopK(p, OpMemoryOf(*lane), lane->compute);
+    return cuda::LaunchTopK(p, OpMemoryOf(*lane), lane->compute, flashinfer_topk_);
   }
   absl::Status HbwSelect(const HbwSelectParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
@@ -903,9 +905,10 @@ class CudaBackend final : public KernelBackend {
   ThreadPool pool_;
   const size_t limit_;  // 0: none
   const AttentionKernel attention_kernel_;
-  const bool prefill_fa3_;    // FlashInfer's prefill through FA3 (an sm_90 device), else FA2
-  const bool coded_decode_;   // dense decode over coded caches through coded_decode.cu
-  const int bf16_gemv_rows_;  // bf16 products of up to this many rows on kvwire's GEMV, 0: auto
+  const bool prefill_fa3_;      // FlashInfer's prefill through FA3 (an sm_90 device), else FA2
+  const bool coded_decode_;     // dense decode over coded caches through coded_decode.cu
+  const int bf16_gemv_rows_;    // bf16 products of up to this many rows on kvwire's GEMV, 0: auto
+  const bool flashinfer_topk_;  // TopK through FlashInfer's top-k where it serves (top_k.cu)
   std::mutex memory_mu_;
   std::unordered_map<void*, size_t> allocations_;
   std::set<void*> imported_;  // other processes' memory mapped here (ImportMemory)
@@ -969,8 +972,30 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads, size_t memory_limi
           "'; expected a number of rows from 0 (the switch's own choice) to ", cuda::kGemvMaxRows));
     }
   }
-  return KernelBackendPtr(std::make_unique<CudaBackend>(threads, memory_limit, kernel, fa3,
-                                                        coded_decode, bf16_gemv_rows));
+  // TopK's decode-step rankings through FlashInfer's top-k where it serves them ("flashinfer",
+  // or unset where it is built), or CUB's segmented sort for every call ("cub"): for a
+  // benchmark to set the two side by side.
+  const char* topk_env = std::getenv("KVWIRE_CUDA_TOPK");
+  const std::string topk = topk_env == nullptr ? "" : topk_env;
+  bool flashinfer_topk = KVWIRE_HAVE_FLASHINFER;
+  if (topk == "cub") {
+    flashinfer_topk = false;
+  } else if (topk == "flashinfer") {
+    if (!KVWIRE_HAVE_FLASHINFER) {
+      return absl::FailedPreconditionError(
+          "KVWIRE_CUDA_TOPK=flashinfer, but this build has no FlashInfer (CMake did not find its "
+          "headers: run scripts/install_deps.sh and configure again)");
+    }
+  } else if (!topk.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KVWIRE_CUDA_TOPK is '", topk, "'; expected flashinfer or cub"));
+  }
+#if KVWIRE_HAVE_FLASHINFER
+  // A device without the shared memory FlashInfer's top-k takes keeps CUB's.
+  flashinfer_topk = flashinfer_topk && cuda::FlashInferTopKAvailable();
+#endif
+  return KernelBackendPtr(std::make_unique<CudaBackend>(
+      threads, memory_limit, kernel, fa3, coded_decode, bf16_gemv_rows, flashinfer_topk));
 }
 
 }  // namespace kvwire::kernels

@@ -57,6 +57,7 @@ enum ScratchSlot : int {
 enum TableId : int {
   kTableTopK = 0,
   kTableTopKOffsets,
+  kTableTopKLengths,
   kTableHbw,
   kTableSummaries,
   kTableSummaryPages,
@@ -121,7 +122,10 @@ absl::Status UploadPageTables(const std::vector<KvLayout*>& layouts, const std::
 absl::Status LaunchWindowVotes(const WindowVotesParams& p, cudaStream_t stream);
 absl::Status LaunchPool1d(const Pool1dParams& p, cudaStream_t stream);
 absl::Status LaunchRunMeans(const RunMeansParams& p, cudaStream_t stream);
-absl::Status LaunchTopK(const TopKParams& p, const OpMemory& mem, cudaStream_t stream);
+// `flashinfer`: FlashInfer's top-k where it serves the call (top_k.cu), CUB's sort otherwise;
+// only where FlashInfer is built and FlashInferTopKAvailable().
+absl::Status LaunchTopK(const TopKParams& p, const OpMemory& mem, cudaStream_t stream,
+                        bool flashinfer = false);
 absl::Status LaunchHbwSelect(const HbwSelectParams& p, const OpMemory& mem, cudaStream_t stream);
 absl::Status LaunchGatherKv(const GatherKvParams& p, cudaStream_t stream);
 absl::Status LaunchUpdateSummaries(const UpdateSummariesParams& p, const OpMemory& mem,

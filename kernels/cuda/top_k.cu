@@ -3,7 +3,14 @@
  * items taken. Items that share a score in runs (pages, chunks) are ranked as runs and
  * expanded, best first, the last run cut to its lowest items. With tie scores, keys cannot hold
  * score, tie and index at once: the items are ranked by (tie, index) first, and that rank
- * takes the index's place beside the score. Ascending output sorts each segment's k indices. */
+ * takes the index's place beside the score. Ascending output sorts each segment's k indices.
+ *
+ * Where FlashInfer is built, a call of segments ranked by their runs alone, best first (a decode
+ * step's page ranking), takes FlashInfer's filtered top-k instead (flashinfer_topk.h): it finds
+ * each row's few best runs without sorting the row, and a block per segment here orders them
+ * (CUB's block radix sort, at most 2048) and expands them into the segment's items. */
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
 #include <vector>
 
@@ -11,6 +18,9 @@
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/ranking.cuh"
 #include "kernels/validate.h"
+#if KVWIRE_HAVE_FLASHINFER
+#include "kernels/cuda/flashinfer_topk.h"
+#endif
 
 namespace kvwire::kernels::cuda {
 namespace {
@@ -82,12 +92,163 @@ __global__ void AppendKernel(const DeviceSegment* segs) {
 
 size_t Align(size_t n) { return (n + 255) / 256 * 256; }
 
+#if KVWIRE_HAVE_FLASHINFER
+// A block orders up to 256 · 8 = 2048 runs, each thread's share the fewest that hold the call's.
+constexpr int kOrderThreads = 256;
+static_assert(kOrderThreads * 8 >= kFlashInferTopKMax);
+// OrderedBits(−∞): the runs at or below it (−∞ and NaN) FlashInfer sees alike (StageScoresKernel).
+constexpr uint32_t kNegInfBits = 0x007FFFFFu;
+
+// Row y of the staged scores: each run's score as a float that FlashInfer, which ranks a float
+// by its bits, ranks as OrderedBits does: −0 as +0, and NaN, which no float's bits put below −∞
+// (FlashInfer's coarse pass converts to f16, which makes every NaN the largest), as −∞;
+// OrderKernel puts −∞ and NaN apart again.
+__global__ void StageScoresKernel(const DeviceSegment* segs, int stride, float* staged) {
+  const DeviceSegment& d = segs[blockIdx.y];
+  float* row = staged + int64_t{blockIdx.y} * stride;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < d.items; i += gridDim.x * blockDim.x) {
+    const uint32_t b = OrderedBits(d.s.score[i]);
+    row[i] = b == 0 ? -INFINITY : FromOrderedBits(b);
+  }
+}
+
+// A block per segment: the runs FlashInfer chose (`chosen`, `width` a row, in no order) ranked
+// best first by their keys, then expanded into the segment's first k items and its appended
+// positions. Where the choice reached the runs scored −∞ or NaN in a row it cut, it took them
+// by index alone; the ranking order takes every −∞ before any NaN, so those are chosen again.
+template <int kOrderItems>
+__global__ void __launch_bounds__(kOrderThreads)
+    OrderKernel(const DeviceSegment* segs, const int32_t* chosen, int width) {
+  using Sort = cub::BlockRadixSort<uint64_t, kOrderThreads, kOrderItems>;
+  using Scan = cub::BlockScan<int, kOrderThreads>;
+  __shared__ union {
+    typename Sort::TempStorage sort;
+    typename Scan::TempStorage scan;
+  } temp;
+  __shared__ int32_t again[kOrderThreads * kOrderItems];
+  __shared__ int lows;
+  const DeviceSegment& d = segs[blockIdx.x];
+  const int32_t* row = chosen + int64_t{blockIdx.x} * width;
+  const int m = min(width, d.items);  // a row of width runs or fewer: all of them, then −1
+  if (threadIdx.x == 0) lows = 0;
+  __syncthreads();
+  uint64_t key[kOrderItems];
+  int low = 0;
+  for (int i = 0; i < kOrderItems; ++i) {
+    const int j = threadIdx.x * kOrderItems + i;
+    const int32_t r = j < m ? row[j] : -1;
+    // 0 is below every run's key (its index part, 2^32 − 1 − index, is never 0).
+    key[i] = r >= 0 && r < d.items ? BestFirstKey(d.s.score[r], r) : 0;
+    low += key[i] != 0 && (key[i] >> 32) <= kNegInfBits;
+  }
+  if (low > 0) atomicAdd(&lows, low);
+  Sort(temp.sort).SortDescending(key);  // blocked: thread t holds ranks t·kOrderItems on
+  __syncthreads();
+  const int n_low = lows;
+  if (n_low > 0 && d.items > m) {
+    // Ranks m − n_low to m − 1 are the −∞ and NaN runs: the first −∞ runs by index, then NaN.
+    if (threadIdx.x == 0) {
+      int taken = 0;
+      for (int pass = 0; pass < 2 && taken < n_low; ++pass) {
+        for (int r = 0; r < d.items && taken < n_low; ++r) {
+          const uint32_t b = OrderedBits(d.s.score[r]);
+          if (pass == 0 ? b == kNegInfBits : b == 0) again[taken++] = r;
+        }
+      }
+    }
+    __syncthreads();
+    for (int i = 0; i < kOrderItems; ++i) {
+      const int rank = threadIdx.x * kOrderItems + i, q = rank - (m - n_low);
+      if (q >= 0 && rank < m) key[i] = BestFirstKey(d.s.score[again[q]], again[q]);
+    }
+  }
+  int len[kOrderItems], start[kOrderItems];
+  int32_t first[kOrderItems];
+  for (int i = 0; i < kOrderItems; ++i) {
+    const int rank = threadIdx.x * kOrderItems + i;
+    const int32_t r = rank < m ? IndexOfKey(key[i]) : -1;
+    first[i] = r >= 0 ? r * d.s.run : 0;
+    len[i] = r >= 0 ? min(d.s.n, first[i] + d.s.run) - first[i] : 0;
+  }
+  __syncthreads();  // temp is reused
+  Scan(temp.scan).ExclusiveSum(len, start);
+  for (int i = 0; i < kOrderItems; ++i) {
+    const int end = min(start[i] + len[i], d.s.k);
+    for (int t = start[i]; t < end; ++t) d.s.out[t] = first[i] + (t - start[i]);
+  }
+  for (int j = threadIdx.x; j < d.s.append; j += blockDim.x) d.s.out[d.s.k + j] = d.s.n + j;
+}
+
+// The runs a row must ask FlashInfer for, over the call (the most of any segment), when its
+// top-k serves the call: segments ranked by their runs alone, best first, each needing at most
+// kFlashInferTopKMax runs (⌈k / run⌉, one more where a short last run could be among them);
+// 0 where it does not.
+int FlashInferWidth(const TopKParams& p) {
+  if (p.ascending) return 0;
+  int width = 1;
+  for (int i = 0; i < p.count; ++i) {
+    const TopKSegment& s = p.segs[i];
+    if (s.tie != nullptr) return 0;
+    const int items = (s.n + s.run - 1) / s.run;
+    const int need = std::min(items, (s.k + s.run - 1) / s.run + (s.n % s.run != 0 ? 1 : 0));
+    width = std::max(width, need);
+  }
+  return width <= kFlashInferTopKMax ? width : 0;
+}
+
+absl::Status LaunchTopKFlashInfer(const TopKParams& p, int width, const OpMemory& mem,
+                                  cudaStream_t stream) {
+  std::vector<DeviceSegment> segs(p.count);
+  std::vector<int32_t> lengths(p.count);
+  int max_items = 0;
+  for (int i = 0; i < p.count; ++i) {
+    segs[i].s = p.segs[i];
+    segs[i].items = lengths[i] = (p.segs[i].n + p.segs[i].run - 1) / p.segs[i].run;
+    max_items = std::max(max_items, segs[i].items);
+  }
+  const int stride = (max_items + 3) / 4 * 4;  // rows of whole 16-byte vectors, FlashInfer's loads
+  const size_t staged_bytes = Align(sizeof(float) * p.count * stride);
+  const size_t chosen_bytes = Align(sizeof(int32_t) * p.count * width);
+  ASSIGN_OR_RETURN(void* scratch, mem.scratch(kScratchSort, staged_bytes + chosen_bytes));
+  auto* staged = static_cast<float*>(scratch);
+  auto* chosen = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(scratch) + staged_bytes);
+  ASSIGN_OR_RETURN(void* table,
+                   mem.table(kTableTopK, segs.data(), sizeof(DeviceSegment) * segs.size()));
+  const auto* dsegs = static_cast<const DeviceSegment*>(table);
+  ASSIGN_OR_RETURN(void* lengths_table,
+                   mem.table(kTableTopKLengths, lengths.data(), sizeof(int32_t) * lengths.size()));
+  const dim3 grid(std::min((max_items + 255) / 256, 64), p.count);
+  StageScoresKernel<<<grid, 256, 0, stream>>>(dsegs, stride, staged);
+  RETURN_IF_ERROR(LaunchStatus("StageScoresKernel"));
+  RETURN_IF_ERROR(LaunchFlashInferTopK(staged, static_cast<const int32_t*>(lengths_table), p.count,
+                                       stride, width, chosen, stream));
+  if (width <= kOrderThreads) {
+    OrderKernel<1><<<p.count, kOrderThreads, 0, stream>>>(dsegs, chosen, width);
+  } else if (width <= 2 * kOrderThreads) {
+    OrderKernel<2><<<p.count, kOrderThreads, 0, stream>>>(dsegs, chosen, width);
+  } else if (width <= 4 * kOrderThreads) {
+    OrderKernel<4><<<p.count, kOrderThreads, 0, stream>>>(dsegs, chosen, width);
+  } else {
+    OrderKernel<8><<<p.count, kOrderThreads, 0, stream>>>(dsegs, chosen, width);
+  }
+  return LaunchStatus("OrderKernel");
+}
+#endif  // KVWIRE_HAVE_FLASHINFER
+
 }  // namespace
 
-absl::Status LaunchTopK(const TopKParams& p, const OpMemory& mem, cudaStream_t stream) {
+absl::Status LaunchTopK(const TopKParams& p, const OpMemory& mem, cudaStream_t stream,
+                        bool flashinfer) {
   RETURN_IF_ERROR(ValidateTopK(p));
   if (p.count == 0) return absl::OkStatus();
   if (p.count > 65535) return absl::InvalidArgumentError("TopK: more than 65535 segments");
+#if KVWIRE_HAVE_FLASHINFER
+  if (flashinfer) {
+    if (const int width = FlashInferWidth(p); width > 0) {
+      return LaunchTopKFlashInfer(p, width, mem, stream);
+    }
+  }
+#endif
   std::vector<DeviceSegment> segs(p.count);
   std::vector<int> begin(p.count + 1), out_begin(p.count + 1);
   int64_t items = 0, outs = 0;

@@ -1243,37 +1243,62 @@ TEST(BackendFactory, CudaWithoutGpuSaysWhy) {
   EXPECT_FALSE(b.status().message().empty());
 }
 
+// An environment variable set for a test and put back as it was however the test ends (later
+// tests make backends too).
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const char* name) : name_(name) {
+    if (const char* before = std::getenv(name)) before_ = before;
+  }
+  ~ScopedEnv() {
+    if (before_) {
+      setenv(name_, before_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  void Set(const char* value) const { setenv(name_, value, 1); }
+
+ private:
+  const char* name_;
+  std::optional<std::string> before_;
+};
+
+// A CUDA backend made with `name` set to each of `bad` is refused as an invalid argument that
+// names the variable; with each of `good`, made.
+void ExpectCudaBackendEnv(const char* name, const std::vector<const char*>& bad,
+                          const std::vector<const char*>& good) {
+  const ScopedEnv env(name);
+  for (const char* value : bad) {
+    SCOPED_TRACE(value);
+    env.Set(value);
+    auto b = MakeBackend(BackendKind::kCuda);
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(b.status().message().find(name), std::string::npos) << b.status();
+  }
+  for (const char* value : good) {
+    env.Set(value);
+    auto b = MakeBackend(BackendKind::kCuda);
+    EXPECT_TRUE(b.ok()) << value << ": " << b.status();
+  }
+}
+
 // KVWIRE_CUDA_BF16_GEMV_ROWS (the most rows of x whose bf16 products go to kvwire's GEMV rather
 // than cuBLAS) is a number of rows from 0 (the switch's own choice) to 16, else the backend is
 // refused, saying so.
 TEST(BackendFactory, CudaRefusesABf16GemvRowCountOutOfRange) {
   if (!CudaAvailable()) GTEST_SKIP() << "no GPU: the CUDA backend is not made";
-  // The variable as it was, put back however the test ends (later tests make backends too).
-  struct Restore {
-    std::optional<std::string> value;
-    ~Restore() {
-      if (value) {
-        setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", value->c_str(), 1);
-      } else {
-        unsetenv("KVWIRE_CUDA_BF16_GEMV_ROWS");
-      }
-    }
-  } restore;
-  if (const char* before = std::getenv("KVWIRE_CUDA_BF16_GEMV_ROWS")) restore.value = before;
-  for (const char* bad : {"17", "-1", "8 rows", "x"}) {
-    SCOPED_TRACE(bad);
-    setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", bad, 1);
-    auto b = MakeBackend(BackendKind::kCuda);
-    ASSERT_FALSE(b.ok());
-    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(b.status().message().find("KVWIRE_CUDA_BF16_GEMV_ROWS"), std::string::npos)
-        << b.status();
-  }
-  for (const char* good : {"0", "16"}) {
-    setenv("KVWIRE_CUDA_BF16_GEMV_ROWS", good, 1);
-    auto b = MakeBackend(BackendKind::kCuda);
-    EXPECT_TRUE(b.ok()) << good << ": " << b.status();
-  }
+  ExpectCudaBackendEnv("KVWIRE_CUDA_BF16_GEMV_ROWS", {"17", "-1", "8 rows", "x"}, {"0", "16"});
+}
+
+// KVWIRE_CUDA_TOPK (TopK through FlashInfer's top-k where it serves, or CUB's sort) is one of
+// the two, or unset; anything else is refused, saying so.
+TEST(BackendFactory, CudaRefusesAnUnknownTopKKernel) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no GPU: the CUDA backend is not made";
+  std::vector<const char*> good = {"cub", ""};
+  if (FlashInferBuilt()) good.push_back("flashinfer");
+  ExpectCudaBackendEnv("KVWIRE_CUDA_TOPK", {"CUB", "radix", "flashinfer "}, good);
 }
 
 TEST(BackendFactory, ParsesNames) {

@@ -18,6 +18,7 @@
 #include "common/base/crc32c.h"
 #include "common/base/ranking.h"
 #include "kernels/backend.h"
+#include "tests/kernels/cuda_kernels_util.h"
 #include "tests/kernels/ops_test_util.h"
 
 namespace kvwire::kernels {
@@ -117,11 +118,30 @@ struct TopKCase {
   bool tie;
 };
 
+// Whether the CUDA backend takes a TopK call of segments like these to FlashInfer's top-k
+// (top_k.cu's FlashInferWidth): ranked by runs alone, best first, and at most 2048 runs asked
+// of a row, ⌈k / run⌉ and one more where the last run is short.
+bool RanksThroughFlashInfer(BackendKind kind, const std::vector<TopKSegment>& segs,
+                            bool ascending) {
+  if (kind != BackendKind::kCuda || !CudaRanksThroughFlashInfer() || ascending) return false;
+  for (const TopKSegment& s : segs) {
+    const int runs = (s.n + s.run - 1) / s.run;
+    const int need = std::min(runs, (s.k + s.run - 1) / s.run + (s.n % s.run != 0 ? 1 : 0));
+    if (s.tie != nullptr || need > 2048) return false;
+  }
+  return true;
+}
+
 TEST_P(BackendOpsTest, TopKRanksAsTheReferenceDoes) {
+  // On cuda, best first without ties goes to FlashInfer's top-k: rows of 1, 2, 4 and 8 runs a
+  // thread to order (k of 100, 300, 700 and 2048 runs), and past its 2048 (k of 2100) to CUB.
   const std::vector<TopKCase> cases = {
-      {1, 1, 1, false},     {7, 1, 3, false},     {37, 1, 37, false},   {733, 1, 100, false},
-      {733, 1, 733, true},  {733, 1, 64, true},   {5000, 1, 700, true}, {37, 3, 10, false},
-      {733, 4, 128, false}, {733, 16, 33, false}, {100, 7, 100, false}, {20000, 6, 512, false}};
+      {1, 1, 1, false},        {7, 1, 3, false},         {37, 1, 37, false},
+      {733, 1, 100, false},    {733, 1, 733, true},      {733, 1, 64, true},
+      {5000, 1, 700, true},    {37, 3, 10, false},       {733, 4, 128, false},
+      {733, 16, 33, false},    {100, 7, 100, false},     {20000, 6, 512, false},
+      {5000, 1, 300, false},   {5000, 1, 700, false},    {20000, 1, 2048, false},
+      {20000, 1, 2100, false}, {20000, 16, 1024, false}, {30000, 7, 14000, false}};
   uint32_t seed = 700;
   for (bool ascending : {false, true}) {
     for (const TopKCase& c : cases) {
@@ -153,8 +173,13 @@ TEST_P(BackendOpsTest, TopKRanksAsTheReferenceDoes) {
           segs[i].append = static_cast<int>(i);  // the window after the k chosen
           segs[i].out = a.Filled<int32_t>(c.k + 2, -1);
         }
+        const int64_t library = FlashInferTopKLaunchesHere();
         const absl::Status st = b.TopK({segs.data(), static_cast<int>(segs.size()), ascending});
         EXPECT_TRUE(st.ok()) << st;
+        if (&b == backend_.get()) {
+          EXPECT_EQ(FlashInferTopKLaunchesHere() - library,
+                    RanksThroughFlashInfer(GetParam(), segs, ascending) ? 1 : 0);
+        }
         std::vector<std::vector<int32_t>> out;
         for (const TopKSegment& s : segs) out.push_back(a.DownloadAs(s.out, c.k + 2));
         return out;
@@ -171,6 +196,44 @@ TEST_P(BackendOpsTest, TopKRanksAsTheReferenceDoes) {
       // Segment 2 (k - 0) appends n, n + 1 after its k.
       EXPECT_EQ(want[2][c.k], c.n);
       EXPECT_EQ(want[2][c.k + 1], c.n + 1);
+    }
+  }
+}
+
+// Where the k best reach the scores of −∞ and NaN, every −∞ comes before any NaN, each by
+// index (FlashInfer's top-k sees the two alike, and top_k.cu chooses among them again): runs
+// of 1 and of 4 with a short last one, NaN at lower indices than −∞, a second segment of
+// another k in the same call, and finite scores with −0 and +0.
+TEST_P(BackendOpsTest, TopKTakesMinusInfinityBeforeNaN) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int run : {1, 4}) {
+    for (int k_low : {1, 3, 7}) {  // how many items the k take from the −∞ and NaN runs
+      SCOPED_TRACE(absl::StrCat("run=", run, " k_low=", k_low));
+      // Runs 0-4 NaN, 5-9 −∞, 10-39 finite (plateaus of 5, a −0 beside +0s).
+      std::vector<float> scores(40);
+      for (int i = 0; i < 40; ++i) scores[i] = i < 5 ? nan : i < 10 ? -inf : (i % 5) * 0.25f;
+      scores[12] = -0.f;
+      const int n = run == 1 ? 40 : 40 * run - 2;  // the last run 2 items long
+      const int finite_items = run == 1 ? 30 : 30 * run - 2;
+      const std::vector<float> other = Plateaus(40, 9, 3);
+      auto go = [&](KernelBackend& b) {
+        Arena a(b);
+        std::vector<TopKSegment> segs(2);
+        segs[0] = {a.Upload(scores), nullptr, n, run, finite_items + k_low, 2, nullptr};
+        segs[1] = {a.Upload(other), nullptr, n, run, 5, 0, nullptr};
+        for (TopKSegment& s : segs) s.out = a.Filled<int32_t>(s.k + s.append, -1);
+        const absl::Status st = b.TopK({segs.data(), 2, /*ascending=*/false});
+        EXPECT_TRUE(st.ok()) << st;
+        return std::vector<std::vector<int32_t>>{a.DownloadAs(segs[0].out, segs[0].k + 2),
+                                                 a.DownloadAs(segs[1].out, 5)};
+      };
+      const auto want = go(*reference_);
+      EXPECT_EQ(go(*backend_), want);
+      // The reference: the finite items, then the −∞ runs' items (5 to 9), then NaN's (0 to 4).
+      for (int t = 0; t < k_low; ++t) {
+        EXPECT_EQ(want[0][finite_items + t], t < 5 * run ? 5 * run + t : t - 5 * run);
+      }
     }
   }
 }
