@@ -6,7 +6,7 @@
 #   ops        every backend op test on cuda (gtest JSON); failures rerun with
 #              CUDA_LAUNCH_BLOCKING=1 so the error names the launch that faulted; ops_gemv,
 #              the MatMul tests with bf16 products of up to 16 rows on kvwire's GEMV;
-#              ops_topk_cub, the TopK tests with every call on CUB's sort (KVWIRE_CUDA_TOPK=cub)
+#              ops_topk_cub, the TopK and Sample tests on CUB's sorts (KVWIRE_CUDA_TOPK=cub)
 #   engine     the engine on cuda against the reference and the CPU engine (DeviceEngine.*)
 #   pair       both nodes on cuda through gRPC (ServicePairOnDevice.*)
 #   oracle     PyTorch on the same device (scripts/device_oracle.py): ceilings, SDPA, and
@@ -169,9 +169,11 @@ gemv_filter="Backends/BackendOpsTest.MatMul/$backend:Backends/BackendOpsTest.Bf1
 phase ops_gemv 30 gtest_detail env KVWIRE_CUDA_BF16_GEMV_ROWS=16 "$kernels_test" \
   --gtest_filter="$gemv_filter:BackendFactory.CudaRefusesABf16GemvRowCountOutOfRange"
 rerun_blocking ops_gemv $? 30 "$gemv_filter" env KVWIRE_CUDA_BF16_GEMV_ROWS=16 "$kernels_test"
-# TopK with every call on CUB's segmented sort, which FlashInfer's top-k otherwise takes the
-# decode step's page rankings from (the ops phase runs those), and the variable's refusal.
+# TopK and sampling with every call on CUB's segmented sort, which FlashInfer's top-k otherwise
+# takes the decode step's page rankings and a top-k's candidates from (the ops phase runs
+# those), and the variable's refusal.
 topk_filter="Backends/BackendOpsTest.TopK*/$backend:Backends/BackendOpsTest.HbwSelect/$backend"
+topk_filter+=":Backends/BackendOpsTest.Sample*/$backend"
 phase ops_topk_cub 30 gtest_detail env KVWIRE_CUDA_TOPK=cub "$kernels_test" \
   --gtest_filter="$topk_filter:BackendFactory.CudaRefusesAnUnknownTopKKernel"
 rerun_blocking ops_topk_cub $? 30 "$topk_filter" env KVWIRE_CUDA_TOPK=cub "$kernels_test"

@@ -655,7 +655,7 @@ class CudaBackend final : public KernelBackend {
   }
   absl::Status Sample(const SampleParams& p) override {
     ASSIGN_OR_RETURN(Lane * lane, MyLane());
-    return cuda::LaunchSample(p, OpMemoryOf(*lane), lane->compute);
+    return cuda::LaunchSample(p, OpMemoryOf(*lane), lane->compute, flashinfer_topk_);
   }
   // The sums into the lane's scratch, then to the caller's host array in stream order.
   absl::Status ChecksumSpans(const ChecksumSpansParams& p) override {
@@ -908,7 +908,7 @@ class CudaBackend final : public KernelBackend {
   const bool prefill_fa3_;      // FlashInfer's prefill through FA3 (an sm_90 device), else FA2
   const bool coded_decode_;     // dense decode over coded caches through coded_decode.cu
   const int bf16_gemv_rows_;    // bf16 products of up to this many rows on kvwire's GEMV, 0: auto
-  const bool flashinfer_topk_;  // TopK through FlashInfer's top-k where it serves (top_k.cu)
+  const bool flashinfer_topk_;  // TopK and Sample's top-k through FlashInfer's where it serves
   std::mutex memory_mu_;
   std::unordered_map<void*, size_t> allocations_;
   std::set<void*> imported_;  // other processes' memory mapped here (ImportMemory)
@@ -972,9 +972,9 @@ absl::StatusOr<KernelBackendPtr> MakeCudaBackend(int threads, size_t memory_limi
           "'; expected a number of rows from 0 (the switch's own choice) to ", cuda::kGemvMaxRows));
     }
   }
-  // TopK's decode-step rankings through FlashInfer's top-k where it serves them ("flashinfer",
-  // or unset where it is built), or CUB's segmented sort for every call ("cub"): for a
-  // benchmark to set the two side by side.
+  // TopK's decode-step rankings and Sample's top-k candidates through FlashInfer's top-k where
+  // it serves them ("flashinfer", or unset where it is built), or CUB's segmented sort for every
+  // call ("cub"): for a benchmark to set the two side by side.
   const char* topk_env = std::getenv("KVWIRE_CUDA_TOPK");
   const std::string topk = topk_env == nullptr ? "" : topk_env;
   bool flashinfer_topk = KVWIRE_HAVE_FLASHINFER;

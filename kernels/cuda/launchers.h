@@ -131,7 +131,10 @@ absl::Status LaunchGatherKv(const GatherKvParams& p, cudaStream_t stream);
 absl::Status LaunchUpdateSummaries(const UpdateSummariesParams& p, const OpMemory& mem,
                                    cudaStream_t stream);
 absl::Status LaunchPageScores(const PageScoresParams& p, const OpMemory& mem, cudaStream_t stream);
-absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream_t stream);
+// `flashinfer`: the candidates a top-k keeps through FlashInfer's top-k where every sampling row
+// has one of at most 2048 (sample.cu), CUB's sort of the vocabulary otherwise.
+absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream_t stream,
+                          bool flashinfer = false);
 absl::Status LaunchChecksumSpans(const ChecksumSpansParams& p, const OpMemory& mem,
                                  cudaStream_t stream);
 absl::Status LaunchPackSpans(const PackSpansParams& p, const OpMemory& mem, cudaStream_t stream);

@@ -6,7 +6,13 @@
  * per row walks them: top-k, then the smallest prefix reaching top-p, then the first whose
  * cumulative probability exceeds u · mass, the sums in double by warp scans. The host sums in
  * one sequential pass: the sums agree to double rounding, so the tokens are the host's except
- * where u · mass falls within that rounding of a boundary. */
+ * where u · mass falls within that rounding of a boundary.
+ *
+ * Where every sampling row of the call has a top-k of at most 2048 and FlashInfer is built, the
+ * walk needs only those candidates in order: FlashInfer's filtered top-k finds them without
+ * sorting the vocabulary (flashinfer_topk.h), and a block per row orders them by their keys
+ * (CUB's block radix sort), where the segmented sort ordered every row's whole vocabulary. */
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
 #include <vector>
 
@@ -14,6 +20,9 @@
 #include "kernels/cuda/launchers.h"
 #include "kernels/cuda/ranking.cuh"
 #include "kernels/validate.h"
+#if KVWIRE_HAVE_FLASHINFER
+#include "kernels/cuda/flashinfer_topk.h"
+#endif
 
 namespace kvwire::kernels::cuda {
 namespace {
@@ -36,8 +45,12 @@ __device__ __forceinline__ Pick Better(Pick a, Pick b) {
   return (b.value > a.value || (b.value == a.value && b.index < a.index)) ? b : a;
 }
 
+// `staged` (or null): each candidate's probability again as a float, row stride
+// `staged_stride`, for FlashInfer's top-k, NaN as −∞ (FlashInfer ranks a float by its bits, and
+// no float's bits rank below −∞, where the ranking order puts NaN; no probability is −∞ or −0).
 __global__ void RowStatsKernel(const float* logits, int64_t stride, int vocab,
-                               const SampleRow* rows, uint64_t* keys, RowStats* stats) {
+                               const SampleRow* rows, uint64_t* keys, RowStats* stats,
+                               float* staged, int64_t staged_stride) {
   __shared__ Pick picks[32];
   __shared__ double sums[32];
   const int b = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -63,6 +76,7 @@ __global__ void RowStatsKernel(const float* logits, int64_t stride, int vocab,
       const float p = expf((x[i] - mx) / temperature);
       total += p;
       keys[b * static_cast<int64_t>(vocab) + i] = BestFirstKey(p, i);
+      if (staged) staged[b * staged_stride + i] = OrderedBits(p) == 0 ? -INFINITY : p;
     }
   }
   for (int pass = 0; pass < 2; ++pass) {
@@ -138,14 +152,112 @@ __global__ void DrawKernel(const float* logits, int64_t stride, int vocab, const
 
 size_t Align(size_t n) { return (n + 255) / 256 * 256; }
 
+#if KVWIRE_HAVE_FLASHINFER
+constexpr int kOrderThreads = 256;  // a block orders up to 256 · 8 = 2048 candidates
+static_assert(kOrderThreads * 8 >= kFlashInferTopKMax);
+
+// A block per sampling row: the candidates FlashInfer chose (`chosen`, `width` a row, in no
+// order) ranked by their keys into the row's first places of `sorted`, as the segmented sort
+// would leave them. FlashInfer takes NaN candidates (staged as −∞, below every probability) by
+// index, as the ranking order does.
+template <int kItems>
+__global__ void __launch_bounds__(kOrderThreads)
+    OrderChosenKernel(const SampleRow* rows, const int32_t* chosen, int width, int vocab,
+                      const uint64_t* keys, uint64_t* sorted) {
+  using Sort = cub::BlockRadixSort<uint64_t, kOrderThreads, kItems>;
+  __shared__ typename Sort::TempStorage temp;
+  const int b = blockIdx.x;
+  if (rows[b].params.temperature <= 0.f) return;  // greedy: nothing to order
+  const int m = min(width, vocab);
+  const int64_t base = int64_t{b} * vocab;
+  uint64_t key[kItems];
+  for (int i = 0; i < kItems; ++i) {
+    const int j = threadIdx.x * kItems + i;
+    const int32_t id = j < m ? chosen[int64_t{b} * width + j] : -1;
+    key[i] = id >= 0 && id < vocab ? keys[base + id] : 0;  // 0: below every candidate's key
+  }
+  Sort(temp).SortDescending(key);  // blocked: thread t holds places t·kItems on
+  for (int i = 0; i < kItems; ++i) {
+    const int place = threadIdx.x * kItems + i;
+    if (place < m) sorted[base + place] = key[i];
+  }
+}
+
+// The candidates each row's walk needs through FlashInfer's top-k: the most of any sampling
+// row's min(top_k, vocab), when each has a top-k of 1 to kFlashInferTopKMax; 0 otherwise.
+int ChosenWidth(const SampleParams& p) {
+  int width = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const SamplingParams& sp = p.rows[b].params;
+    if (sp.temperature <= 0.f) continue;
+    if (sp.top_k < 1 || sp.top_k > kFlashInferTopKMax) return 0;
+    width = std::max(width, std::min(sp.top_k, p.vocab));
+  }
+  return width;
+}
+
+template <int kItems>
+void LaunchOrderChosen(const SampleParams& p, const SampleRow* rows, const int32_t* chosen,
+                       int width, const uint64_t* keys, uint64_t* sorted, cudaStream_t stream) {
+  OrderChosenKernel<kItems>
+      <<<p.batch, kOrderThreads, 0, stream>>>(rows, chosen, width, p.vocab, keys, sorted);
+}
+#endif  // KVWIRE_HAVE_FLASHINFER
+
 }  // namespace
 
-absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream_t stream) {
+absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream_t stream,
+                          bool flashinfer) {
   RETURN_IF_ERROR(ValidateSample(p));
   if (p.batch == 0) return absl::OkStatus();
   const int64_t stride = p.stride ? p.stride : p.vocab;
   const int64_t items = int64_t{p.batch} * p.vocab;
   if (items > (1 << 30)) return absl::InvalidArgumentError("Sample: batch · vocab above 2^30");
+#if KVWIRE_HAVE_FLASHINFER
+  if (const int width = flashinfer ? ChosenWidth(p) : 0; width > 0) {
+    const int64_t staged_stride = (p.vocab + 3) / 4 * 4;  // whole 16-byte vectors a row
+    const size_t keys_bytes = Align(sizeof(uint64_t) * items);
+    const size_t stats_bytes = Align(sizeof(RowStats) * p.batch);
+    const size_t staged_bytes = Align(sizeof(float) * p.batch * staged_stride);
+    ASSIGN_OR_RETURN(void* scratch,
+                     mem.scratch(kScratchSort, 2 * keys_bytes + stats_bytes + staged_bytes +
+                                                   Align(sizeof(int32_t) * p.batch * width)));
+    auto* at = static_cast<uint8_t*>(scratch);
+    auto* keys = reinterpret_cast<uint64_t*>(at);
+    auto* sorted = reinterpret_cast<uint64_t*>(at + keys_bytes);
+    auto* stats = reinterpret_cast<RowStats*>(at + 2 * keys_bytes);
+    auto* staged = reinterpret_cast<float*>(at + 2 * keys_bytes + stats_bytes);
+    auto* chosen = reinterpret_cast<int32_t*>(at + 2 * keys_bytes + stats_bytes + staged_bytes);
+    // A greedy row is a row of length 0 for FlashInfer: nothing is read of it.
+    std::vector<int32_t> lengths(p.batch);
+    for (int b = 0; b < p.batch; ++b) {
+      lengths[b] = p.rows[b].params.temperature > 0.f ? p.vocab : 0;
+    }
+    ASSIGN_OR_RETURN(void* rows, mem.table(kTableSample, p.rows, sizeof(SampleRow) * p.batch));
+    const auto* drows = static_cast<const SampleRow*>(rows);
+    // (The offsets' table holds the lengths: this path sorts no segments.)
+    ASSIGN_OR_RETURN(void* lengths_table, mem.table(kTableSampleOffsets, lengths.data(),
+                                                    sizeof(int32_t) * lengths.size()));
+    RowStatsKernel<<<p.batch, kThreads, 0, stream>>>(p.logits, stride, p.vocab, drows, keys, stats,
+                                                     staged, staged_stride);
+    RETURN_IF_ERROR(LaunchStatus("RowStatsKernel"));
+    RETURN_IF_ERROR(LaunchFlashInferTopK(staged, static_cast<const int32_t*>(lengths_table),
+                                         p.batch, static_cast<int>(staged_stride), width, chosen,
+                                         stream));
+    if (width <= kOrderThreads) {
+      LaunchOrderChosen<1>(p, drows, chosen, width, keys, sorted, stream);
+    } else if (width <= 2 * kOrderThreads) {
+      LaunchOrderChosen<2>(p, drows, chosen, width, keys, sorted, stream);
+    } else if (width <= 4 * kOrderThreads) {
+      LaunchOrderChosen<4>(p, drows, chosen, width, keys, sorted, stream);
+    } else {
+      LaunchOrderChosen<8>(p, drows, chosen, width, keys, sorted, stream);
+    }
+    RETURN_IF_ERROR(LaunchStatus("OrderChosenKernel"));
+    DrawKernel<<<p.batch, 32, 0, stream>>>(p.logits, stride, p.vocab, drows, stats, sorted, p.out);
+    return LaunchStatus("DrawKernel");
+  }
+#endif
   // Rows that sample sort their vocab; greedy rows are empty segments.
   std::vector<int> offsets(2 * p.batch);
   bool any = false;
@@ -174,7 +286,8 @@ absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream
   void* cub_temp = static_cast<uint8_t*>(scratch) + 2 * keys_bytes + stats_bytes;
   ASSIGN_OR_RETURN(void* rows, mem.table(kTableSample, p.rows, sizeof(SampleRow) * p.batch));
   const auto* drows = static_cast<const SampleRow*>(rows);
-  RowStatsKernel<<<p.batch, kThreads, 0, stream>>>(p.logits, stride, p.vocab, drows, keys, stats);
+  RowStatsKernel<<<p.batch, kThreads, 0, stream>>>(p.logits, stride, p.vocab, drows, keys, stats,
+                                                   nullptr, 0);
   RETURN_IF_ERROR(LaunchStatus("RowStatsKernel"));
   if (any) {
     ASSIGN_OR_RETURN(void* off,

@@ -445,43 +445,80 @@ TEST_P(BackendOpsTest, PageScores) {
 
 // ---------------------------------------------------------------- sampling
 
+// Sample on `b` over `logits` ([rows, vocab], stride vocab + 3): one token a row.
+std::vector<SampledToken> SampleOn(KernelBackend& b, const std::vector<float>& logits, int vocab,
+                                   const std::vector<SampleRow>& rows) {
+  Arena a(b);
+  SampleParams p;
+  p.logits = a.Upload(logits);
+  p.stride = vocab + 3;
+  p.batch = static_cast<int>(rows.size());
+  p.vocab = vocab;
+  p.rows = rows.data();
+  p.out = static_cast<SampledToken*>(
+      static_cast<void*>(a.Filled<uint8_t>(sizeof(SampledToken) * rows.size(), 0xFF)));
+  const absl::Status st = b.Sample(p);
+  EXPECT_TRUE(st.ok()) << st;
+  return a.DownloadAs(p.out, rows.size());
+}
+
+// Rows that cycle through `params`, three of each, each with its own uniform draw.
+std::vector<SampleRow> SampleRows(const std::vector<SamplingParams>& params, uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<SampleRow> rows(params.size() * 3);
+  for (size_t b = 0; b < rows.size(); ++b) {
+    rows[b].params = params[b % params.size()];
+    rows[b].uniform = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+  }
+  return rows;
+}
+
+void ExpectSameTokens(const std::vector<SampledToken>& got, const std::vector<SampledToken>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t b = 0; b < got.size(); ++b) {
+    EXPECT_EQ(got[b].id, want[b].id) << "row " << b;
+    EXPECT_NEAR(got[b].logprob, want[b].logprob, 1e-4f) << "row " << b;
+  }
+}
+
 TEST_P(BackendOpsTest, SampleDrawsTheReferenceToken) {
   uint32_t seed = 1200;
   const std::vector<SamplingParams> params = {{0.f, 0, 1.f},   {1.f, 0, 1.f},   {0.7f, 40, 1.f},
                                               {1.2f, 0, 0.9f}, {0.8f, 5, 0.5f}, {2.f, 1, 1.f}};
   for (int vocab : {1, 7, 733, 32000}) {
     SCOPED_TRACE(absl::StrCat("vocab=", vocab));
-    const int batch = static_cast<int>(params.size()) * 3;
-    auto logits = Random(static_cast<size_t>(batch) * (vocab + 3), seed++, -8.f, 8.f);
+    const std::vector<SampleRow> rows = SampleRows(params, seed++);
+    auto logits = Random(rows.size() * (vocab + 3), seed++, -8.f, 8.f);
     // Ties for the greedy rule: the lowest id of a repeated maximum.
     if (vocab > 5) logits[2] = logits[4] = 20.f;
-    std::mt19937_64 rng(seed++);
-    std::vector<SampleRow> rows(batch);
-    for (int b = 0; b < batch; ++b) {
-      rows[b].params = params[b % params.size()];
-      rows[b].uniform = static_cast<double>(rng() >> 11) * 0x1.0p-53;
-    }
-    auto run = [&](KernelBackend& be) {
-      Arena a(be);
-      SampleParams p;
-      p.logits = a.Upload(logits);
-      p.stride = vocab + 3;
-      p.batch = batch;
-      p.vocab = vocab;
-      p.rows = rows.data();
-      p.out = static_cast<SampledToken*>(
-          static_cast<void*>(a.Filled<uint8_t>(sizeof(SampledToken) * batch, 0xFF)));
-      const absl::Status st = be.Sample(p);
-      EXPECT_TRUE(st.ok()) << st;
-      return a.DownloadAs(p.out, batch);
-    };
-    const auto got = run(*backend_), want = run(*reference_);
-    for (int b = 0; b < batch; ++b) {
-      EXPECT_EQ(got[b].id, want[b].id) << "row " << b;
-      EXPECT_NEAR(got[b].logprob, want[b].logprob, 1e-4f) << "row " << b;
-    }
+    const auto want = SampleOn(*reference_, logits, vocab, rows);
+    ExpectSameTokens(SampleOn(*backend_, logits, vocab, rows), want);
     if (vocab > 5) {
       EXPECT_EQ(want[0].id, 2);  // greedy: the first of the tied maxima
+    }
+  }
+}
+
+// Every sampling row with a top-k (1 to 2048, beside greedy rows): on cuda the candidates come
+// from FlashInfer's top-k rather than a sort of the vocabulary, ordered by CUB's block sort for
+// up to 256, 512, 1024 and 2048 of them. Logits on a few levels, so that many candidates tie
+// and the lower id must come first.
+TEST_P(BackendOpsTest, SampleWithATopKDrawsTheReferenceToken) {
+  uint32_t seed = 1300;
+  for (int top : {200, 500, 1000, 2048}) {
+    const std::vector<SamplingParams> params = {{0.f, 0, 1.f},     {1.f, 1, 1.f},
+                                                {0.7f, 40, 1.f},   {0.8f, 5, 0.5f},
+                                                {1.2f, top, 0.9f}, {1.f, top, 1.f}};
+    for (int vocab : {7, 733, 32000, 128256}) {
+      SCOPED_TRACE(absl::StrCat("top=", top, " vocab=", vocab));
+      const std::vector<SampleRow> rows = SampleRows(params, seed++);
+      std::vector<float> logits = Plateaus(rows.size() * (vocab + 3), seed++, 7);
+      for (float& x : logits) x = 6.f * x - 2.f;
+      const int64_t library = FlashInferTopKLaunchesHere();
+      const auto got = SampleOn(*backend_, logits, vocab, rows);
+      EXPECT_EQ(FlashInferTopKLaunchesHere() - library,
+                GetParam() == BackendKind::kCuda && CudaRanksThroughFlashInfer() ? 1 : 0);
+      ExpectSameTokens(got, SampleOn(*reference_, logits, vocab, rows));
     }
   }
 }
