@@ -18,8 +18,8 @@
 #              gpu_bench_8b, the last phase, on the 8B shape
 #   decode     decode_bench, long context, batch 8: dense, compressed, hybrid, RocketKV, Quest
 #              (decode attention and the page ranking through FlashInfer where they serve)
-#   decode_native  the same on kvwire's own kernels (KVWIRE_CUDA_ATTENTION=native,
-#              KVWIRE_CUDA_TOPK=cub)
+#   decode_native  the same on kvwire's own kernels (KVWIRE_CUDA_ATTENTION=native);
+#              decode_topk_cub, the page rankings on CUB's sort (KVWIRE_CUDA_TOPK=cub)
 #   copies     kvwire timing's copy ledger: a compressing prefill, a sparse decode step
 #   cuda_ipc   two processes on the GPU: a prefill node writing into a decode node's pool pages
 #              (bench/transport_bench.sh, grpc vs cuda_ipc alternated, tokens compared), at 2K
@@ -210,10 +210,19 @@ else
 fi
 decode_detail() { tail_detail "$1" "$2" 14; }
 phase decode 150 decode_detail "$(find_bin decode_bench)" "${decode_args[@]}"
-# The same with kvwire's own attention kernels and CUB's ranking in place of FlashInfer's,
-# side by side (decode_bench's selection column is the ranking's part).
-phase decode_native 120 decode_detail env KVWIRE_CUDA_ATTENTION=native KVWIRE_CUDA_TOPK=cub \
+# The same with kvwire's own attention kernels in place of FlashInfer's, side by side.
+phase decode_native 120 decode_detail env KVWIRE_CUDA_ATTENTION=native \
   "$(find_bin decode_bench)" "${decode_args[@]}"
+# The page rankings on CUB's segmented sort rather than FlashInfer's top-k (attention as in
+# decode; the coded formats' dense modes left out, which rank nothing): decode_bench's
+# selection column, which waits for the device before and after it, is the ranking's part.
+sparse_args=()
+for ((i = 0; i < ${#decode_args[@]}; i++)); do
+  [[ "${decode_args[i]}" == --kv-formats ]] && { ((i++)); continue; }
+  sparse_args+=("${decode_args[i]}")
+done
+phase decode_topk_cub 90 decode_detail env KVWIRE_CUDA_TOPK=cub \
+  "$(find_bin decode_bench)" "${sparse_args[@]}"
 
 # What crosses between host and device in a compressing prefill and a sparse decode step
 # (kvwire timing's copy ledger): the kept rows and the sampled tokens only.

@@ -287,6 +287,9 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
   const int qd = c.num_heads * d, kvd = c.num_kv_heads * d;
   const int64_t stride = qd + 2 * kvd;
   using Clock = std::chrono::steady_clock;
+  // Timed, each part waits for the device before and after it, so that the selection's time
+  // is its work on the device, not the time to queue it (nor the projections queued before).
+  if (times) RETURN_IF_ERROR(backend_->Synchronize());
   const Clock::time_point t0 = Clock::now();
   std::vector<kernels::KvAppend> appends(bsz);
   std::vector<DecodeSequence> seqs(bsz);
@@ -355,6 +358,7 @@ absl::Status LlamaModel::DecodeAttentionLayerOnDevice(int li, absl::Span<const D
     RETURN_IF_ERROR(backend_->TopK({all.top_k.data(), static_cast<int>(all.top_k.size()),
                                     /*ascending=*/false}));
   }
+  if (times) RETURN_IF_ERROR(backend_->Synchronize());
   const Clock::time_point t1 = Clock::now();
   if (times) times->selection_s += std::chrono::duration<double>(t1 - t0).count();
   for (const std::vector<int>& group : groups) {

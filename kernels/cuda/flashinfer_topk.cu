@@ -22,7 +22,16 @@ std::atomic<int64_t> launches{0};
 
 static_assert(kFlashInferTopKMax == static_cast<int>(flashinfer::sampling::FILTERED_TOPK_MAX_K));
 
-bool FlashInferTopKAvailable() { return flashinfer::sampling::CanImplementFilteredTopK(); }
+bool FlashInferTopKAvailable() {
+  // FlashInfer checks a multiprocessor's shared memory; a block's opt-in limit must hold the
+  // kernel's dynamic 128 KiB and its static arrays (about 12 KiB) as well.
+  int device = 0, optin = 0;
+  return flashinfer::sampling::CanImplementFilteredTopK() &&
+         cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
+             cudaSuccess &&
+         static_cast<size_t>(optin) >= flashinfer::sampling::FILTERED_TOPK_SMEM_DYNAMIC + 24 * 1024;
+}
 
 absl::Status LaunchFlashInferTopK(const float* scores, const int32_t* lengths, int rows,
                                   int row_stride, int k, int32_t* out, cudaStream_t stream) try {

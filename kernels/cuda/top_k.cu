@@ -207,6 +207,9 @@ absl::Status LaunchTopKFlashInfer(const TopKParams& p, int width, const OpMemory
     max_items = std::max(max_items, segs[i].items);
   }
   const int stride = (max_items + 3) / 4 * 4;  // rows of whole 16-byte vectors, FlashInfer's loads
+  if (int64_t{p.count} * stride > (1 << 30)) {
+    return absl::InvalidArgumentError("TopK: more than 2^30 items in one call");
+  }
   const size_t staged_bytes = Align(sizeof(float) * p.count * stride);
   const size_t chosen_bytes = Align(sizeof(int32_t) * p.count * width);
   ASSIGN_OR_RETURN(void* scratch, mem.scratch(kScratchSort, staged_bytes + chosen_bytes));

@@ -238,6 +238,50 @@ TEST_P(BackendOpsTest, TopKTakesMinusInfinityBeforeNaN) {
   }
 }
 
+// Rows where more than 16K scores tie at the cut (FlashInfer's top-k then rescans the row, its
+// buffer of candidates full): all equal but a few, and 17000 runs of which the k best reach far
+// into 16700 of −∞ and NaN (FlashInfer sees those alike); blocks ordering 256 to 2048 runs.
+TEST_P(BackendOpsTest, TopKWhereThousandsTie) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    int runs, run, k;
+    bool low;  // the −∞ and NaN row, else all equal but a few
+  };
+  for (const Case& c : std::vector<Case>{{20000, 1, 100, false},
+                                         {40000, 1, 2048, false},
+                                         {17000, 1, 400, true},
+                                         {17000, 3, 2900, true}}) {
+    SCOPED_TRACE(absl::StrCat("runs=", c.runs, " run=", c.run, " k=", c.k, " low=", c.low));
+    std::vector<float> scores(c.runs, 0.5f);
+    if (c.low) {
+      for (int i = 0; i < 16700; ++i) scores[i] = i < 8000 ? nan : -inf;
+      for (int i = 16700; i < c.runs; ++i) scores[i] = static_cast<float>(i % 7);
+    } else {
+      for (int i = 0; i < 30; ++i) scores[(i * 7919) % c.runs] = 1.f + i;
+    }
+    const int n = c.runs * c.run - (c.run > 1 ? 1 : 0);  // a short last run where runs are
+    auto go = [&](KernelBackend& b) {
+      Arena a(b);
+      TopKSegment seg{a.Upload(scores), nullptr, n, c.run, c.k, 1, nullptr};
+      seg.out = a.Filled<int32_t>(c.k + 1, -1);
+      const int64_t library = FlashInferTopKLaunchesHere();
+      const absl::Status st = b.TopK({&seg, 1, /*ascending=*/false});
+      EXPECT_TRUE(st.ok()) << st;
+      if (&b == backend_.get()) {
+        EXPECT_EQ(FlashInferTopKLaunchesHere() - library,
+                  RanksThroughFlashInfer(GetParam(), {seg}, false) ? 1 : 0);
+      }
+      return a.DownloadAs(seg.out, c.k + 1);
+    };
+    const auto want = go(*reference_);
+    EXPECT_EQ(go(*backend_), want);
+    if (c.low) {  // after the 300 finite runs' items, −∞'s from run 8000 on
+      EXPECT_EQ(want[300 * c.run - (c.run > 1 ? 1 : 0)], 8000 * c.run);
+    }
+  }
+}
+
 TEST_P(BackendOpsTest, HbwSelect) {
   uint32_t seed = 800;
   struct Case {
