@@ -1,6 +1,7 @@
 #include "decode_service/grpc_kv_source.h"
 
 #include <mutex>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -45,6 +46,8 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
     if (!authorization.empty()) context_.AddMetadata("authorization", authorization);
     InjectTrace(trace, &context_);
     stub->async()->Prefill(&context_, &request_, this);
+    // nccl: reads are restarted from a receiving thread (OnReadDone), outside the reactions.
+    if (transport_ == KvTransport::kNccl) AddHold();
     StartRead(&msg_);
     HandOffToGrpc(this);
     StartCall();
@@ -52,7 +55,10 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
 
   void OnReadDone(bool ok) override {
     TakeBackFromGrpc(this);
-    if (!ok) return;  // the stream ended; OnDone follows
+    if (!ok) {  // the stream ended; OnDone follows
+      EndReads();
+      return;
+    }
     wire_bytes_ += static_cast<int64_t>(msg_.ByteSizeLong());
     absl::Status st;
     switch (msg_.message_case()) {
@@ -70,6 +76,18 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
         if (chunk.placed && chunk.placed_bytes > 0) {
           wire_bytes_ += chunk.placed_bytes - static_cast<int64_t>(chunk.positions.size());
         }
+        if (transport_ == KvTransport::kNccl) {
+          // Not on this thread: the receive may wait for the turn of another stream on the
+          // link, whose own OnReadDone needs one of the few threads gRPC runs every reaction
+          // of the process on (a shared callback queue in Debian's 1.51); blocking them all
+          // in such waits stalls the stream that holds the turn.
+          std::thread([this, chunk = std::move(chunk)]() mutable {
+            absl::Status st = ReceiveRows(chunk);
+            if (st.ok()) st = receiver_->OnChunk(std::move(chunk));
+            Continue(st);  // the last use of this thread's `this`
+          }).detach();
+          return;
+        }
         st = ReceiveRows(chunk);
         if (st.ok()) st = receiver_->OnChunk(std::move(chunk));
         break;
@@ -81,14 +99,7 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
       default:
         st = absl::InvalidArgumentError("malformed KV stream: an empty PrefillResponse");
     }
-    if (!st.ok()) {
-      if (error_.ok()) error_ = st;
-      HandOffToGrpc(this);
-      context_.TryCancel();
-      return;
-    }
-    HandOffToGrpc(this);
-    StartRead(&msg_);
+    Continue(st);
   }
 
   void OnDone(const grpc::Status& status) override {
@@ -104,6 +115,25 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
   }
 
  private:
+  // The next read, or the call cancelled with `st`'s error. Touches nothing after it: the
+  // next OnReadDone, or OnDone, may already run (a call without the hold can end at the cancel).
+  void Continue(const absl::Status& st) {
+    const bool held = transport_ == KvTransport::kNccl;
+    if (!st.ok() && error_.ok()) error_ = st;
+    HandOffToGrpc(this);
+    if (st.ok()) {
+      StartRead(&msg_);
+      return;
+    }
+    context_.TryCancel();
+    if (held) RemoveHold();  // no more reads: OnDone may follow
+  }
+  // The stream ended (a read came back empty): nccl's hold (Begin) goes, and OnDone follows.
+  void EndReads() {
+    if (transport_ != KvTransport::kNccl) return;
+    HandOffToGrpc(this);
+    RemoveHold();
+  }
   // nccl: the link the header names (joined when it offers one). Link fields on a stream of
   // another transport are malformed.
   absl::Status UseLink(const WireHeader& h) {

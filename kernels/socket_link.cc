@@ -8,11 +8,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/escaping.h"
@@ -27,6 +29,7 @@ namespace {
 using SteadyTime = std::chrono::steady_clock::time_point;
 constexpr absl::string_view kPrefix = "socket-link";
 constexpr size_t kSecretBytes = 16;
+std::atomic<int64_t> receive_delay_ms{0};  // SetSocketLinkReceiveDelay
 
 absl::Status Errno(const char* what) {
   return absl::UnavailableError(absl::StrCat("socket link: ", what, ": ", std::strerror(errno)));
@@ -125,6 +128,9 @@ class SocketLink final : public PeerLink {
   }
   absl::Status Recv(void* data, size_t bytes, std::chrono::milliseconds timeout) override {
     const SteadyTime deadline = std::chrono::steady_clock::now() + timeout;
+    if (const int64_t delay = receive_delay_ms.load(std::memory_order_relaxed); delay > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay));
+    }
     return Guard([&]() -> absl::Status {
       RETURN_IF_ERROR(Connected(deadline));
       uint64_t n = 0;
@@ -244,6 +250,10 @@ absl::StatusOr<std::unique_ptr<PeerLink>> JoinSocketLink(KernelBackend* backend,
   auto link = std::make_unique<SocketLink>(backend, absl::HexStringToBytes(f[2]));
   link->set_port(port);
   return std::unique_ptr<PeerLink>(std::move(link));
+}
+
+void SetSocketLinkReceiveDelay(std::chrono::milliseconds delay) {
+  receive_delay_ms.store(delay.count(), std::memory_order_relaxed);
 }
 
 }  // namespace kvwire::kernels

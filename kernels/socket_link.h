@@ -7,6 +7,7 @@
 // so a receive of another size fails (where NCCL would mix the bytes up).
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -19,5 +20,9 @@ absl::StatusOr<std::unique_ptr<PeerLink>> OpenSocketLink(KernelBackend* backend,
                                                          std::string* offer);
 absl::StatusOr<std::unique_ptr<PeerLink>> JoinSocketLink(KernelBackend* backend,
                                                          const std::string& offer);
+
+// For tests: every receive on a socket link in this process waits this long first, as over a
+// slow fabric, so that a sender runs ahead of its receiver (0, the default: none).
+void SetSocketLinkReceiveDelay(std::chrono::milliseconds delay);
 
 }  // namespace kvwire::kernels

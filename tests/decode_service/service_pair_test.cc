@@ -20,6 +20,7 @@
 #include "decode_service/prefill_router.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
+#include "kernels/socket_link.h"
 #include "kvwire/v1/generation.grpc.pb.h"
 #include "prefill_service/prefill_server.h"
 #include "tests/engine_fakes.h"
@@ -463,6 +464,14 @@ TEST_F(ServicePairTest, NcclMovesWhatGrpcMoves) {
   }
   const std::vector<int32_t> want = Call(*stub_, Request(LongPrompt(200), 6)).ids;
   ASSERT_EQ(want.size(), 6u);
+  // The links' receives slowed, as over a slow fabric: the prefill node's later streams on a
+  // link reach the decode node before the first has finished, and their chunks wait for their
+  // turn, which must not take the threads gRPC runs the first stream's reads on (the decode
+  // node's receives once did, and the three streams hung until their deadline).
+  kernels::SetSocketLinkReceiveDelay(std::chrono::milliseconds(20));
+  struct NoDelay {
+    ~NoDelay() { kernels::SetSocketLinkReceiveDelay(std::chrono::milliseconds(0)); }
+  } no_delay;
   std::vector<std::thread> calls;
   std::vector<Result> got(6);
   for (int round = 0; round < 2; ++round) {
