@@ -1,8 +1,12 @@
 #include "decode_service/grpc_kv_source.h"
 
+#include <condition_variable>
+#include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/base/status.h"
@@ -13,6 +17,57 @@
 
 namespace kvwire {
 namespace {
+
+// Threads that receive nccl chunks from their links, outside gRPC's reactions: a chunk's
+// receive may wait for another stream's turn on its link, so each chunk gets a thread that is
+// idle (or about to be) or a new one, never one that may be waiting, and the threads stay for
+// later chunks, since a backend keeps state per thread (the CUDA backend's lanes: streams,
+// tables, staging). As many as receives have waited at once; process-wide and never
+// destroyed, as gRPC's own threads.
+class ReceiveThreads {
+ public:
+  static ReceiveThreads& Get() {
+    static auto* threads = new ReceiveThreads;
+    return *threads;
+  }
+  // Queues `task`; refused only where no thread can be started for it.
+  absl::Status Run(absl::AnyInvocable<void()> task) {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+    if (free_ < tasks_.size()) {  // every queued task has a thread of its own to take it
+      try {
+        std::thread([this] { Work(); }).detach();
+      } catch (const std::system_error& e) {
+        tasks_.pop_back();
+        return absl::ResourceExhaustedError(
+            absl::StrCat("no thread to receive an nccl chunk on: ", e.what()));
+      }
+      ++free_;
+    }
+    ready_.notify_one();
+    return absl::OkStatus();
+  }
+
+ private:
+  void Work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      ready_.wait(lock, [&] { return !tasks_.empty(); });
+      absl::AnyInvocable<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      --free_;
+      lock.unlock();
+      task();
+      lock.lock();
+      ++free_;
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable ready_;
+  std::deque<absl::AnyInvocable<void()>> tasks_;
+  size_t free_ = 0;  // threads not in a task (waiting, or started and not yet waiting)
+};
 
 // Owns itself from StartCall until OnDone; the handle given to the engine outlives it.
 class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
@@ -81,12 +136,13 @@ class CallReactor final : public grpc::ClientReadReactor<v1::PrefillResponse> {
           // link, whose own OnReadDone needs one of the few threads gRPC runs every reaction
           // of the process on (a shared callback queue in Debian's 1.51); blocking them all
           // in such waits stalls the stream that holds the turn.
-          std::thread([this, chunk = std::move(chunk)]() mutable {
-            absl::Status st = ReceiveRows(chunk);
-            if (st.ok()) st = receiver_->OnChunk(std::move(chunk));
-            Continue(st);  // the last use of this thread's `this`
-          }).detach();
-          return;
+          st = ReceiveThreads::Get().Run([this, chunk = std::move(chunk)]() mutable {
+            absl::Status received = ReceiveRows(chunk);
+            if (received.ok()) received = receiver_->OnChunk(std::move(chunk));
+            Continue(received);  // the last use of `this` in the task
+          });
+          if (st.ok()) return;
+          break;
         }
         st = ReceiveRows(chunk);
         if (st.ok()) st = receiver_->OnChunk(std::move(chunk));

@@ -6,6 +6,8 @@
 #include <numeric>
 #include <vector>
 
+#include "common/base/ranking.h"
+
 namespace kvwire::kernels {
 namespace {
 
@@ -14,8 +16,13 @@ struct Candidate {
   int32_t id;
 };
 
+// The ranking order (common/base/ranking.h): the larger probability, NaN last (a +∞ logit
+// makes NaNs), then the lower id. A strict weak order with NaN too, as the sorts need, and the
+// order the device's keys sort in.
 bool Before(const Candidate& a, const Candidate& b) {
-  return a.p > b.p || (a.p == b.p && a.id < b.id);
+  if (ScoreBefore(a.p, b.p)) return true;
+  if (ScoreBefore(b.p, a.p)) return false;
+  return a.id < b.id;
 }
 
 int32_t Argmax(const float* logits, int vocab) {

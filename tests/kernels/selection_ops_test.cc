@@ -521,7 +521,11 @@ void ExpectSameTokens(const std::vector<SampledToken>& got, const std::vector<Sa
   ASSERT_EQ(got.size(), want.size());
   for (size_t b = 0; b < got.size(); ++b) {
     EXPECT_EQ(got[b].id, want[b].id) << "row " << b;
-    EXPECT_NEAR(got[b].logprob, want[b].logprob, 1e-4f) << "row " << b;
+    if (std::isnan(want[b].logprob)) {
+      EXPECT_TRUE(std::isnan(got[b].logprob)) << "row " << b;
+    } else {
+      EXPECT_NEAR(got[b].logprob, want[b].logprob, 1e-4f) << "row " << b;
+    }
   }
 }
 
@@ -546,7 +550,8 @@ TEST_P(BackendOpsTest, SampleDrawsTheReferenceToken) {
 // Every sampling row with a top-k (1 to 2048, beside greedy rows): on cuda the candidates come
 // from FlashInfer's top-k rather than a sort of the vocabulary, ordered by CUB's block sort for
 // up to 256, 512, 1024 and 2048 of them. Logits on a few levels, so that many candidates tie
-// and the lower id must come first.
+// and the lower id must come first; one row with +∞ logits, whose probabilities are NaN (last
+// in the ranking order, which FlashInfer cannot rank a float below −∞ to) and +0 elsewhere.
 TEST_P(BackendOpsTest, SampleWithATopKDrawsTheReferenceToken) {
   uint32_t seed = 1300;
   for (int top : {200, 500, 1000, 2048}) {
@@ -558,11 +563,25 @@ TEST_P(BackendOpsTest, SampleWithATopKDrawsTheReferenceToken) {
       const std::vector<SampleRow> rows = SampleRows(params, seed++);
       std::vector<float> logits = Plateaus(rows.size() * (vocab + 3), seed++, 7);
       for (float& x : logits) x = 6.f * x - 2.f;
+      for (int i : {5, 50, 500}) {  // row 10 samples with top-k `top`
+        if (i < vocab) logits[10 * (vocab + 3) + i] = std::numeric_limits<float>::infinity();
+      }
       const int64_t library = FlashInferTopKLaunchesHere();
       const auto got = SampleOn(*backend_, logits, vocab, rows);
       EXPECT_EQ(FlashInferTopKLaunchesHere() - library,
                 GetParam() == BackendKind::kCuda && CudaRanksThroughFlashInfer() ? 1 : 0);
-      ExpectSameTokens(got, SampleOn(*reference_, logits, vocab, rows));
+      const auto want = SampleOn(*reference_, logits, vocab, rows);
+      ExpectSameTokens(got, want);
+      // Row 10: every finite logit's probability +0 and the mass 0, so the walk ends on the
+      // last of the top-k: the +0 ids in order, then the NaN ids (5, 50, 500).
+      std::vector<int32_t> order;
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int i = 0; i < vocab; ++i) {
+          const bool infinite = i == 5 || i == 50 || i == 500;
+          if (infinite == (pass == 1)) order.push_back(i);
+        }
+      }
+      EXPECT_EQ(want[10].id, order[std::min(top, vocab) - 1]);
     }
   }
 }
