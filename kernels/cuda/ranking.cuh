@@ -4,7 +4,9 @@
 // equal scores the lower index first.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace kvwire::kernels::cuda {
 
@@ -31,6 +33,32 @@ __host__ __device__ __forceinline__ uint64_t BestFirstKey(float s, int32_t i) {
 
 __host__ __device__ __forceinline__ int32_t IndexOfKey(uint64_t key) {
   return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(key));
+}
+
+// `s` as a float that FlashInfer's top-k, which ranks a float by its bits, ranks as OrderedBits
+// does: −0 as +0, and NaN as −∞ (no float's bits rank below −∞, and FlashInfer's coarse pass
+// converts to f16, which makes every NaN the largest); a caller that must tell −∞ from NaN
+// reads the score again.
+__host__ __device__ __forceinline__ float StagedForFlashInfer(float s) {
+  const uint32_t b = OrderedBits(s);
+  return b == 0 ? -INFINITY : FromOrderedBits(b);
+}
+
+// A block of kOrderThreads orders the items FlashInfer's top-k chose (at most 2048) with each
+// thread holding the fewest keys that cover `width`: 1, 2, 4 or 8, given to `launch` as a
+// std::integral_constant (the kernel's template argument).
+inline constexpr int kOrderThreads = 256;
+template <typename Launch>
+void WithOrderItems(int width, Launch&& launch) {
+  if (width <= kOrderThreads) {
+    launch(std::integral_constant<int, 1>{});
+  } else if (width <= 2 * kOrderThreads) {
+    launch(std::integral_constant<int, 2>{});
+  } else if (width <= 4 * kOrderThreads) {
+    launch(std::integral_constant<int, 4>{});
+  } else {
+    launch(std::integral_constant<int, 8>{});
+  }
 }
 
 }  // namespace kvwire::kernels::cuda

@@ -45,9 +45,10 @@ __device__ __forceinline__ Pick Better(Pick a, Pick b) {
   return (b.value > a.value || (b.value == a.value && b.index < a.index)) ? b : a;
 }
 
-// `staged` (or null): each candidate's probability again as a float, row stride
-// `staged_stride`, for FlashInfer's top-k, NaN as −∞ (FlashInfer ranks a float by its bits, and
-// no float's bits rank below −∞, where the ranking order puts NaN; no probability is −∞ or −0).
+// A sampling row's candidates go to `keys` (for the segmented sort) or, where it is null, to
+// `staged` (for FlashInfer's top-k, row stride `staged_stride`): the probability as
+// StagedForFlashInfer gives it, which OrderChosenKernel makes a key again (no probability is
+// −∞ or −0, so −∞ there is NaN).
 __global__ void RowStatsKernel(const float* logits, int64_t stride, int vocab,
                                const SampleRow* rows, uint64_t* keys, RowStats* stats,
                                float* staged, int64_t staged_stride) {
@@ -75,8 +76,11 @@ __global__ void RowStatsKernel(const float* logits, int64_t stride, int vocab,
     if (temperature > 0.f) {
       const float p = expf((x[i] - mx) / temperature);
       total += p;
-      keys[b * static_cast<int64_t>(vocab) + i] = BestFirstKey(p, i);
-      if (staged) staged[b * staged_stride + i] = OrderedBits(p) == 0 ? -INFINITY : p;
+      if (keys) {
+        keys[b * static_cast<int64_t>(vocab) + i] = BestFirstKey(p, i);
+      } else {
+        staged[b * staged_stride + i] = StagedForFlashInfer(p);
+      }
     }
   }
   for (int pass = 0; pass < 2; ++pass) {
@@ -126,13 +130,14 @@ __device__ int FirstCrossing(const uint64_t* sorted, int keep, double target, bo
 }
 
 __global__ void DrawKernel(const float* logits, int64_t stride, int vocab, const SampleRow* rows,
-                           const RowStats* stats, const uint64_t* sorted, SampledToken* out) {
+                           const RowStats* stats, const uint64_t* sorted, int64_t sorted_stride,
+                           SampledToken* out) {
   const int b = blockIdx.x;
   const RowStats st = stats[b];
   const SamplingParams sp = rows[b].params;
   int32_t id = st.argmax;
   if (sp.temperature > 0.f) {
-    const uint64_t* row = sorted + b * static_cast<int64_t>(vocab);
+    const uint64_t* row = sorted + b * sorted_stride;
     int keep = vocab;
     if (sp.top_k > 0) keep = min(keep, sp.top_k);
     if (sp.top_p < 1.f) {
@@ -153,33 +158,36 @@ __global__ void DrawKernel(const float* logits, int64_t stride, int vocab, const
 size_t Align(size_t n) { return (n + 255) / 256 * 256; }
 
 #if KVWIRE_HAVE_FLASHINFER
-constexpr int kOrderThreads = 256;  // a block orders up to 256 · 8 = 2048 candidates
 static_assert(kOrderThreads * 8 >= kFlashInferTopKMax);
 
 // A block per sampling row: the candidates FlashInfer chose (`chosen`, `width` a row, in no
-// order) ranked by their keys into the row's first places of `sorted`, as the segmented sort
-// would leave them. FlashInfer takes NaN candidates (staged as −∞, below every probability) by
-// index, as the ranking order does.
+// order) ranked by their keys into `sorted` (`width` a row), as the segmented sort would leave
+// a row's first places. FlashInfer takes NaN candidates (staged as −∞, below every
+// probability) by index, as the ranking order does.
 template <int kItems>
 __global__ void __launch_bounds__(kOrderThreads)
     OrderChosenKernel(const SampleRow* rows, const int32_t* chosen, int width, int vocab,
-                      const uint64_t* keys, uint64_t* sorted) {
+                      const float* staged, int64_t staged_stride, uint64_t* sorted) {
   using Sort = cub::BlockRadixSort<uint64_t, kOrderThreads, kItems>;
   __shared__ typename Sort::TempStorage temp;
   const int b = blockIdx.x;
   if (rows[b].params.temperature <= 0.f) return;  // greedy: nothing to order
   const int m = min(width, vocab);
-  const int64_t base = int64_t{b} * vocab;
   uint64_t key[kItems];
   for (int i = 0; i < kItems; ++i) {
     const int j = threadIdx.x * kItems + i;
     const int32_t id = j < m ? chosen[int64_t{b} * width + j] : -1;
-    key[i] = id >= 0 && id < vocab ? keys[base + id] : 0;  // 0: below every candidate's key
+    if (id >= 0 && id < vocab) {
+      const float p = staged[b * staged_stride + id];
+      key[i] = BestFirstKey(p == -INFINITY ? NAN : p, id);
+    } else {
+      key[i] = 0;  // below every candidate's key
+    }
   }
   Sort(temp).SortDescending(key);  // blocked: thread t holds places t·kItems on
   for (int i = 0; i < kItems; ++i) {
     const int place = threadIdx.x * kItems + i;
-    if (place < m) sorted[base + place] = key[i];
+    if (place < m) sorted[int64_t{b} * width + place] = key[i];
   }
 }
 
@@ -195,13 +203,6 @@ int ChosenWidth(const SampleParams& p) {
   }
   return width;
 }
-
-template <int kItems>
-void LaunchOrderChosen(const SampleParams& p, const SampleRow* rows, const int32_t* chosen,
-                       int width, const uint64_t* keys, uint64_t* sorted, cudaStream_t stream) {
-  OrderChosenKernel<kItems>
-      <<<p.batch, kOrderThreads, 0, stream>>>(rows, chosen, width, p.vocab, keys, sorted);
-}
 #endif  // KVWIRE_HAVE_FLASHINFER
 
 }  // namespace
@@ -216,18 +217,17 @@ absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream
 #if KVWIRE_HAVE_FLASHINFER
   if (const int width = flashinfer ? ChosenWidth(p) : 0; width > 0) {
     const int64_t staged_stride = (p.vocab + 3) / 4 * 4;  // whole 16-byte vectors a row
-    const size_t keys_bytes = Align(sizeof(uint64_t) * items);
+    const size_t sorted_bytes = Align(sizeof(uint64_t) * p.batch * width);
     const size_t stats_bytes = Align(sizeof(RowStats) * p.batch);
     const size_t staged_bytes = Align(sizeof(float) * p.batch * staged_stride);
     ASSIGN_OR_RETURN(void* scratch,
-                     mem.scratch(kScratchSort, 2 * keys_bytes + stats_bytes + staged_bytes +
+                     mem.scratch(kScratchSort, sorted_bytes + stats_bytes + staged_bytes +
                                                    Align(sizeof(int32_t) * p.batch * width)));
     auto* at = static_cast<uint8_t*>(scratch);
-    auto* keys = reinterpret_cast<uint64_t*>(at);
-    auto* sorted = reinterpret_cast<uint64_t*>(at + keys_bytes);
-    auto* stats = reinterpret_cast<RowStats*>(at + 2 * keys_bytes);
-    auto* staged = reinterpret_cast<float*>(at + 2 * keys_bytes + stats_bytes);
-    auto* chosen = reinterpret_cast<int32_t*>(at + 2 * keys_bytes + stats_bytes + staged_bytes);
+    auto* sorted = reinterpret_cast<uint64_t*>(at);
+    auto* stats = reinterpret_cast<RowStats*>(at + sorted_bytes);
+    auto* staged = reinterpret_cast<float*>(at + sorted_bytes + stats_bytes);
+    auto* chosen = reinterpret_cast<int32_t*>(at + sorted_bytes + stats_bytes + staged_bytes);
     // A greedy row is a row of length 0 for FlashInfer: nothing is read of it.
     std::vector<int32_t> lengths(p.batch);
     for (int b = 0; b < p.batch; ++b) {
@@ -238,23 +238,19 @@ absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream
     // (The offsets' table holds the lengths: this path sorts no segments.)
     ASSIGN_OR_RETURN(void* lengths_table, mem.table(kTableSampleOffsets, lengths.data(),
                                                     sizeof(int32_t) * lengths.size()));
-    RowStatsKernel<<<p.batch, kThreads, 0, stream>>>(p.logits, stride, p.vocab, drows, keys, stats,
-                                                     staged, staged_stride);
+    RowStatsKernel<<<p.batch, kThreads, 0, stream>>>(p.logits, stride, p.vocab, drows, nullptr,
+                                                     stats, staged, staged_stride);
     RETURN_IF_ERROR(LaunchStatus("RowStatsKernel"));
     RETURN_IF_ERROR(LaunchFlashInferTopK(staged, static_cast<const int32_t*>(lengths_table),
                                          p.batch, static_cast<int>(staged_stride), width, chosen,
                                          stream));
-    if (width <= kOrderThreads) {
-      LaunchOrderChosen<1>(p, drows, chosen, width, keys, sorted, stream);
-    } else if (width <= 2 * kOrderThreads) {
-      LaunchOrderChosen<2>(p, drows, chosen, width, keys, sorted, stream);
-    } else if (width <= 4 * kOrderThreads) {
-      LaunchOrderChosen<4>(p, drows, chosen, width, keys, sorted, stream);
-    } else {
-      LaunchOrderChosen<8>(p, drows, chosen, width, keys, sorted, stream);
-    }
+    WithOrderItems(width, [&](auto items) {
+      OrderChosenKernel<items.value><<<p.batch, kOrderThreads, 0, stream>>>(
+          drows, chosen, width, p.vocab, staged, staged_stride, sorted);
+    });
     RETURN_IF_ERROR(LaunchStatus("OrderChosenKernel"));
-    DrawKernel<<<p.batch, 32, 0, stream>>>(p.logits, stride, p.vocab, drows, stats, sorted, p.out);
+    DrawKernel<<<p.batch, 32, 0, stream>>>(p.logits, stride, p.vocab, drows, stats, sorted, width,
+                                           p.out);
     return LaunchStatus("DrawKernel");
   }
 #endif
@@ -298,7 +294,8 @@ absl::Status LaunchSample(const SampleParams& p, const OpMemory& mem, cudaStream
                                    begin, begin + p.batch, 0, 64, stream),
                                "cub segmented sort (sampling)"));
   }
-  DrawKernel<<<p.batch, 32, 0, stream>>>(p.logits, stride, p.vocab, drows, stats, sorted, p.out);
+  DrawKernel<<<p.batch, 32, 0, stream>>>(p.logits, stride, p.vocab, drows, stats, sorted, p.vocab,
+                                         p.out);
   return LaunchStatus("DrawKernel");
 }
 

@@ -93,22 +93,17 @@ __global__ void AppendKernel(const DeviceSegment* segs) {
 size_t Align(size_t n) { return (n + 255) / 256 * 256; }
 
 #if KVWIRE_HAVE_FLASHINFER
-// A block orders up to 256 · 8 = 2048 runs, each thread's share the fewest that hold the call's.
-constexpr int kOrderThreads = 256;
 static_assert(kOrderThreads * 8 >= kFlashInferTopKMax);
 // OrderedBits(−∞): the runs at or below it (−∞ and NaN) FlashInfer sees alike (StageScoresKernel).
 constexpr uint32_t kNegInfBits = 0x007FFFFFu;
 
-// Row y of the staged scores: each run's score as a float that FlashInfer, which ranks a float
-// by its bits, ranks as OrderedBits does: −0 as +0, and NaN, which no float's bits put below −∞
-// (FlashInfer's coarse pass converts to f16, which makes every NaN the largest), as −∞;
-// OrderKernel puts −∞ and NaN apart again.
+// Row y of the staged scores: each run's score as FlashInfer is to rank it
+// (StagedForFlashInfer); OrderKernel puts −∞ and NaN apart again.
 __global__ void StageScoresKernel(const DeviceSegment* segs, int stride, float* staged) {
   const DeviceSegment& d = segs[blockIdx.y];
   float* row = staged + int64_t{blockIdx.y} * stride;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < d.items; i += gridDim.x * blockDim.x) {
-    const uint32_t b = OrderedBits(d.s.score[i]);
-    row[i] = b == 0 ? -INFINITY : FromOrderedBits(b);
+    row[i] = StagedForFlashInfer(d.s.score[i]);
   }
 }
 
@@ -225,15 +220,9 @@ absl::Status LaunchTopKFlashInfer(const TopKParams& p, int width, const OpMemory
   RETURN_IF_ERROR(LaunchStatus("StageScoresKernel"));
   RETURN_IF_ERROR(LaunchFlashInferTopK(staged, static_cast<const int32_t*>(lengths_table), p.count,
                                        stride, width, chosen, stream));
-  if (width <= kOrderThreads) {
-    OrderKernel<1><<<p.count, kOrderThreads, 0, stream>>>(dsegs, chosen, width);
-  } else if (width <= 2 * kOrderThreads) {
-    OrderKernel<2><<<p.count, kOrderThreads, 0, stream>>>(dsegs, chosen, width);
-  } else if (width <= 4 * kOrderThreads) {
-    OrderKernel<4><<<p.count, kOrderThreads, 0, stream>>>(dsegs, chosen, width);
-  } else {
-    OrderKernel<8><<<p.count, kOrderThreads, 0, stream>>>(dsegs, chosen, width);
-  }
+  WithOrderItems(width, [&](auto items) {
+    OrderKernel<items.value><<<p.count, kOrderThreads, 0, stream>>>(dsegs, chosen, width);
+  });
   return LaunchStatus("OrderKernel");
 }
 #endif  // KVWIRE_HAVE_FLASHINFER
