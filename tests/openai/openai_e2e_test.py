@@ -390,9 +390,10 @@ class OpenAIFrontTest(LocalClusterCase):
     # - until the pause, the decode nodes at the lowest priority: on a loaded machine this
     #   client read the first event only after the generation had ended, five attempts in a
     #   row; niced, they yield to it there and run at full speed on an idle one;
-    # - after it, a resumption at a twentieth of the time for half a second: gRPC calls the
-    #   stream's OnCancel about 100 ms after the node resumes (measured), by when the rest
-    #   of the generation, about 50 ms, was done.
+    # - after it, a resumption at a twentieth of the time for half a second: gRPC closes the
+    #   transport, and so cancels the stream, only once its write in progress is over ("Delayed
+    #   close due to in-progress write"), measured 24 to 106 ms after the node resumed, by
+    #   when the rest of the generation, about 50 ms, could be done.
     # Tried up to 5 times in case the generation ended first all the same.
     decoders = [self.pids[n] for n in ("decode-0", "decode-1")]
     try:
