@@ -156,13 +156,13 @@ class ServicePairTest : public ::testing::Test {
     decode_ = std::move(*s);
     channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(decode_->port()),
                                    grpc::InsecureChannelCredentials());
+    stub_ = v1::Generation::NewStub(channel_);
     // Under CI's load a fresh channel's first connect to the node just started failed once
     // (UNAVAILABLE, with an errno no connect gives), failing the test's first call; the
     // channel tries again after its backoff, so the tests start once it is connected.
     ASSERT_TRUE(
         channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)))
         << "no connection to the decode node on port " << decode_->port() << " in 10 s";
-    stub_ = v1::Generation::NewStub(channel_);
   }
 
   // Every prefill node, as the decode node's --prefill names them.
