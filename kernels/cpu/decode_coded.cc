@@ -10,8 +10,10 @@
 #include "kernels/cpu/decode_coded.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/coded_rows.h"
@@ -537,6 +539,486 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
   return !V::SawNaN(seen) && !huge_scale;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+// int4 in integer products. In float32 an int4 row costs the bf16 kernel's multiply-adds and
+// the widening of its codes besides, which bound it at about twice its memory time. VNNI's
+// vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds them four at a time into 16
+// int32 lanes, four times a float multiply-add's work in one instruction: the codes are the
+// unsigned bytes as they unpack, and what they meet (a key group's q ∘ b for a query head, a
+// value tile's weights for a head) is made a fixed-point integer of at most kFixedMax to its
+// largest magnitude, split into kPlanes signed bytes, one product each. Error: half a unit of
+// that fixed point per term, under 2^-20 of the largest term (the float kernel's is 2^-24).
+constexpr int kPlanes = 3;
+constexpr int kFixedMax = 127 << (8 * (kPlanes - 1));
+constexpr int kInt4Chunk = 128;  // channels of a 64-byte load: the value group's width
+
+// The largest fixed-point magnitude whose products with n codes (each at most 15) sum within
+// int32.
+inline int FixedMax(int n) { return std::min(kFixedMax, (INT32_MAX - 1) / (15 * n) - 1); }
+
+// Q as kPlanes signed bytes, most significant first: Q = Σ digit[p] · 256^(kPlanes - 1 - p),
+// each digit in [-128, 127] for |Q| ≤ kFixedMax. Packed to bytes by truncation.
+inline void Digits(__m512i q, __m128i* digit) {
+  for (int p = kPlanes - 1; p > 0; --p) {
+    const __m512i up = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+    digit[p] = _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(up, 8)));
+    q = up;
+  }
+  digit[0] = _mm512_cvtepi32_epi8(q);
+}
+
+// The multiplier that makes x's largest magnitude `fixed_max`, and its inverse (the unit); false
+// where x holds a NaN or an infinity, or is too small to scale (the float kernels take it).
+inline bool FixedScale(const float* x, int n, int fixed_max, float* mul, float* unit) {
+  __m512 mx = _mm512_setzero_ps(), total = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+    mx = _mm512_max_ps(mx, a);
+    total = _mm512_add_ps(total, a);  // a NaN or an infinity anywhere makes it one
+  }
+  if (!std::isfinite(_mm512_reduce_add_ps(total))) return false;
+  const float m = _mm512_reduce_max_ps(mx);
+  if (m == 0.f) {
+    *mul = *unit = 0.f;
+    return true;
+  }
+  *mul = static_cast<float>(fixed_max) / m;
+  *unit = m / static_cast<float>(fixed_max);
+  return std::isfinite(*mul);
+}
+
+// Lanes [0, n) of 16 (all for n >= 16, none for n <= 0).
+inline __mmask16 TailMask(int n) {
+  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// acc + the products of a's unsigned bytes and b's signed ones, four to a lane. In place by
+// inline assembly: GCC 12 gave the intrinsic a fresh register and a copy for every product.
+[[gnu::always_inline]] inline __m512i Dpbusd(__m512i acc, __m512i a, __m512i b) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// Dpbusd with b the four bytes at p in every lane (an operand of the instruction).
+[[gnu::always_inline]] inline __m512i DpbusdBroadcast(__m512i acc, __m512i a, const uint8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0"
+          : "+v"(acc)
+          : "v"(a), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// As Vec16::SumEach, in int32.
+[[gnu::always_inline]] inline __m512i SumEachInt(const __m512i* a) {
+  __m512i b[8], c[4], e[2];
+  for (int k = 0; k < 8; ++k) {
+    b[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]),
+                            _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]));
+  }
+  for (int k = 0; k < 4; ++k) {
+    c[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * k], b[2 * k + 1]),
+                            _mm512_unpackhi_epi64(b[2 * k], b[2 * k + 1]));
+  }
+  for (int k = 0; k < 2; ++k) {
+    e[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// A value tile's four rows interleaved a byte each into every 32-bit lane (what vpdpbusd adds
+// together is then one channel of four tokens), then split into nibbles: of chunk k, vector
+// 2m + h holds in lane j channel ValueLaneChannel(m, h, j), 16 channels of four tokens.
+inline int ValueLaneChannel(int m, int h, int j) { return 32 * (j / 4) + 8 * m + 2 * (j % 4) + h; }
+
+// DecodeHeadCodedVec for int4 in these products, a head_dim of C 128-channel chunks.
+template <int G, int C>
+bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, float scale,
+                        float* s) {
+  const KvCoding& coding = seq.coding;
+  const int count = seq.indices ? seq.num_indices : seq.len;
+  const int32_t* idx = seq.indices ? seq.indices + int64_t{c} * seq.num_indices : nullptr;
+  const int resid = coding.ResidBegin(seq.len);
+  const KvGroups groups{coding.kept};
+  constexpr int chunks = C;
+  const int kc = d / 2, vc = static_cast<int>(KvValueRowBytes(KvFormat::kInt4, dtype, d));
+  const auto* k = static_cast<const uint8_t*>(seq.k);
+  const auto* v = static_cast<const uint8_t*>(seq.v);
+  const float* q = seq.q + int64_t{c} * G * d;
+  float* out = seq.out + int64_t{c} * G * d;
+  const bool k_region = seq.layout.pages == nullptr, v_region = coding.v_layout.pages == nullptr;
+  const uint8_t* k_head = k + (k_region ? seq.layout.Row(c, 0, kc) : 0);
+  const uint8_t* v_head = v + (v_region ? coding.v_layout.Row(c, 0, vc) : 0);
+  auto krow = [&](int t) {
+    return k_region ? k_head + int64_t{t} * kc : k + seq.layout.Row(c, t, kc);
+  };
+  auto vrow = [&](int t) {
+    return v_region ? v_head + int64_t{t} * vc : v + coding.v_layout.Row(c, t, vc);
+  };
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+
+  // Keys. A group's q ∘ b per head in fixed point, as bytes laid out as a row's nibbles unpack
+  // (chunk k's low nibbles: its even channels, then its high ones: the odd): key_digits at
+  // ((g · kPlanes + p) · chunks + k) · 128 + 64 · h.
+  thread_local std::vector<float> qb;
+  thread_local std::vector<uint8_t> key_digits;
+  qb.resize(static_cast<size_t>(G) * d);
+  key_digits.resize(static_cast<size_t>(G) * kPlanes * chunks * 128);
+  const int key_max = FixedMax(d);
+  float qa[G] = {}, key_unit[G] = {};
+  constexpr int B = 16 / G;
+  alignas(64) float lane_qa[16], lane_unit[16];
+  int current = -1;
+  auto fold = [&](int gi) {
+    const uint8_t* params = coding.k_params + KeyParamsAt(coding, d, c, gi);
+    __m512 dot[G];
+    for (int g = 0; g < G; ++g) dot[g] = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += 16) {
+      __m512 a, b;
+      Vec16::Params(params + 4 * i, &a, &b);
+      for (int g = 0; g < G; ++g) {
+        const __m512 qv = _mm512_loadu_ps(q + g * d + i);
+        _mm512_storeu_ps(qb.data() + g * d + i, _mm512_mul_ps(qv, b));
+        dot[g] = _mm512_fmadd_ps(qv, a, dot[g]);
+      }
+    }
+    // Each 32 channels' even ones, then their odd ones, as a row's nibbles unpack.
+    const __m512i evens =
+        _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    for (int g = 0; g < G; ++g) {
+      qa[g] = _mm512_reduce_add_ps(dot[g]);
+      float mul;
+      if (!FixedScale(qb.data() + g * d, d, key_max, &mul, &key_unit[g])) return false;
+      const __m512 vmul = _mm512_set1_ps(mul);
+      for (int block = 0; block < d / 32; ++block) {
+        const __m512 x0 = _mm512_loadu_ps(qb.data() + g * d + 32 * block);
+        const __m512 x1 = _mm512_loadu_ps(qb.data() + g * d + 32 * block + 16);
+        for (int h = 0; h < 2; ++h) {
+          const __m512 x = _mm512_permutex2var_ps(x0, h ? odds : evens, x1);
+          __m128i digit[kPlanes];
+          Digits(_mm512_cvtps_epi32(_mm512_mul_ps(x, vmul)), digit);
+          for (int p = 0; p < kPlanes; ++p) {
+            uint8_t* at = key_digits.data() +
+                          ((static_cast<size_t>(g) * kPlanes + p) * chunks + block / 4) * 128 +
+                          64 * h + 16 * (block % 4);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(at), digit[p]);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < 16; ++j) lane_qa[j] = qa[j / B], lane_unit[j] = key_unit[j / B];
+    current = gi;
+    return true;
+  };
+  // Row x's G dot products (in units of their head's key_unit) to acc[0], acc[stride], ....
+  auto row_dots = [&](int x, __m512i* acc, int stride) {
+    if (x + kAhead < count) {
+      const int next = idx ? idx[x + kAhead] : x + kAhead;
+      if (next < resid) Prefetch(krow(next), kc);
+    }
+    const uint8_t* codes = krow(idx ? idx[x] : x);
+    __m512i lo[C], hi[C];
+    for (int ch = 0; ch < C; ++ch) {
+      const __m512i packed = _mm512_loadu_si512(codes + 64 * ch);
+      lo[ch] = _mm512_and_si512(packed, nibble);
+      hi[ch] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    }
+    // The heads' products interleaved: each head's is a chain of dependent instructions.
+    __m512i a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_si512();
+    for (int p = 0; p < kPlanes; ++p) {
+      if (p > 0) {
+        for (int g = 0; g < G; ++g) a[g] = _mm512_slli_epi32(a[g], 8);
+      }
+      for (int ch = 0; ch < C; ++ch) {
+        for (int h = 0; h < 2; ++h) {
+          for (int g = 0; g < G; ++g) {
+            const uint8_t* w = key_digits.data() +
+                               ((static_cast<size_t>(g) * kPlanes + p) * C + ch) * 128 + 64 * h;
+            a[g] = Dpbusd(a[g], h ? hi[ch] : lo[ch], _mm512_loadu_si512(w));
+          }
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) acc[g * stride] = a[g];
+  };
+  const __m512 vscale = _mm512_set1_ps(scale);
+  // Whether rows [x, x + n) are all coded rows of the current key group.
+  auto run_of_group = [&](int x, int n) {
+    if (x + n > count) return false;
+    if (!idx) return x + n <= resid && groups.Of(x) == current && groups.Of(x + n - 1) == current;
+    for (int r = 0; r < n; ++r) {
+      if (idx[x + r] >= resid || groups.Of(idx[x + r]) != current) return false;
+    }
+    return true;
+  };
+  // Rows x .. x + 15 at once, transposed so that lane r holds row r's 32-bit words one word
+  // position at a time: a product then serves 16 rows, its query bytes broadcast, and each
+  // lane ends as its row's dot product, with no sum across lanes (which took a fifth of the
+  // operations row by row).
+  alignas(64) uint8_t transposed[C][16][64];
+  auto sixteen_rows = [&](int x) {
+    for (int r = 0; r < 16; ++r) {
+      if (x + r + 2 * kAhead < count) {
+        const int next = idx ? idx[x + r + 2 * kAhead] : x + r + 2 * kAhead;
+        if (next < resid) Prefetch(krow(next), kc);
+      }
+    }
+    for (int ch = 0; ch < C; ++ch) {
+      __m512i w[16], t[16];
+      for (int r = 0; r < 16; ++r)
+        w[r] = _mm512_loadu_si512(krow(idx ? idx[x + r] : x + r) + 64 * ch);
+      for (int r = 0; r < 16; r += 2) {
+        t[r] = _mm512_unpacklo_epi32(w[r], w[r + 1]);
+        t[r + 1] = _mm512_unpackhi_epi32(w[r], w[r + 1]);
+      }
+      for (int r = 0; r < 16; r += 4) {  // w[r + k], 128-bit lane L: rows r..r+3 of word 4L + k
+        w[r] = _mm512_unpacklo_epi64(t[r], t[r + 2]);
+        w[r + 1] = _mm512_unpackhi_epi64(t[r], t[r + 2]);
+        w[r + 2] = _mm512_unpacklo_epi64(t[r + 1], t[r + 3]);
+        w[r + 3] = _mm512_unpackhi_epi64(t[r + 1], t[r + 3]);
+      }
+      for (int kk = 0; kk < 4; ++kk) {
+        const __m512i a01 = _mm512_shuffle_i32x4(w[kk], w[4 + kk], 0x44);
+        const __m512i a23 = _mm512_shuffle_i32x4(w[kk], w[4 + kk], 0xee);
+        const __m512i b01 = _mm512_shuffle_i32x4(w[8 + kk], w[12 + kk], 0x44);
+        const __m512i b23 = _mm512_shuffle_i32x4(w[8 + kk], w[12 + kk], 0xee);
+        _mm512_store_si512(transposed[ch][kk], _mm512_shuffle_i32x4(a01, b01, 0x88));
+        _mm512_store_si512(transposed[ch][4 + kk], _mm512_shuffle_i32x4(a01, b01, 0xdd));
+        _mm512_store_si512(transposed[ch][8 + kk], _mm512_shuffle_i32x4(a23, b23, 0x88));
+        _mm512_store_si512(transposed[ch][12 + kk], _mm512_shuffle_i32x4(a23, b23, 0xdd));
+      }
+    }
+    constexpr int H = G < 4 ? G : 4;  // heads a pass: H · kPlanes accumulators
+    for (int g0 = 0; g0 < G; g0 += H) {
+      __m512i acc[H][kPlanes];
+      for (int g = 0; g < H; ++g) {
+        for (int p = 0; p < kPlanes; ++p) acc[g][p] = _mm512_setzero_si512();
+      }
+      for (int ch = 0; ch < C; ++ch) {
+        for (int j = 0; j < 16; ++j) {
+          const __m512i word = _mm512_load_si512(transposed[ch][j]);
+          const __m512i nibbles[2] = {_mm512_and_si512(word, nibble),
+                                      _mm512_and_si512(_mm512_srli_epi16(word, 4), nibble)};
+          for (int h = 0; h < 2; ++h) {
+            for (int g = 0; g < H; ++g) {
+              for (int p = 0; p < kPlanes; ++p) {
+                const uint8_t* wq = key_digits.data() +
+                                    ((static_cast<size_t>(g0 + g) * kPlanes + p) * C + ch) * 128 +
+                                    64 * h + 4 * j;
+                acc[g][p] = DpbusdBroadcast(acc[g][p], nibbles[h], wq);
+              }
+            }
+          }
+        }
+      }
+      for (int g = 0; g < H; ++g) {
+        __m512i dot = acc[g][0];
+        for (int p = 1; p < kPlanes; ++p)
+          dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), acc[g][p]);
+        const __m512 score = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(dot), _mm512_set1_ps(key_unit[g0 + g]), _mm512_set1_ps(qa[g0 + g]));
+        _mm512_storeu_ps(s + int64_t{g0 + g} * count + x, _mm512_mul_ps(score, vscale));
+      }
+    }
+  };
+  for (int x = 0; x < count;) {
+    const int tok = idx ? idx[x] : x;
+    if (tok >= resid) {
+      const void* r =
+          static_cast<const uint8_t*>(coding.k_resid) + ResidAt(coding, dtype, d, c, tok - resid);
+      for (int g = 0; g < G; ++g)
+        s[int64_t{g} * count + x] = simd::Dot(q + g * d, r, dtype, d) * scale;
+      ++x;
+      continue;
+    }
+    const int gi = groups.Of(tok);
+    if (gi != current && !fold(gi)) return false;
+    if (run_of_group(x, 16)) {
+      sixteen_rows(x);
+      x += 16;
+      continue;
+    }
+    if (run_of_group(x, B)) {
+      __m512i acc[16];
+      for (int r = 0; r < B; ++r) row_dots(x + r, acc + r, B);
+      alignas(64) float sums[16];
+      _mm512_store_ps(
+          sums, _mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(SumEachInt(acc)),
+                                              _mm512_load_ps(lane_unit), _mm512_load_ps(lane_qa)),
+                              vscale));
+      for (int g = 0; g < G; ++g) std::memcpy(s + int64_t{g} * count + x, sums + g * B, B * 4);
+      x += B;
+      continue;
+    }
+    __m512i acc[G];
+    row_dots(x, acc, 1);
+    for (int g = 0; g < G; ++g) {
+      s[int64_t{g} * count + x] =
+          (static_cast<float>(_mm512_reduce_add_epi32(acc[g])) * key_unit[g] + qa[g]) * scale;
+    }
+    ++x;
+  }
+  Normalise(seq, c, G, d, idx, count, s, out);
+
+  // Values, in tiles of 64 tokens: each row's weight for head g and chunk k (its probability
+  // times the row's step there) in fixed point, a tile's scale per head and chunk; each row's
+  // minimum summed apart, in float. A tile's rows are interleaved and split once into
+  // `tile_codes` (L1), then every head's products read them.
+  constexpr int kTile = 64, kQuads = kTile / 4;
+  constexpr int kVecs = G <= 4 ? 4 : 2;  // accumulators: G · kVecs vectors of 16 channels
+  const int value_max = FixedMax(kTile);
+  thread_local std::vector<uint8_t> tile_codes, value_digits, zero_row;
+  thread_local std::vector<float> acc_out, weight, row_step, row_min, minimum, tile_unit;
+  tile_codes.resize(static_cast<size_t>(chunks) * kQuads * 8 * 64);
+  value_digits.resize(static_cast<size_t>(G) * chunks * kPlanes * kTile);
+  zero_row.assign(static_cast<size_t>(kc), 0);
+  acc_out.assign(static_cast<size_t>(G) * d, 0.f);
+  weight.resize(kTile);
+  row_step.resize(static_cast<size_t>(chunks) * kTile);
+  row_min.resize(static_cast<size_t>(chunks) * kTile);
+  minimum.assign(static_cast<size_t>(G) * chunks, 0.f);
+  tile_unit.resize(static_cast<size_t>(G) * chunks);
+  const uint8_t* rows[kTile];
+  uint32_t row_params[kTile * C];
+  for (int x0 = 0; x0 < count; x0 += kTile) {
+    const int n = std::min(count - x0, kTile);
+    for (int t = 0; t < kTile; ++t) {
+      const int x = x0 + t;
+      const int tok = t < n ? (idx ? idx[x] : x) : resid;
+      if (tok >= resid) {  // the residual's rows (added in the dtype below) and the padding
+        rows[t] = zero_row.data();
+        for (int ch = 0; ch < chunks; ++ch) row_params[ch * kTile + t] = 0;
+        continue;
+      }
+      rows[t] = vrow(tok);
+      if (x0 == 0) Prefetch(rows[t], vc);  // later tiles' rows: asked for a tile ahead, below
+      for (int ch = 0; ch < chunks; ++ch)
+        std::memcpy(&row_params[ch * kTile + t], rows[t] + kc + 4 * ch, 4);
+    }
+    for (int j = 0; j < chunks * kTile; j += 16) {  // {step, min} as f16 pairs
+      __m512 step, min;
+      Vec16::Params(reinterpret_cast<const uint8_t*>(row_params + j), &step, &min);
+      _mm512_storeu_ps(row_step.data() + j, step);
+      _mm512_storeu_ps(row_min.data() + j, min);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float* sg = s + int64_t{g} * count + x0;
+      for (int ch = 0; ch < chunks; ++ch) {
+        const float* step = row_step.data() + ch * kTile;
+        const float* rm = row_min.data() + ch * kTile;
+        __m512 m = _mm512_setzero_ps();
+        for (int t = 0; t < kTile; t += 16) {  // (the padding's steps and minimums are 0)
+          const __m512 p = _mm512_maskz_loadu_ps(TailMask(n - t), sg + t);
+          _mm512_storeu_ps(weight.data() + t, _mm512_mul_ps(p, _mm512_loadu_ps(step + t)));
+          m = _mm512_fmadd_ps(p, _mm512_loadu_ps(rm + t), m);
+        }
+        minimum[g * chunks + ch] += _mm512_reduce_add_ps(m);
+        float mul;
+        if (!FixedScale(weight.data(), kTile, value_max, &mul, &tile_unit[g * chunks + ch])) {
+          return false;
+        }
+        for (int t = 0; t < kTile; t += 16) {
+          __m128i digit[kPlanes];
+          Digits(_mm512_cvtps_epi32(
+                     _mm512_mul_ps(_mm512_loadu_ps(weight.data() + t), _mm512_set1_ps(mul))),
+                 digit);
+          for (int p = 0; p < kPlanes; ++p) {
+            uint8_t* at = value_digits.data() +
+                          ((static_cast<size_t>(g) * chunks + ch) * kPlanes + p) * kTile + t;
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(at), digit[p]);
+          }
+        }
+      }
+    }
+    const int quads = (n + 3) / 4;
+    for (int i = 0; i < quads; ++i) {
+      for (int ch = 0; ch < chunks; ++ch) {
+        __m512i r[4];
+        for (int u = 0; u < 4; ++u) r[u] = _mm512_loadu_si512(rows[4 * i + u] + 64 * ch);
+        const __m512i a = _mm512_unpacklo_epi8(r[0], r[1]), b = _mm512_unpackhi_epi8(r[0], r[1]);
+        const __m512i e = _mm512_unpacklo_epi8(r[2], r[3]), f = _mm512_unpackhi_epi8(r[2], r[3]);
+        const __m512i m4[4] = {_mm512_unpacklo_epi16(a, e), _mm512_unpackhi_epi16(a, e),
+                               _mm512_unpacklo_epi16(b, f), _mm512_unpackhi_epi16(b, f)};
+        uint8_t* at = tile_codes.data() + (static_cast<size_t>(ch) * kQuads + i) * 8 * 64;
+        for (int m = 0; m < 4; ++m) {
+          _mm512_storeu_si512(at + 64 * (2 * m), _mm512_and_si512(m4[m], nibble));
+          _mm512_storeu_si512(at + 64 * (2 * m + 1),
+                              _mm512_and_si512(_mm512_srli_epi16(m4[m], 4), nibble));
+        }
+      }
+    }
+    for (int ch = 0; ch < chunks; ++ch) {
+      for (int v0 = 0; v0 < 8; v0 += kVecs) {
+        __m512i acc[G][kVecs];
+        for (int g = 0; g < G; ++g) {
+          for (int u = 0; u < kVecs; ++u) acc[g][u] = _mm512_setzero_si512();
+        }
+        for (int p = 0; p < kPlanes; ++p) {
+          if (p > 0) {
+            for (int g = 0; g < G; ++g) {
+              for (int u = 0; u < kVecs; ++u) acc[g][u] = _mm512_slli_epi32(acc[g][u], 8);
+            }
+          }
+          for (int i = 0; i < quads; ++i) {
+            // The next tile's rows asked for among the products (all at once, they held the
+            // loop that read them waiting for the memory's queue).
+            if (ch == 0 && v0 == 0 && p == 0) {
+              for (int t = 4 * i; t < 4 * i + 4 && x0 + kTile + t < count; ++t) {
+                const int next = idx ? idx[x0 + kTile + t] : x0 + kTile + t;
+                if (next < resid) Prefetch(vrow(next), vc);
+              }
+            }
+            const uint8_t* at = tile_codes.data() + (static_cast<size_t>(ch) * kQuads + i) * 8 * 64;
+            __m512i cv[kVecs];
+            for (int u = 0; u < kVecs; ++u) cv[u] = _mm512_loadu_si512(at + 64 * (v0 + u));
+            for (int g = 0; g < G; ++g) {
+              int32_t w4;
+              std::memcpy(&w4,
+                          value_digits.data() +
+                              ((static_cast<size_t>(g) * chunks + ch) * kPlanes + p) * kTile +
+                              4 * i,
+                          4);
+              const __m512i w = _mm512_set1_epi32(w4);
+              for (int u = 0; u < kVecs; ++u) acc[g][u] = Dpbusd(acc[g][u], cv[u], w);
+            }
+          }
+        }
+        for (int g = 0; g < G; ++g) {
+          const __m512 unit = _mm512_set1_ps(tile_unit[g * chunks + ch]);
+          for (int u = 0; u < kVecs; ++u) {
+            float* o = acc_out.data() + g * d + ch * kInt4Chunk + 16 * (v0 + u);
+            _mm512_storeu_ps(
+                o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g][u]), unit, _mm512_loadu_ps(o)));
+          }
+        }
+      }
+    }
+  }
+  // The outputs put back in channel order, with each chunk's minimums.
+  for (int g = 0; g < G; ++g) {
+    for (int ch = 0; ch < chunks; ++ch) {
+      const float* a = acc_out.data() + g * d + ch * kInt4Chunk;
+      float* o = out + g * d + ch * kInt4Chunk;
+      const float m = minimum[g * chunks + ch];
+      for (int vec = 0; vec < 8; ++vec) {
+        for (int j = 0; j < 16; ++j) o[ValueLaneChannel(vec / 2, vec % 2, j)] = a[16 * vec + j] + m;
+      }
+    }
+  }
+  for (int x = 0; x < count; ++x) {  // the residual's rows, in the dtype
+    const int tok = idx ? idx[x] : x;
+    if (tok < resid) continue;
+    const void* r =
+        static_cast<const uint8_t*>(coding.v_resid) + ResidAt(coding, dtype, d, c, tok - resid);
+    for (int g = 0; g < G; ++g) simd::Axpy(s[int64_t{g} * count + x], r, dtype, out + g * d, d);
+  }
+  return true;
+}
+#endif
+
 template <int G, typename V>
 bool DecodeHeadCodedAnyFormat(const DecodeSequence& seq, int c, int d, DType dtype, float scale,
                               float* s) {
@@ -546,6 +1028,15 @@ bool DecodeHeadCodedAnyFormat(const DecodeSequence& seq, int c, int d, DType dty
     case KvFormat::kInt8:
       return DecodeHeadCodedVec<G, KvFormat::kInt8, V>(seq, c, d, dtype, scale, s);
     case KvFormat::kInt4:
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+      if constexpr (std::is_same_v<V, Vec16>) {
+        if (d == kInt4Chunk && DecodeHeadInt4Vnni<G, 1>(seq, c, d, dtype, scale, s)) return true;
+        if (d == 2 * kInt4Chunk && DecodeHeadInt4Vnni<G, 2>(seq, c, d, dtype, scale, s)) {
+          return true;
+        }
+      }
+#endif
       return DecodeHeadCodedVec<G, KvFormat::kInt4, V>(seq, c, d, dtype, scale, s);
     default:
       return false;

@@ -634,16 +634,19 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Formats, CodedCacheTest,
-    // Heads of 64 (the CPU kernel in AVX-512 vectors where the machine has
-    // them), 96 (AVX2's) and 24 (neither: the scalar loop).
-    ::testing::Combine(::testing::Values(KvFormat::kFP8, KvFormat::kInt8, KvFormat::kInt4),
-                       ::testing::Values(DType::kF32, DType::kBF16), ::testing::Values(64, 96, 24)),
-    [](const auto& info) {
-      return absl::StrCat(KvFormatName(std::get<0>(info.param)), "_",
-                          DTypeName(std::get<1>(info.param)), "_d", std::get<2>(info.param));
-    });
+// Heads of 64 (the CPU kernel in AVX-512 vectors where the machine has them), 96 (AVX2's), 24
+// (neither: the scalar loop), 128 and 256 (int4 in VNNI's integer products, one and two 64-byte
+// chunks a row, where the machine has them).
+INSTANTIATE_TEST_SUITE_P(Formats, CodedCacheTest,
+                         ::testing::Combine(::testing::Values(KvFormat::kFP8, KvFormat::kInt8,
+                                                              KvFormat::kInt4),
+                                            ::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Values(64, 96, 24, 128, 256)),
+                         [](const auto& info) {
+                           return absl::StrCat(KvFormatName(std::get<0>(info.param)), "_",
+                                               DTypeName(std::get<1>(info.param)), "_d",
+                                               std::get<2>(info.param));
+                         });
 
 }  // namespace
 }  // namespace kvwire
