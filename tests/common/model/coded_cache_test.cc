@@ -372,6 +372,44 @@ TEST_P(CodedCacheTest, Fp8HugeValueScalesAttendAsTheReference) {
   EXPECT_TRUE(kernels::AllClose(Attend(**cpu, *cache, q, nullptr, 0), want, kTolerance));
 }
 
+// An int4 value row whose step is infinite: outputs infinite or NaN where the specification's
+// are (the integer products, which need finite weights to scale, leave such a head to the float
+// kernel).
+TEST_P(CodedCacheTest, Int4InfiniteStepsAttendAsTheReference) {
+  if (format() != KvFormat::kInt4) GTEST_SKIP() << "only int4 has value steps";
+  auto reference = kernels::MakeBackend(kernels::BackendKind::kReference);
+  auto cpu = kernels::MakeBackend(kernels::BackendKind::kCpu, 2);
+  ASSERT_TRUE(reference.ok() && cpu.ok());
+  std::mt19937 rng(8);
+  std::vector<uint8_t> keys, values;
+  RandomHeads(rng, &keys, &values);
+  std::unique_ptr<KvCache> cache = CodedCache(keys, values, 290);
+  LayerCache& lc = cache->layer(0);
+  const int64_t vc = static_cast<int64_t>(KvValueRowBytes(format(), dtype(), dim()));
+  const uint16_t inf = 0x7c00;  // f16 +inf, as head 1's rows 40..43 step in their first group
+  for (int t = 40; t < 44; ++t) {
+    std::memcpy(static_cast<uint8_t*>(lc.v) + lc.coding.v_layout.Row(1, t, vc) + (dim() + 1) / 2,
+                &inf, 2);
+  }
+  const std::vector<float> q = RandomRows(kHeads * kGroup, dim(), rng, 0.3f);
+  const std::vector<float> want = Attend(**reference, *cache, q, nullptr, 0);
+  const std::vector<float> got = Attend(**cpu, *cache, q, nullptr, 0);
+  ASSERT_EQ(got.size(), want.size());
+  int non_finite = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isfinite(want[i])) {
+      EXPECT_NEAR(got[i], want[i], kTolerance.atol + kTolerance.rtol * std::fabs(want[i])) << i;
+      continue;
+    }
+    ++non_finite;
+    EXPECT_EQ(std::isnan(got[i]), std::isnan(want[i])) << i << ": " << got[i] << " vs " << want[i];
+    if (std::isinf(want[i])) {
+      EXPECT_EQ(got[i], want[i]) << i;
+    }
+  }
+  EXPECT_GT(non_finite, 0);
+}
+
 // Its bytes: the codes and their parameters, and a residual of at most a group in the dtype.
 TEST_P(CodedCacheTest, TakesAFractionOfThePool) {
   KvCacheShape coded = Shape(format(), dtype()), plain = Shape(KvFormat::kAuto, dtype());
@@ -502,8 +540,13 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
     int d, group;
     DType dtype;
   };
-  const Case cases[] = {
-      {128, 4, DType::kBF16}, {64, 8, DType::kF32}, {256, 1, DType::kF16}, {128, 2, DType::kF32}};
+  // (Heads of 128 and 256 take int4's integer products where the CPU has VNNI, in groups of 16
+  // rows by 1, 2, 4 or 8 query heads.)
+  const Case cases[] = {{128, 4, DType::kBF16},
+                        {64, 8, DType::kF32},
+                        {256, 1, DType::kF16},
+                        {128, 2, DType::kF32},
+                        {128, 8, DType::kBF16}};
   struct Seq {
     KvFormat format;
     int kept, appended;
