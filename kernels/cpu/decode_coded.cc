@@ -128,6 +128,54 @@ void Normalise(const DecodeSequence& seq, int c, int group, int d, const int32_t
   }
 }
 
+// Head c's rows of `bytes` each: in one region (a host cache) by arithmetic, not a call per row.
+class HeadRows {
+ public:
+  HeadRows(const uint8_t* base, const KvLayout& layout, int c, int bytes)
+      : base_(base),
+        layout_(layout),
+        c_(c),
+        bytes_(bytes),
+        region_(layout.pages == nullptr),
+        head_(base + (region_ ? layout.Row(c, 0, bytes) : 0)) {}
+  const uint8_t* operator()(int t) const {
+    return region_ ? head_ + int64_t{t} * bytes_ : base_ + layout_.Row(c_, t, bytes_);
+  }
+
+ private:
+  const uint8_t* base_;
+  const KvLayout& layout_;
+  int c_, bytes_;
+  bool region_;
+  const uint8_t* head_;
+};
+
+// Row x (token tok, in the residual) scored by the group's query heads; the residual is in the
+// cache dtype.
+void ResidualScores(const DecodeSequence& seq, int c, int group, int d, DType dtype, float scale,
+                    int x, int tok, int count, float* s) {
+  const KvCoding& coding = seq.coding;
+  const float* q = seq.q + int64_t{c} * group * d;
+  const void* r = static_cast<const uint8_t*>(coding.k_resid) +
+                  ResidAt(coding, dtype, d, c, tok - coding.ResidBegin(seq.len));
+  for (int g = 0; g < group; ++g)
+    s[int64_t{g} * count + x] = simd::Dot(q + g * d, r, dtype, d) * scale;
+}
+
+// The residual's rows added to the group's outputs, weighed by their probabilities in s.
+void AddResidualValues(const DecodeSequence& seq, int c, int group, int d, DType dtype,
+                       const int32_t* idx, int count, const float* s, float* out) {
+  const KvCoding& coding = seq.coding;
+  const int resid = coding.ResidBegin(seq.len);
+  for (int x = 0; x < count; ++x) {
+    const int tok = idx ? idx[x] : x;
+    if (tok < resid) continue;
+    const void* r =
+        static_cast<const uint8_t*>(coding.v_resid) + ResidAt(coding, dtype, d, c, tok - resid);
+    for (int g = 0; g < group; ++g) simd::Axpy(s[int64_t{g} * count + x], r, dtype, out + g * d, d);
+  }
+}
+
 #if KVWIRE_AVX2 && defined(__F16C__)
 // The hardware prefetcher alone does not run far enough ahead of a stream of short rows with
 // work between (as in the dtype kernel): each pass asks for the row kAhead tokens on.
@@ -325,16 +373,7 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
   qb.resize(static_cast<size_t>(G) * d);
   float qa[G] = {};
   int current = -1;
-  // A row's address: in one region (a host cache) by arithmetic here, not a call per row.
-  const bool k_region = seq.layout.pages == nullptr, v_region = coding.v_layout.pages == nullptr;
-  const uint8_t* k_head = k + (k_region ? seq.layout.Row(c, 0, kc) : 0);
-  const uint8_t* v_head = v + (v_region ? coding.v_layout.Row(c, 0, vc) : 0);
-  auto krow = [&](int t) {
-    return k_region ? k_head + int64_t{t} * kc : k + seq.layout.Row(c, t, kc);
-  };
-  auto vrow = [&](int t) {
-    return v_region ? v_head + int64_t{t} * vc : v + coding.v_layout.Row(c, t, vc);
-  };
+  const HeadRows krow(k, seq.layout, c, kc), vrow(v, coding.v_layout, c, vc);
   // Rows in blocks of B = N / G, whose G · B dot products (lane g · B + r: row r, head g) are
   // summed in one SumEach, rather than a horizontal sum each: for a head of 64 channels the sums
   // were as many operations as the multiply-adds. A block is rows of the current key group, all
@@ -405,10 +444,7 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
     }
     const int tok = idx ? idx[x] : x;
     if (tok >= resid) {
-      const void* r =
-          static_cast<const uint8_t*>(coding.k_resid) + ResidAt(coding, dtype, d, c, tok - resid);
-      for (int g = 0; g < G; ++g)
-        s[int64_t{g} * count + x] = simd::Dot(q + g * d, r, dtype, d) * scale;
+      ResidualScores(seq, c, G, d, dtype, scale, x, tok, count, s);
       ++x;
       continue;
     }
@@ -528,14 +564,7 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
       for (int i = cg * kInt4ValueGroup; i < end; ++i) out[g * d + i] += m;
     }
   }
-  // The residual's rows, in the dtype.
-  for (int x = 0; x < count; ++x) {
-    const int tok = idx ? idx[x] : x;
-    if (tok < resid) continue;
-    const void* r =
-        static_cast<const uint8_t*>(coding.v_resid) + ResidAt(coding, dtype, d, c, tok - resid);
-    for (int g = 0; g < G; ++g) simd::Axpy(s[int64_t{g} * count + x], r, dtype, out + g * d, d);
-  }
+  AddResidualValues(seq, c, G, d, dtype, idx, count, s, out);
   return !V::SawNaN(seen) && !huge_scale;
 }
 
@@ -608,25 +637,6 @@ inline __mmask16 TailMask(int n) {
   return acc;
 }
 
-// As Vec16::SumEach, in int32.
-[[gnu::always_inline]] inline __m512i SumEachInt(const __m512i* a) {
-  __m512i b[8], c[4], e[2];
-  for (int k = 0; k < 8; ++k) {
-    b[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]),
-                            _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]));
-  }
-  for (int k = 0; k < 4; ++k) {
-    c[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * k], b[2 * k + 1]),
-                            _mm512_unpackhi_epi64(b[2 * k], b[2 * k + 1]));
-  }
-  for (int k = 0; k < 2; ++k) {
-    e[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_i32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // A value tile's four rows interleaved a byte each into every 32-bit lane (what vpdpbusd adds
 // together is then one channel of four tokens), then split into nibbles: of chunk k, vector
 // 2m + h holds in lane j channel ValueLaneChannel(m, h, j), 16 channels of four tokens.
@@ -647,15 +657,7 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
   const auto* v = static_cast<const uint8_t*>(seq.v);
   const float* q = seq.q + int64_t{c} * G * d;
   float* out = seq.out + int64_t{c} * G * d;
-  const bool k_region = seq.layout.pages == nullptr, v_region = coding.v_layout.pages == nullptr;
-  const uint8_t* k_head = k + (k_region ? seq.layout.Row(c, 0, kc) : 0);
-  const uint8_t* v_head = v + (v_region ? coding.v_layout.Row(c, 0, vc) : 0);
-  auto krow = [&](int t) {
-    return k_region ? k_head + int64_t{t} * kc : k + seq.layout.Row(c, t, kc);
-  };
-  auto vrow = [&](int t) {
-    return v_region ? v_head + int64_t{t} * vc : v + coding.v_layout.Row(c, t, vc);
-  };
+  const HeadRows krow(k, seq.layout, c, kc), vrow(v, coding.v_layout, c, vc);
   const __m512i nibble = _mm512_set1_epi8(0x0f);
 
   // Keys. A group's q ∘ b per head in fixed point, as bytes laid out as a row's nibbles unpack
@@ -827,10 +829,7 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
   for (int x = 0; x < count;) {
     const int tok = idx ? idx[x] : x;
     if (tok >= resid) {
-      const void* r =
-          static_cast<const uint8_t*>(coding.k_resid) + ResidAt(coding, dtype, d, c, tok - resid);
-      for (int g = 0; g < G; ++g)
-        s[int64_t{g} * count + x] = simd::Dot(q + g * d, r, dtype, d) * scale;
+      ResidualScores(seq, c, G, d, dtype, scale, x, tok, count, s);
       ++x;
       continue;
     }
@@ -844,11 +843,13 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
     if (run_of_group(x, B)) {
       __m512i acc[16];
       for (int r = 0; r < B; ++r) row_dots(x + r, acc + r, B);
+      __m512 sum[16];  // (float's rounding, 2^-24, for the sums across lanes)
+      for (int j = 0; j < 16; ++j) sum[j] = _mm512_cvtepi32_ps(acc[j]);
       alignas(64) float sums[16];
-      _mm512_store_ps(
-          sums, _mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(SumEachInt(acc)),
-                                              _mm512_load_ps(lane_unit), _mm512_load_ps(lane_qa)),
-                              vscale));
+      _mm512_store_ps(sums,
+                      _mm512_mul_ps(_mm512_fmadd_ps(Vec16::SumEach(sum), _mm512_load_ps(lane_unit),
+                                                    _mm512_load_ps(lane_qa)),
+                                    vscale));
       for (int g = 0; g < G; ++g) std::memcpy(s + int64_t{g} * count + x, sums + g * B, B * 4);
       x += B;
       continue;
@@ -1008,13 +1009,7 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
       }
     }
   }
-  for (int x = 0; x < count; ++x) {  // the residual's rows, in the dtype
-    const int tok = idx ? idx[x] : x;
-    if (tok < resid) continue;
-    const void* r =
-        static_cast<const uint8_t*>(coding.v_resid) + ResidAt(coding, dtype, d, c, tok - resid);
-    for (int g = 0; g < G; ++g) simd::Axpy(s[int64_t{g} * count + x], r, dtype, out + g * d, d);
-  }
+  AddResidualValues(seq, c, G, d, dtype, idx, count, s, out);
   return true;
 }
 #endif
