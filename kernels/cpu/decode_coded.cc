@@ -964,13 +964,13 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
             }
           }
           for (int i = 0; i < quads; ++i) {
-            // The next tile's rows asked for among the products (all at once, they held the
-            // loop that read them waiting for the memory's queue).
-            if (ch == 0 && v0 == 0 && p == 0) {
-              for (int t = 4 * i; t < 4 * i + 4 && x0 + kTile + t < count; ++t) {
-                const int next = idx ? idx[x0 + kTile + t] : x0 + kTile + t;
-                if (next < resid) Prefetch(vrow(next), vc);
-              }
+            // The next tile's rows asked for among the products, one row a quad in each of
+            // the first four passes over them: all at once, they held the loop that read them
+            // waiting for the memory's queue.
+            if (const int pass = (v0 / kVecs) * kPlanes + p, t = 4 * i + pass;
+                ch == 0 && pass < 4 && x0 + kTile + t < count) {
+              const int next = idx ? idx[x0 + kTile + t] : x0 + kTile + t;
+              if (next < resid) Prefetch(vrow(next), vc);
             }
             const uint8_t* at = tile_codes.data() + (static_cast<size_t>(ch) * kQuads + i) * 8 * 64;
             __m512i cv[kVecs];
