@@ -575,9 +575,10 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
 // vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds them four at a time into 16
 // int32 lanes, four times a float multiply-add's work in one instruction: the codes are the
 // unsigned bytes as they unpack, and what they meet (a key group's q ∘ b for a query head, a
-// value tile's weights for a head) is made a fixed-point integer of at most kFixedMax to its
-// largest magnitude, split into kPlanes signed bytes, one product each. Error: half a unit of
-// that fixed point per term, under 2^-20 of the largest term (the float kernel's is 2^-24).
+// value tile's weights for a head) is made a fixed-point integer, its largest magnitude
+// FixedMax (about 2^20 for 128 channels, 2^21 for a tile), split into kPlanes signed bytes, one
+// product each. Error: half a unit of that fixed point per term, under 2^-20 of the largest
+// term (the float kernel's is 2^-24).
 constexpr int kPlanes = 3;
 constexpr int kFixedMax = 127 << (8 * (kPlanes - 1));
 constexpr int kInt4Chunk = 128;  // channels of a 64-byte load: the value group's width
