@@ -1026,13 +1026,13 @@ bool DecodeHeadCodedAnyFormat(const DecodeSequence& seq, int c, int d, DType dty
     case KvFormat::kInt4:
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
-      // Dense attention only: over a sparse selection in any order, outputs were found off by
-      // up to 2.6e-5 (CodedCacheTest with other seeds), the cause not yet found.
+      // Dense attention over heads of 128 only. A sweep of the tests' random seeds found the
+      // outputs over sparse selections off by up to 2.6e-5 (the tolerance: 1e-5 + 1e-3
+      // relative), and dense heads of 256 at 0.74 of the tolerance where the float kernel's
+      // are at 0.19 (128: 0.25 and 0.20); the cause is not yet found.
       if constexpr (std::is_same_v<V, Vec16>) {
-        if (seq.indices)
-          return DecodeHeadCodedVec<G, KvFormat::kInt4, V>(seq, c, d, dtype, scale, s);
-        if (d == kInt4Chunk && DecodeHeadInt4Vnni<G, 1>(seq, c, d, dtype, scale, s)) return true;
-        if (d == 2 * kInt4Chunk && DecodeHeadInt4Vnni<G, 2>(seq, c, d, dtype, scale, s)) {
+        if (!seq.indices && d == kInt4Chunk &&
+            DecodeHeadInt4Vnni<G, 1>(seq, c, d, dtype, scale, s)) {
           return true;
         }
       }

@@ -540,7 +540,7 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
     int d, group;
     DType dtype;
   };
-  // (Heads of 128 and 256 take int4's integer products where the CPU has VNNI, in groups of 16
+  // (Dense heads of 128 take int4's integer products where the CPU has VNNI, in groups of 16
   // rows by 1, 2, 4 or 8 query heads.)
   const Case cases[] = {{128, 4, DType::kBF16},
                         {64, 8, DType::kF32},
@@ -678,8 +678,8 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
 }
 
 // Heads of 64 (the CPU kernel in AVX-512 vectors where the machine has them), 96 (AVX2's), 24
-// (neither: the scalar loop), 128 and 256 (int4 in VNNI's integer products, one and two 64-byte
-// chunks a row, where the machine has them).
+// (neither: the scalar loop), 128 (int4's dense attention in VNNI's integer products where the
+// machine has them) and 256.
 INSTANTIATE_TEST_SUITE_P(Formats, CodedCacheTest,
                          ::testing::Combine(::testing::Values(KvFormat::kFP8, KvFormat::kInt8,
                                                               KvFormat::kInt4),
