@@ -575,17 +575,19 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
 // vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds them four at a time into 16
 // int32 lanes, four times a float multiply-add's work in one instruction: the codes are the
 // unsigned bytes as they unpack, and what they meet (a key group's q ∘ b for a query head, a
-// value tile's weights for a head) is made a fixed-point integer, its largest magnitude
-// FixedMax (about 2^20 for 128 channels, 2^21 for a tile), split into kPlanes signed bytes, one
-// product each. Error: half a unit of that fixed point per term, under 2^-20 of the largest
-// term (the float kernel's is 2^-24).
+// value tile's weights for a head) is made a fixed-point integer split into kPlanes signed bytes,
+// one product each. A key's bytes are summed apart in int32 and put together in float, so that
+// q ∘ b takes the whole fixed point (kFixedMax, about 2^23) whatever the head's width: put
+// together in int32, as a value tile's are, it had to stay within 2^31 / (15 · d), and at 2^19
+// for heads of 256 the scores were off by up to twice the tests' tolerance. A tile's weights
+// are at most 2^21 (a lane adds 64 tokens). Error: half a unit of the fixed point per term,
+// under 2^-21 of the largest term (the float kernel's is 2^-24).
 constexpr int kPlanes = 3;
 constexpr int kFixedMax = 127 << (8 * (kPlanes - 1));
 constexpr int kInt4Chunk = 128;  // channels of a 64-byte load: the value group's width
 
-// The largest fixed-point magnitude whose products with n codes (each at most 15) sum within
-// int32.
-inline int FixedMax(int n) { return std::min(kFixedMax, (INT32_MAX - 1) / (15 * n) - 1); }
+// The weight of byte p's sums: 256^(kPlanes - 1 - p).
+constexpr float PlaneWeight(int p) { return p == kPlanes - 1 ? 1.f : 256.f * PlaneWeight(p + 1); }
 
 // Q as kPlanes signed bytes, most significant first: Q = Σ digit[p] · 256^(kPlanes - 1 - p),
 // each digit in [-128, 127] for |Q| ≤ kFixedMax. Packed to bytes by truncation.
@@ -668,7 +670,6 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
   thread_local std::vector<uint8_t> key_digits;
   qb.resize(static_cast<size_t>(G) * d);
   key_digits.resize(static_cast<size_t>(G) * kPlanes * chunks * 128);
-  const int key_max = FixedMax(d);
   float qa[G] = {}, key_unit[G] = {};
   constexpr int B = 16 / G;
   alignas(64) float lane_qa[16], lane_unit[16];
@@ -693,7 +694,7 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
     for (int g = 0; g < G; ++g) {
       qa[g] = _mm512_reduce_add_ps(dot[g]);
       float mul;
-      if (!FixedScale(qb.data() + g * d, d, key_max, &mul, &key_unit[g])) return false;
+      if (!FixedScale(qb.data() + g * d, d, kFixedMax, &mul, &key_unit[g])) return false;
       const __m512 vmul = _mm512_set1_ps(mul);
       for (int block = 0; block < d / 32; ++block) {
         const __m512 x0 = _mm512_loadu_ps(qb.data() + g * d + 32 * block);
@@ -715,8 +716,9 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
     current = gi;
     return true;
   };
-  // Row x's G dot products (in units of their head's key_unit) to acc[0], acc[stride], ....
-  auto row_dots = [&](int x, __m512i* acc, int stride) {
+  // Row x's G dot products (in units of their head's key_unit, a lane's share of each) to
+  // acc[0], acc[stride], ....
+  auto row_dots = [&](int x, __m512* acc, int stride) {
     if (x + kAhead < count) {
       const int next = idx ? idx[x + kAhead] : x + kAhead;
       if (next < resid) Prefetch(krow(next), kc);
@@ -729,12 +731,11 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
       hi[ch] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
     }
     // The heads' products interleaved: each head's is a chain of dependent instructions.
-    __m512i a[G];
-    for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_si512();
+    __m512 sum[G];
+    for (int g = 0; g < G; ++g) sum[g] = _mm512_setzero_ps();
     for (int p = 0; p < kPlanes; ++p) {
-      if (p > 0) {
-        for (int g = 0; g < G; ++g) a[g] = _mm512_slli_epi32(a[g], 8);
-      }
+      __m512i a[G];
+      for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_si512();
       for (int ch = 0; ch < C; ++ch) {
         for (int h = 0; h < 2; ++h) {
           for (int g = 0; g < G; ++g) {
@@ -744,8 +745,11 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
           }
         }
       }
+      for (int g = 0; g < G; ++g) {
+        sum[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[g]), _mm512_set1_ps(PlaneWeight(p)), sum[g]);
+      }
     }
-    for (int g = 0; g < G; ++g) acc[g * stride] = a[g];
+    for (int g = 0; g < G; ++g) acc[g * stride] = sum[g];
   };
   const __m512 vscale = _mm512_set1_ps(scale);
   // Whether rows [x, x + n) are all coded rows of the current key group.
@@ -818,11 +822,11 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
         }
       }
       for (int g = 0; g < H; ++g) {
-        __m512i dot = acc[g][0];
+        __m512 dot = _mm512_cvtepi32_ps(acc[g][0]);
         for (int p = 1; p < kPlanes; ++p)
-          dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), acc[g][p]);
-        const __m512 score = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(dot), _mm512_set1_ps(key_unit[g0 + g]), _mm512_set1_ps(qa[g0 + g]));
+          dot = _mm512_fmadd_ps(dot, _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(acc[g][p]));
+        const __m512 score =
+            _mm512_fmadd_ps(dot, _mm512_set1_ps(key_unit[g0 + g]), _mm512_set1_ps(qa[g0 + g]));
         _mm512_storeu_ps(s + int64_t{g0 + g} * count + x, _mm512_mul_ps(score, vscale));
       }
     }
@@ -842,10 +846,8 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
       continue;
     }
     if (run_of_group(x, B)) {
-      __m512i acc[16];
-      for (int r = 0; r < B; ++r) row_dots(x + r, acc + r, B);
-      __m512 sum[16];  // (float's rounding, 2^-24, for the sums across lanes)
-      for (int j = 0; j < 16; ++j) sum[j] = _mm512_cvtepi32_ps(acc[j]);
+      __m512 sum[16];
+      for (int r = 0; r < B; ++r) row_dots(x + r, sum + r, B);
       alignas(64) float sums[16];
       _mm512_store_ps(sums,
                       _mm512_mul_ps(_mm512_fmadd_ps(Vec16::SumEach(sum), _mm512_load_ps(lane_unit),
@@ -855,11 +857,10 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
       x += B;
       continue;
     }
-    __m512i acc[G];
+    __m512 acc[G];
     row_dots(x, acc, 1);
     for (int g = 0; g < G; ++g) {
-      s[int64_t{g} * count + x] =
-          (static_cast<float>(_mm512_reduce_add_epi32(acc[g])) * key_unit[g] + qa[g]) * scale;
+      s[int64_t{g} * count + x] = (_mm512_reduce_add_ps(acc[g]) * key_unit[g] + qa[g]) * scale;
     }
     ++x;
   }
@@ -871,7 +872,8 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
   // `tile_codes` (L1), then every head's products read them.
   constexpr int kTile = 64, kQuads = kTile / 4;
   constexpr int kVecs = G <= 4 ? 4 : 2;  // accumulators: G · kVecs vectors of 16 channels
-  const int value_max = FixedMax(kTile);
+  // The bytes' sums put together in int32 by shifts (a lane sums kTile tokens' products).
+  constexpr int value_max = std::min(kFixedMax, (INT32_MAX - 1) / (15 * kTile) - 1);
   thread_local std::vector<uint8_t> tile_codes, value_digits, zero_row;
   thread_local std::vector<float> acc_out, weight, row_step, row_min, minimum, tile_unit;
   tile_codes.resize(static_cast<size_t>(chunks) * kQuads * 8 * 64);
@@ -1026,13 +1028,10 @@ bool DecodeHeadCodedAnyFormat(const DecodeSequence& seq, int c, int d, DType dty
     case KvFormat::kInt4:
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
-      // Dense attention over heads of 128 only. A sweep of the tests' random seeds found the
-      // outputs over sparse selections off by up to 2.6e-5 (the tolerance: 1e-5 + 1e-3
-      // relative), and dense heads of 256 at 0.74 of the tolerance where the float kernel's
-      // are at 0.19 (128: 0.25 and 0.20); the cause is not yet found.
+      // Heads of 128 and 256 channels, dense and sparse; the others in float.
       if constexpr (std::is_same_v<V, Vec16>) {
-        if (!seq.indices && d == kInt4Chunk &&
-            DecodeHeadInt4Vnni<G, 1>(seq, c, d, dtype, scale, s)) {
+        if (d == kInt4Chunk && DecodeHeadInt4Vnni<G, 1>(seq, c, d, dtype, scale, s)) return true;
+        if (d == 2 * kInt4Chunk && DecodeHeadInt4Vnni<G, 2>(seq, c, d, dtype, scale, s)) {
           return true;
         }
       }
