@@ -650,8 +650,8 @@ template <int G, int C>
 bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, float scale,
                         float* s) {
   const KvCoding& coding = seq.coding;
-  const int count = seq.indices ? seq.num_indices : seq.len;
-  const int32_t* idx = seq.indices ? seq.indices + int64_t{c} * seq.num_indices : nullptr;
+  if (seq.indices) return false;  // dense only (see DecodeHeadCodedAnyFormat)
+  const int count = seq.len;
   const int resid = coding.ResidBegin(seq.len);
   const KvGroups groups{coding.kept};
   constexpr int chunks = C;
@@ -720,22 +720,24 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
   // acc[0], acc[stride], ....
   auto row_dots = [&](int x, __m512* acc, int stride) {
     if (x + kAhead < count) {
-      const int next = idx ? idx[x + kAhead] : x + kAhead;
-      if (next < resid) Prefetch(krow(next), kc);
+      if (x + kAhead < resid) Prefetch(krow(x + kAhead), kc);
     }
-    const uint8_t* codes = krow(idx ? idx[x] : x);
+    const uint8_t* codes = krow(x);
     __m512i lo[C], hi[C];
     for (int ch = 0; ch < C; ++ch) {
       const __m512i packed = _mm512_loadu_si512(codes + 64 * ch);
       lo[ch] = _mm512_and_si512(packed, nibble);
       hi[ch] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
     }
-    // The heads' products interleaved: each head's is a chain of dependent instructions.
-    __m512 sum[G];
-    for (int g = 0; g < G; ++g) sum[g] = _mm512_setzero_ps();
+    // The heads' products interleaved: each head's is a chain of dependent instructions. A
+    // lane adds 8 · C channels' products, so here the bytes are put together in int32 by shifts.
+    static_assert(int64_t{8} * C * 15 * (kFixedMax + (1 << 16)) <= INT32_MAX);  // (digits round)
+    __m512i a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_si512();
     for (int p = 0; p < kPlanes; ++p) {
-      __m512i a[G];
-      for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_si512();
+      if (p > 0) {
+        for (int g = 0; g < G; ++g) a[g] = _mm512_slli_epi32(a[g], 8);
+      }
       for (int ch = 0; ch < C; ++ch) {
         for (int h = 0; h < 2; ++h) {
           for (int g = 0; g < G; ++g) {
@@ -745,21 +747,13 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
           }
         }
       }
-      for (int g = 0; g < G; ++g) {
-        sum[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[g]), _mm512_set1_ps(PlaneWeight(p)), sum[g]);
-      }
     }
-    for (int g = 0; g < G; ++g) acc[g * stride] = sum[g];
+    for (int g = 0; g < G; ++g) acc[g * stride] = _mm512_cvtepi32_ps(a[g]);
   };
   const __m512 vscale = _mm512_set1_ps(scale);
   // Whether rows [x, x + n) are all coded rows of the current key group.
   auto run_of_group = [&](int x, int n) {
-    if (x + n > count) return false;
-    if (!idx) return x + n <= resid && groups.Of(x) == current && groups.Of(x + n - 1) == current;
-    for (int r = 0; r < n; ++r) {
-      if (idx[x + r] >= resid || groups.Of(idx[x + r]) != current) return false;
-    }
-    return true;
+    return x + n <= resid && groups.Of(x) == current && groups.Of(x + n - 1) == current;
   };
   // Rows x .. x + 15 at once, transposed so that lane r holds row r's 32-bit words one word
   // position at a time: a product then serves 16 rows, its query bytes broadcast, and each
@@ -769,14 +763,12 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
   auto sixteen_rows = [&](int x) {
     for (int r = 0; r < 16; ++r) {
       if (x + r + 2 * kAhead < count) {
-        const int next = idx ? idx[x + r + 2 * kAhead] : x + r + 2 * kAhead;
-        if (next < resid) Prefetch(krow(next), kc);
+        if (x + r + 2 * kAhead < resid) Prefetch(krow(x + r + 2 * kAhead), kc);
       }
     }
     for (int ch = 0; ch < C; ++ch) {
       __m512i w[16], t[16];
-      for (int r = 0; r < 16; ++r)
-        w[r] = _mm512_loadu_si512(krow(idx ? idx[x + r] : x + r) + 64 * ch);
+      for (int r = 0; r < 16; ++r) w[r] = _mm512_loadu_si512(krow(x + r) + 64 * ch);
       for (int r = 0; r < 16; r += 2) {
         t[r] = _mm512_unpacklo_epi32(w[r], w[r + 1]);
         t[r + 1] = _mm512_unpackhi_epi32(w[r], w[r + 1]);
@@ -832,13 +824,12 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
     }
   };
   for (int x = 0; x < count;) {
-    const int tok = idx ? idx[x] : x;
-    if (tok >= resid) {
-      ResidualScores(seq, c, G, d, dtype, scale, x, tok, count, s);
+    if (x >= resid) {
+      ResidualScores(seq, c, G, d, dtype, scale, x, x, count, s);
       ++x;
       continue;
     }
-    const int gi = groups.Of(tok);
+    const int gi = groups.Of(x);
     if (gi != current && !fold(gi)) return false;
     if (run_of_group(x, 16)) {
       sixteen_rows(x);
@@ -864,7 +855,7 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
     }
     ++x;
   }
-  Normalise(seq, c, G, d, idx, count, s, out);
+  Normalise(seq, c, G, d, nullptr, count, s, out);
 
   // Values, in tiles of 64 tokens: each row's weight for head g and chunk k (its probability
   // times the row's step there) in fixed point, a tile's scale per head and chunk; each row's
@@ -891,13 +882,12 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
     const int n = std::min(count - x0, kTile);
     for (int t = 0; t < kTile; ++t) {
       const int x = x0 + t;
-      const int tok = t < n ? (idx ? idx[x] : x) : resid;
-      if (tok >= resid) {  // the residual's rows (added in the dtype below) and the padding
+      if (t >= n || x >= resid) {  // the residual's rows (added in the dtype below), the padding
         rows[t] = zero_row.data();
         for (int ch = 0; ch < chunks; ++ch) row_params[ch * kTile + t] = 0;
         continue;
       }
-      rows[t] = vrow(tok);
+      rows[t] = vrow(x);
       if (x0 == 0) Prefetch(rows[t], vc);  // later tiles' rows: asked for a tile ahead, below
       for (int ch = 0; ch < chunks; ++ch)
         std::memcpy(&row_params[ch * kTile + t], rows[t] + kc + 4 * ch, 4);
@@ -972,8 +962,7 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
             // waiting for the memory's queue.
             if (const int pass = (v0 / kVecs) * kPlanes + p, t = 4 * i + pass;
                 ch == 0 && pass < 4 && x0 + kTile + t < count) {
-              const int next = idx ? idx[x0 + kTile + t] : x0 + kTile + t;
-              if (next < resid) Prefetch(vrow(next), vc);
+              if (x0 + kTile + t < resid) Prefetch(vrow(x0 + kTile + t), vc);
             }
             const uint8_t* at = tile_codes.data() + (static_cast<size_t>(ch) * kQuads + i) * 8 * 64;
             __m512i cv[kVecs];
@@ -1012,7 +1001,7 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
       }
     }
   }
-  AddResidualValues(seq, c, G, d, dtype, idx, count, s, out);
+  AddResidualValues(seq, c, G, d, dtype, nullptr, count, s, out);
   return true;
 }
 #endif
@@ -1028,11 +1017,15 @@ bool DecodeHeadCodedAnyFormat(const DecodeSequence& seq, int c, int d, DType dty
     case KvFormat::kInt4:
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
-      // Heads of 128 and 256 channels, dense and sparse; the others in float.
+      // Dense attention over heads of 128 and 256 channels. A sparse selection touches a few
+      // rows of many key groups, and each group's query in fixed point costs more than the
+      // float kernel's fold: RocketKV's stage 2 over int4 measured 1.6x slower in integers.
       if constexpr (std::is_same_v<V, Vec16>) {
-        if (d == kInt4Chunk && DecodeHeadInt4Vnni<G, 1>(seq, c, d, dtype, scale, s)) return true;
-        if (d == 2 * kInt4Chunk && DecodeHeadInt4Vnni<G, 2>(seq, c, d, dtype, scale, s)) {
-          return true;
+        if (!seq.indices) {
+          if (d == kInt4Chunk && DecodeHeadInt4Vnni<G, 1>(seq, c, d, dtype, scale, s)) return true;
+          if (d == 2 * kInt4Chunk && DecodeHeadInt4Vnni<G, 2>(seq, c, d, dtype, scale, s)) {
+            return true;
+          }
         }
       }
 #endif
