@@ -641,13 +641,10 @@ TEST(CodedDecodeBatch, MixedFormatsEqualTheReference) {
     int d, group;
     DType dtype;
   };
-  // (Dense heads of 128 take int4's integer products where the CPU has VNNI, in groups of 16
-  // rows by 1, 2, 4 or 8 query heads.)
-  const Case cases[] = {{128, 4, DType::kBF16},
-                        {64, 8, DType::kF32},
-                        {256, 1, DType::kF16},
-                        {128, 2, DType::kF32},
-                        {128, 8, DType::kBF16}};
+  // (Dense heads of 128 and 256 take int4's integer products where the CPU has VNNI, in groups
+  // of 16 rows by 1, 2, 4 or 8 query heads.)
+  const Case cases[] = {{128, 4, DType::kBF16}, {64, 8, DType::kF32},   {256, 1, DType::kF16},
+                        {128, 2, DType::kF32},  {128, 8, DType::kBF16}, {256, 8, DType::kBF16}};
   struct Seq {
     KvFormat format;
     int kept, appended;
