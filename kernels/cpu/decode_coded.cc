@@ -578,10 +578,10 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
 // value tile's weights for a head) is made a fixed-point integer split into kPlanes signed bytes,
 // one product each. A key's bytes are summed apart in int32 and put together in float, so that
 // q ∘ b takes the whole fixed point (kFixedMax, about 2^23) whatever the head's width: put
-// together in int32, as a value tile's are, it had to stay within 2^31 / (15 · d), and at 2^19
-// for heads of 256 the scores were off by up to twice the tests' tolerance. A tile's weights
-// are at most 2^21 (a lane adds 64 tokens). Error: half a unit of the fixed point per term,
-// under 2^-21 of the largest term (the float kernel's is 2^-24).
+// together in int32, as a value tile's are, it would stay within 2^31 / (15 · d), too coarse
+// for heads of 256 (docs/algorithms.md §10.7). A tile's weights are at most 2^21 (a lane adds
+// 64 tokens). Error: half a unit of the fixed point per term, under 2^-21 of the largest term
+// (the float kernel's is 2^-24).
 constexpr int kPlanes = 3;
 constexpr int kFixedMax = 127 << (8 * (kPlanes - 1));
 constexpr int kInt4Chunk = 128;  // channels of a 64-byte load: the value group's width
@@ -719,9 +719,7 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
   // Row x's G dot products (in units of their head's key_unit, a lane's share of each) to
   // acc[0], acc[stride], ....
   auto row_dots = [&](int x, __m512* acc, int stride) {
-    if (x + kAhead < count) {
-      if (x + kAhead < resid) Prefetch(krow(x + kAhead), kc);
-    }
+    if (x + kAhead < resid) Prefetch(krow(x + kAhead), kc);
     const uint8_t* codes = krow(x);
     __m512i lo[C], hi[C];
     for (int ch = 0; ch < C; ++ch) {
@@ -762,9 +760,7 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
   alignas(64) uint8_t transposed[C][16][64];
   auto sixteen_rows = [&](int x) {
     for (int r = 0; r < 16; ++r) {
-      if (x + r + 2 * kAhead < count) {
-        if (x + r + 2 * kAhead < resid) Prefetch(krow(x + r + 2 * kAhead), kc);
-      }
+      if (x + r + 2 * kAhead < resid) Prefetch(krow(x + r + 2 * kAhead), kc);
     }
     for (int ch = 0; ch < C; ++ch) {
       __m512i w[16], t[16];
@@ -961,8 +957,8 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
             // the first four passes over them: all at once, they held the loop that read them
             // waiting for the memory's queue.
             if (const int pass = (v0 / kVecs) * kPlanes + p, t = 4 * i + pass;
-                ch == 0 && pass < 4 && x0 + kTile + t < count) {
-              if (x0 + kTile + t < resid) Prefetch(vrow(x0 + kTile + t), vc);
+                ch == 0 && pass < 4 && x0 + kTile + t < resid) {
+              Prefetch(vrow(x0 + kTile + t), vc);
             }
             const uint8_t* at = tile_codes.data() + (static_cast<size_t>(ch) * kQuads + i) * 8 * 64;
             __m512i cv[kVecs];
@@ -1019,7 +1015,7 @@ bool DecodeHeadCodedAnyFormat(const DecodeSequence& seq, int c, int d, DType dty
     defined(__AVX512VNNI__)
       // Dense attention over heads of 128 and 256 channels. A sparse selection touches a few
       // rows of many key groups, and each group's query in fixed point costs more than the
-      // float kernel's fold: RocketKV's stage 2 over int4 measured 1.6x slower in integers.
+      // float kernel's fold: slower in integers (docs/benchmarks.md).
       if constexpr (std::is_same_v<V, Vec16>) {
         if (!seq.indices) {
           if (d == kInt4Chunk && DecodeHeadInt4Vnni<G, 1>(seq, c, d, dtype, scale, s)) return true;
