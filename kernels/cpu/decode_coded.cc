@@ -650,7 +650,9 @@ template <int G, int C>
 bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, float scale,
                         float* s) {
   const KvCoding& coding = seq.coding;
-  if (seq.indices) return false;  // dense only (see DecodeHeadCodedAnyFormat)
+  // Dense only. A sparse selection touches a few rows of many key groups, and each group's query
+  // in fixed point costs more than the float kernel's fold: slower here (docs/benchmarks.md).
+  if (seq.indices) return false;
   const int count = seq.len;
   const int resid = coding.ResidBegin(seq.len);
   const KvGroups groups{coding.kept};
@@ -878,7 +880,7 @@ bool DecodeHeadInt4Vnni(const DecodeSequence& seq, int c, int d, DType dtype, fl
     const int n = std::min(count - x0, kTile);
     for (int t = 0; t < kTile; ++t) {
       const int x = x0 + t;
-      if (t >= n || x >= resid) {  // the residual's rows (added in the dtype below), the padding
+      if (x >= resid) {  // the residual's rows (added in the dtype below) and the padding
         rows[t] = zero_row.data();
         for (int ch = 0; ch < chunks; ++ch) row_params[ch * kTile + t] = 0;
         continue;
@@ -1013,15 +1015,11 @@ bool DecodeHeadCodedAnyFormat(const DecodeSequence& seq, int c, int d, DType dty
     case KvFormat::kInt4:
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
-      // Dense attention over heads of 128 and 256 channels. A sparse selection touches a few
-      // rows of many key groups, and each group's query in fixed point costs more than the
-      // float kernel's fold: slower in integers (docs/benchmarks.md).
+      // Dense attention over heads of 128 and 256 channels (the kernel declines the rest).
       if constexpr (std::is_same_v<V, Vec16>) {
-        if (!seq.indices) {
-          if (d == kInt4Chunk && DecodeHeadInt4Vnni<G, 1>(seq, c, d, dtype, scale, s)) return true;
-          if (d == 2 * kInt4Chunk && DecodeHeadInt4Vnni<G, 2>(seq, c, d, dtype, scale, s)) {
-            return true;
-          }
+        if (d == kInt4Chunk && DecodeHeadInt4Vnni<G, 1>(seq, c, d, dtype, scale, s)) return true;
+        if (d == 2 * kInt4Chunk && DecodeHeadInt4Vnni<G, 2>(seq, c, d, dtype, scale, s)) {
+          return true;
         }
       }
 #endif
