@@ -21,10 +21,10 @@
 // decode engine makes it (a CUDA graph), timed whole, and one timed inside (op by op: the
 // timing waits for the device between the parts), for the attention table. `--kv-formats fp8,int4`
 // adds the dense modes over caches kept in those formats (the wire's codes, dequantised as
-// attention reads them).
+// attention reads them), and `--kv-sparse` the sparse modes over them too.
 //
 // Run: build/bench/decode_bench [--ctx 16384 --kept 2048 --t 1024 --steps 24 --threads 2
-//                                --batch 1 --backend cpu --kv-formats fp8,int4]
+//                                --batch 1 --backend cpu --kv-formats fp8,int4 --kv-sparse]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -136,8 +136,15 @@ int main(int argc, char** argv) {
   f.Define("backend", "cpu", "kernel backend: cpu, reference, cuda or guarded");
   f.Define("kv-formats", "",
            "coded KV formats (fp8, int8, int4) whose full and compressed dense caches to add");
+  f.DefineBool("kv-sparse", "with --kv-formats: the sparse modes over those formats too");
   if (int rc = ParseFlagsOrExit(f, "decode_bench", "decode_bench [flags]", argc, argv); rc >= 0) {
     return rc;
+  }
+  if (f.GetBool("kv-sparse") && f.GetString("kv-formats").empty()) {
+    std::fprintf(
+        stderr,
+        "decode_bench: --kv-sparse adds sparse modes over --kv-formats; give those formats\n");
+    return 2;
   }
   auto ctx_or = f.GetInt("ctx", 16, 1 << 20), kept_or = f.GetInt("kept", 16, 1 << 20),
        t_or = f.GetInt("t", 2, 1 << 20), steps_or = f.GetInt("steps", 1, 10000),
@@ -220,6 +227,11 @@ int main(int argc, char** argv) {
     }
     add(absl::StrCat("full dense ", name), ctx, dense, *format);
     add(absl::StrCat("compressed dense ", name), kept, dense, *format);
+    if (f.GetBool("kv-sparse")) {
+      add(absl::StrCat("hybrid ", name), ctx, hybrid, *format);
+      add(absl::StrCat("rocketkv ", name), two->stage1.budget, two->stage2, *format);
+      add(absl::StrCat("quest ", name), ctx, quest, *format);
+    }
   }
 
   // On a device the caches and their selectors' state are pages of one KV pool in its memory,
@@ -345,12 +357,9 @@ int main(int argc, char** argv) {
     const double med = median(md.ms);
     const int len = md.caches[0]->layer(0).len;
     auto p = ResolveSparseParams(md.attention, md.prompt_kept + generated + 2, c.head_dim);
-    // A coded cache is read whole by dense attention: its codes, parameters and residual.
-    const double kv =
-        md.format == KvFormat::kAuto
-            ? static_cast<double>(BytesReadPerStep(*p, len, c.head_dim, m.kv_dtype())) *
-                  c.num_kv_heads * c.num_layers * batch
-            : static_cast<double>(md.caches[0]->StoredBytes()) * batch;
+    // Over a coded cache: its codes, the parameters they need and its residual's rows.
+    const double kv = static_cast<double>(BytesReadPerStep(*p, md.caches[0]->layer(0))) *
+                      c.num_kv_heads * c.num_layers * batch;
     kv_of.push_back(kv);
     if (base_ms == 0) {
       base_ms = med;

@@ -425,24 +425,21 @@ absl::Status KvCache::CopyFrom(const KvCache& from) {
   return absl::OkStatus();
 }
 
+int64_t LayerCache::HeadBytes() const {
+  if (!coded()) return int64_t{2} * len * static_cast<int64_t>(row_bytes());
+  const KvGroups groups{coding.kept};
+  const int rows = coding.ResidBegin(len);
+  const int64_t used_groups = rows > 0 ? groups.Of(rows - 1) + 1 : 0;
+  return rows * static_cast<int64_t>(KvKeyCodeBytes(coding.format, dtype, head_dim) +
+                                     KvValueRowBytes(coding.format, dtype, head_dim)) +
+         used_groups * static_cast<int64_t>(KvKeyGroupBytes(coding.format, head_dim) +
+                                            (coding.format == KvFormat::kFP8 ? 1 : 0)) +
+         (len - rows) * 2 * static_cast<int64_t>(row_bytes());
+}
+
 int64_t KvCache::StoredBytes() const {
   int64_t total = 0;
-  for (const LayerCache& l : layers_) {
-    if (!l.coded()) {
-      total += int64_t{2} * l.n_heads * l.len * l.row_bytes();
-      continue;
-    }
-    // Code rows, the groups' parameters and scales so far, and the residual's rows.
-    const KvGroups groups{l.coding.kept};
-    const int coded = l.coding.ResidBegin(l.len);
-    const int64_t used_groups = coded > 0 ? groups.Of(coded - 1) + 1 : 0;
-    total += int64_t{l.n_heads} *
-             (coded * static_cast<int64_t>(KvKeyCodeBytes(l.coding.format, l.dtype, l.head_dim) +
-                                           KvValueRowBytes(l.coding.format, l.dtype, l.head_dim)) +
-              used_groups * static_cast<int64_t>(KvKeyGroupBytes(l.coding.format, l.head_dim) +
-                                                 (l.coding.format == KvFormat::kFP8 ? 1 : 0)) +
-              (l.len - coded) * 2 * static_cast<int64_t>(l.row_bytes()));
-  }
+  for (const LayerCache& l : layers_) total += l.n_heads * l.HeadBytes();
   return total;
 }
 

@@ -70,6 +70,9 @@ struct LayerCache {
   // A region's: elements between heads.
   int64_t head_stride() const { return int64_t{capacity} * head_dim; }
   size_t row_bytes() const { return static_cast<size_t>(head_dim) * DTypeSize(dtype); }
+  // Bytes one head's len tokens take as kept: K and V rows in dtype, or a coded cache's code
+  // rows, its groups' parameters and scales so far, and its residual's rows.
+  int64_t HeadBytes() const;
   // Rows in host memory only (a host cache, or a paged one on a host backend).
   uint8_t* k_row(int head, int t) {
     return k + layout.Row(head, t, head_dim) * static_cast<int64_t>(DTypeSize(dtype));

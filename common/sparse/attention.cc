@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "common/base/kv_format.h"
 #include "common/base/ranking.h"
 #include "common/base/status.h"
 #include "common/compression/compression.h"
@@ -361,6 +362,22 @@ int64_t BytesReadPerStep(const SparseParams& p, int len, int head_dim, DType dty
   const int64_t row = int64_t{head_dim} * es;
   if (p.mode == AttentionMode::kDense || p.top_k >= len) return 2 * row * len;
   return ModeInfo(p.mode).bytes_read(p, len, row, es);
+}
+
+int64_t BytesReadPerStep(const SparseParams& p, const LayerCache& l) {
+  if (!l.coded()) return BytesReadPerStep(p, l.len, l.head_dim, l.dtype);
+  if (p.mode == AttentionMode::kDense || p.top_k >= l.len) return l.HeadBytes();
+  const int64_t row = static_cast<int64_t>(l.row_bytes());
+  const int64_t beside_rows = BytesReadPerStep(p, l.len, l.head_dim, l.dtype) - 2 * row * p.top_k;
+  const KvFormat f = l.coding.format;
+  const int coded = l.coding.ResidBegin(l.len);
+  const int64_t resid = std::min<int64_t>(p.top_k, l.len - coded);
+  const int64_t groups = coded > 0 ? KvGroups{l.coding.kept}.Of(coded - 1) + 1 : 0;
+  return beside_rows + resid * 2 * row +
+         (p.top_k - resid) * static_cast<int64_t>(KvKeyCodeBytes(f, l.dtype, l.head_dim) +
+                                                  KvValueRowBytes(f, l.dtype, l.head_dim)) +
+         std::min(p.top_k - resid, groups) *
+             static_cast<int64_t>(KvKeyGroupBytes(f, l.head_dim) + (f == KvFormat::kFP8 ? 1 : 0));
 }
 
 absl::StatusOr<size_t> DecodeSelectorBytes(const DecodeAttentionConfig& config,

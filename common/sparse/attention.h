@@ -104,6 +104,13 @@ absl::StatusOr<SparseParams> ResolveSparseParams(const DecodeAttentionConfig& co
 // Per-step K/V bytes one layer reads per KV head under these parameters, auxiliary
 // (page summary) reads included, for a cache of `len` tokens in `dtype`.
 int64_t BytesReadPerStep(const SparseParams& p, int len, int head_dim, DType dtype);
+// The same for a layer's cache as it is kept, at its len. Over a coded cache: dense attention
+// reads it whole (LayerCache::HeadBytes); a sparse mode its chosen rows' codes (the residual's
+// rows in dtype), the parameters and fp8 value scale of each key group they fall in, and its
+// reads beside the rows (page summaries, which stay in dtype). Where the rows are not known
+// it bounds from above: the residual's rows all chosen, min(k, groups) groups touched (a top-k
+// of 1024 over 16K tokens falls in every one of its 128 groups).
+int64_t BytesReadPerStep(const SparseParams& p, const LayerCache& layer);
 
 // Bytes of pool memory MakeDecodeSelector will take for this sequence (its page
 // summaries; 0 for dense, exact top-k and any mode that keeps none).

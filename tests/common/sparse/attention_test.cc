@@ -866,6 +866,37 @@ TEST(SparseAttention, BytesReadCountSummaries) {
   EXPECT_NEAR(tokens, 256, 256 * 0.15);
 }
 
+// Over a coded cache (head_dim 128, bf16 residual): 1000 prompt tokens coded in 9 key groups
+// (groups of 128 below the last 16 tokens, which are a group of their own), 10 appended
+// tokens in the residual.
+TEST(SparseAttention, BytesReadOverCodedCachesCountCodesGroupsAndResidual) {
+  LayerCache l;
+  l.n_heads = 1;
+  l.head_dim = 128;
+  l.dtype = DType::kBF16;
+  l.len = 1010;
+  l.coding.format = KvFormat::kInt4;
+  l.coding.kept = 1000;
+  // int4: a key row's codes 64 bytes, a value row's 64 and one {step, min} (4); 512 bytes of
+  // parameters a group; a residual row 256 bytes of K and as many of V.
+  const SparseParams dense;
+  EXPECT_EQ(BytesReadPerStep(dense, l), 1000 * (64 + 68) + 9 * 512 + 10 * 2 * 256);
+  EXPECT_EQ(BytesReadPerStep(dense, l), l.HeadBytes());
+  // Hybrid, k = 100: 253 pages of 32 summary dims in bf16, the 10 residual rows, 90 coded rows
+  // and at most 9 groups' parameters.
+  const SparseParams h{AttentionMode::kHybrid, 100, 32, 4};
+  EXPECT_EQ(BytesReadPerStep(h, l), 253 * 32 * 2 + 10 * 2 * 256 + 90 * (64 + 68) + 9 * 512);
+  // Fewer chosen rows than groups: a group each at most.
+  const SparseParams few{AttentionMode::kHybrid, 14, 32, 4};
+  EXPECT_EQ(BytesReadPerStep(few, l), 253 * 32 * 2 + 10 * 2 * 256 + 4 * (64 + 68) + 4 * 512);
+  // fp8: 128-byte rows and a value scale per group beside its parameters.
+  l.coding.format = KvFormat::kFP8;
+  EXPECT_EQ(BytesReadPerStep(dense, l), 1000 * (128 + 128) + 9 * (512 + 1) + 10 * 2 * 256);
+  // The same cache in its dtype reads as BytesReadPerStep over its shape.
+  l.coding.format = KvFormat::kAuto;
+  EXPECT_EQ(BytesReadPerStep(h, l), BytesReadPerStep(h, 1010, 128, DType::kBF16));
+}
+
 TEST(SparseAttention, BadConfigsSayWhy) {
   DecodeAttentionConfig a;
   a.mode = AttentionMode::kHybrid;
