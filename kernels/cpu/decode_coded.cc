@@ -192,16 +192,8 @@ constexpr float kFP8Unit = 0x1p-8f;
 
 // int4's 2N codes from channel i come as the even channels' nibbles, then the odd ones' (each
 // byte's low and high nibble: widening a byte is then one instruction and splitting it two,
-// where channel order took four more): the kernel orders the query's channels so, and puts the
-// outputs' back.
-template <int N>
-void Int4Order(float* x, int d) {
-  float t[2 * N];
-  for (int i = 0; i < d; i += 2 * N) {
-    for (int j = 0; j < N; ++j) t[j] = x[i + 2 * j], t[N + j] = x[i + 2 * j + 1];
-    std::memcpy(x + i, t, sizeof(t));
-  }
-}
+// where channel order took four more): the kernel orders the query's channels so (Int4Order,
+// below), and puts the outputs' back.
 template <int N>
 void ChannelOrder(float* x, int d) {
   float t[2 * N];
@@ -256,6 +248,16 @@ struct Vec8 {
         *seen = _mm_max_epu8(*seen, _mm_or_si128(b, _mm_set1_epi8(-128)));
       }
     }
+  }
+  // The even lanes of a then of b, and the odd ones.
+  static void EvenOdd(T a, T b, T* even, T* odd) {
+    // In each 128-bit lane a's two evens (odds) then b's; then the lanes' halves in order.
+    *even = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))),
+                              _MM_SHUFFLE(3, 1, 2, 0)));
+    *odd = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))),
+                              _MM_SHUFFLE(3, 1, 2, 0)));
   }
   // Eight channels' key parameters (f16 pairs {a, b}, 4 bytes a channel) as a and b.
   static void Params(const uint8_t* p, T* a, T* b) {
@@ -321,6 +323,12 @@ struct Vec16 {
       *seen = _mm256_max_epu8(*seen, _mm256_or_si256(b, _mm256_set1_epi8(-128)));
     }
   }
+  static void EvenOdd(T a, T b, T* even, T* odd) {
+    const __m512i evens =
+        _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    *even = _mm512_permutex2var_ps(a, evens, b);
+    *odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(evens, _mm512_set1_epi32(1)), b);
+  }
   static void Params(const uint8_t* p, T* a, T* b) {
     const __m512i x = _mm512_loadu_si512(p);
     *a = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
@@ -348,6 +356,19 @@ struct Vec16 {
   }
 };
 #endif
+
+// Int4Order: x's channels in the order int4's codes widen, 2N at a time (V::EvenOdd). Once per
+// key group and query head: a sparse selection meets a new group every few rows, where a
+// channel at a time it cost more than the rows.
+template <typename V>
+void Int4Order(float* x, int d) {
+  for (int i = 0; i < d; i += 2 * V::N) {
+    typename V::T even, odd;
+    V::EvenOdd(V::Load(x + i), V::Load(x + i + V::N), &even, &odd);
+    V::Store(x + i, even);
+    V::Store(x + i + V::N, odd);
+  }
+}
 
 // DecodeHeadCoded for G query heads and a head_dim that is a multiple of kBlock, in vectors V:
 // each key row's codes widened once for the G dot products; values in blocks of kBlock channels
@@ -400,7 +421,7 @@ bool DecodeHeadCodedVec(const DecodeSequence& seq, int c, int d, DType dtype, fl
     }
     for (int g = 0; g < G; ++g) qa[g] = V::Sum(dot[g]);
     if constexpr (F == KvFormat::kInt4) {
-      for (int g = 0; g < G; ++g) Int4Order<V::N>(qb.data() + g * d, d);
+      for (int g = 0; g < G; ++g) Int4Order<V>(qb.data() + g * d, d);
     }
     for (int j = 0; j < V::N; ++j) lane_qa[j] = qa[j / B];
     current = gi;
