@@ -368,16 +368,21 @@ int64_t BytesReadPerStep(const SparseParams& p, const LayerCache& l) {
   if (!l.coded()) return BytesReadPerStep(p, l.len, l.head_dim, l.dtype);
   if (p.mode == AttentionMode::kDense || p.top_k >= l.len) return l.HeadBytes();
   const int64_t row = static_cast<int64_t>(l.row_bytes());
-  const int64_t beside_rows = BytesReadPerStep(p, l.len, l.head_dim, l.dtype) - 2 * row * p.top_k;
   const KvFormat f = l.coding.format;
+  const int64_t key_row = static_cast<int64_t>(KvKeyCodeBytes(f, l.dtype, l.head_dim));
+  const int64_t value_row = static_cast<int64_t>(KvValueRowBytes(f, l.dtype, l.head_dim));
+  const int64_t group_bytes =
+      static_cast<int64_t>(KvKeyGroupBytes(f, l.head_dim)) + (f == KvFormat::kFP8 ? 1 : 0);
   const int coded = l.coding.ResidBegin(l.len);
-  const int64_t resid = std::min<int64_t>(p.top_k, l.len - coded);
   const int64_t groups = coded > 0 ? KvGroups{l.coding.kept}.Of(coded - 1) + 1 : 0;
-  return beside_rows + resid * 2 * row +
-         (p.top_k - resid) * static_cast<int64_t>(KvKeyCodeBytes(f, l.dtype, l.head_dim) +
-                                                  KvValueRowBytes(f, l.dtype, l.head_dim)) +
-         std::min(p.top_k - resid, groups) *
-             static_cast<int64_t>(KvKeyGroupBytes(f, l.head_dim) + (f == KvFormat::kFP8 ? 1 : 0));
+  const int64_t resid = std::min<int64_t>(p.top_k, l.len - coded);  // chosen residual rows
+  if (p.mode == AttentionMode::kExactTopK) {  // every key scored, the chosen rows' values read
+    return coded * key_row + groups * group_bytes + (l.len - coded) * row +
+           (p.top_k - resid) * value_row + resid * row;
+  }
+  const int64_t beside_rows = BytesReadPerStep(p, l.len, l.head_dim, l.dtype) - 2 * row * p.top_k;
+  return beside_rows + resid * 2 * row + (p.top_k - resid) * (key_row + value_row) +
+         std::min(p.top_k - resid, groups) * group_bytes;
 }
 
 absl::StatusOr<size_t> DecodeSelectorBytes(const DecodeAttentionConfig& config,

@@ -107,9 +107,9 @@ int64_t BytesReadPerStep(const SparseParams& p, int len, int head_dim, DType dty
 // The same for a layer's cache as it is kept, at its len. Over a coded cache: dense attention
 // reads it whole (LayerCache::HeadBytes); a sparse mode its chosen rows' codes (the residual's
 // rows in dtype), the parameters and fp8 value scale of each key group they fall in, and its
-// reads beside the rows (page summaries, which stay in dtype). Where the rows are not known
-// it bounds from above: the residual's rows all chosen, min(k, groups) groups touched (a top-k
-// of 1024 over 16K tokens falls in every one of its 128 groups).
+// reads beside the rows (page summaries, which stay in dtype; the exact oracle's every key).
+// Where the rows are not known it bounds from above: the residual's rows all chosen, min(k,
+// groups) groups touched (a top-k of 512 over 16K tokens falls in every one of its 128 groups).
 int64_t BytesReadPerStep(const SparseParams& p, const LayerCache& layer);
 
 // Bytes of pool memory MakeDecodeSelector will take for this sequence (its page

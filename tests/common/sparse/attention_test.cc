@@ -889,6 +889,10 @@ TEST(SparseAttention, BytesReadOverCodedCachesCountCodesGroupsAndResidual) {
   // Fewer chosen rows than groups: a group each at most.
   const SparseParams few{AttentionMode::kHybrid, 14, 32, 4};
   EXPECT_EQ(BytesReadPerStep(few, l), 253 * 32 * 2 + 10 * 2 * 256 + 4 * (64 + 68) + 4 * 512);
+  // The exact oracle scores every key (codes, parameters, the residual's keys) and reads the
+  // chosen rows' values.
+  const SparseParams exact{AttentionMode::kExactTopK, 100, 128, 1};
+  EXPECT_EQ(BytesReadPerStep(exact, l), 1000 * 64 + 9 * 512 + 10 * 256 + 90 * 68 + 10 * 256);
   // fp8: 128-byte rows and a value scale per group beside its parameters.
   l.coding.format = KvFormat::kFP8;
   EXPECT_EQ(BytesReadPerStep(dense, l), 1000 * (128 + 128) + 9 * (512 + 1) + 10 * 2 * 256);
