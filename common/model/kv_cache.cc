@@ -427,13 +427,11 @@ absl::Status KvCache::CopyFrom(const KvCache& from) {
 
 int64_t LayerCache::HeadBytes() const {
   if (!coded()) return int64_t{2} * len * static_cast<int64_t>(row_bytes());
-  const KvGroups groups{coding.kept};
+  // The coded rows as the wire's blocks of them (codes, groups' parameters and scales).
   const int rows = coding.ResidBegin(len);
-  const int64_t used_groups = rows > 0 ? groups.Of(rows - 1) + 1 : 0;
-  return rows * static_cast<int64_t>(KvKeyCodeBytes(coding.format, dtype, head_dim) +
-                                     KvValueRowBytes(coding.format, dtype, head_dim)) +
-         used_groups * static_cast<int64_t>(KvKeyGroupBytes(coding.format, head_dim) +
-                                            (coding.format == KvFormat::kFP8 ? 1 : 0)) +
+  return static_cast<int64_t>(
+             KvKeyBlockBytes(coding.format, dtype, head_dim, coding.kept, 0, rows) +
+             KvValueBlockBytes(coding.format, dtype, head_dim, coding.kept, 0, rows)) +
          (len - rows) * 2 * static_cast<int64_t>(row_bytes());
 }
 
