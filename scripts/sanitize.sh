@@ -57,7 +57,9 @@ if ((${#TARGETS[@]} == 0)); then
   echo "sanitize.sh: no test executable matches '$LABELS'" >&2
   exit 2
 fi
+build_start=$SECONDS
 cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"
+echo "sanitize.sh: the $KIND build took $((SECONDS - build_start)) s"
 
 # Reports name functions and lines: gcc's runtime (address) symbolizes by itself; clang's
 # (thread) needs an external symbolizer, and Debian's clang-16 ships none, so binutils'

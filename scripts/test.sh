@@ -6,8 +6,20 @@
 # Tests that need ../shared (models, data) skip with a message when it is absent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install_deps.sh
-bash scripts/build.sh
+
+# Each phase's wall time, printed as it ends and again at the end, so that a CI log says where
+# its minutes went (CI must stay well inside its limit on two cores).
+phase_times=()
+timed() {  # timed NAME COMMAND...
+  local name=$1 start=$SECONDS
+  shift
+  "$@"
+  phase_times+=("$name $((SECONDS - start)) s")
+  echo "test.sh: $name took $((SECONDS - start)) s"
+}
+
+timed install_deps bash scripts/install_deps.sh
+timed build bash scripts/build.sh
 
 # Regenerate the tokenizer oracle cases with the live Hugging Face tokenizers library, so
 # the C++ tokenizer is checked against it, not only against the committed copy.
@@ -17,13 +29,13 @@ if .venv/bin/python -c "import tokenizers" >/dev/null 2>&1; then
     && export KVWIRE_TOKENIZER_CASES="$PWD/build/oracle/cases.jsonl"
 fi
 
-ctest --test-dir build --output-on-failure -j"${KVWIRE_JOBS:-2}" "$@"
+timed ctest ctest --test-dir build --output-on-failure -j"${KVWIRE_JOBS:-2}" "$@"
 
 # The same tests built with sanitizers (docs/robustness.md, "Sanitizers"): every gtest
 # executable under ASan and UBSan, the threaded ones under TSan.
 if [[ "${KVWIRE_SANITIZE:-1}" != 0 ]]; then
-  bash scripts/sanitize.sh address
-  bash scripts/sanitize.sh thread
+  timed asan bash scripts/sanitize.sh address
+  timed tsan bash scripts/sanitize.sh thread
 else
   echo "test.sh: sanitizer runs skipped (KVWIRE_SANITIZE=0)"
 fi
@@ -32,7 +44,8 @@ fi
 # instrumented build in build-fuzz, then each target briefly over its committed corpus.
 fuzz_seconds="${KVWIRE_FUZZ_SECONDS:-15}"
 if ((fuzz_seconds > 0)); then
-  bash scripts/fuzz.sh "$fuzz_seconds"
+  timed fuzz bash scripts/fuzz.sh "$fuzz_seconds"
 else
   echo "test.sh: fuzzing skipped (KVWIRE_FUZZ_SECONDS=0)"
 fi
+echo "test.sh: phases: $(IFS=,; echo "${phase_times[*]}" | sed 's/,/, /g'), $SECONDS s in all"

@@ -29,6 +29,21 @@ std::vector<PasskeyCase> ReadPasskeyCases(const std::vector<std::string>& ids);
 inline const std::vector<std::string> kPasskeyHandful = {
     "dev-512-026", "dev-1024-025", "dev-1536-000", "dev-2000-001", "dev-2000-026"};
 
+// True in the sanitizer builds (scripts/sanitize.sh), which run a forward 10x slower or more: a
+// test that takes one path over many inputs takes it over one input there (its paths are what
+// the sanitizers check).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+#else
+inline constexpr bool kSanitized = false;
+#endif
+
 // The source tree (for committed fixtures).
 std::string SourceDir();
 // A fresh, empty directory under the test's temporary directory.

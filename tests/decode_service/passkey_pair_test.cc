@@ -90,8 +90,13 @@ class PasskeyPairTest : public ::testing::Test {
 };
 
 TEST_F(PasskeyPairTest, SnapKvAt128AnswersStreamingAt32DoesNot) {
-  const auto cases = testing::ReadPasskeyCases(testing::kPasskeyHandful);
-  ASSERT_EQ(cases.size(), testing::kPasskeyHandful.size());
+  // Under ASan the handful took five minutes of CI's two cores; its shortest prompt takes every
+  // path of the pair that the others do.
+  const std::vector<std::string> ids =
+      testing::kSanitized ? std::vector<std::string>{testing::kPasskeyHandful.front()}
+                          : testing::kPasskeyHandful;
+  const auto cases = testing::ReadPasskeyCases(ids);
+  ASSERT_EQ(cases.size(), ids.size());
   const ModelConfig& mc = decode_model_->config();
   // One row of the stream per kept token and KV head: its K and V, and its position coded in
   // at most 2 bytes (gaps below 2^14) behind a byte of coding per head.
