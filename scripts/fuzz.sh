@@ -5,7 +5,8 @@
 #
 #   bash scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]
 #
-# SECONDS_PER_TARGET defaults to $KVWIRE_FUZZ_SECONDS, else 60; TARGETs default to all seven.
+# SECONDS_PER_TARGET defaults to $KVWIRE_FUZZ_SECONDS, else 60; TARGETs default to all eight,
+# run $KVWIRE_JOBS (2) at a time.
 # Prints each target's final libFuzzer line (executions, cov, ft, exec/s). Exits nonzero when
 # a target finds a crash, a sanitizer report, a leak, an input slower than 10 s or one that
 # needs more than 2 GiB; the input libFuzzer kept is named in the output
@@ -60,30 +61,44 @@ CC="$CC_BIN" CXX="$CXX_BIN" cmake -S . -B "$BUILD" -DKVWIRE_FUZZ=ON -DCMAKE_BUIL
   >/dev/null
 cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}"
 
-failed=()
-for t in "${TARGETS[@]}"; do
-  work="$BUILD/corpus-run/$t"
-  artifacts="$BUILD/artifacts/$t"
+# One target a core at a time (each libFuzzer run is one process): the report of each goes to
+# its own file and is printed in the targets' order once all have run.
+run_target() {  # run_target TARGET: its report on stdout; nonzero when it failed
+  local t=$1
+  local work="$BUILD/corpus-run/$t" artifacts="$BUILD/artifacts/$t"
   rm -rf "$work"
   mkdir -p "$work" "$artifacts"
   cp -r "fuzz/corpus/$t/." "$work/"
-  args=(-max_total_time="$SECONDS_PER_TARGET" -rss_limit_mb=2048 -timeout=10
-        -print_final_stats=1 -artifact_prefix="$artifacts/")
-  dict="fuzz/dict/${t%_fuzz}.dict"
+  local args=(-max_total_time="$SECONDS_PER_TARGET" -rss_limit_mb=2048 -timeout=10
+              -print_final_stats=1 -artifact_prefix="$artifacts/")
+  local dict="fuzz/dict/${t%_fuzz}.dict"
   [[ "$t" == tokenizer_load_fuzz ]] && dict=fuzz/dict/tokenizer.dict
   [[ "$t" == *_request_fuzz ]] && dict=fuzz/dict/request.dict
   [[ -f "$dict" ]] && args+=(-dict="$dict")
-  log="$BUILD/artifacts/$t.log"
+  local log="$BUILD/artifacts/$t.log"
   echo "== $t: ${SECONDS_PER_TARGET}s over $(ls "$work" | wc -l) seeds"
-  rc=0
+  local rc=0
   "$BUILD/fuzz/$t" "${args[@]}" "$work" >"$log" 2>&1 || rc=$?
   if ((rc == 0)); then
     grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -1 | sed "s/^/$t: /"
   else
     tail -n 80 "$log"
     echo "$t: FAILED (exit $rc); the input is named above ('Test unit written to'), log: $log"
-    failed+=("$t")
   fi
+  return "$rc"
+}
+
+mkdir -p "$BUILD/artifacts"
+for t in "${TARGETS[@]}"; do
+  rm -f "$BUILD/artifacts/$t.report" "$BUILD/artifacts/$t.failed"
+  while (($(jobs -rp | wc -l) >= JOBS)); do wait -n || true; done
+  { run_target "$t" >"$BUILD/artifacts/$t.report" 2>&1 || touch "$BUILD/artifacts/$t.failed"; } &
+done
+wait
+failed=()
+for t in "${TARGETS[@]}"; do
+  cat "$BUILD/artifacts/$t.report"
+  [[ -e "$BUILD/artifacts/$t.failed" ]] && failed+=("$t")
 done
 if ((${#failed[@]})); then
   echo "fuzz.sh: ${#failed[@]} target(s) failed: ${failed[*]}" >&2
