@@ -9,13 +9,14 @@ cd "$(dirname "$0")/.."
 
 # Each phase's wall time, printed as it ends and again at the end, so that a CI log says where
 # its minutes went (CI must stay well inside its limit on two cores).
-phase_times=()
+phases=""
 timed() {  # timed NAME COMMAND...
   local name=$1 start=$SECONDS
   shift
   "$@"
-  phase_times+=("$name $((SECONDS - start)) s")
-  echo "test.sh: $name took $((SECONDS - start)) s"
+  local secs=$((SECONDS - start))
+  phases+="${phases:+, }$name $secs s"
+  echo "test.sh: $name took $secs s"
 }
 
 timed install_deps bash scripts/install_deps.sh
@@ -48,4 +49,4 @@ if ((fuzz_seconds > 0)); then
 else
   echo "test.sh: fuzzing skipped (KVWIRE_FUZZ_SECONDS=0)"
 fi
-echo "test.sh: phases: $(IFS=,; echo "${phase_times[*]}" | sed 's/,/, /g'), $SECONDS s in all"
+echo "test.sh: phases: $phases, $SECONDS s in all"
